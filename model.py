@@ -1,0 +1,270 @@
+"""The GPT-2 model: configuration, architecture, parameter and FLOP counts, optimizer, sampling.
+
+This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
+blocks, learned position embeddings, a GELU(tanh) MLP and a language-model head that shares its
+weights with the token embedding. `train.py` builds a `GPT` from a `GPTConfig`, asks it for an
+optimizer, and calls `forward` for the loss; sampling and evaluation call `forward` for the logits.
+"""
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+# GPT-2's tokenizer has 50,257 tokens. The model's vocabulary is padded to 50,304 (a multiple of
+# 64) because matrix multiplies on GPUs run faster on such shapes; the extra rows never win a sample.
+GPT2_VOCAB_SIZE = 50257
+
+# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
+# utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
+PEAK_BF16_FLOPS = {
+    "A100": 312e12,
+    "H100": 989e12,
+    "H200": 989e12,
+}
+
+
+@dataclass(slots=True)
+class GPTConfig:
+    block_size: int = 1024  # longest sequence the model reads (GPT-2: 1024)
+    vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64 for speed
+    n_layer: int = 12  # number of transformer blocks
+    n_head: int = 12  # attention heads per block; must divide n_embd
+    n_embd: int = 768  # width of the residual stream
+    dropout: float = 0.0  # dropout probability; 0 for pretraining, try 0.1 when fine-tuning
+    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        assert config.n_embd % config.n_head == 0
+        self.n_head = config.n_head
+        self.dropout = config.dropout
+        # One matrix computes queries, keys and values for all heads at once.
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, kv_cache=None):
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if kv_cache is not None:
+            # Generation feeds one new token at a time: attend to the cached past plus the new keys.
+            k, v = kv_cache.append(k, v)
+        # With a cache and a single new token there is nothing in the future to mask.
+        causal = kv_cache is None or T > 1
+        if kv_cache is not None and T > 1 and k.size(2) != T:
+            # Several new tokens after a cached prefix: each may see the whole prefix and its past.
+            past = k.size(2) - T
+            mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            # PyTorch picks flash attention on GPUs for this call; it never builds the T x T matrix.
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
+            )
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        # GPT-2 used the tanh approximation of GELU; keeping it makes imported weights exact.
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj.residual_projection = True
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, kv_cache=None):
+        # Pre-LayerNorm: normalise the input of each sub-layer, keep the residual stream untouched.
+        x = x + self.attn(self.ln_1(x), kv_cache)
+        return x + self.mlp(self.ln_2(x))
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one pair per layer, so each new token costs O(T)."""
+
+    def __init__(self, n_layer):
+        self.layers = [None] * n_layer
+        self.layer = 0  # which layer the next `append` belongs to
+
+    def append(self, k, v):
+        past = self.layers[self.layer]
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        self.layers[self.layer] = (k, v)
+        self.layer = (self.layer + 1) % len(self.layers)
+        return k, v
+
+    @property
+    def length(self):
+        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
+
+    def reorder(self, index):
+        """Keep the rows `index` (beam search reorders its beams after every step)."""
+        self.layers = [(k[index], v[index]) for k, v in self.layers]
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(config.vocab_size, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+                ln_f=nn.LayerNorm(config.n_embd, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
+        self.transformer.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            std = 0.02
+            if getattr(module, "residual_projection", False):
+                # GPT-2 paper, section 2.3: scale the layers that add into the residual stream by
+                # 1/sqrt(N), N = number of such additions (two per block), so its variance stays ~1.
+                std *= (2 * self.config.n_layer) ** -0.5
+            torch.nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx, targets=None, kv_cache=None):
+        """Logits for every position, and the mean cross-entropy where `targets` is not -1."""
+        B, T = idx.size()
+        start = 0 if kv_cache is None else kv_cache.length
+        assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size"
+        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x, kv_cache)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(
+                logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
+            )
+        return logits, loss
+
+    def num_params(self, non_embedding=False):
+        """Parameter count. Non-embedding (Kaplan et al. 2020) leaves out token and position
+        embeddings; it is the N in scaling laws, Chinchilla's 20 tokens per parameter and the ladder."""
+        n = sum(p.numel() for p in self.parameters())  # the tied lm_head is counted once
+        if non_embedding:
+            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
+        return n
+
+    def flops_per_token(self):
+        """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
+
+        6N counts the forward (2N) and backward (4N) matrix multiplies, with N the non-embedding
+        parameters plus the output layer (the embedding lookup is free, the lm_head matmul is not).
+        12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
+        c = self.config
+        n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
+        return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+
+    def estimate_mfu(self, tokens_per_sec, peak_flops):
+        """Model FLOPs utilisation: achieved training FLOP/s as a fraction of the hardware peak."""
+        return self.flops_per_token() * tokens_per_sec / peak_flops
+
+    def configure_optimizers(self, weight_decay, lr, betas, eps, device_type):
+        # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains:
+        # shrinking those towards zero only hurts (as in GPT-3 and nanoGPT).
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        extra = {"fused": True} if fused else {}
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **extra)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_token=None,
+                 generator=None):
+        """Sample `max_new_tokens` tokens after `idx` (B, T) with a KV cache; returns (B, T + new).
+
+        temperature scales the logits (lower is more conservative, 0 is greedy); top_k keeps only
+        the k most likely tokens, top_p the smallest set of tokens whose probability reaches p
+        (Holtzman et al. 2019). Generation stops early once every row has produced `stop_token`.
+        A `generator` of its own keeps sampling from disturbing the training RNG (exact resume)."""
+        kv_cache = KVCache(self.config.n_layer)
+        finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+        new = idx
+        for _ in range(max_new_tokens):
+            if kv_cache.length + new.size(1) > self.config.block_size:
+                # The context is full: start a fresh cache over the last block_size - 1 tokens.
+                kv_cache = KVCache(self.config.n_layer)
+                new = idx[:, -(self.config.block_size - 1) :]
+            logits, _ = self(new, kv_cache=kv_cache)
+            logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p)
+            if temperature == 0:
+                next_token = logits.argmax(dim=-1, keepdim=True)
+            else:
+                probs = F.softmax(logits / temperature, dim=-1)
+                next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+            idx = torch.cat([idx, next_token], dim=1)
+            new = next_token
+            if stop_token is not None:
+                finished |= next_token.squeeze(1) == stop_token
+                if finished.all():
+                    break
+        return idx
+
+
+def peak_flops_for_device(device, override=0.0):
+    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not logged."""
+    if override > 0:
+        return override
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+
+
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Mask the logits a sample must never pick: the vocabulary padding, and (optionally) tokens
+    outside the top k, or outside the smallest set whose probability reaches top_p (nucleus)."""
+    logits = logits.clone()
+    logits[..., GPT2_VOCAB_SIZE:] = float("-inf")
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits[logits < kth] = float("-inf")
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop_sorted = cumulative - F.softmax(sorted_logits, dim=-1) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits[drop] = float("-inf")
+    return logits

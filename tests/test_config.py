@@ -1,0 +1,90 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from configurator import ConfigError, config_from_dict, config_to_dict, parse_args
+from conftest import ROOT
+
+
+def write(tmp_path, text):
+    path = tmp_path / "cfg.py"
+    path.write_text(text)
+    return str(path)
+
+
+def test_overrides_are_parsed_to_the_field_type(tmp_path):
+    cfg = parse_args([write(tmp_path, ""), "--model.n_layer=3", "--optim.lr=1e-3", "--data.shuffle=false",
+                      "--train.total_batch_size=2e3", "--eval.sample_prompt=ROMEO:"])
+    assert cfg.model.n_layer == 3 and cfg.optim.lr == 1e-3 and cfg.data.shuffle is False
+    assert cfg.train.total_batch_size == 2000 and cfg.eval.sample_prompt == "ROMEO:"
+
+
+@pytest.mark.parametrize("text,value", [("true", True), ("1", True), ("false", False), ("0", False)])
+def test_bool_accepts_true_false_one_zero(tmp_path, text, value):
+    assert parse_args([write(tmp_path, ""), f"--data.shuffle={text}"]).data.shuffle is value
+
+
+def test_config_file_sets_fields_and_may_compute_them(tmp_path):
+    cfg = parse_args([write(tmp_path, "import math\nmodel.n_layer = 6\ntrain.total_batch_size = 2**10\n"
+                                      "optim.lr = 3  # an int is fine for a float\n")])
+    assert cfg.model.n_layer == 6 and cfg.train.total_batch_size == 1024
+    assert cfg.optim.lr == 3.0 and isinstance(cfg.optim.lr, float)
+
+
+def test_command_line_overrides_win_over_the_file(tmp_path):
+    cfg = parse_args([write(tmp_path, "model.n_layer = 6\n"), "--model.n_layer=2"])
+    assert cfg.model.n_layer == 2
+
+
+def test_default_config_file_is_shakespeare():
+    assert parse_args([]).data.dataset == "shakespeare"
+
+
+def test_unknown_override_names_the_closest_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config key 'model.n_layr'; did you mean model.n_layer\?"):
+        parse_args([write(tmp_path, ""), "--model.n_layr=3"])
+
+
+def test_typo_in_config_file_names_line_and_closest_key(tmp_path):
+    path = write(tmp_path, "model.n_layer = 2\noptim.weight_decy = 0.1\n")
+    with pytest.raises(ConfigError, match=r"cfg.py:2: unknown config key 'optim.weight_decy'; did you mean optim.weight_decay\?"):
+        parse_args([path])
+
+
+def test_nanogpt_style_global_in_config_file_is_rejected(tmp_path):
+    with pytest.raises(ConfigError, match=r"'batch_size' is not a section.*did you mean data.batch_size\?"):
+        parse_args([write(tmp_path, "batch_size = 12\n")])
+
+
+def test_wrong_types_fail_with_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"model.n_layer='many' is not a valid int"):
+        parse_args([write(tmp_path, ""), "--model.n_layer=many"])
+    with pytest.raises(ConfigError, match=r"model.n_layer must be a int, got '4'"):
+        parse_args([write(tmp_path, "model.n_layer = '4'\n")])
+    with pytest.raises(ConfigError, match=r"data.shuffle='maybe' is not a valid bool"):
+        parse_args([write(tmp_path, ""), "--data.shuffle=maybe"])
+
+
+def test_missing_config_file_says_what_to_give():
+    with pytest.raises(ConfigError, match="config file nope.py not found"):
+        parse_args(["nope.py"])
+
+
+def test_config_round_trips_through_json(tmp_path):
+    cfg = parse_args([write(tmp_path, "model.n_layer = 5\n")])
+    assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+
+
+def test_help_lists_every_field_with_default_and_comment():
+    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for key in ["model.n_layer", "data.batch_size", "train.total_batch_size", "optim.lr", "eval.val_steps", "log.interval"]:
+        assert f"--{key}=" in out
+    assert "--model.n_layer=12\n      number of transformer blocks" in out
+
+
+def test_bad_key_on_the_command_line_is_one_line_not_a_traceback():
+    result = subprocess.run([sys.executable, "train.py", "--optim.lrr=1"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode != 0
+    assert result.stderr.strip() == "error: command line: unknown config key 'optim.lrr'; did you mean optim.lr?"

@@ -1,0 +1,102 @@
+import math
+
+import torch
+
+from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, filter_logits
+
+
+def tiny_config(**overrides):
+    return GPTConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, **overrides})
+
+
+def test_model_overfits_a_tiny_batch():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    x = torch.randint(0, 1000, (2, 16))
+    y = torch.randint(0, 1000, (2, 16))
+    optimizer = model.configure_optimizers(0.0, 3e-3, (0.9, 0.95), 1e-8, "cpu")
+    _, first = model(x, y)
+    for _ in range(150):
+        _, loss = model(x, y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    assert first.item() > 10  # ~ln(50304) at initialisation
+    assert loss.item() < 0.1
+
+
+def test_targets_of_minus_one_are_ignored_by_the_loss():
+    torch.manual_seed(0)
+    model = GPT(tiny_config())
+    x = torch.randint(0, 1000, (1, 8))
+    y = torch.randint(0, 1000, (1, 8))
+    _, full = model(x, y)
+    masked = y.clone()
+    masked[0, 4:] = -1
+    _, partial = model(x, masked)
+    logits, _ = model(x)
+    expected = torch.nn.functional.cross_entropy(logits[0, :4], y[0, :4])
+    assert torch.allclose(partial, expected) and not torch.allclose(partial, full)
+
+
+def test_weights_are_tied_and_residual_projections_scaled():
+    torch.manual_seed(0)
+    model = GPT(tiny_config(n_layer=8, n_embd=256, n_head=4))
+    assert model.lm_head.weight is model.transformer.wte.weight
+    std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    assert math.isclose(std, 0.02 / math.sqrt(16), rel_tol=0.1)
+    assert math.isclose(model.transformer.h[0].mlp.c_fc.weight.std().item(), 0.02, rel_tol=0.1)
+
+
+def test_gpt2_124m_parameter_counts():
+    model = GPT(GPTConfig())  # GPT-2 small with the padded vocabulary
+    assert model.num_params() == 124_475_904
+    assert model.num_params(non_embedding=True) == 124_475_904 - 50304 * 768 - 1024 * 768
+
+
+def test_flops_per_token_is_6n_plus_attention():
+    model = GPT(tiny_config())
+    c = model.config
+    n = model.num_params(non_embedding=True) + c.n_embd * c.vocab_size
+    assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+    assert math.isclose(model.estimate_mfu(1000.0, 1e12), model.flops_per_token() * 1000 / 1e12)
+
+
+def test_weight_decay_only_on_matrices():
+    model = GPT(tiny_config())
+    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 1e-8, "cpu")
+    decayed, plain = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decayed["params"])
+    assert plain["weight_decay"] == 0.0 and all(p.dim() < 2 for p in plain["params"])
+    assert sum(p.numel() for g in optimizer.param_groups for p in g["params"]) == model.num_params()
+
+
+def test_padded_vocabulary_never_wins_a_sample():
+    logits = torch.zeros(3, 50304)
+    logits[:, GPT2_VOCAB_SIZE:] = 100.0  # the padding rows are the most likely by far
+    filtered = filter_logits(logits, top_k=5)
+    assert torch.isinf(filtered[:, GPT2_VOCAB_SIZE:]).all()
+    assert (filtered.argmax(-1) < GPT2_VOCAB_SIZE).all()
+
+
+def test_top_k_and_top_p_keep_the_most_likely_tokens():
+    logits = torch.full((1, 50304), -10.0)
+    logits[0, :4] = torch.tensor([4.0, 3.0, 2.0, 1.0])
+    assert torch.isfinite(filter_logits(logits, top_k=2)).sum() == 2
+    probs = torch.softmax(logits[0, :GPT2_VOCAB_SIZE], -1)
+    kept = torch.isfinite(filter_logits(logits, top_p=0.9))[0]
+    # The smallest prefix of the sorted tokens whose probability reaches 0.9.
+    need = int((probs.sort(descending=True).values.cumsum(0) < 0.9).sum()) + 1
+    assert kept.sum() == need and kept[:need].all()
+
+
+def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
+    torch.manual_seed(0)
+    model = GPT(tiny_config()).eval()
+    idx = torch.randint(0, 1000, (2, 3))
+    cached = model.generate(idx, 10, temperature=0)
+    slow = idx
+    for _ in range(10):
+        logits, _ = model(slow)
+        slow = torch.cat([slow, filter_logits(logits[:, -1]).argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(cached, slow)

@@ -1,0 +1,52 @@
+import math
+
+import pytest
+
+from conftest import TINY, read_metrics, run_train
+
+
+def test_train_py_runs_end_to_end_and_logs_metrics_and_samples(data_root, tmp_path):
+    out = tmp_path / "run"
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=6",
+                               "--eval.interval=3", "--eval.sample_interval=6", "--eval.sample_tokens=8"])
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for key in ["tokens", "train/loss", "train/grad_norm", "optim/lr", "throughput/tokens_per_sec"]:
+        assert all(key in r for r in rows), key
+    assert [r["step"] for r in rows if "val/loss" in r] == [3, 6]
+    assert rows[-1]["tokens"] == 6 * 128
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+    assert rows[-1]["train/loss"] < rows[0]["train/loss"]
+    assert "--- step 6, sample 0" in (out / "samples.txt").read_text()
+    assert "--- step 6, sample 0" in result.stdout
+    assert (out / "config.json").exists()
+
+
+def test_two_gloo_ranks_match_one_rank_with_accumulation(data_root, tmp_path):
+    common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=4", "--eval.interval=2",
+                     "--train.total_batch_size=256"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'one'}"])  # 1 rank x 2 micro-steps of 4 x 32 tokens
+    run_train(common + [f"--train.out_dir={tmp_path / 'two'}"], nproc=2)  # 2 ranks x 1 micro-step
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert len(one) == len(two) == 4
+    for a, b in zip(one, two):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+        assert a.get("val/loss") == pytest.approx(b.get("val/loss"), rel=1e-5)
+    assert one[-1]["train/loss"] != one[0]["train/loss"]
+
+
+def test_batch_that_does_not_divide_fails_with_the_numbers(data_root, tmp_path):
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}",
+                               "--train.total_batch_size=100"], check=False)
+    assert result.returncode != 0
+    assert "train.total_batch_size=100 is not a multiple of" in result.stderr
+    assert "4 x 32 x 1 = 128" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
+    result = run_train(TINY + [f"--data.data_root={tmp_path}", "--data.dataset=fineweb-edu",
+                               f"--train.out_dir={tmp_path / 'out'}"], check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "python data.py fineweb-edu" in result.stderr

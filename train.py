@@ -1,0 +1,204 @@
+"""Train a GPT. This file is the table of contents of the whole trainer: read it top to bottom.
+
+    python train.py                                      # Shakespeare on a laptop CPU (config/shakespeare.py)
+    python train.py config/gpt2.py --train.max_steps=100 # any config file, with dotted overrides
+    torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
+
+The story: read the config, set up DDP from torchrun's environment, build data, model and optimizer,
+then loop: learning rate, forward/backward over micro-steps, clip, step, and at their intervals
+validation, samples and logs. Each feature lives in a small module and is called from one line here.
+"""
+
+import json
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import metrics
+from configurator import ConfigError, config_to_dict, parse_args
+from data import DataError, TokenLoader, ensure_dataset
+from model import GPT, peak_flops_for_device
+from sample import generate_text
+
+
+def setup_distributed(device_choice):
+    """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo."""
+    want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
+    if "RANK" not in os.environ:  # a plain `python train.py`
+        device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
+        return 0, 1, device
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    device = f"cuda:{local_rank}" if want_cuda else "cpu"
+    if want_cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend="nccl" if want_cuda else "gloo", device_id=torch.device(device) if want_cuda else None)
+    return rank, dist.get_world_size(), device
+
+
+def get_lr(step, cfg):
+    """Linear warmup to optim.lr, then cosine decay to optim.min_lr at train.max_steps (GPT-3, app. B)."""
+    o = cfg.optim
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.train.max_steps - o.warmup_steps))
+    return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
+
+
+@torch.no_grad()
+def validation_loss(model, loader, steps, autocast):
+    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device).
+    The loop asks for val_steps x grad_accum_steps micro-batches per rank: val_steps global batches,
+    the same sequences whatever the number of ranks."""
+    model.eval()
+    loader.load_state_dict({"position": 0})
+    total = torch.zeros((), device=loader.device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        with autocast:
+            _, loss = model(x, y)
+        total += loss.float()
+    model.train()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total
+
+
+def main(argv):
+    # ---- configuration and processes
+    cfg = parse_args(argv)
+    rank, world_size, device = setup_distributed(cfg.train.device)
+    is_master = rank == 0  # rank 0 alone prints and writes files
+    device_type = torch.device(device).type
+    use_bf16 = cfg.train.dtype == "bfloat16" or (
+        cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
+    # bf16 autocast: matmuls in bfloat16, weights and optimizer state stay float32 (no loss scaling needed).
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
+
+    # ---- batch arithmetic: total_batch_size tokens per step = micro-batches x ranks x accumulation
+    tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
+    if cfg.train.total_batch_size % tokens_per_micro_step:
+        raise ConfigError(
+            f"train.total_batch_size={cfg.train.total_batch_size} is not a multiple of data.batch_size "
+            f"x model.block_size x world_size = {cfg.data.batch_size} x {cfg.model.block_size} x "
+            f"{world_size} = {tokens_per_micro_step}; change one of them so it divides.")
+    grad_accum_steps = cfg.train.total_batch_size // tokens_per_micro_step
+
+    # ---- data
+    data_dir = os.path.join(cfg.data.data_root, cfg.data.dataset)
+    if is_master:
+        ensure_dataset(data_dir)
+    if world_size > 1:
+        dist.barrier()  # the others wait until rank 0 has prepared the data
+    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size,
+                       rank=rank, world_size=world_size, device=device)
+    train_loader = TokenLoader(data_dir, "train", shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args)
+    val_loader = TokenLoader(data_dir, "val", **loader_args)
+
+    # ---- model and optimizer
+    raw_model = GPT(cfg.model).to(device)
+    model = raw_model
+    if cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda"):
+        model = torch.compile(model)
+    if world_size > 1:
+        model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
+    optimizer = raw_model.configure_optimizers(
+        cfg.optim.weight_decay, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.eps, device_type)
+    peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
+    sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
+
+    out_dir = cfg.train.out_dir
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if is_master:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config_to_dict(cfg), f, indent=2)
+        print(f"model: {raw_model.num_params():,} parameters ({raw_model.num_params(True):,} non-embedding); "
+              f"{world_size} rank(s) on {device}, {grad_accum_steps} micro-step(s) per step, "
+              f"{train_loader.num_sequences:,} training sequences per epoch")
+    recorder = metrics.MetricRecorder(device, world_size)
+
+    # ---- the training loop
+    step = 0  # optimizer steps completed
+    window_start, window_step = time.perf_counter(), step
+    while step < cfg.train.max_steps:
+        lr = get_lr(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro_step in range(grad_accum_steps):
+            x, y = train_loader.next_batch()
+            # Gradients are all-reduced across ranks only on the last micro-step; syncing on
+            # every micro-step would send the same amount of data grad_accum_steps times.
+            last_micro_step = micro_step == grad_accum_steps - 1
+            with model.no_sync() if world_size > 1 and not last_micro_step else nullcontext(), autocast:
+                _, loss = model(x, y)
+            # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes
+            # the summed gradients the mean over the whole batch, as if it were one big forward pass.
+            loss = loss / grad_accum_steps
+            loss_sum += loss.detach()
+            loss.backward()
+        if world_size > 1:
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # on device: no host sync
+        # clip_grad_norm_ returns the norm before clipping; an infinite limit measures without clipping.
+        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+
+        recorder.record_metric("train/loss", loss_sum)
+        recorder.record_metric("train/grad_norm", grad_norm)
+        recorder.record_metric("optim/lr", lr)
+        last_step = step == cfg.train.max_steps
+        if cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step):
+            val_loss = validation_loss(model, val_loader, cfg.eval.val_steps * grad_accum_steps, autocast)
+            recorder.record_metric("val/loss", val_loss)
+        if is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step):
+            write_samples(raw_model, cfg, step, device, sample_generator)
+
+        if step % cfg.log.interval == 0 or last_step:
+            elapsed = time.perf_counter() - window_start  # collect() below syncs, so this is honest
+            tokens_per_sec = (step - window_step) * cfg.train.total_batch_size / max(elapsed, 1e-9)
+            recorder.record_metric("throughput/tokens_per_sec", tokens_per_sec, reduce="max")
+            if peak_flops:
+                recorder.record_metric("throughput/mfu", raw_model.estimate_mfu(tokens_per_sec / world_size, peak_flops))
+            recorder.end_step(step)
+            for logged_step, values in recorder.collect():
+                values["tokens"] = logged_step * cfg.train.total_batch_size
+                if is_master:
+                    if logged_step % cfg.log.interval == 0 or logged_step == cfg.train.max_steps:
+                        print(metrics.console_line(logged_step, values), flush=True)
+                    metrics.append_jsonl(metrics_path, logged_step, values)
+            window_start, window_step = time.perf_counter(), step
+        else:
+            recorder.end_step(step)
+
+    if world_size > 1:
+        dist.destroy_process_group()
+
+
+def write_samples(raw_model, cfg, step, device, generator):
+    texts = generate_text(raw_model, cfg.eval.sample_prompt, cfg.eval.num_samples, cfg.eval.sample_tokens,
+                          cfg.eval.sample_temperature, cfg.eval.sample_top_k, device, generator)
+    with open(os.path.join(cfg.train.out_dir, "samples.txt"), "a") as f:
+        for i, text in enumerate(texts):
+            block = f"--- step {step}, sample {i}\n{text}\n"
+            print(block, end="")
+            f.write(block)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except (ConfigError, DataError) as error:
+        # Every rank hits the same mistake; one copy of the sentence is enough.
+        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
