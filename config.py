@@ -28,6 +28,8 @@ class TrainConfig:
     seed: int = 1337  # seeds model init, data order and sampling
     out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
+    hard_stop: int = 0  # stop (with a checkpoint) after this step without changing the LR schedule; 0 = off
+    time_limit: float = 0.0  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
 
 
 @dataclass(slots=True)
@@ -60,6 +62,20 @@ class LogConfig:
 
 
 @dataclass(slots=True)
+class CheckpointConfig:
+    interval: int = 1000  # steps between permanent checkpoints; 0 = only the final one
+    keep_last: int = 3  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
+    ephemeral_interval: int = 0  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
+    fixed_steps: list[int] = field(default_factory=list)  # steps whose checkpoints are always kept
+    async_save: bool = False  # copy state to CPU in the step, write it on a background thread
+    load: str = "if_available"  # if_available (resume from out_dir when it has one), always, never
+    load_path: str = ""  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
+    load_optim: bool = True  # with load_path: also load the optimizer state
+    load_trainer_state: bool = True  # with load_path: also load step, data position and RNG
+    save_overwrite: bool = False  # allow replacing a different run already in out_dir
+
+
+@dataclass(slots=True)
 class Config:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -67,3 +83,4 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

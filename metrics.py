@@ -104,3 +104,14 @@ def read_jsonl(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def truncate_jsonl(path, after_step):
+    """On resume from step N, drop rows past N: those steps run again, and must not appear twice."""
+    rows = read_jsonl(path)
+    kept = [row for row in rows if row["step"] <= after_step]
+    if len(kept) != len(rows):
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in kept)
+        os.replace(tmp, path)

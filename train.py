@@ -21,24 +21,31 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
+from checkpoint import (CheckpointError, Checkpointer, capture_state, checkpoint_kind, choose_checkpoint,
+                        claim_run_dir, load_checkpoint, remove_incomplete)
 from configurator import ConfigError, config_to_dict, parse_args
 from data import DataError, TokenLoader, ensure_dataset
 from model import GPT, peak_flops_for_device
 from sample import generate_text
+from stopping import SignalFlag, agree_on_stop, describe_stop, local_stop_reason
 
 
 def setup_distributed(device_choice):
-    """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo."""
+    """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
+    Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements."""
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # a plain `python train.py`
         device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
-        return 0, 1, device
+        return 0, 1, device, None
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     device = f"cuda:{local_rank}" if want_cuda else "cpu"
     if want_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if want_cuda else "gloo", device_id=torch.device(device) if want_cuda else None)
-    return rank, dist.get_world_size(), device
+    dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
+    # without waiting for the GPU. On CPU the default group is gloo already.
+    cpu_group = dist.new_group(backend="gloo") if want_cuda else None
+    return rank, dist.get_world_size(), device, cpu_group
 
 
 def get_lr(step, cfg):
@@ -73,7 +80,7 @@ def validation_loss(model, loader, steps, autocast):
 def main(argv):
     # ---- configuration and processes
     cfg = parse_args(argv)
-    rank, world_size, device = setup_distributed(cfg.train.device)
+    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device)
     is_master = rank == 0  # rank 0 alone prints and writes files
     device_type = torch.device(device).type
     use_bf16 = cfg.train.dtype == "bfloat16" or (
@@ -116,21 +123,44 @@ def main(argv):
     peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
     sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
 
-    out_dir = cfg.train.out_dir
+    # ---- resume from a checkpoint, or claim the run folder for a fresh start
+    out_dir, ck = cfg.train.out_dir, cfg.checkpoint
+    if is_master:
+        remove_incomplete(out_dir)  # what a crash in the middle of a save left behind
+    if world_size > 1:
+        dist.barrier()
+    path, resuming = choose_checkpoint(out_dir, ck.load, ck.load_path)
+    step, tokens_seen = 0, 0  # optimizer steps completed, training tokens consumed
+    best_val_loss = torch.tensor(math.inf, device=device)
+    saved = None
+    if path:
+        saved = load_checkpoint(path, raw_model, optimizer, sample_generator, rank,
+                                load_optim=resuming or ck.load_optim,
+                                load_trainer_state=resuming or ck.load_trainer_state)
+    if saved:
+        step, tokens_seen = saved["step"], saved["tokens"]
+        train_loader.load_state_dict(saved["data"])  # the data position is global: any world size works
+        best_val_loss = saved["best_val_loss"].to(device)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if is_master:
+        if not resuming:
+            claim_run_dir(out_dir, config_to_dict(cfg), ck.save_overwrite)
         os.makedirs(out_dir, exist_ok=True)
+        metrics.truncate_jsonl(metrics_path, after_step=step)  # rows past the checkpoint are redone
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(cfg), f, indent=2)
         print(f"model: {raw_model.num_params():,} parameters ({raw_model.num_params(True):,} non-embedding); "
               f"{world_size} rank(s) on {device}, {grad_accum_steps} micro-step(s) per step, "
-              f"{train_loader.num_sequences:,} training sequences per epoch")
+              f"{train_loader.num_sequences:,} training sequences per epoch"
+              + (f"; resumed from {path} at step {step}" if path else ""))
     recorder = metrics.MetricRecorder(device, world_size)
+    checkpointer = Checkpointer(out_dir, ck.keep_last, ck.async_save, is_master)
+    stop_flag, start_time = SignalFlag(), time.monotonic()
+    end_step = min(cfg.train.max_steps, cfg.train.hard_stop or cfg.train.max_steps)
 
     # ---- the training loop
-    step = 0  # optimizer steps completed
     window_start, window_step = time.perf_counter(), step
-    while step < cfg.train.max_steps:
+    while step < end_step:
         lr = get_lr(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -153,19 +183,24 @@ def main(argv):
         grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or math.inf)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        step += 1
+        step, tokens_seen = step + 1, tokens_seen + cfg.train.total_batch_size
 
         recorder.record_metric("train/loss", loss_sum)
         recorder.record_metric("train/grad_norm", grad_norm)
         recorder.record_metric("optim/lr", lr)
-        last_step = step == cfg.train.max_steps
+        stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
+                                                      is_master), cpu_group)
+        last_step = step == end_step or bool(stop_reason)
         if cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step):
             val_loss = validation_loss(model, val_loader, cfg.eval.val_steps * grad_accum_steps, autocast)
+            best_val_loss = torch.minimum(best_val_loss, val_loss)
             recorder.record_metric("val/loss", val_loss)
         if is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step):
             write_samples(raw_model, cfg, step, device, sample_generator)
+        checkpoint_due = checkpoint_kind(step, cfg, final=last_step)
 
-        if step % cfg.log.interval == 0 or last_step:
+        if step % cfg.log.interval == 0 or last_step or checkpoint_due:
+            # Collect before a checkpoint, so metrics.jsonl holds every step up to it.
             elapsed = time.perf_counter() - window_start  # collect() below syncs, so this is honest
             tokens_per_sec = (step - window_step) * cfg.train.total_batch_size / max(elapsed, 1e-9)
             recorder.record_metric("throughput/tokens_per_sec", tokens_per_sec, reduce="max")
@@ -173,15 +208,36 @@ def main(argv):
                 recorder.record_metric("throughput/mfu", raw_model.estimate_mfu(tokens_per_sec / world_size, peak_flops))
             recorder.end_step(step)
             for logged_step, values in recorder.collect():
-                values["tokens"] = logged_step * cfg.train.total_batch_size
+                values["tokens"] = tokens_seen - (step - logged_step) * cfg.train.total_batch_size
                 if is_master:
-                    if logged_step % cfg.log.interval == 0 or logged_step == cfg.train.max_steps:
+                    if logged_step % cfg.log.interval == 0 or logged_step == step:
                         print(metrics.console_line(logged_step, values), flush=True)
                     metrics.append_jsonl(metrics_path, logged_step, values)
             window_start, window_step = time.perf_counter(), step
         else:
             recorder.end_step(step)
 
+        if checkpoint_due:
+            stall_start = time.perf_counter()
+            trainer_state = {"step": step, "tokens": tokens_seen, "epoch": train_loader.epoch,
+                             "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
+                             "config": config_to_dict(cfg), "world_size": world_size}
+            snapshot = capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master)
+            checkpointer.save(step, snapshot, checkpoint_due)
+            if is_master:
+                print(f"checkpoint step{step} ({checkpoint_due}, "
+                      f"{'async' if ck.async_save else 'sync'}): the loop stalled "
+                      f"{time.perf_counter() - stall_start:.3f} s", flush=True)
+        if stop_reason:
+            if is_master:
+                print(f"{describe_stop(stop_reason, stop_flag, out_dir)} after step {step}; the checkpoint "
+                      f"is saved: run the same command again to resume.", flush=True)
+            break
+
+    checkpointer.wait()  # an async save still in flight must land before the process exits
+    if is_master and saved and saved["step"] >= end_step:
+        print(f"{out_dir} is already trained to step {saved['step']}; nothing to do "
+              f"(raise train.max_steps to train longer).")
     if world_size > 1:
         dist.destroy_process_group()
 
@@ -199,6 +255,6 @@ def write_samples(raw_model, cfg, step, device, generator):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError) as error:
+    except (ConfigError, DataError, CheckpointError) as error:
         # Every rank hits the same mistake; one copy of the sentence is enough.
         sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)

@@ -24,6 +24,12 @@ from config import Config
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent.parent / "config" / "shakespeare.py"
 TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+# Fields that take one of a few words.
+CHOICES = {
+    "train.dtype": ("auto", "float32", "bfloat16"),
+    "train.compile": ("auto", "true", "false"),
+    "checkpoint.load": ("if_available", "always", "never"),
+}
 
 
 class ConfigError(Exception):
@@ -170,6 +176,11 @@ def parse_args(argv):
     load_config_file(cfg, config_file)
     for arg in argv[1:] if argv and not argv[0].startswith("--") else argv:
         apply_override(cfg, arg)
+    for key, allowed in CHOICES.items():
+        section_name, name = key.split(".")
+        value = getattr(sections(cfg)[section_name], name)
+        if value not in allowed:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of those.")
     return cfg
 
 

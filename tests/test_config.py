@@ -88,3 +88,8 @@ def test_bad_key_on_the_command_line_is_one_line_not_a_traceback():
     result = subprocess.run([sys.executable, "train.py", "--optim.lrr=1"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode != 0
     assert result.stderr.strip() == "error: command line: unknown config key 'optim.lrr'; did you mean optim.lr?"
+
+
+def test_fields_with_choices_reject_other_words(tmp_path):
+    with pytest.raises(ConfigError, match="checkpoint.load='sometimes' is not one of if_available, always, never"):
+        parse_args([write(tmp_path, ""), "--checkpoint.load=sometimes"])

@@ -1,0 +1,65 @@
+"""Stopping early and cleanly: on SIGTERM/SIGINT, a CANCEL file, or a wall-clock limit.
+
+Cluster schedulers preempt a job with SIGTERM; a person presses Ctrl-C; a script touches
+`<out_dir>/CANCEL`; a job has a time limit. In every case the loop finishes the current step, saves a
+checkpoint and exits, so at most one step is lost. Ranks may see the cause at different moments (a
+signal reaches them one by one, only rank 0 looks for the file), so after every step they agree: one
+tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
+"""
+
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REASONS = ("", "signal", "cancel file", "time limit")  # index 0: keep training
+
+
+class SignalFlag:
+    """Remembers the first SIGTERM/SIGINT; a second SIGINT exits at once."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received is not None and signum == signal.SIGINT:
+            print("second SIGINT: exiting now without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.received = name
+        print(f"{name} received: finishing this step, saving a checkpoint, then exiting "
+              f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)
+
+
+def local_stop_reason(flag, out_dir, start_time, time_limit, is_master):
+    if flag.received:
+        return "signal"
+    if is_master and os.path.exists(os.path.join(out_dir, "CANCEL")):
+        return "cancel file"
+    if time_limit and time.monotonic() - start_time > time_limit:
+        return "time limit"
+    return ""
+
+
+def agree_on_stop(reason, group=None):
+    """The reason to stop that any rank has (all ranks call this after every step)."""
+    if not dist.is_initialized():
+        return reason
+    code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    return REASONS[int(code)]
+
+
+def describe_stop(reason, flag, out_dir):
+    if reason == "signal":
+        return f"stopped by {flag.received or 'a signal on another rank'}"
+    if reason == "cancel file":
+        # The file has done its job; leaving it would cancel the resumed run at once.
+        os.remove(os.path.join(out_dir, "CANCEL"))
+        return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
+    return "stopped at the time limit (train.time_limit)"

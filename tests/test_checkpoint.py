@@ -1,0 +1,206 @@
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from checkpoint import (Checkpointer, CheckpointError, claim_run_dir, find_checkpoints, newest_valid_checkpoint,
+                        prune_checkpoints, verify_checkpoint, write_checkpoint)
+from conftest import ROOT, TINY, read_metrics, run_train
+
+
+def args(data_root, out, *extra):
+    return TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=5",
+                   "--model.dropout=0.1", *extra]
+
+
+def losses(out):
+    return {r["step"]: r["train/loss"] for r in read_metrics(out)}
+
+
+def test_resume_after_a_hard_stop_is_bit_exact(data_root, tmp_path):
+    run_train(args(data_root, tmp_path / "full", "--train.max_steps=20"))
+    stopped = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20", "--train.hard_stop=10"))
+    assert "checkpoint step10" in stopped.stdout
+    resumed = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20"))
+    assert "at step 10" in resumed.stdout
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert list(split) == list(range(1, 21))  # metrics.jsonl: no step missing, none twice
+    for step in range(11, 21):
+        assert split[step] == full[step]  # bit-identical, dropout included
+
+
+def test_resume_on_a_different_world_size_continues_the_same_data(data_root, tmp_path):
+    common = ["--train.max_steps=8", "--train.total_batch_size=256", "--model.dropout=0.0"]
+    run_train(args(data_root, tmp_path / "one", *common))
+    run_train(args(data_root, tmp_path / "two", *common, "--train.hard_stop=4"), nproc=2)
+    run_train(args(data_root, tmp_path / "two", *common))  # resumed by one rank, 2 micro-steps
+    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert list(two) == list(range(1, 9))
+    for step in range(5, 9):
+        assert two[step] == pytest.approx(one[step], rel=1e-5)
+
+
+def test_sigterm_saves_a_checkpoint_and_the_resumed_run_continues_at_the_next_step(data_root, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py")] + args(data_root, out, "--train.max_steps=100000",
+                                                          "--checkpoint.interval=0")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "SIGTERM received" in stderr and "stopped by SIGTERM after step" in stdout
+    stopped_at = find_checkpoints(out)[-1][0]
+    assert stopped_at >= 3 and read_metrics(out)[-1]["step"] == stopped_at
+    run_train(args(data_root, out, f"--train.max_steps={stopped_at + 2}"))
+    assert [r["step"] for r in read_metrics(out)][-3:] == [stopped_at, stopped_at + 1, stopped_at + 2]
+
+
+def test_cancel_file_stops_the_run_with_a_checkpoint(data_root, tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    cmd = [sys.executable, str(ROOT / "train.py")] + args(data_root, out, "--train.max_steps=100000",
+                                                          "--checkpoint.interval=0")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+        time.sleep(0.2)
+    (out / "CANCEL").touch()
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert "canceled by" in stdout and not (out / "CANCEL").exists()
+    assert find_checkpoints(out)[-1][0] == read_metrics(out)[-1]["step"]
+
+
+def test_retention_keeps_last_permanent_fixed_and_newest_ephemeral(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=10", "--checkpoint.interval=4", "--checkpoint.keep_last=2",
+                   "--checkpoint.ephemeral_interval=1", "--checkpoint.fixed_steps=2,3"))
+    # permanent: 4, 8, 10 (final) -> keep 8 and 10; fixed 2 and 3 always; ephemeral 9 replaced by 10.
+    assert [step for step, _ in find_checkpoints(out)] == [2, 3, 8, 10]
+    assert os.readlink(out / "latest") == "step10"
+
+
+def test_prune_never_deletes_the_newest_checkpoint(tmp_path):
+    snap = {"model": {"w": torch.ones(2)}}
+    write_checkpoint(str(tmp_path), 1, snap, "permanent")
+    write_checkpoint(str(tmp_path), 2, snap, "ephemeral")
+    prune_checkpoints(str(tmp_path), keep_last=1)
+    assert [s for s, _ in find_checkpoints(tmp_path)] == [1, 2]
+    write_checkpoint(str(tmp_path), 3, snap, "permanent")
+    prune_checkpoints(str(tmp_path), keep_last=1)
+    assert [s for s, _ in find_checkpoints(tmp_path)] == [3]
+
+
+def test_async_and_sync_saves_write_identical_files(tmp_path):
+    torch.manual_seed(0)
+    snapshot = {"model": {"w": torch.randn(64, 64)}, "optim": {"state": {0: torch.randn(64)}},
+                "trainer": {"step": 7, "rng": [torch.get_rng_state()]}}
+    for name, async_save in [("sync", False), ("async", True)]:
+        saver = Checkpointer(str(tmp_path / name), keep_last=0, async_save=async_save, is_master=True)
+        os.makedirs(tmp_path / name)
+        saver.save(7, snapshot, "permanent")
+        saver.wait()
+    for file in ["model.pt", "optim.pt", "trainer.pt", "COMPLETE"]:
+        a = (tmp_path / "sync" / "step7" / file).read_bytes()
+        assert a == (tmp_path / "async" / "step7" / file).read_bytes(), file
+
+
+def test_truncated_checkpoint_file_is_detected_and_skipped(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=6", "--checkpoint.interval=3"))
+    model_file = out / "step6" / "model.pt"
+    model_file.write_bytes(model_file.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="does not match its checksum"):
+        verify_checkpoint(str(out / "step6"))
+    with pytest.warns(UserWarning, match="skipping checkpoint"):
+        assert newest_valid_checkpoint(str(out)) == str(out / "step3")
+    resumed = run_train(args(data_root, out, "--train.max_steps=6"))
+    assert "resumed from" in resumed.stdout and "step3 at step 3" in resumed.stdout
+
+
+KILLER = """
+import sys, torch
+sys.path.insert(0, {root!r})
+from checkpoint import write_checkpoint
+snapshot = {{"model": {{"w": torch.randn(512, 1024)}}, "optim": {{"m": torch.randn(512, 1024)}}}}
+step = 1
+while True:
+    write_checkpoint({out!r}, step, snapshot, "ephemeral")
+    step += 1
+"""
+
+
+def test_kill_9_at_random_moments_never_leaves_an_unloadable_latest(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    script = tmp_path / "saver.py"
+    script.write_text(KILLER.format(root=str(ROOT), out=str(out)))
+    rng = random.Random(0)
+    for attempt in range(6):
+        proc = subprocess.Popen([sys.executable, str(script)])
+        time.sleep(1.5 + rng.random() * 1.5)  # torch imports in ~1 s, then it saves continuously
+        proc.kill()
+        proc.wait()
+        latest = out / "latest"
+        if not latest.exists():
+            continue
+        target = out / os.readlink(latest)
+        verify_checkpoint(str(target))  # complete, and every checksum matches
+        torch.load(target / "model.pt", weights_only=True)
+    assert find_checkpoints(out), "the saver never finished a checkpoint"
+
+
+def test_load_always_without_a_checkpoint_fails_in_one_sentence(data_root, tmp_path):
+    result = run_train(args(data_root, tmp_path / "run", "--checkpoint.load=always"), check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "checkpoint.load=always but" in result.stderr
+
+
+def test_a_different_run_in_out_dir_is_not_overwritten(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=2"))
+    before = hashlib.sha256((out / "step2" / "model.pt").read_bytes()).hexdigest()
+    fresh = run_train(args(data_root, out, "--train.max_steps=2", "--checkpoint.load=never"), check=False)
+    assert fresh.returncode != 0 and "already holds another run" in fresh.stderr
+    assert hashlib.sha256((out / "step2" / "model.pt").read_bytes()).hexdigest() == before
+    run_train(args(data_root, out, "--train.max_steps=2", "--checkpoint.load=never", "--checkpoint.save_overwrite=true"))
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+def test_restart_of_the_same_run_before_its_first_checkpoint_is_allowed(tmp_path):
+    config = {"model": {"n_layer": 2}, "data": {"dataset": "x"}, "optim": {}, "train": {"seed": 1}}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    claim_run_dir(str(tmp_path), config, save_overwrite=False)
+    other = {**config, "model": {"n_layer": 3}}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    with pytest.raises(CheckpointError, match="already holds another run"):
+        claim_run_dir(str(tmp_path), other, save_overwrite=False)
+
+
+def test_loading_a_different_model_shape_names_the_field(data_root, tmp_path):
+    run_train(args(data_root, tmp_path / "a", "--train.max_steps=2"))
+    result = run_train(args(data_root, tmp_path / "b", "--train.max_steps=2", "--model.n_layer=3",
+                            f"--checkpoint.load_path={tmp_path / 'a'}"), check=False)
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert "has model.n_layer=2 but this run has model.n_layer=3" in result.stderr
+
+
+def test_load_path_without_trainer_state_fine_tunes_from_step_zero(data_root, tmp_path):
+    run_train(args(data_root, tmp_path / "a", "--train.max_steps=4"))
+    tuned = run_train(args(data_root, tmp_path / "b", "--train.max_steps=2", f"--checkpoint.load_path={tmp_path / 'a'}",
+                           "--checkpoint.load_trainer_state=false", "--checkpoint.load_optim=false"))
+    assert "step4 at step 0" in tuned.stdout
+    rows = read_metrics(tmp_path / "b")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert rows[0]["train/loss"] < read_metrics(tmp_path / "a")[0]["train/loss"]  # starts from trained weights
