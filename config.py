@@ -28,8 +28,13 @@ class TrainConfig:
     seed: int = 1337  # seeds model init, data order and sampling
     out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
+    max_duration: str = ""  # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
     hard_stop: int = 0  # stop (with a checkpoint) after this step without changing the LR schedule; 0 = off
     time_limit: float = 0.0  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
+    steps_to_skip: str = ""  # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
+    nan_policy: str = "stop"  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
+    loss_spike_threshold: float = 1.0  # flag a loss this many nats above the mean of the previous 50; 0 = off
+    gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
 
 
 @dataclass(slots=True)
@@ -54,11 +59,24 @@ class EvalConfig:
     sample_prompt: str = "\n"  # text the samples start from
     sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
     sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
+    fixed_steps: list[int] = field(default_factory=list)  # also evaluate at these steps
+    extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
 
 
 @dataclass(slots=True)
 class LogConfig:
-    interval: int = 10  # steps between log lines (each costs one host-device sync)
+    interval: int = 10  # steps between console lines
+    metrics_collect_interval: int = 10  # steps between collecting metrics to the host (one sync and one collective each)
+    grad_norms_interval: int = 0  # steps between per-layer gradient norms (grad/...); 0 = off
+    wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without a network)
+    wandb_project: str = "nanogpt-lab"  # W&B project
+    wandb_name: str = ""  # W&B run name; empty uses the name of train.out_dir
+    wandb_group: str = ""  # W&B group, e.g. to gather the runs of a sweep
+    wandb_tags: list[str] = field(default_factory=list)  # W&B tags
+    profile: bool = False  # record a torch.profiler trace of a few steps into <out_dir>/profiler/
+    profile_wait: int = 5  # steps to skip before profiling (startup is not typical)
+    profile_warmup: int = 1  # steps profiled but discarded (the profiler's own warmup)
+    profile_active: int = 3  # steps recorded in the trace
 
 
 @dataclass(slots=True)

@@ -252,6 +252,10 @@ class TokenLoader:
             batch = batch.pin_memory().to(self.device, non_blocking=True)
         return batch[:, :-1], batch[:, 1:]
 
+    def skip_batches(self, n):
+        """Move past n micro-batches of every rank without reading them (train.steps_to_skip)."""
+        self.position += n * self.world_size * self.batch_size
+
     def state_dict(self):
         return {"position": self.position, "epoch": self.epoch}
 

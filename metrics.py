@@ -3,12 +3,19 @@
 The loop calls `recorder.record_metric("train/loss", loss)` with tensors that stay on the device, so
 recording costs no host-device sync. Every `log.metrics_collect_interval` steps `collect()` reduces
 all pending values of all ranks in one collective and copies them to the host in one transfer (as
-OLMo-core's metrics_collect_interval); the loop then hands the rows to the sinks below.
+OLMo-core's metrics_collect_interval); the loop then hands the rows to `Sinks`: the console (rank 0),
+`<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps.
+Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellaswag/.
+
+    python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
 """
 
+import argparse
 import json
 import math
 import os
+import sys
+import uuid
 import warnings
 from collections import defaultdict
 
@@ -51,13 +58,14 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return []
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device).reshape(())
+        # float64, so large counts (tokens, FLOPs) survive the trip exactly.
+        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
                               for _, _, v in entries])
         kinds = [self.rules[name][0] for _, name, _ in entries]
         squared = torch.tensor([k == "l2_norm" for k in kinds], device=self.device)
         values = torch.where(squared, values * values, values)
         if self.world_size > 1:
-            gathered = torch.empty(self.world_size * len(values), device=self.device)
+            gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=self.device)
             dist.all_gather_into_tensor(gathered, values)
             gathered = gathered.view(self.world_size, -1)
             is_max = torch.tensor([k == "max" for k in kinds], device=self.device)
@@ -115,3 +123,104 @@ def truncate_jsonl(path, after_step):
         with open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, path)
+
+
+class Sinks:
+    """Where collected metrics go (rank 0 only)."""
+
+    def __init__(self, out_dir, log_cfg, config_dict):
+        self.out_dir, self.log_cfg = out_dir, log_cfg
+        self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+        self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb else None
+
+    def write(self, step, values, print_line):
+        if print_line:
+            print(console_line(step, values), flush=True)
+        append_jsonl(self.jsonl_path, step, values)
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
+        if any(name.startswith(("val/", "hellaswag/")) for name in values):
+            # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
+            with open(os.path.join(self.out_dir, f"metrics_step{step}.json"), "w") as f:
+                json.dump({"step": step, **values}, f, indent=1)
+
+    def close(self):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+
+def start_wandb(out_dir, log_cfg, config_dict):
+    """Start or resume this run's W&B run. The run id is kept in <out_dir>/wandb_id.txt, so a restart
+    logs into the same run. WANDB_MODE=offline writes it under <out_dir>/wandb/ for a later sync."""
+    import wandb
+
+    id_path = os.path.join(out_dir, "wandb_id.txt")
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
+        with open(id_path, "w") as f:
+            f.write(run_id)
+    return wandb.init(project=log_cfg.wandb_project, name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
+                      group=log_cfg.wandb_group or None, tags=log_cfg.wandb_tags or None, id=run_id,
+                      resume="allow", dir=out_dir, config=config_dict)
+
+
+# ----------------------------------------------------------------------------- plots
+
+PLOTS = {  # file name -> metrics drawn in it
+    "loss": ["train/loss", "val/loss"],
+    "hellaswag": ["hellaswag/acc_norm", "hellaswag/acc"],
+    "lr": ["optim/lr"],
+    "throughput": ["throughput/tokens_per_sec"],
+}
+
+
+def plot_runs(run_dirs, out_dir):
+    """One PNG per plot and x axis (step, tokens), every run overlaid. Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no screen needed
+    import matplotlib.pyplot as plt
+
+    runs = {os.path.basename(os.path.normpath(d)): read_jsonl(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    for plot_name, names in PLOTS.items():
+        for x_axis in ("step", "tokens"):
+            fig, ax = plt.subplots(figsize=(8, 5))
+            drawn = 0
+            for run_name, rows in runs.items():
+                for name in names:
+                    points = [(r[x_axis], r[name]) for r in rows if name in r and x_axis in r]
+                    if points:
+                        ax.plot(*zip(*points), label=f"{run_name} {name}", marker="." if len(points) < 50 else None)
+                        drawn += 1
+            if drawn:
+                ax.set_xlabel(x_axis)
+                ax.set_title(plot_name)
+                ax.grid(alpha=0.3)
+                ax.legend()
+                path = os.path.join(out_dir, f"{plot_name}_vs_{x_axis}.png")
+                fig.savefig(path, dpi=100, bbox_inches="tight")
+                written.append(path)
+            plt.close(fig)
+    return written
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description="Plot the metrics of one or more runs.")
+    parser.add_argument("command", choices=["plot"])
+    parser.add_argument("run_dirs", nargs="+", help="run folders holding metrics.jsonl")
+    parser.add_argument("--out", help="where to write the PNGs (default: <first run>/plots)")
+    args = parser.parse_args(argv)
+    missing = [d for d in args.run_dirs if not os.path.exists(os.path.join(d, "metrics.jsonl"))]
+    if missing:
+        sys.exit(f"error: {missing[0]} has no metrics.jsonl; give the train.out_dir of a run.")
+    for path in plot_runs(args.run_dirs, args.out or os.path.join(args.run_dirs[0], "plots")):
+        print(path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

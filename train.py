@@ -21,6 +21,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
+from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, check_finite, duration_to_steps,
+                       in_ranges, make_profiler, memory_metrics, parse_step_ranges, per_layer_grad_norms,
+                       save_environment, speed_metrics)
 from checkpoint import (CheckpointError, Checkpointer, capture_state, checkpoint_kind, choose_checkpoint,
                         claim_run_dir, load_checkpoint, remove_incomplete)
 from configurator import ConfigError, config_to_dict, parse_args
@@ -48,12 +51,12 @@ def setup_distributed(device_choice):
     return rank, dist.get_world_size(), device, cpu_group
 
 
-def get_lr(step, cfg):
-    """Linear warmup to optim.lr, then cosine decay to optim.min_lr at train.max_steps (GPT-3, app. B)."""
+def get_lr(step, cfg, max_steps):
+    """Linear warmup to optim.lr, then cosine decay to optim.min_lr at max_steps (GPT-3, appendix B)."""
     o = cfg.optim
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, cfg.train.max_steps - o.warmup_steps))
+    progress = min(1.0, (step - o.warmup_steps) / max(1, max_steps - o.warmup_steps))
     return o.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (o.lr - o.min_lr)
 
 
@@ -121,6 +124,11 @@ def main(argv):
     optimizer = raw_model.configure_optimizers(
         cfg.optim.weight_decay, cfg.optim.lr, (cfg.optim.beta1, cfg.optim.beta2), cfg.optim.eps, device_type)
     peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
+    flops_per_token = raw_model.flops_per_token()
+    max_steps = cfg.train.max_steps  # the LR schedule's length; train.max_duration sets it in other units
+    if cfg.train.max_duration:
+        max_steps = duration_to_steps(cfg.train.max_duration, cfg.train.total_batch_size,
+                                      train_loader.num_sequences * cfg.model.block_size, raw_model.num_params(True))
     sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
 
     # ---- resume from a checkpoint, or claim the run folder for a fresh start
@@ -141,105 +149,148 @@ def main(argv):
         step, tokens_seen = saved["step"], saved["tokens"]
         train_loader.load_state_dict(saved["data"])  # the data position is global: any world size works
         best_val_loss = saved["best_val_loss"].to(device)
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if is_master:
         if not resuming:
             claim_run_dir(out_dir, config_to_dict(cfg), ck.save_overwrite)
         os.makedirs(out_dir, exist_ok=True)
-        metrics.truncate_jsonl(metrics_path, after_step=step)  # rows past the checkpoint are redone
+        metrics.truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
         with open(os.path.join(out_dir, "config.json"), "w") as f:
             json.dump(config_to_dict(cfg), f, indent=2)
+        save_environment(out_dir, world_size)
         print(f"model: {raw_model.num_params():,} parameters ({raw_model.num_params(True):,} non-embedding); "
               f"{world_size} rank(s) on {device}, {grad_accum_steps} micro-step(s) per step, "
-              f"{train_loader.num_sequences:,} training sequences per epoch"
+              f"{train_loader.num_sequences:,} training sequences per epoch, {max_steps:,} steps"
               + (f"; resumed from {path} at step {step}" if path else ""))
     recorder = metrics.MetricRecorder(device, world_size)
+    sinks = metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg)) if is_master else None
     checkpointer = Checkpointer(out_dir, ck.keep_last, ck.async_save, is_master)
     stop_flag, start_time = SignalFlag(), time.monotonic()
-    end_step = min(cfg.train.max_steps, cfg.train.hard_stop or cfg.train.max_steps)
+    end_step = min(max_steps, cfg.train.hard_stop or max_steps)
+    skip_ranges = parse_step_ranges(cfg.train.steps_to_skip)
+    garbage_collector = GarbageCollector(cfg.train.gc_interval)
+    spikes = LossSpikeDetector(cfg.train.loss_spike_threshold)
+    profiler_context = make_profiler(cfg.log.profile and is_master, out_dir, rank, cfg.log.profile_wait,
+                             cfg.log.profile_warmup, cfg.log.profile_active)
+    val_loaders = {"val": val_loader}  # the LM evaluator: val/loss, then val/<name>/loss per extra set
+    for name in cfg.eval.extra_datasets:
+        val_loaders[f"val/{name}"] = TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
 
     # ---- the training loop
-    window_start, window_step = time.perf_counter(), step
-    while step < end_step:
-        lr = get_lr(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        for micro_step in range(grad_accum_steps):
-            x, y = train_loader.next_batch()
-            # Gradients are all-reduced across ranks only on the last micro-step; syncing on
-            # every micro-step would send the same amount of data grad_accum_steps times.
-            last_micro_step = micro_step == grad_accum_steps - 1
-            with model.no_sync() if world_size > 1 and not last_micro_step else nullcontext(), autocast:
-                _, loss = model(x, y)
-            # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes
-            # the summed gradients the mean over the whole batch, as if it were one big forward pass.
-            loss = loss / grad_accum_steps
-            loss_sum += loss.detach()
-            loss.backward()
-        if world_size > 1:
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # on device: no host sync
-        # clip_grad_norm_ returns the norm before clipping; an infinite limit measures without clipping.
-        grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or math.inf)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step, tokens_seen = step + 1, tokens_seen + cfg.train.total_batch_size
+    try:
+        with profiler_context as profiler:
+            while step < end_step:
+                step_start = time.perf_counter()
+                lr = get_lr(step, cfg, max_steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                if in_ranges(step + 1, skip_ranges):
+                    # A known-bad stretch of data: read past its batches without training on them.
+                    train_loader.skip_batches(grad_accum_steps)
+                    recorder.record_metric("train/skipped_data_step", 1.0)
+                    data_time = 0.0
+                else:
+                    loss_sum, data_time = forward_backward(model, train_loader, grad_accum_steps, autocast, world_size)
+                    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
+                    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or math.inf)
+                    if cfg.log.grad_norms_interval and (step + 1) % cfg.log.grad_norms_interval == 0:
+                        for name, value in per_layer_grad_norms(raw_model).items():
+                            recorder.record_metric(name, value)
+                    # nan_policy=skip needs to know now, which costs one host-device sync per step.
+                    if cfg.train.nan_policy == "skip" and not torch.isfinite(loss_sum + grad_norm).item():
+                        recorder.record_metric("train/skipped_nonfinite_step", 1.0)
+                    else:
+                        optimizer.step()
+                        recorder.record_metric("train/loss", loss_sum)
+                        recorder.record_metric("train/grad_norm", grad_norm)
+                    optimizer.zero_grad(set_to_none=True)
+                step, tokens_seen = step + 1, tokens_seen + cfg.train.total_batch_size
+                for name, value in speed_metrics(time.perf_counter() - step_start, data_time,
+                                                 cfg.train.total_batch_size, cfg.model.block_size, tokens_seen,
+                                                 flops_per_token, world_size, peak_flops).items():
+                    recorder.record_metric(name, value)
+                recorder.record_metric("optim/lr", lr)
 
-        recorder.record_metric("train/loss", loss_sum)
-        recorder.record_metric("train/grad_norm", grad_norm)
-        recorder.record_metric("optim/lr", lr)
-        stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
-                                                      is_master), cpu_group)
-        last_step = step == end_step or bool(stop_reason)
-        if cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step):
-            val_loss = validation_loss(model, val_loader, cfg.eval.val_steps * grad_accum_steps, autocast)
-            best_val_loss = torch.minimum(best_val_loss, val_loss)
-            recorder.record_metric("val/loss", val_loss)
-        if is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step):
-            write_samples(raw_model, cfg, step, device, sample_generator)
-        checkpoint_due = checkpoint_kind(step, cfg, final=last_step)
+                stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
+                                                              is_master), cpu_group)
+                last_step = step == end_step or bool(stop_reason)
+                if (cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step)) or step in cfg.eval.fixed_steps:
+                    for prefix, loader in val_loaders.items():
+                        val_loss = validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
+                        recorder.record_metric(f"{prefix}/loss", val_loss)
+                        if prefix == "val":
+                            best_val_loss = torch.minimum(best_val_loss, val_loss)
+                if is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step):
+                    write_samples(raw_model, cfg, step, device, sample_generator)
+                garbage_collector.step(step)
+                checkpoint_due = checkpoint_kind(step, cfg, final=last_step)
 
-        if step % cfg.log.interval == 0 or last_step or checkpoint_due:
-            # Collect before a checkpoint, so metrics.jsonl holds every step up to it.
-            elapsed = time.perf_counter() - window_start  # collect() below syncs, so this is honest
-            tokens_per_sec = (step - window_step) * cfg.train.total_batch_size / max(elapsed, 1e-9)
-            recorder.record_metric("throughput/tokens_per_sec", tokens_per_sec, reduce="max")
-            if peak_flops:
-                recorder.record_metric("throughput/mfu", raw_model.estimate_mfu(tokens_per_sec / world_size, peak_flops))
-            recorder.end_step(step)
-            for logged_step, values in recorder.collect():
-                values["tokens"] = tokens_seen - (step - logged_step) * cfg.train.total_batch_size
-                if is_master:
-                    if logged_step % cfg.log.interval == 0 or logged_step == step:
-                        print(metrics.console_line(logged_step, values), flush=True)
-                    metrics.append_jsonl(metrics_path, logged_step, values)
-            window_start, window_step = time.perf_counter(), step
-        else:
-            recorder.end_step(step)
+                # Collect before a checkpoint, so metrics.jsonl holds every step up to it.
+                if step % cfg.log.metrics_collect_interval == 0 or last_step or checkpoint_due:
+                    for name, value in memory_metrics(device).items():
+                        recorder.record_metric(name, value, reduce="max")
+                    recorder.end_step(step)
+                    for logged_step, values in recorder.collect():
+                        values["tokens"] = tokens_seen - (step - logged_step) * cfg.train.total_batch_size
+                        if "train/loss" in values and spikes.is_spike(values["train/loss"]):
+                            values["train/loss_spike"] = 1.0
+                        if is_master:
+                            sinks.write(logged_step, values, print_line=logged_step % cfg.log.interval == 0
+                                        or logged_step == step or "train/loss_spike" in values)
+                        if cfg.train.nan_policy == "stop":
+                            check_finite(logged_step, values)
+                else:
+                    recorder.end_step(step)
 
-        if checkpoint_due:
-            stall_start = time.perf_counter()
-            trainer_state = {"step": step, "tokens": tokens_seen, "epoch": train_loader.epoch,
-                             "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
-                             "config": config_to_dict(cfg), "world_size": world_size}
-            snapshot = capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master)
-            checkpointer.save(step, snapshot, checkpoint_due)
-            if is_master:
-                print(f"checkpoint step{step} ({checkpoint_due}, "
-                      f"{'async' if ck.async_save else 'sync'}): the loop stalled "
-                      f"{time.perf_counter() - stall_start:.3f} s", flush=True)
-        if stop_reason:
-            if is_master:
-                print(f"{describe_stop(stop_reason, stop_flag, out_dir)} after step {step}; the checkpoint "
-                      f"is saved: run the same command again to resume.", flush=True)
-            break
+                if checkpoint_due:
+                    stall_start = time.perf_counter()
+                    trainer_state = {"step": step, "tokens": tokens_seen, "epoch": train_loader.epoch,
+                                     "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
+                                     "config": config_to_dict(cfg), "world_size": world_size}
+                    snapshot = capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master)
+                    checkpointer.save(step, snapshot, checkpoint_due)
+                    if is_master:
+                        print(f"checkpoint step{step} ({checkpoint_due}, {'async' if ck.async_save else 'sync'}): "
+                              f"the loop stalled {time.perf_counter() - stall_start:.3f} s", flush=True)
+                profiler.step()
+                if stop_reason:
+                    if is_master:
+                        print(f"{describe_stop(stop_reason, stop_flag, out_dir)} after step {step}; the checkpoint "
+                              f"is saved: run the same command again to resume.", flush=True)
+                    break
+    finally:
+        checkpointer.wait()  # a save still in flight must land before the process exits
+        garbage_collector.close()
+        if sinks:
+            sinks.close()
 
-    checkpointer.wait()  # an async save still in flight must land before the process exits
     if is_master and saved and saved["step"] >= end_step:
         print(f"{out_dir} is already trained to step {saved['step']}; nothing to do "
               f"(raise train.max_steps to train longer).")
     if world_size > 1:
         dist.destroy_process_group()
+
+
+def forward_backward(model, loader, grad_accum_steps, autocast, world_size):
+    """One step's gradients over its micro-steps; returns (mean loss on device, seconds reading data)."""
+    loss_sum = torch.zeros((), device=loader.device)
+    data_time = 0.0
+    for micro_step in range(grad_accum_steps):
+        data_start = time.perf_counter()
+        x, y = loader.next_batch()
+        data_time += time.perf_counter() - data_start
+        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
+        # micro-step would send the same amount of data grad_accum_steps times.
+        last_micro_step = micro_step == grad_accum_steps - 1
+        with model.no_sync() if world_size > 1 and not last_micro_step else nullcontext(), autocast:
+            _, loss = model(x, y)
+        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
+        # summed gradients the mean over the whole batch, as if it were one big forward pass.
+        loss = loss / grad_accum_steps
+        loss_sum += loss.detach()
+        loss.backward()
+    if world_size > 1:
+        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # on device: no host sync
+    return loss_sum, data_time
 
 
 def write_samples(raw_model, cfg, step, device, generator):
@@ -255,6 +306,6 @@ def write_samples(raw_model, cfg, step, device, generator):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, CheckpointError) as error:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as error:
         # Every rank hits the same mistake; one copy of the sentence is enough.
         sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)

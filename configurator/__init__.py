@@ -29,6 +29,7 @@ CHOICES = {
     "train.dtype": ("auto", "float32", "bfloat16"),
     "train.compile": ("auto", "true", "false"),
     "checkpoint.load": ("if_available", "always", "never"),
+    "train.nan_policy": ("stop", "skip"),
 }
 
 
