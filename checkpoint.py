@@ -368,6 +368,26 @@ def load_checkpoint(path, raw_model, optimizer, sample_generator, rank, load_opt
     return trainer
 
 
+def load_model(source, device):
+    """A GPT from any `--init_from` SOURCE: a run folder (its newest valid checkpoint), a checkpoint
+    folder, an OpenAI GPT-2 name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder."""
+    from hf import OPENAI_MODELS, import_hf, is_hf_folder
+
+    from configurator import config_from_dict
+    from model import GPT
+
+    if source in OPENAI_MODELS or is_hf_folder(source):
+        return import_hf(source).to(device).eval()
+    if not os.path.isdir(source):
+        raise CheckpointError(f"--init_from={source} is not a folder nor one of {', '.join(OPENAI_MODELS)}; give a "
+                              f"run folder, a step<N> checkpoint folder, a GPT-2 name or a HF GPT-2 folder.")
+    path = resolve_checkpoint(source)
+    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    model = GPT(config_from_dict(trainer["config"]).model)
+    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
+    return model.to(device).eval()
+
+
 def main(argv):
     if len(argv) >= 2 and argv[0] == "list":
         for step, path in find_checkpoints(argv[1]):
@@ -381,7 +401,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from hf import WeightsError
+
     try:
         main(sys.argv[1:])
-    except CheckpointError as error:
+    except (CheckpointError, WeightsError) as error:
         sys.exit(f"error: {error}")

@@ -60,6 +60,10 @@ class EvalConfig:
     sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
     sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
     fixed_steps: list[int] = field(default_factory=list)  # also evaluate at these steps
+    hellaswag_interval: int = 0  # steps between HellaSwag evaluations (also at fixed_steps and the end); 0 = off
+    hellaswag_limit: int = 0  # score only the first N examples (0 = all 10,042)
+    hellaswag_data: str = ""  # a hellaswag jsonl file; empty downloads and caches the validation set
+    hellaswag_batch_size: int = 16  # examples per forward pass (each is 4 rows)
     extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import hellaswag_eval
 import metrics
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, check_finite, duration_to_steps,
                        in_ranges, make_profiler, memory_metrics, parse_step_ranges, per_layer_grad_norms,
@@ -171,6 +172,14 @@ def main(argv):
     spikes = LossSpikeDetector(cfg.train.loss_spike_threshold)
     profiler_context = make_profiler(cfg.log.profile and is_master, out_dir, rank, cfg.log.profile_wait,
                              cfg.log.profile_warmup, cfg.log.profile_active)
+    hellaswag_examples = []
+    if cfg.eval.hellaswag_interval:
+        if is_master:
+            hellaswag_eval.load_examples(cfg.eval.hellaswag_data)  # downloads once, into the cache
+        if world_size > 1:
+            dist.barrier()
+        hellaswag_examples = hellaswag_eval.load_examples(cfg.eval.hellaswag_data)
+        hellaswag_examples = hellaswag_examples[: cfg.eval.hellaswag_limit or None]
     val_loaders = {"val": val_loader}  # the LM evaluator: val/loss, then val/<name>/loss per extra set
     for name in cfg.eval.extra_datasets:
         val_loaders[f"val/{name}"] = TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
@@ -219,6 +228,14 @@ def main(argv):
                         recorder.record_metric(f"{prefix}/loss", val_loss)
                         if prefix == "val":
                             best_val_loss = torch.minimum(best_val_loss, val_loss)
+                if hellaswag_examples and (step % cfg.eval.hellaswag_interval == 0 or last_step
+                                           or step in cfg.eval.fixed_steps):
+                    # The raw model: variable-length batches would make torch.compile recompile.
+                    with autocast:
+                        scores = hellaswag_eval.evaluate(raw_model, hellaswag_examples, device,
+                                                         cfg.eval.hellaswag_batch_size, rank, world_size)
+                    recorder.record_metric("hellaswag/acc", scores["acc"])
+                    recorder.record_metric("hellaswag/acc_norm", scores["acc_norm"])
                 if is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step):
                     write_samples(raw_model, cfg, step, device, sample_generator)
                 garbage_collector.step(step)
@@ -306,6 +323,6 @@ def write_samples(raw_model, cfg, step, device, generator):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as error:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLoss, hellaswag_eval.HellaSwagError) as error:
         # Every rank hits the same mistake; one copy of the sentence is enough.
         sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
