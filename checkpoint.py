@@ -100,7 +100,11 @@ def newest_valid_checkpoint(run_dir):
 def resolve_checkpoint(source):
     """A checkpoint folder, or a run folder (its newest valid checkpoint)."""
     if is_complete_checkpoint(source):
-        verify_checkpoint(source)
+        try:
+            verify_checkpoint(source)
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}; give the run folder instead to fall back to its newest good "
+                                  f"checkpoint.") from None
         return source
     path = newest_valid_checkpoint(source)
     if path is None:

@@ -58,9 +58,16 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return []
-        # float64, so large counts (tokens, FLOPs) survive the trip exactly.
-        values = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device).reshape(())
-                              for _, _, v in entries])
+        # float64, so large counts (tokens, FLOPs) survive the trip exactly. Device tensors are
+        # stacked where they are; host numbers travel in one copy, not one copy each.
+        values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
+        on_device = [i for i, (_, _, v) in enumerate(entries) if torch.is_tensor(v)]
+        on_host = [i for i, (_, _, v) in enumerate(entries) if not torch.is_tensor(v)]
+        if on_device:
+            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64).reshape(())
+                                             for i in on_device])
+        if on_host:
+            values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host], dtype=torch.float64).to(self.device)
         kinds = [self.rules[name][0] for _, name, _ in entries]
         squared = torch.tensor([k == "l2_norm" for k in kinds], device=self.device)
         values = torch.where(squared, values * values, values)

@@ -171,7 +171,7 @@ def main(argv):
     garbage_collector = GarbageCollector(cfg.train.gc_interval)
     spikes = LossSpikeDetector(cfg.train.loss_spike_threshold)
     profiler_context = make_profiler(cfg.log.profile and is_master, out_dir, rank, cfg.log.profile_wait,
-                             cfg.log.profile_warmup, cfg.log.profile_active)
+                                     cfg.log.profile_warmup, cfg.log.profile_active)
     hellaswag_examples = []
     if cfg.eval.hellaswag_interval:
         if is_master:

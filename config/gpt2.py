@@ -25,6 +25,12 @@ optim.eps = 1e-8
 optim.grad_clip = 1.0
 
 eval.interval = 250
-eval.val_steps = 20
+eval.val_steps = 20  # 20 x 524,288 = 10M validation tokens each time
 eval.sample_interval = 1000
+eval.hellaswag_interval = 250  # all 10,042 examples, split across the GPUs
 log.interval = 10
+
+checkpoint.interval = 1000
+checkpoint.keep_last = 3
+checkpoint.ephemeral_interval = 250  # lose at most 250 steps to a crash without a SIGTERM
+checkpoint.async_save = True  # the GPU keeps training while rank 0 writes ~1.5 GB

@@ -31,6 +31,9 @@ CHOICES = {
     "checkpoint.load": ("if_available", "always", "never"),
     "train.nan_policy": ("stop", "skip"),
 }
+# Fields that count something and must be at least 1.
+POSITIVE = ("model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "data.batch_size",
+            "train.total_batch_size", "log.interval", "log.metrics_collect_interval", "eval.val_steps")
 
 
 class ConfigError(Exception):
@@ -182,6 +185,13 @@ def parse_args(argv):
         value = getattr(sections(cfg)[section_name], name)
         if value not in allowed:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}; pick one of those.")
+    for key in POSITIVE:
+        section_name, name = key.split(".")
+        if getattr(sections(cfg)[section_name], name) < 1:
+            raise ConfigError(f"{key} must be at least 1; set it to a positive number.")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
+                          f"every head gets n_embd / n_head dimensions, so pick values that divide.")
     return cfg
 
 

@@ -93,3 +93,15 @@ def test_bad_key_on_the_command_line_is_one_line_not_a_traceback():
 def test_fields_with_choices_reject_other_words(tmp_path):
     with pytest.raises(ConfigError, match="checkpoint.load='sometimes' is not one of if_available, always, never"):
         parse_args([write(tmp_path, ""), "--checkpoint.load=sometimes"])
+
+
+def test_counts_must_be_positive_and_heads_must_divide_the_width(tmp_path):
+    with pytest.raises(ConfigError, match="log.interval must be at least 1"):
+        parse_args([write(tmp_path, ""), "--log.interval=0"])
+    with pytest.raises(ConfigError, match="model.n_embd=100 is not divisible by model.n_head=12"):
+        parse_args([write(tmp_path, ""), "--model.n_embd=100"])
+
+
+def test_shipped_config_files_parse():
+    assert parse_args([str(ROOT / "config" / "gpt2.py")]).train.total_batch_size == 524288
+    assert parse_args([str(ROOT / "config" / "shakespeare.py")]).model.n_layer == 4
