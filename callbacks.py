@@ -75,7 +75,6 @@ def speed_metrics(step_time, data_time, tokens_per_step, block_size, tokens_seen
         "throughput/sequences_per_sec": tokens_per_sec / block_size,
         "throughput/step_time_sec": step_time,
         "throughput/data_time_sec": data_time,
-        "throughput/tokens_seen": float(tokens_seen),
         # OLMo's global_train_petaflops: training compute spent so far, all ranks together.
         "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
     }

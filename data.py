@@ -69,9 +69,7 @@ def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total
     def finish_shard(count, next_doc, next_offset):
         split = "val" if shard == 0 else "train"
         write_shard(os.path.join(out_dir, f"{split}_{shard:06d}.npy"), buffer[:count])
-        progress = {"shards": shard + 1, "documents": next_doc, "offset": next_offset}
-        with open(os.path.join(out_dir, "progress.json"), "w") as f:
-            json.dump(progress, f)
+        write_progress(out_dir, {"shards": shard + 1, "documents": next_doc, "offset": next_offset})
 
     for tokens in documents:
         pos = skip
@@ -91,8 +89,15 @@ def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total
     if filled:
         finish_shard(filled, doc_index, 0)
     bar.close()
-    with open(os.path.join(out_dir, "progress.json"), "w") as f:
-        json.dump({"shards": shard + (filled > 0), "documents": doc_index, "offset": 0, "done": True}, f)
+    write_progress(out_dir, {"shards": shard + (filled > 0), "documents": doc_index, "offset": 0, "done": True})
+
+
+def write_progress(out_dir, progress):
+    """Atomically, like the shards: a crash must not leave a half-written progress file."""
+    tmp = os.path.join(out_dir, "progress.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(progress, f)
+    os.replace(tmp, os.path.join(out_dir, "progress.json"))
 
 
 def read_progress(out_dir):

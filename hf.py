@@ -9,10 +9,10 @@ is the only difference in layout. `transformers` is optional: only these two pat
 """
 
 import importlib.resources
+import json
 import os
 import shutil
 
-import torch
 
 from model import GPT, GPT2_VOCAB_SIZE, GPTConfig
 
@@ -37,8 +37,6 @@ def is_hf_folder(path):
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         return False
-    import json
-
     with open(config_path) as f:
         return json.load(f).get("model_type") == "gpt2"
 

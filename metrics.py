@@ -12,7 +12,6 @@ Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellasw
 
 import argparse
 import json
-import math
 import os
 import sys
 import uuid
@@ -99,13 +98,20 @@ class MetricRecorder:
 # ----------------------------------------------------------------------------- sinks
 
 
+CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
+    "train/loss": "loss", "val/loss": "val", "hellaswag/acc_norm": "hellaswag", "train/grad_norm": "norm",
+    "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "train/loss_spike": "SPIKE",
+}
+
+
 def console_line(step, values):
-    """One compact line: the headline numbers first, then everything else alphabetically."""
+    """One compact line with the numbers a person watches; metrics.jsonl has all of them."""
     parts = [f"step {step:>6}"]
-    for name in sorted(values, key=lambda n: (not n.startswith(("train/", "val/")), n)):
-        value = values[name]
-        text = f"{value:.4g}" if isinstance(value, float) and not math.isnan(value) else str(value)
-        parts.append(f"{name} {text}")
+    extra_val = {n: n[len("val/"):] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
+    for name, label in {**CONSOLE_LABELS, **extra_val}.items():
+        if name in values:
+            value = values[name]
+            parts.append(f"{label} {value:,.0f}" if name == "throughput/tokens_per_sec" else f"{label} {value:.4g}")
     return " | ".join(parts)
 
 

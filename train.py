@@ -252,7 +252,7 @@ def main(argv):
                             values["train/loss_spike"] = 1.0
                         if is_master:
                             sinks.write(logged_step, values, print_line=logged_step % cfg.log.interval == 0
-                                        or logged_step == step or "train/loss_spike" in values)
+                                        or (last_step and logged_step == step) or "train/loss_spike" in values)
                         if cfg.train.nan_policy == "stop":
                             check_finite(logged_step, values)
                 else:

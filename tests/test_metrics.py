@@ -9,7 +9,7 @@ import torch
 from callbacks import LossSpikeDetector, duration_to_steps, parse_step_ranges
 from configurator import ConfigError
 from conftest import ROOT, TINY, read_metrics, run_train
-from metrics import MetricRecorder, plot_runs
+from metrics import MetricRecorder
 from model import GPT, GPTConfig
 
 

@@ -19,7 +19,17 @@ def test_train_py_runs_end_to_end_and_logs_metrics_and_samples(data_root, tmp_pa
     assert rows[-1]["train/loss"] < rows[0]["train/loss"]
     assert "--- step 6, sample 0" in (out / "samples.txt").read_text()
     assert "--- step 6, sample 0" in result.stdout
+    console = [line for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert len(console) == 6 and console[-1].startswith("step      6 | loss ")  # log.interval=1
     assert (out / "config.json").exists()
+
+
+def test_console_prints_every_log_interval_and_the_last_step(data_root, tmp_path):
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=7",
+                               "--log.interval=3", "--log.metrics_collect_interval=2", "--eval.interval=0"])
+    console = [line.split("|")[0].split()[1] for line in result.stdout.splitlines() if line.startswith("step ")]
+    assert console == ["3", "6", "7"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(1, 8))
 
 
 def test_two_gloo_ranks_match_one_rank_with_accumulation(data_root, tmp_path):
