@@ -137,3 +137,42 @@ def test_interrupted_shard_writing_resumes_where_it_stopped(tmp_path):
     assert names == sorted(p.name for p in part.glob("*.npy"))
     for name in names:
         assert np.array_equal(np.load(full / name), np.load(part / name))
+
+
+def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeypatch):
+    import datasets
+
+    import data
+
+    rows = [{"text": f"Educational web page number {i}. " * 30} for i in range(40)]
+    local = tmp_path / "fineweb.jsonl"
+    local.write_text("\n".join(json.dumps(r) for r in rows))
+    real_load = datasets.load_dataset
+    calls = []
+
+    def local_stream(path, name, split, streaming):
+        # Stands in for the HF hub: the same streaming IterableDataset, read from a local file.
+        calls.append((path, name, split, streaming))
+        return real_load("json", data_files=str(local), split="train", streaming=True)
+
+    monkeypatch.setattr(datasets, "load_dataset", local_stream)
+    data.prepare_fineweb_edu(str(tmp_path / "full"), "sample-10BT", shard_tokens=3000, workers=2)
+    assert calls[0] == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)
+
+    class Interrupted:  # a stream that dies after 25 documents, like a lost connection
+        def __iter__(self):
+            yield from rows[:25]
+            raise ConnectionError("stream lost")
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Interrupted())
+    with pytest.raises(ConnectionError):
+        data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
+    progress = json.loads((tmp_path / "part" / "progress.json").read_text())
+    assert progress["shards"] == 1 and not progress.get("done")  # died inside the second shard
+    monkeypatch.setattr(datasets, "load_dataset", local_stream)
+    data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
+    full = sorted(p.name for p in (tmp_path / "full").glob("*.npy"))
+    assert full[-1] == "val_000000.npy" and full[0] == "train_000001.npy" and len(full) == 3  # shard 0 is val
+    assert full == sorted(p.name for p in (tmp_path / "part").glob("*.npy"))
+    for name in full:
+        assert np.array_equal(np.load(tmp_path / "full" / name), np.load(tmp_path / "part" / name))
