@@ -172,7 +172,12 @@ def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
         print(f"resuming after {start['shards']} finished shards")
         stream = stream.skip(start["documents"])
     texts = (row["text"] for row in stream)
-    write_shards(tokenize_in_workers(texts, workers), out_dir, shard_tokens, shard_tokens, start)
+    try:
+        write_shards(tokenize_in_workers(texts, workers), out_dir, shard_tokens, shard_tokens, start)
+    except OSError as error:  # no network, or the stream broke (ConnectionError is an OSError)
+        done = (read_progress(out_dir) or {}).get("shards", 0)
+        raise DataError(f"reading FineWeb-Edu from the HF hub failed after {done} finished shards ({error}); "
+                        f"run the same command again to continue from there.") from None
 
 
 def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):

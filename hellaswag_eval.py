@@ -42,8 +42,19 @@ def load_examples(data_path="", cache_dir=DEFAULT_CACHE):
             download(data_path)
     if not os.path.exists(data_path):
         raise HellaSwagError(f"no HellaSwag file at {data_path}; give the path of a hellaswag jsonl file.")
+    examples = []
     with open(data_path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                example = json.loads(line)
+                example["ctx"], example["endings"][3], int(example["label"])
+            except (ValueError, KeyError, IndexError, TypeError):
+                raise HellaSwagError(f"line {number} of {data_path} is not a HellaSwag example (JSON with ctx, "
+                                     f"four endings and label); give the file from the HellaSwag repository.") from None
+            examples.append(example)
+    return examples
 
 
 def download(path):

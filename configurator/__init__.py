@@ -160,7 +160,9 @@ def field_comments(cls):
 
 def help_text():
     cfg = Config()
-    lines = [__doc__.strip().splitlines()[2].strip(), ""]
+    lines = [__doc__.strip().splitlines()[2].strip(), "",
+             "The defaults below are the dataclass defaults (GPT-2's hyperparameters); without CONFIG_FILE,",
+             "config/shakespeare.py is applied first. Bools take true/false/1/0; lists are comma-separated.", ""]
     for section_name, section in sections(cfg).items():
         comments = field_comments(type(section))
         lines.append(f"{section_name}:")

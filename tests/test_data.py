@@ -165,7 +165,7 @@ def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeyp
             raise ConnectionError("stream lost")
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Interrupted())
-    with pytest.raises(ConnectionError):
+    with pytest.raises(data.DataError, match="after 1 finished shards .*run the same command again"):
         data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
     progress = json.loads((tmp_path / "part" / "progress.json").read_text())
     assert progress["shards"] == 1 and not progress.get("done")  # died inside the second shard

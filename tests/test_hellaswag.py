@@ -96,3 +96,10 @@ def test_training_loop_logs_hellaswag(data_root, tmp_path):
     assert "hellaswag/acc" in rows[2] and "hellaswag/acc_norm" in rows[4] and "hellaswag/acc" not in rows[3]
     assert rows[4]["hellaswag/acc"] * 6 == pytest.approx(round(rows[4]["hellaswag/acc"] * 6))
     assert json.loads((out / "metrics_step4.json").read_text())["hellaswag/acc_norm"] == rows[4]["hellaswag/acc_norm"]
+
+
+def test_a_file_that_is_not_hellaswag_is_reported_with_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0}) + "\n{not json\n")
+    with pytest.raises(hellaswag_eval.HellaSwagError, match="line 2 of .*bad.jsonl is not a HellaSwag example"):
+        hellaswag_eval.load_examples(str(path))
