@@ -19,9 +19,10 @@ GPT2_VOCAB_SIZE = 50257
 
 # Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
 # utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
-PEAK_BF16_FLOPS = {
+PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
     "A100": 312e12,
-    "H100": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
     "H200": 989e12,
 }
 

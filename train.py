@@ -260,6 +260,7 @@ def main(argv):
 
                 if checkpoint_due:
                     stall_start = time.perf_counter()
+                    checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
                     trainer_state = {"step": step, "tokens": tokens_seen, "epoch": train_loader.epoch,
                                      "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
                                      "config": config_to_dict(cfg), "world_size": world_size}

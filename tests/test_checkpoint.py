@@ -23,11 +23,13 @@ def losses(out):
     return {r["step"]: r["train/loss"] for r in read_metrics(out)}
 
 
-def test_resume_after_a_hard_stop_is_bit_exact(data_root, tmp_path):
+@pytest.mark.parametrize("async_save", ["false", "true"])
+def test_resume_after_a_hard_stop_is_bit_exact(data_root, tmp_path, async_save):
+    saving = [f"--checkpoint.async_save={async_save}", "--checkpoint.interval=3"]
     run_train(args(data_root, tmp_path / "full", "--train.max_steps=20"))
-    stopped = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20", "--train.hard_stop=10"))
+    stopped = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20", "--train.hard_stop=10", *saving))
     assert "checkpoint step10" in stopped.stdout
-    resumed = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20"))
+    resumed = run_train(args(data_root, tmp_path / "split", "--train.max_steps=20", *saving))
     assert "at step 10" in resumed.stdout
     full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
     assert list(split) == list(range(1, 21))  # metrics.jsonl: no step missing, none twice

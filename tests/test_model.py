@@ -100,3 +100,14 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
         logits, _ = model(slow)
         slow = torch.cat([slow, filter_logits(logits[:, -1]).argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(cached, slow)
+
+
+def test_peak_flops_lookup_for_mfu(monkeypatch):
+    from model import peak_flops_for_device
+
+    assert peak_flops_for_device("cpu") is None  # unknown peak: MFU is not logged
+    assert peak_flops_for_device("cpu", override=1e12) == 1e12
+    for name, expected in [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
+                           ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_flops_for_device("cuda") == expected, name
