@@ -71,6 +71,7 @@ class EvalConfig:
 class LogConfig:
     interval: int = 10  # steps between console lines
     metrics_collect_interval: int = 10  # steps between collecting metrics to the host (one sync and one collective each)
+    async_bookkeeping: bool = False  # reduce and write metrics on a background thread over a gloo group
     grad_norms_interval: int = 0  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without a network)
     wandb_project: str = "nanogpt-lab"  # W&B project

@@ -3,7 +3,8 @@
 The loop calls `recorder.record_metric("train/loss", loss)` with tensors that stay on the device, so
 recording costs no host-device sync. Every `log.metrics_collect_interval` steps `collect()` reduces
 all pending values of all ranks in one collective and copies them to the host in one transfer (as
-OLMo-core's metrics_collect_interval); the loop then hands the rows to `Sinks`: the console (rank 0),
+OLMo-core's metrics_collect_interval); with `log.async_bookkeeping` that happens on a background
+thread over a CPU (gloo) group, as OLMo's async bookkeeping. The rows then go to `Sinks`: the console (rank 0),
 `<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps.
 Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellaswag/.
 
@@ -17,6 +18,7 @@ import sys
 import uuid
 import warnings
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
@@ -26,12 +28,17 @@ MERGES = ("warn", "latest", "oldest", "mean", "sum", "max", "min")  # a metric r
 
 
 class MetricRecorder:
-    def __init__(self, device, world_size=1):
+    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None):
         self.device, self.world_size = device, world_size
         self.step_values = defaultdict(list)  # name -> values recorded in the current step
         self.rules = {}  # name -> (reduce, merge)
         self.pending = []  # (step, {name: [values]}) not yet collected
         self.warned = set()
+        # Async bookkeeping (OLMo's): reduce and write on a thread, over a gloo group of its own so
+        # it never interleaves with the training loop's collectives.
+        self.group = bookkeeping_group
+        self.worker = ThreadPoolExecutor(max_workers=1) if async_bookkeeping else None
+        self.in_flight = None
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
         """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
@@ -52,11 +59,52 @@ class MetricRecorder:
     def collect(self):
         """Reduce every pending metric over ranks: one collective, one copy to the host.
         Returns [(step, {name: float}), ...] in step order. Every rank must call it together."""
+        packed = self._pack()
+        if packed is None:
+            return []
+        labels, values, kinds = packed
+        return self._rows(labels, self._reduce(values, kinds, group=None).tolist())
+
+    def collect_then(self, handle_rows):
+        """collect() and pass the rows to handle_rows: right away, or with async bookkeeping on the
+        worker thread while training goes on. Errors of the previous batch are raised here."""
+        if self.worker is None:
+            handle_rows(self.collect())
+            return
+        self.wait()
+        packed = self._pack()
+        if packed is None:
+            return
+        labels, values, kinds = packed
+        host_values = values.to("cpu", non_blocking=True)  # the copy overlaps with the next steps
+        copied = torch.cuda.Event() if values.is_cuda else None
+        if copied is not None:
+            copied.record()
+
+        def finish():
+            if copied is not None:
+                copied.synchronize()
+            handle_rows(self._rows(labels, self._reduce(host_values, kinds, self.group).tolist()))
+
+        self.in_flight = self.worker.submit(finish)
+
+    def wait(self):
+        """Wait for async bookkeeping in flight (before a checkpoint, at the end); re-raise its error."""
+        if self.in_flight is not None:
+            in_flight, self.in_flight = self.in_flight, None
+            in_flight.result()
+
+    def close(self):
+        if self.worker is not None:
+            self.worker.shutdown(wait=True)
+
+    def _pack(self):
+        """All pending values, merged per step, as one float64 vector on the device (no sync)."""
         entries = [(step, name, self._merge(name, values))
                    for step, metrics in self.pending for name, values in sorted(metrics.items())]
         self.pending = []
         if not entries:
-            return []
+            return None
         # float64, so large counts (tokens, FLOPs) survive the trip exactly. Device tensors are
         # stacked where they are; host numbers travel in one copy, not one copy each.
         values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
@@ -67,21 +115,29 @@ class MetricRecorder:
                                              for i in on_device])
         if on_host:
             values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host], dtype=torch.float64).to(self.device)
-        kinds = [self.rules[name][0] for _, name, _ in entries]
-        squared = torch.tensor([k == "l2_norm" for k in kinds], device=self.device)
+        labels = [(step, name) for step, name, _ in entries]
+        return labels, values, [self.rules[name][0] for _, name in labels]
+
+    def _reduce(self, values, kinds, group):
+        """Combine every rank's vector with one all-gather, each entry by its own reduction."""
+        device = values.device
+        squared = torch.tensor([k == "l2_norm" for k in kinds], device=device)
         values = torch.where(squared, values * values, values)
         if self.world_size > 1:
-            gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=self.device)
-            dist.all_gather_into_tensor(gathered, values)
+            gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
+            dist.all_gather_into_tensor(gathered, values, group=group)
             gathered = gathered.view(self.world_size, -1)
-            is_max = torch.tensor([k == "max" for k in kinds], device=self.device)
-            is_mean = torch.tensor([k == "mean" for k in kinds], device=self.device)
+            is_max = torch.tensor([k == "max" for k in kinds], device=device)
+            is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
             summed = gathered.sum(0)
             values = torch.where(is_max, gathered.max(0).values,
                                  torch.where(is_mean, summed / self.world_size, summed))
-        values = torch.where(squared, values.clamp_min(0).sqrt(), values)
+        return torch.where(squared, values.clamp_min(0).sqrt(), values)
+
+    @staticmethod
+    def _rows(labels, values):
         rows = {}
-        for (step, name, _), value in zip(entries, values.tolist()):
+        for (step, name), value in zip(labels, values):
             rows.setdefault(step, {})[name] = value
         return sorted(rows.items())
 
@@ -147,6 +203,8 @@ class Sinks:
         self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb else None
 
     def write(self, step, values, print_line):
+        if "tokens" in values:
+            values["tokens"] = int(values["tokens"])  # a count, exact in float64
         if print_line:
             print(console_line(step, values), flush=True)
         append_jsonl(self.jsonl_path, step, values)

@@ -162,14 +162,15 @@ def main(argv):
               f"{world_size} rank(s) on {device}, {grad_accum_steps} micro-step(s) per step, "
               f"{train_loader.num_sequences:,} training sequences per epoch, {max_steps:,} steps"
               + (f"; resumed from {path} at step {step}" if path else ""))
-    recorder = metrics.MetricRecorder(device, world_size)
+    # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
+    bookkeeping_group = dist.new_group(backend="gloo") if cfg.log.async_bookkeeping and world_size > 1 else None
+    recorder = metrics.MetricRecorder(device, world_size, cfg.log.async_bookkeeping, bookkeeping_group)
     sinks = metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg)) if is_master else None
     checkpointer = Checkpointer(out_dir, ck.keep_last, ck.async_save, is_master)
     stop_flag, start_time = SignalFlag(), time.monotonic()
     end_step = min(max_steps, cfg.train.hard_stop or max_steps)
     skip_ranges = parse_step_ranges(cfg.train.steps_to_skip)
     garbage_collector = GarbageCollector(cfg.train.gc_interval)
-    spikes = LossSpikeDetector(cfg.train.loss_spike_threshold)
     profiler_context = make_profiler(cfg.log.profile and is_master, out_dir, rank, cfg.log.profile_wait,
                                      cfg.log.profile_warmup, cfg.log.profile_active)
     hellaswag_examples = []
@@ -180,6 +181,7 @@ def main(argv):
             dist.barrier()
         hellaswag_examples = hellaswag_eval.load_examples(cfg.eval.hellaswag_data)
         hellaswag_examples = hellaswag_examples[: cfg.eval.hellaswag_limit or None]
+    handle_rows = row_handler(cfg, sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), end_step)
     val_loaders = {"val": val_loader}  # the LM evaluator: val/loss, then val/<name>/loss per extra set
     for name in cfg.eval.extra_datasets:
         val_loaders[f"val/{name}"] = TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
@@ -218,6 +220,7 @@ def main(argv):
                                                  flops_per_token, world_size, peak_flops).items():
                     recorder.record_metric(name, value)
                 recorder.record_metric("optim/lr", lr)
+                recorder.record_metric("tokens", tokens_seen)
 
                 stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
                                                               is_master), cpu_group)
@@ -241,20 +244,13 @@ def main(argv):
                 garbage_collector.step(step)
                 checkpoint_due = checkpoint_kind(step, cfg, final=last_step)
 
-                # Collect before a checkpoint, so metrics.jsonl holds every step up to it.
                 if step % cfg.log.metrics_collect_interval == 0 or last_step or checkpoint_due:
                     for name, value in memory_metrics(device).items():
                         recorder.record_metric(name, value, reduce="max")
                     recorder.end_step(step)
-                    for logged_step, values in recorder.collect():
-                        values["tokens"] = tokens_seen - (step - logged_step) * cfg.train.total_batch_size
-                        if "train/loss" in values and spikes.is_spike(values["train/loss"]):
-                            values["train/loss_spike"] = 1.0
-                        if is_master:
-                            sinks.write(logged_step, values, print_line=logged_step % cfg.log.interval == 0
-                                        or (last_step and logged_step == step) or "train/loss_spike" in values)
-                        if cfg.train.nan_policy == "stop":
-                            check_finite(logged_step, values)
+                    recorder.collect_then(handle_rows)
+                    if checkpoint_due:
+                        recorder.wait()  # metrics.jsonl holds every step up to the checkpoint
                 else:
                     recorder.end_step(step)
 
@@ -275,7 +271,9 @@ def main(argv):
                         print(f"{describe_stop(stop_reason, stop_flag, out_dir)} after step {step}; the checkpoint "
                               f"is saved: run the same command again to resume.", flush=True)
                     break
+        recorder.wait()  # the last metrics, when they are written on a thread
     finally:
+        recorder.close()
         checkpointer.wait()  # a save still in flight must land before the process exits
         garbage_collector.close()
         if sinks:
@@ -286,6 +284,21 @@ def main(argv):
               f"(raise train.max_steps to train longer).")
     if world_size > 1:
         dist.destroy_process_group()
+
+
+def row_handler(cfg, sinks, spikes, end_step):
+    """What happens to collected metrics (on the main thread, or the bookkeeping thread): flag loss
+    spikes, write the sinks on rank 0, and with nan_policy=stop end the run on NaN/Inf."""
+    def handle_rows(rows):
+        for step, values in rows:
+            if "train/loss" in values and spikes.is_spike(values["train/loss"]):
+                values["train/loss_spike"] = 1.0
+            if sinks:
+                sinks.write(step, values, print_line=step % cfg.log.interval == 0 or step == end_step
+                            or "train/loss_spike" in values)
+            if cfg.train.nan_policy == "stop":
+                check_finite(step, values)
+    return handle_rows
 
 
 def forward_backward(model, loader, grad_accum_steps, autocast, world_size):

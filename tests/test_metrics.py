@@ -68,6 +68,22 @@ def test_collect_interval_logs_the_same_values_as_collecting_every_step(data_roo
         assert {k: a.get(k) for k in DETERMINISTIC} == {k: b.get(k) for k in DETERMINISTIC}
 
 
+def test_async_bookkeeping_on_two_ranks_logs_the_same_values(data_root, tmp_path):
+    common = ["--train.max_steps=8", "--eval.interval=4", "--train.total_batch_size=256", "--log.metrics_collect_interval=3"]
+    run_train(base(data_root, tmp_path / "sync", *common))
+    run_train(base(data_root, tmp_path / "async", *common, "--log.async_bookkeeping=true",
+                   "--checkpoint.interval=5"), nproc=2)
+    sync, threaded = read_metrics(tmp_path / "sync"), read_metrics(tmp_path / "async")
+    assert [r["step"] for r in threaded] == list(range(1, 9))
+    for a, b in zip(sync, threaded):
+        # The checkpoint at step 5 adds a collection there, and memory is sampled at collections.
+        assert {k for k in a if not k.startswith("system/")} == {k for k in b if not k.startswith("system/")}
+        for key in DETERMINISTIC:
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    assert threaded[-1]["tokens"] == 8 * 256 and isinstance(threaded[-1]["tokens"], int)
+
+
 def test_monitors_write_their_metrics_snapshots_environment_and_profile(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(base(data_root, out, "--train.max_steps=8", "--eval.interval=4", "--log.grad_norms_interval=2",
@@ -116,10 +132,12 @@ def test_wandb_offline_run_holds_the_logged_keys(data_root, tmp_path):
         assert key in data
 
 
-def test_nan_loss_stops_the_run_with_a_clear_message(data_root, tmp_path):
+@pytest.mark.parametrize("async_bookkeeping", ["false", "true"])
+def test_nan_loss_stops_the_run_with_a_clear_message(data_root, tmp_path, async_bookkeeping):
     # An absurd learning rate overflows the weights after the first update, so step 2's loss is NaN.
     result = run_train(base(data_root, tmp_path, "--train.max_steps=6", "--optim.lr=1e20", "--optim.grad_clip=0",
-                            "--eval.interval=0"), check=False)
+                            "--eval.interval=0", "--log.metrics_collect_interval=2",
+                            f"--log.async_bookkeeping={async_bookkeeping}"), check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "train/loss is nan at step 2" in result.stderr and "train.nan_policy=skip" in result.stderr
     assert not list(tmp_path.glob("step*"))  # nothing garbage was checkpointed
