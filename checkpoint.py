@@ -33,6 +33,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from configurator import config_from_dict
+from hf import OPENAI_MODELS, WeightsError, export_hf, import_hf, is_hf_folder
+from model import GPT
+
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step(\d+)$")
 # Fields that must match to load weights; dropout may differ (e.g. fine-tuning with dropout).
@@ -284,9 +288,12 @@ def claim_run_dir(out_dir, run_config, save_overwrite):
     if not same_run and not save_overwrite:
         raise CheckpointError(f"{out_dir} already holds another run ({', '.join(leftovers[:3])}); resume it, choose "
                               f"another train.out_dir, or pass --checkpoint.save_overwrite=true to replace it.")
-    for name in leftovers:
+    for name in leftovers:  # the user asked to replace the run (or it is the same run, restarting)
         path = os.path.join(out_dir, name)
-        shutil.rmtree(path) if os.path.isdir(path) and not os.path.islink(path) else os.remove(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
 
 
 def run_identity(config_dict):
@@ -375,11 +382,6 @@ def load_checkpoint(path, raw_model, optimizer, sample_generator, rank, load_opt
 def load_model(source, device):
     """A GPT from any `--init_from` SOURCE: a run folder (its newest valid checkpoint), a checkpoint
     folder, an OpenAI GPT-2 name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder."""
-    from hf import OPENAI_MODELS, import_hf, is_hf_folder
-
-    from configurator import config_from_dict
-    from model import GPT
-
     if source in OPENAI_MODELS or is_hf_folder(source):
         return import_hf(source).to(device).eval()
     if not os.path.isdir(source):
@@ -397,16 +399,12 @@ def main(argv):
         for step, path in find_checkpoints(argv[1]):
             print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}")
     elif len(argv) == 3 and argv[0] == "export-hf":
-        from hf import export_hf
-
         export_hf(resolve_checkpoint(argv[1]), argv[2])
     else:
         sys.exit("usage: python checkpoint.py list RUN_DIR | export-hf CHECKPOINT OUT_DIR")
 
 
 if __name__ == "__main__":
-    from hf import WeightsError
-
     try:
         main(sys.argv[1:])
     except (CheckpointError, WeightsError) as error:
