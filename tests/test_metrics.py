@@ -213,3 +213,24 @@ def test_plot_command_writes_non_empty_pngs(data_root, tmp_path):
     assert str(png) in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     assert (tmp_path / "plots" / "lr_vs_tokens.png").exists()
+
+
+def test_garbage_collector_disables_automatic_gc_and_collects_every_n_steps(monkeypatch):
+    import gc
+
+    from callbacks import GarbageCollector
+
+    collected_at = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected_at.append(generation))
+    collector = GarbageCollector(interval=3)
+    try:
+        assert not gc.isenabled()
+        for step in range(1, 10):
+            collector.step(step)
+            if step % 3 == 0:
+                assert len(collected_at) == step // 3
+    finally:
+        collector.close()
+    assert gc.isenabled() and collected_at == [1, 1, 1]
+    GarbageCollector(interval=0).step(3)  # 0 leaves Python's automatic GC alone
+    assert gc.isenabled() and len(collected_at) == 3
