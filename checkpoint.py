@@ -66,11 +66,6 @@ def find_checkpoints(run_dir):
     return sorted(found)
 
 
-def latest_checkpoint(run_dir):
-    found = find_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
 def read_marker(path):
     with open(os.path.join(path, MARKER)) as f:
         return json.load(f)

@@ -147,7 +147,7 @@ class MetricRecorder:
             return values[-1]
         if merge == "oldest":
             return values[0]
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32, device=self.device) for v in values])
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
         return {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.max, "min": stacked.min}[merge]()
 
 
