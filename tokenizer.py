@@ -16,6 +16,7 @@ from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenization 
 # The hashes tiktoken checks for GPT-2's files (tiktoken_ext/openai_public.py).
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_VOCAB_SIZE = 50257  # GPT-2's real tokens; models pad their vocabulary beyond this (model.GPTConfig)
 EOT_TOKEN = 50256  # <|endoftext|>: separates documents in the training stream
 
 
@@ -30,7 +31,7 @@ def get_tokenizer() -> tiktoken.Encoding:
     )
     return tiktoken.Encoding(
         name="gpt2",
-        explicit_n_vocab=50257,
+        explicit_n_vocab=GPT2_VOCAB_SIZE,
         pat_str=r50k_pat_str,
         mergeable_ranks=ranks,
         special_tokens={"<|endoftext|>": EOT_TOKEN},

@@ -16,6 +16,7 @@ recorder = MetricRecorder("cpu", dist.get_world_size())
 value = torch.tensor(float(rank + 1))  # rank 0 records 1, rank 1 records 2
 for reduce in ("mean", "sum", "max", "l2_norm"):
     recorder.record_metric(f"test/{reduce}", value, reduce=reduce)
+recorder.record_metric("test/rank0", value, reduce=None)  # no reduction: rank 0's value
 recorder.end_step(1)
 recorder.record_metric("test/mean", 10.0 * (rank + 1))  # a second step, a plain number
 recorder.end_step(2)

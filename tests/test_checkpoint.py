@@ -9,7 +9,8 @@ import time
 import pytest
 import torch
 
-from checkpoint import (Checkpointer, CheckpointError, claim_run_dir, find_checkpoints, newest_valid_checkpoint,
+from run_dir import claim_for_fresh_start
+from checkpoint import (Checkpointer, CheckpointError, find_checkpoints, newest_valid_checkpoint,
                         prune_checkpoints, verify_checkpoint, write_checkpoint)
 from conftest import ROOT, TINY, read_metrics, run_train
 
@@ -182,11 +183,11 @@ def test_a_different_run_in_out_dir_is_not_overwritten(data_root, tmp_path):
 def test_restart_of_the_same_run_before_its_first_checkpoint_is_allowed(tmp_path):
     config = {"model": {"n_layer": 2}, "data": {"dataset": "x"}, "optim": {}, "train": {"seed": 1}}
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
-    claim_run_dir(str(tmp_path), config, save_overwrite=False)
+    claim_for_fresh_start(str(tmp_path), config, save_overwrite=False)
     other = {**config, "model": {"n_layer": 3}}
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
     with pytest.raises(CheckpointError, match="already holds another run"):
-        claim_run_dir(str(tmp_path), other, save_overwrite=False)
+        claim_for_fresh_start(str(tmp_path), other, save_overwrite=False)
 
 
 def test_loading_a_different_model_shape_names_the_field(data_root, tmp_path):

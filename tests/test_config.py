@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from configurator import ConfigError, config_from_dict, config_to_dict, parse_args
+from config import ConfigError, config_from_dict, config_to_dict, parse_args
 from conftest import ROOT
 
 

@@ -30,9 +30,9 @@ def test_y_is_x_shifted_by_one(tmp_path):
 
 def test_loader_is_deterministic_given_the_seed(tmp_path):
     d = make_dataset(tmp_path)
-    a = batches(TokenLoader(d, "train", 4, 8, shuffle=True, seed=1), 5)
-    b = batches(TokenLoader(d, "train", 4, 8, shuffle=True, seed=1), 5)
-    c = batches(TokenLoader(d, "train", 4, 8, shuffle=True, seed=2), 5)
+    a = batches(TokenLoader(d, "train", batch_size=4, block_size=8, shuffle=True, seed=1), 5)
+    b = batches(TokenLoader(d, "train", batch_size=4, block_size=8, shuffle=True, seed=1), 5)
+    c = batches(TokenLoader(d, "train", batch_size=4, block_size=8, shuffle=True, seed=2), 5)
     assert all(torch.equal(p[0], q[0]) for p, q in zip(a, b))
     assert not all(torch.equal(p[0], q[0]) for p, q in zip(a, c))
 
@@ -41,7 +41,7 @@ def test_ranks_get_disjoint_sequences_and_together_cover_an_epoch(tmp_path):
     d = make_dataset(tmp_path, n_train=8 * 16 + 1, shards=2)  # 16 sequences per shard, 32 per epoch
     seen = []
     for rank in range(2):
-        loader = TokenLoader(d, "train", 4, 8, rank=rank, world_size=2, shuffle=True, seed=3)
+        loader = TokenLoader(d, "train", batch_size=4, block_size=8, rank=rank, world_size=2, shuffle=True, seed=3)
         seen.append({tuple(row.tolist()) for x, _ in batches(loader, 4) for row in x})
     assert not seen[0] & seen[1]
     assert len(seen[0] | seen[1]) == 32
@@ -50,29 +50,29 @@ def test_ranks_get_disjoint_sequences_and_together_cover_an_epoch(tmp_path):
 def test_global_batch_is_the_same_for_any_rank_and_micro_batch_split(tmp_path):
     d = make_dataset(tmp_path)
     # One rank, 2 micro-steps of 4 sequences each.
-    single = TokenLoader(d, "train", 4, 8, shuffle=True, seed=0)
+    single = TokenLoader(d, "train", batch_size=4, block_size=8, shuffle=True, seed=0)
     one_rank = torch.cat([x for x, _ in batches(single, 2)])
     # Two ranks, one micro-step of 4 each; and 4 ranks x 1 micro-step of 2.
-    two_ranks = torch.cat([TokenLoader(d, "train", 4, 8, r, 2, True, 0).next_batch()[0] for r in range(2)])
-    four_ranks = torch.cat([TokenLoader(d, "train", 2, 8, r, 4, True, 0).next_batch()[0] for r in range(4)])
+    two_ranks = torch.cat([TokenLoader(d, "train", batch_size=4, block_size=8, rank=r, world_size=2, shuffle=True, seed=0).next_batch()[0] for r in range(2)])
+    four_ranks = torch.cat([TokenLoader(d, "train", batch_size=2, block_size=8, rank=r, world_size=4, shuffle=True, seed=0).next_batch()[0] for r in range(4)])
     assert torch.equal(one_rank, two_ranks) and torch.equal(one_rank, four_ranks)
 
 
 def test_loader_wraps_counts_epochs_and_restores_its_position(tmp_path):
     d = make_dataset(tmp_path, n_train=8 * 5 + 1, shards=1)  # 5 sequences per epoch
-    loader = TokenLoader(d, "train", 2, 8, shuffle=True, seed=0)
+    loader = TokenLoader(d, "train", batch_size=2, block_size=8, shuffle=True, seed=0)
     batches(loader, 3)
     assert loader.epoch == 1
     state = json.loads(json.dumps(loader.state_dict()))
     expected = batches(loader, 4)
-    resumed = TokenLoader(d, "train", 2, 8, shuffle=True, seed=0)
+    resumed = TokenLoader(d, "train", batch_size=2, block_size=8, shuffle=True, seed=0)
     resumed.load_state_dict(state)
     assert all(torch.equal(a[0], b[0]) for a, b in zip(expected, batches(resumed, 4)))
 
 
 def test_missing_data_says_which_command_prepares_it(tmp_path):
     with pytest.raises(DataError, match=r"python data.py fineweb-edu"):
-        TokenLoader(str(tmp_path / "fineweb-edu"), "train", 2, 8)
+        TokenLoader(str(tmp_path / "fineweb-edu"), "train", batch_size=2, block_size=8)
 
 
 def test_empty_shard_and_too_short_shard_are_reported(tmp_path):
@@ -80,10 +80,10 @@ def test_empty_shard_and_too_short_shard_are_reported(tmp_path):
     d.mkdir()
     write_shard(str(d / "train_000001.npy"), np.array([], dtype=np.uint16))
     with pytest.raises(DataError, match="is empty"):
-        TokenLoader(str(d), "train", 2, 8)
+        TokenLoader(str(d), "train", batch_size=2, block_size=8)
     write_shard(str(d / "train_000001.npy"), np.arange(5))
     with pytest.raises(DataError, match="fewer than block_size"):
-        TokenLoader(str(d), "train", 2, 8)
+        TokenLoader(str(d), "train", batch_size=2, block_size=8)
 
 
 def test_play_markdown_becomes_plain_play_text():

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from callbacks import LossSpikeDetector, duration_to_steps, parse_step_ranges
-from configurator import ConfigError
+from callbacks import LossSpikeDetector
+from config import ConfigError, duration_to_steps, parse_step_ranges
 from conftest import ROOT, TINY, read_metrics, run_train
 from metrics import MetricRecorder
 from model import GPT, GPTConfig
@@ -21,10 +21,12 @@ def test_each_reduction_across_two_gloo_ranks(tmp_path):
     assert step1 == 1 and step2 == 2
     assert first["test/mean"] == 1.5 and first["test/sum"] == 3.0 and first["test/max"] == 2.0
     assert first["test/l2_norm"] == pytest.approx(math.sqrt(1 + 4))
+    assert first["test/rank0"] == 1.0
     assert second == {"test/mean": 15.0}
 
 
-@pytest.mark.parametrize("merge,expected", [("latest", 3.0), ("oldest", 1.0), ("mean", 2.0), ("sum", 6.0),
+# OLMo-core's MetricMergeStrategy: mean averages the new value with the stored one, pair by pair.
+@pytest.mark.parametrize("merge,expected", [("latest", 3.0), ("oldest", 1.0), ("mean", 2.25), ("sum", 6.0),
                                             ("max", 3.0), ("min", 1.0)])
 def test_merge_rules_for_a_metric_recorded_twice_in_a_step(merge, expected):
     recorder = MetricRecorder("cpu")
@@ -34,13 +36,22 @@ def test_merge_rules_for_a_metric_recorded_twice_in_a_step(merge, expected):
     assert recorder.collect() == [(1, {"x": expected})]
 
 
-def test_default_merge_warns_and_keeps_the_latest():
+def test_default_merge_warns_every_time_and_keeps_the_value_already_recorded():
     recorder = MetricRecorder("cpu")
     recorder.record_metric("x", 1.0)
-    with pytest.warns(UserWarning, match="recorded twice"):
-        recorder.record_metric("x", 2.0)
+    for value in (2.0, 3.0):
+        with pytest.warns(UserWarning, match="recorded twice"):
+            recorder.record_metric("x", value)
     recorder.end_step(1)
-    assert recorder.collect() == [(1, {"x": 2.0})]
+    assert recorder.collect() == [(1, {"x": 1.0})]
+
+
+def test_a_metric_recorded_with_another_reduce_type_is_an_error():
+    recorder = MetricRecorder("cpu")
+    recorder.record_metric("x", 1.0, reduce="sum")
+    recorder.end_step(1)
+    with pytest.raises(ValueError, match="must keep one reduce type"):
+        recorder.record_metric("x", 1.0, reduce="max")
 
 
 def test_large_counts_survive_collection_exactly():
@@ -222,15 +233,12 @@ def test_garbage_collector_disables_automatic_gc_and_collects_every_n_steps(monk
 
     collected_at = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected_at.append(generation))
-    collector = GarbageCollector(interval=3)
-    try:
+    with GarbageCollector(interval=3) as collector:
         assert not gc.isenabled()
         for step in range(1, 10):
             collector.step(step)
             if step % 3 == 0:
                 assert len(collected_at) == step // 3
-    finally:
-        collector.close()
     assert gc.isenabled() and collected_at == [1, 1, 1]
     GarbageCollector(interval=0).step(3)  # 0 leaves Python's automatic GC alone
     assert gc.isenabled() and len(collected_at) == 3

@@ -2,7 +2,10 @@ import math
 
 import torch
 
-from model import GPT, GPT2_VOCAB_SIZE, GPTConfig, filter_logits
+from config import OptimConfig
+from model import GPT, GPTConfig
+from sample import filter_logits, generate
+from tokenizer import GPT2_VOCAB_SIZE
 
 
 def tiny_config(**overrides):
@@ -14,7 +17,7 @@ def test_model_overfits_a_tiny_batch():
     model = GPT(tiny_config())
     x = torch.randint(0, 1000, (2, 16))
     y = torch.randint(0, 1000, (2, 16))
-    optimizer = model.configure_optimizers(0.0, 3e-3, (0.9, 0.95), 1e-8, "cpu")
+    optimizer = model.configure_optimizers(OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
     _, first = model(x, y)
     for _ in range(150):
         _, loss = model(x, y)
@@ -59,12 +62,16 @@ def test_flops_per_token_is_6n_plus_attention():
     c = model.config
     n = model.num_params(non_embedding=True) + c.n_embd * c.vocab_size
     assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
-    assert math.isclose(model.estimate_mfu(1000.0, 1e12), model.flops_per_token() * 1000 / 1e12)
+    from callbacks import speed_metrics
+
+    speed = speed_metrics(step_time=1.0, data_time=0.0, tokens_per_step=1000, block_size=c.block_size, tokens_seen=1000,
+                          flops_per_token=model.flops_per_token(), world_size=1, peak_flops=1e12)
+    assert math.isclose(speed["throughput/mfu"], model.flops_per_token() * 1000 / 1e12)
 
 
 def test_weight_decay_only_on_matrices():
     model = GPT(tiny_config())
-    optimizer = model.configure_optimizers(0.1, 1e-3, (0.9, 0.95), 1e-8, "cpu")
+    optimizer = model.configure_optimizers(OptimConfig(weight_decay=0.1, lr=1e-3), "cpu")
     decayed, plain = optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.dim() < 2 for p in plain["params"])
@@ -94,7 +101,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
     torch.manual_seed(0)
     model = GPT(tiny_config()).eval()
     idx = torch.randint(0, 1000, (2, 3))
-    cached = model.generate(idx, 10, temperature=0)
+    cached = generate(model, idx, 10, temperature=0)
     slow = idx
     for _ in range(10):
         logits, _ = model(slow)
@@ -103,7 +110,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
 
 
 def test_peak_flops_lookup_for_mfu(monkeypatch):
-    from model import peak_flops_for_device
+    from callbacks import peak_flops_for_device
 
     assert peak_flops_for_device("cpu") is None  # unknown peak: MFU is not logged
     assert peak_flops_for_device("cpu", override=1e12) == 1e12

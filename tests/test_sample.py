@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from conftest import ROOT, TINY, run_train
 from model import GPT, GPTConfig
-from sample import beam_search
+from sample import beam_search, generate
 
 
 def small_vocab_model(vocab=4, seed=0):
@@ -27,7 +27,7 @@ def test_beam_size_one_is_greedy_decoding():
     torch.manual_seed(1)
     model.eval()
     prompt = [464, 3290, 318]
-    greedy = model.generate(torch.tensor([prompt]), 8, temperature=0)[0].tolist()
+    greedy = generate(model, torch.tensor([prompt]), 8, temperature=0)[0].tolist()
     [(beam, _)] = beam_search(model, prompt, beam_size=1, max_new_tokens=8)
     assert beam == greedy
 
