@@ -42,7 +42,8 @@ def test_resume_on_a_different_world_size_continues_the_same_data(data_root, tmp
     common = ["--train.max_steps=8", "--train.total_batch_size=256", "--model.dropout=0.0"]
     run_train(args(data_root, tmp_path / "one", *common))
     run_train(args(data_root, tmp_path / "two", *common, "--train.hard_stop=4"), nproc=2)
-    run_train(args(data_root, tmp_path / "two", *common))  # resumed by one rank, 2 micro-steps
+    resumed = run_train(args(data_root, tmp_path / "two", *common))  # resumed by one rank, 2 micro-steps
+    assert "saved by 2 rank(s) and this run has 1" in resumed.stdout  # RNG states stay with their ranks
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert list(two) == list(range(1, 9))
     for step in range(5, 9):

@@ -1,0 +1,107 @@
+"""The layout and the OLMo-core semantics of the read-through issue: no import cycles, one error class,
+config formats checked before anything is written, load_path rules, hard_stop durations, the summary."""
+
+import ast
+import subprocess
+import sys
+
+import pytest
+
+import callbacks
+import checkpoint
+import config
+import data
+import hellaswag_eval
+import hf
+import metrics
+from config import ConfigError, parse_args
+from conftest import ROOT, TINY, read_metrics, run_train
+
+
+def top_level_imports(path):
+    """The project modules `path` imports, anywhere in the file (lazy imports count too)."""
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module.split(".")[0])
+    return found & modules - {path.stem}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = {p.stem: top_level_imports(p) for p in ROOT.glob("*.py")}
+
+    def reaches(start, goal, seen=()):
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
+
+    cycles = [m for m in graph if reaches(m, m)]
+    assert cycles == [], f"import cycles through {cycles}"
+    assert graph["hf"] <= {"config", "model", "tokenizer"}  # a leaf: export takes a model, not a checkpoint path
+
+
+def test_every_error_a_user_can_cause_is_a_user_error():
+    for error in (ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.HellaSwagError,
+                  callbacks.NonFiniteLoss, hf.WeightsError, metrics.SinkError):
+        assert issubclass(error, config.UserError), error
+
+
+def test_word_fields_are_literals_whose_choices_config_py_alone_states(tmp_path):
+    with pytest.raises(ConfigError, match="train.dtype='float16' is not one of auto, float32, bfloat16"):
+        parse_args(["--train.dtype=float16"])
+    help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "--train.nan_policy=\"stop\"" in help_text and "(one of: stop, skip)" in help_text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--train.max_duration=3 fortnights", "train.max_duration='3 fortnights' is not a duration"),
+    ("--train.hard_stop=soon", "train.hard_stop='soon' is not a duration"),
+    ("--train.steps_to_skip=9-3", "train.steps_to_skip part '9-3' is not a range"),
+])
+def test_formatted_strings_fail_before_the_run_folder_is_created(data_root, tmp_path, override, message):
+    out = tmp_path / "run"
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", override], check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("hard_stop", ["3", "3steps", "384tokens"])
+def test_hard_stop_takes_a_duration_and_a_bare_number_is_steps(data_root, tmp_path, hard_stop):
+    out = tmp_path / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=10",
+                      f"--train.hard_stop={hard_stop}", "--eval.interval=0"])  # 128 tokens per step
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["optim/lr"] > 0.1 * rows[0]["optim/lr"]  # the schedule still runs to step 10
+
+
+def test_a_config_file_may_write_hard_stop_as_a_number(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("train.hard_stop = 500\n")
+    assert parse_args([str(path)]).train.hard_stop == "500"
+
+
+def test_load_path_without_a_checkpoint_starts_from_scratch_with_a_warning(data_root, tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                               "--train.max_steps=2", f"--checkpoint.load_path={tmp_path / 'empty'}"])
+    assert "holds no checkpoint; starting from scratch" in result.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_a_load_path_ignored_for_the_runs_own_checkpoint_is_said_once(data_root, tmp_path):
+    common = TINY + [f"--data.data_root={data_root}", "--eval.interval=0"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'base'}", "--train.max_steps=2"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=2"])
+    result = run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=4",
+                                 f"--checkpoint.load_path={tmp_path / 'base'}"])
+    assert result.stdout.count("is ignored because") == 1 and "at step 2" in result.stdout
+
+
+def test_start_summary_and_console_eta(data_root, tmp_path):
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=3"])
+    assert "model: 1,636,224 parameters (25,472 non-embedding)" in result.stdout
+    assert "run: 3 steps x 128 tokens = 384 tokens (0.0 per non-embedding parameter" in result.stdout
+    assert "training FLOPs" in result.stdout
+    assert "| eta 0:00:00" in result.stdout
