@@ -74,8 +74,15 @@ class TrainConfig:
 @dataclass(slots=True)
 class OptimConfig:
     lr: float = 6e-4  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
-    min_lr: float = 6e-5  # learning rate at the end of the cosine decay (10% of lr, Chinchilla)
+    min_lr: float = 6e-5  # learning rate at the end of the decay (10% of lr, Chinchilla)
+    schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = "cosine"  # LR schedule (schedule.py)
     warmup_steps: int = 715  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
+    warmup_fraction: float = 0.0  # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
+    decay_steps: int = 0  # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
+    decay_fraction: float = 0.1  # wsd/wsds: the decay as a share of the run (of each period for wsds)
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
+    periods: list[int] = field(default_factory=list)  # wsds: the length of each period in steps
+    period_lr_multipliers: list[float] = field(default_factory=list)  # wsds: each period's peak as a multiple of lr (empty: all 1)
     weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices only (GPT-3)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
@@ -159,6 +166,11 @@ RANGES = [
         "eval.hellaswag_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
+    ("optim.warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.decay_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("optim.decay_steps", lambda v: v >= 0, "0 or more"),
+    ("optim.periods", lambda v: all(p >= 1 for p in v), "steps of 1 or more"),
+    ("optim.period_lr_multipliers", lambda v: all(m > 0 for m in v), "positive numbers"),
     ("optim.eps", lambda v: v > 0, "greater than 0"),
     ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -185,6 +197,12 @@ def validate(cfg):
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the floor of the "
                           f"schedule must not exceed its peak.")
+    if cfg.optim.warmup_steps and cfg.optim.warmup_fraction:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} and optim.warmup_fraction="
+                          f"{cfg.optim.warmup_fraction} are both set; set one of them to 0.")
+    if cfg.optim.period_lr_multipliers and len(cfg.optim.period_lr_multipliers) != len(cfg.optim.periods):
+        raise ConfigError(f"optim.period_lr_multipliers has {len(cfg.optim.period_lr_multipliers)} values for "
+                          f"{len(cfg.optim.periods)} optim.periods; give one per period, or none.")
     for key in ("train.max_duration", "train.hard_stop"):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)
@@ -305,6 +323,8 @@ def check_value(key, value, type_):
         return float(value)
     if typing.get_origin(type_) is list:
         item_type = typing.get_args(type_)[0]
+        if item_type is float and isinstance(value, (list, tuple)):
+            value = [float(v) if type(v) is int else v for v in value]
         if isinstance(value, (list, tuple)) and all(type(v) is item_type for v in value):
             return list(value)
         raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}.")

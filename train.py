@@ -2,6 +2,7 @@
 
     python train.py                                      # Shakespeare on a laptop CPU (config/shakespeare.py)
     python train.py config/gpt2.py --train.max_steps=100 # any config file, with dotted overrides
+    python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
 The story: read and check the config, set up DDP from torchrun's environment, build data, model and
@@ -14,6 +15,7 @@ called from a visible place here; the helpers below `main`'s imports come in the
 import math
 import os
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, nullcontext
 
@@ -32,6 +34,7 @@ from config import (ConfigError, UserError, config_to_dict, duration_to_steps, i
 from data import TokenLoader, ensure_dataset
 from model import GPT
 from sample import generate_text
+from schedule import build_schedule, plot_schedule
 from stopping import SignalFlag, agree_on_stop, describe_stop, local_stop_reason
 
 
@@ -62,12 +65,25 @@ def rank0_first(work, rank, world_size):
     return work() if rank != 0 else result
 
 
-def get_lr(step, optim, max_steps):
-    """Linear warmup to optim.lr, then cosine decay to optim.min_lr at max_steps (GPT-3, appendix B)."""
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    progress = min(1.0, (step - optim.warmup_steps) / max(1, max_steps - optim.warmup_steps))
-    return optim.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (optim.lr - optim.min_lr)
+def plan_lengths(cfg, world_size, tokens_per_epoch, non_embedding_params):
+    """(grad_accum_steps, max_steps, end_step): how a step splits into micro-steps, the schedule's
+    length, and where this run stops (train.hard_stop). A batch that does not divide is one sentence."""
+    tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
+    if cfg.train.total_batch_size % tokens_per_micro_step:
+        raise ConfigError(
+            f"train.total_batch_size={cfg.train.total_batch_size} is not a multiple of data.batch_size "
+            f"x model.block_size x world_size = {cfg.data.batch_size} x {cfg.model.block_size} x "
+            f"{world_size} = {tokens_per_micro_step}; change one of them so it divides.")
+    grad_accum_steps = cfg.train.total_batch_size // tokens_per_micro_step
+    max_steps = cfg.train.max_steps  # the LR schedule's length; train.max_duration sets it in other units
+    if cfg.train.max_duration:
+        max_steps = duration_to_steps(cfg.train.max_duration, cfg.train.total_batch_size, tokens_per_epoch,
+                                      non_embedding_params)
+    end_step = max_steps
+    if cfg.train.hard_stop:
+        end_step = min(max_steps, duration_to_steps(cfg.train.hard_stop, cfg.train.total_batch_size, tokens_per_epoch,
+                                                    non_embedding_params, key="train.hard_stop"))
+    return grad_accum_steps, max_steps, end_step
 
 
 def describe_run(cfg, raw_model, *, world_size, device, grad_accum_steps, max_steps, end_step, sequences_per_epoch):
@@ -162,9 +178,43 @@ def write_samples(raw_model, eval_cfg, out_dir, step, device, generator):
               f"training goes on.", file=sys.stderr, flush=True)
 
 
+def dry_run(cfg):
+    """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run folder."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, without starting a process group
+    data_dir = os.path.join(cfg.data.data_root, cfg.data.dataset)
+    ensure_dataset(data_dir)
+    loader = TokenLoader(data_dir, "train", batch_size=cfg.data.batch_size, block_size=cfg.model.block_size,
+                         vocab_size=cfg.model.vocab_size)
+    with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
+        raw_model = GPT(cfg.model)
+    grad_accum_steps, max_steps, end_step = plan_lengths(cfg, world_size, loader.num_sequences * cfg.model.block_size,
+                                                         raw_model.num_params(non_embedding=True))
+    schedule = build_schedule(cfg.optim, max_steps)
+    c = cfg.checkpoint
+    saves = sorted({s for s in range(1, end_step + 1) if checkpoint_kind(s, c, final=s == end_step)})
+    print(describe_run(cfg, raw_model, world_size=world_size, device=cfg.train.device, grad_accum_steps=grad_accum_steps,
+                       max_steps=max_steps, end_step=end_step, sequences_per_epoch=loader.num_sequences))
+    print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
+          f"{grad_accum_steps} micro-step(s) x {world_size} rank(s) = {cfg.train.total_batch_size:,} tokens per step")
+    print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
+          f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
+          + (f", periods {list(schedule.periods)} ending at steps {schedule.period_ends()}, decays "
+             f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
+    print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
+          f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
+    marks = [(end, f"period {i + 1}") for i, end in enumerate(schedule.period_ends())]
+    if end_step < max_steps:
+        marks.append((end_step, "hard stop"))
+    name = os.path.basename(os.path.normpath(cfg.train.out_dir)) or "run"
+    path = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"lr_schedule_{name}.png"), marks)
+    print(f"learning rate plot: {path}")
+
+
 def main(argv):
     # ---- configuration and processes (every user mistake in the config fails here, before any file is touched)
-    cfg = parse_args(argv)
+    cfg = parse_args([a for a in argv if a != "--dry_run"])
+    if "--dry_run" in argv:
+        return dry_run(cfg)
     rank, world_size, device, cpu_group = setup_distributed(cfg.train.device)
     is_master = rank == 0  # rank 0 alone prints and writes files
     device_type = torch.device(device).type
@@ -175,15 +225,6 @@ def main(argv):
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
-
-    # ---- batch arithmetic: total_batch_size tokens per step = micro-batches x ranks x accumulation
-    tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
-    if cfg.train.total_batch_size % tokens_per_micro_step:
-        raise ConfigError(
-            f"train.total_batch_size={cfg.train.total_batch_size} is not a multiple of data.batch_size "
-            f"x model.block_size x world_size = {cfg.data.batch_size} x {cfg.model.block_size} x "
-            f"{world_size} = {tokens_per_micro_step}; change one of them so it divides.")
-    grad_accum_steps = cfg.train.total_batch_size // tokens_per_micro_step
 
     # ---- data (the built-in dataset is prepared on first use; every shard is checked when opened)
     data_dir = os.path.join(cfg.data.data_root, cfg.data.dataset)
@@ -199,7 +240,7 @@ def main(argv):
         hellaswag_examples = rank0_first(lambda: hellaswag_eval.load_examples(cfg.eval.hellaswag_data), rank, world_size)
         hellaswag_examples = hellaswag_examples[: cfg.eval.hellaswag_limit or None]
 
-    # ---- model, optimizer and the run's length
+    # ---- model, optimizer, and the run's length and schedule (total_batch_size = micro-batches x ranks x accumulation)
     raw_model = GPT(cfg.model).to(device)
     model = raw_model
     if cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda"):
@@ -207,16 +248,9 @@ def main(argv):
     if world_size > 1:
         model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
     optimizer = raw_model.configure_optimizers(cfg.optim, device_type)
-    tokens_per_epoch = train_loader.num_sequences * cfg.model.block_size
-    non_embedding_params = raw_model.num_params(non_embedding=True)
-    max_steps = cfg.train.max_steps  # the LR schedule's length; train.max_duration sets it in other units
-    if cfg.train.max_duration:
-        max_steps = duration_to_steps(cfg.train.max_duration, cfg.train.total_batch_size, tokens_per_epoch,
-                                      non_embedding_params)
-    end_step = max_steps
-    if cfg.train.hard_stop:
-        end_step = min(max_steps, duration_to_steps(cfg.train.hard_stop, cfg.train.total_batch_size, tokens_per_epoch,
-                                                    non_embedding_params, key="train.hard_stop"))
+    grad_accum_steps, max_steps, end_step = plan_lengths(cfg, world_size, train_loader.num_sequences * cfg.model.block_size,
+                                                         raw_model.num_params(non_embedding=True))
+    schedule = build_schedule(cfg.optim, max_steps)
     sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
 
     with ExitStack() as stack:
@@ -275,7 +309,7 @@ def main(argv):
         # ---- the training loop
         while step < end_step:
             step_start = time.perf_counter()
-            lr = get_lr(step, cfg.optim, max_steps)
+            lr = schedule.lr_at(step + 1)  # step + 1: the step being taken, as logged
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_loss = grad_norm = None
