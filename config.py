@@ -50,6 +50,7 @@ class DataConfig:
     data_root: str = "data"  # where prepared datasets live (`python data.py ...` writes there)
     batch_size: int = 16  # sequences per rank per micro-step (lower it if you run out of memory)
     shuffle: bool = True  # visit the training sequences in a fresh seeded order every epoch
+    mix: list[str] = field(default_factory=list)  # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty: data.dataset alone)
 
 
 @dataclass(slots=True)
@@ -207,6 +208,7 @@ def validate(cfg):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)
     parse_step_ranges(cfg.train.steps_to_skip)
+    parse_mix(cfg.data.mix)
 
 
 # ----------------------------------------------------------------------------- durations and step ranges
@@ -246,6 +248,23 @@ def parse_step_ranges(text):
 
 def in_ranges(step, ranges):
     return any(start <= step < end for start, end in ranges)
+
+
+def parse_mix(entries):
+    """['shakespeare:3', 'python:1'] -> [('shakespeare', 0.75), ('python', 0.25)]."""
+    weights = {}
+    for entry in entries:
+        name, _, weight = entry.partition(":")
+        try:
+            value = float(weight)
+        except ValueError:
+            value = -1.0
+        if not name or not (0 < value < math.inf) or name in weights:
+            raise ConfigError(f"data.mix entry {entry!r} is not name:weight with a positive weight and a new name; "
+                              f"write e.g. --data.mix=shakespeare:3,python:1.")
+        weights[name] = value
+    total = sum(weights.values())
+    return [(name, weight / total) for name, weight in weights.items()]
 
 
 # ----------------------------------------------------------------------------- reading config files and overrides

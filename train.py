@@ -29,9 +29,10 @@ import run_dir
 from callbacks import (GarbageCollector, LossSpikeDetector, check_finite, make_profiler, memory_metrics,
                        peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
 from checkpoint import Checkpointer, capture_state, checkpoint_kind, load_checkpoint
-from config import (ConfigError, UserError, config_to_dict, duration_to_steps, in_ranges, parse_args,
+from config import (ConfigError, UserError, config_to_dict, duration_to_steps, in_ranges, parse_args, parse_mix,
                     parse_step_ranges)
 from data import TokenLoader, ensure_dataset
+from mixture import MixtureLoader
 from model import GPT
 from sample import generate_text
 from schedule import build_schedule, plot_schedule
@@ -63,6 +64,31 @@ def rank0_first(work, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return work() if rank != 0 else result
+
+
+def build_loaders(cfg, rank, world_size, device):
+    """(train_loader, val_loaders, mix): one dataset, or a mixture of several (data.mix) whose val sets
+    are evaluated one by one. Rank 0 prepares a built-in dataset first if it is missing."""
+    mix = parse_mix(cfg.data.mix)
+    names = [name for name, _ in mix] or [cfg.data.dataset]
+    for name in names:
+        rank0_first(lambda: ensure_dataset(os.path.join(cfg.data.data_root, name)), rank, world_size)
+    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
+                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
+    if mix:
+        train_loader = MixtureLoader(cfg.data.data_root, mix, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
+                                     sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size,
+                                     **loader_args)
+    else:
+        train_loader = TokenLoader(os.path.join(cfg.data.data_root, cfg.data.dataset), "train",
+                                   shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args)
+    # val/loss (with a mixture: val/<name>/loss per source, and val/loss their share-weighted mean),
+    # then val/<name>/loss for each of eval.extra_datasets.
+    val_names = {f"val/{name}": name for name, _ in mix} if mix else {"val": cfg.data.dataset}
+    val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
+    val_loaders = {prefix: TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
+                   for prefix, name in val_names.items()}
+    return train_loader, val_loaders, mix
 
 
 def plan_lengths(cfg, world_size, tokens_per_epoch, non_embedding_params):
@@ -181,10 +207,7 @@ def write_samples(raw_model, eval_cfg, out_dir, step, device, generator):
 def dry_run(cfg):
     """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run folder."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, without starting a process group
-    data_dir = os.path.join(cfg.data.data_root, cfg.data.dataset)
-    ensure_dataset(data_dir)
-    loader = TokenLoader(data_dir, "train", batch_size=cfg.data.batch_size, block_size=cfg.model.block_size,
-                         vocab_size=cfg.model.vocab_size)
+    loader, _, mix = build_loaders(cfg, 0, 1, "cpu")
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
         raw_model = GPT(cfg.model)
     grad_accum_steps, max_steps, end_step = plan_lengths(cfg, world_size, loader.num_sequences * cfg.model.block_size,
@@ -194,6 +217,8 @@ def dry_run(cfg):
     saves = sorted({s for s in range(1, end_step + 1) if checkpoint_kind(s, c, final=s == end_step)})
     print(describe_run(cfg, raw_model, world_size=world_size, device=cfg.train.device, grad_accum_steps=grad_accum_steps,
                        max_steps=max_steps, end_step=end_step, sequences_per_epoch=loader.num_sequences))
+    if mix:
+        print("mixture: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
     print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
           f"{grad_accum_steps} micro-step(s) x {world_size} rank(s) = {cfg.train.total_batch_size:,} tokens per step")
     print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
@@ -226,15 +251,8 @@ def main(argv):
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
 
-    # ---- data (the built-in dataset is prepared on first use; every shard is checked when opened)
-    data_dir = os.path.join(cfg.data.data_root, cfg.data.dataset)
-    rank0_first(lambda: ensure_dataset(data_dir), rank, world_size)
-    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size,
-                       rank=rank, world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
-    train_loader = TokenLoader(data_dir, "train", shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args)
-    val_loaders = {"val": TokenLoader(data_dir, "val", **loader_args)}  # val/loss, then val/<name>/loss
-    for name in cfg.eval.extra_datasets:
-        val_loaders[f"val/{name}"] = TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
+    # ---- data (built-in datasets are prepared on first use; every shard is checked when opened)
+    train_loader, val_loaders, mix = build_loaders(cfg, rank, world_size, device)
     hellaswag_examples = []
     if cfg.eval.hellaswag_interval:  # downloads once, into the cache
         hellaswag_examples = rank0_first(lambda: hellaswag_eval.load_examples(cfg.eval.hellaswag_data), rank, world_size)
@@ -281,6 +299,8 @@ def main(argv):
                                max_steps=max_steps, end_step=end_step, sequences_per_epoch=train_loader.num_sequences))
             if path:
                 print(f"resumed from {path} at step {step}")
+            if mix:
+                print("mixture: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
             if note:
                 print(note)
         if world_size > 1:
@@ -342,6 +362,8 @@ def main(argv):
                 recorder.record_metric(name, value)
             recorder.record_metric("optim/lr", lr)
             recorder.record_metric("tokens", tokens_seen)
+            for name, count in (train_loader.sequences_by_source() if mix else {}).items():
+                recorder.record_metric(f"data/{name}/sequences", count)  # host numbers: no sync
 
             # ---- after the step: stop?, evaluations, metrics, checkpoint, samples (in that order, so an
             # optional part that fails cannot lose the training done, and NaN weights are caught first)
@@ -357,11 +379,13 @@ def main(argv):
                                                                              or checkpoint_due):
                 check_finite(step, {"train/loss": step_loss.item(), "train/grad_norm": grad_norm.item()})
             if evaluate_now:
-                for prefix, loader in val_loaders.items():
-                    val_loss = validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
+                val = {prefix: validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
+                       for prefix, loader in val_loaders.items()}
+                if mix:
+                    val["val"] = sum(share * val[f"val/{name}"] for name, share in mix)
+                for prefix, val_loss in val.items():
                     recorder.record_metric(f"{prefix}/loss", val_loss)
-                    if prefix == "val":
-                        best_val_loss = torch.minimum(best_val_loss, val_loss)
+                best_val_loss = torch.minimum(best_val_loss, val["val"])
             if hellaswag_now:
                 # The raw model: variable-length batches would make torch.compile recompile.
                 with autocast:

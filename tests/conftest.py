@@ -44,3 +44,13 @@ def run_train(args, nproc=1, timeout=600, check=True, env=None):
 def read_metrics(out_dir):
     path = Path(out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def mixture_root(data_root, tmp_path_factory):
+    """Shakespeare beside a second real corpus, the Python standard library (`python data.py python-stdlib`)."""
+    root = tmp_path_factory.mktemp("mixture")
+    (root / "shakespeare").symlink_to(data_root / "shakespeare")
+    subprocess.run([sys.executable, str(ROOT / "data.py"), "python-stdlib", "--out_dir", str(root / "python")],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)
+    return root

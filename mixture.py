@@ -1,0 +1,90 @@
+"""Dataset mixtures: training batches drawn from several prepared datasets at chosen rates.
+
+    python train.py --data.mix=shakespeare:3,python:1
+
+The weights are normalised to shares. Every global batch is split among the sources without sampling
+noise: its sequences are handed out one at a time, each to the source furthest below its share of
+everything handed out so far (the largest deficit), so after every step each source's cumulative
+count differs from share x total by less than one sequence. Within a source, sequences come in that
+source's own seeded order (its own `TokenLoader` stream, with its own epochs). The loader's state is
+each source's count, so a checkpoint restores it exactly, and a global batch is the same set of
+sequences for any world size and micro-batch split: micro-step m gives rank r the slots
+(m x world_size + r) x batch_size of the batch's plan, as `data.TokenLoader` does.
+"""
+
+import os
+
+import numpy as np
+import torch
+
+from data import TokenLoader
+
+
+def allocate(counts, start_counts, shares, n):
+    """Hand out n sequences one at a time to the source with the largest deficit (share x handed out
+    since start_counts, minus what it got). Returns (plan [(source, index in its stream)], new counts)."""
+    counts = list(counts)
+    handed = sum(counts) - sum(start_counts)
+    plan = []
+    for _ in range(n):
+        handed += 1
+        deficits = [share * handed - (c - s) for share, c, s in zip(shares, counts, start_counts)]
+        source = int(np.argmax(deficits))  # ties go to the first source
+        plan.append((source, counts[source]))
+        counts[source] += 1
+    return plan, counts
+
+
+class MixtureLoader:
+    """Drop-in for TokenLoader's training use (next_batch, skip_batches, state) over several sources."""
+
+    def __init__(self, data_root, mix, *, sequences_per_step, batch_size, block_size, rank=0, world_size=1,
+                 shuffle=True, seed=0, device="cpu", vocab_size=50304):
+        self.names = [name for name, _ in mix]
+        self.shares = [share for _, share in mix]
+        self.sources = [TokenLoader(os.path.join(data_root, name), "train", batch_size=1, block_size=block_size,
+                                    shuffle=shuffle, seed=seed, vocab_size=vocab_size) for name in self.names]
+        self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
+        self.sequences_per_step = sequences_per_step
+        self.batch_size, self.rank, self.world_size, self.device = batch_size, rank, world_size, device
+        self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
+        self.start_counts = [0] * len(self.names)  # the counts when this mixture began
+        self.slot, self.plan, self.next_counts = 0, None, None
+
+    def next_batch(self):
+        if self.slot == 0:
+            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
+        first = self.slot + self.rank * self.batch_size
+        rows = np.stack([self.sources[s].sequence(i) for s, i in self.plan[first : first + self.batch_size]])
+        self._advance()
+        batch = torch.from_numpy(rows.astype(np.int64))
+        if torch.device(self.device).type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def skip_batches(self, n):
+        for _ in range(n):
+            if self.slot == 0:
+                self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares,
+                                                       self.sequences_per_step)
+            self._advance()
+
+    def _advance(self):
+        self.slot += self.world_size * self.batch_size
+        if self.slot >= self.sequences_per_step:
+            self.counts, self.slot = self.next_counts, 0
+
+    def sequences_by_source(self):
+        return dict(zip(self.names, self.counts))
+
+    def state_dict(self):
+        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts)}
+
+    def load_state_dict(self, state):
+        """Restore every source's position by name. A source new to this run starts at 0, and a changed
+        mixture starts its accounting afresh from the restored positions."""
+        saved = dict(zip(state.get("mix", []), state.get("counts", [])))
+        self.counts = [saved.get(name, 0) for name in self.names]
+        same_mix = state.get("mix") == self.names
+        self.start_counts = list(state["start_counts"]) if same_mix else list(self.counts)
+        self.slot = 0
