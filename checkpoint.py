@@ -211,10 +211,10 @@ def prune_checkpoints(run_dir, keep_last):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def checkpoint_kind(step, c, final):
+def checkpoint_kind(step, c, final, also_fixed=()):
     """Which kind of checkpoint is due after `step` under the `checkpoint` config section `c`, or None.
-    `final` means the run is ending."""
-    if step in c.fixed_steps:
+    `final` means the run is ending; `also_fixed` are steps the loop itself must keep (a stage boundary)."""
+    if step in c.fixed_steps or step in also_fixed:
         return "fixed"
     if final or (c.interval and step % c.interval == 0):
         return "permanent"

@@ -141,6 +141,15 @@ class CheckpointConfig:
 
 
 @dataclass(slots=True)
+class Stage2Config:
+    start: str = ""  # when stage 2 begins, a duration (6000steps, 3e9tokens); empty = one stage
+    mix: list[str] = field(default_factory=list)  # stage 2's data mixture, e.g. python:1 (empty: unchanged)
+    kl_beta: float = 0.0  # stage 2 minimises CE + kl_beta x KL(policy || reference)
+    kl_estimator: Literal["nll_diff", "full"] = "nll_diff"  # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
+    reference: str = ""  # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
+
+
+@dataclass(slots=True)
 class Config:
     model: GPTConfig = field(default_factory=GPTConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -149,6 +158,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    stage2: Stage2Config = field(default_factory=Stage2Config)
 
 
 # ----------------------------------------------------------------------------- ranges, checked once
@@ -173,6 +183,7 @@ RANGES = [
     ("optim.periods", lambda v: all(p >= 1 for p in v), "steps of 1 or more"),
     ("optim.period_lr_multipliers", lambda v: all(m > 0 for m in v), "positive numbers"),
     ("optim.eps", lambda v: v > 0, "greater than 0"),
+    ("stage2.kl_beta", lambda v: v >= 0, "0 or more"),
     ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("model.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -204,11 +215,15 @@ def validate(cfg):
     if cfg.optim.period_lr_multipliers and len(cfg.optim.period_lr_multipliers) != len(cfg.optim.periods):
         raise ConfigError(f"optim.period_lr_multipliers has {len(cfg.optim.period_lr_multipliers)} values for "
                           f"{len(cfg.optim.periods)} optim.periods; give one per period, or none.")
-    for key in ("train.max_duration", "train.hard_stop"):
+    if not cfg.stage2.start and (cfg.stage2.mix or cfg.stage2.kl_beta or cfg.stage2.reference):
+        raise ConfigError("stage2.mix, stage2.kl_beta and stage2.reference need stage2.start (when stage 2 begins, "
+                          "e.g. --stage2.start=3000steps); set it.")
+    for key in ("train.max_duration", "train.hard_stop", "stage2.start"):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)
     parse_step_ranges(cfg.train.steps_to_skip)
     parse_mix(cfg.data.mix)
+    parse_mix(cfg.stage2.mix, "stage2.mix")
 
 
 # ----------------------------------------------------------------------------- durations and step ranges
@@ -250,7 +265,7 @@ def in_ranges(step, ranges):
     return any(start <= step < end for start, end in ranges)
 
 
-def parse_mix(entries):
+def parse_mix(entries, key="data.mix"):
     """['shakespeare:3', 'python:1'] -> [('shakespeare', 0.75), ('python', 0.25)]."""
     weights = {}
     for entry in entries:
@@ -260,7 +275,7 @@ def parse_mix(entries):
         except ValueError:
             value = -1.0
         if not name or not (0 < value < math.inf) or name in weights:
-            raise ConfigError(f"data.mix entry {entry!r} is not name:weight with a positive weight and a new name; "
+            raise ConfigError(f"{key} entry {entry!r} is not name:weight with a positive weight and a new name; "
                               f"write e.g. --data.mix=shakespeare:3,python:1.")
         weights[name] = value
     total = sum(weights.values())
@@ -270,7 +285,7 @@ def parse_mix(entries):
 # ----------------------------------------------------------------------------- reading config files and overrides
 
 TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
-DURATION_FIELDS = ("train.hard_stop",)  # str fields where a config file may write a bare number of steps
+DURATION_FIELDS = ("train.hard_stop", "stage2.start")  # str fields where a config file may write a bare number of steps
 
 
 def sections(cfg):

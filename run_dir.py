@@ -31,7 +31,8 @@ LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
 # What makes two runs the same run: what a checkpoint cannot be resumed correctly without.
 IDENTITY = ("model.block_size", "model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias",
-            "data.dataset", "data.mix", "data.shuffle", "train.seed", "train.total_batch_size")
+            "data.dataset", "data.mix", "data.shuffle", "train.seed", "train.total_batch_size", "stage2.start",
+            "stage2.mix", "stage2.reference")
 
 
 class RunLock:

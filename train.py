@@ -36,6 +36,7 @@ from mixture import MixtureLoader
 from model import GPT
 from sample import generate_text
 from schedule import build_schedule, plot_schedule
+from stage2 import carry_positions, make_reference, stage2_loss
 from stopping import SignalFlag, agree_on_stop, describe_stop, local_stop_reason
 
 
@@ -69,31 +70,38 @@ def rank0_first(work, rank, world_size):
 def build_loaders(cfg, rank, world_size, device):
     """(train_loader, val_loaders, mix): one dataset, or a mixture of several (data.mix) whose val sets
     are evaluated one by one. Rank 0 prepares a built-in dataset first if it is missing."""
-    mix = parse_mix(cfg.data.mix)
-    names = [name for name, _ in mix] or [cfg.data.dataset]
+    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
+    stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
+    names = list(dict.fromkeys(name for name, _ in mix + stage2_mix))
     for name in names:
         rank0_first(lambda: ensure_dataset(os.path.join(cfg.data.data_root, name)), rank, world_size)
     loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
                        world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
-    if mix:
-        train_loader = MixtureLoader(cfg.data.data_root, mix, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
-                                     sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size,
-                                     **loader_args)
-    else:
-        train_loader = TokenLoader(os.path.join(cfg.data.data_root, cfg.data.dataset), "train",
-                                   shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args)
-    # val/loss (with a mixture: val/<name>/loss per source, and val/loss their share-weighted mean),
-    # then val/<name>/loss for each of eval.extra_datasets.
-    val_names = {f"val/{name}": name for name, _ in mix} if mix else {"val": cfg.data.dataset}
+
+    def mixture_loader(mixture):
+        return MixtureLoader(cfg.data.data_root, mixture, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
+                             sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size, **loader_args)
+
+    # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
+    # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
+    val_names = {f"val/{name}": name for name in names} if len(names) > 1 or cfg.data.mix else {"val": names[0]}
     val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
     val_loaders = {prefix: TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
                    for prefix, name in val_names.items()}
-    return train_loader, val_loaders, mix
+    if cfg.data.mix:
+        stages = [(mix, mixture_loader(mix))]
+    else:
+        stages = [(mix, TokenLoader(os.path.join(cfg.data.data_root, cfg.data.dataset), "train",
+                                    shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args))]
+    if stage2_mix:
+        stages.append((stage2_mix, mixture_loader(stage2_mix)))
+    return stages, val_loaders
 
 
 def plan_lengths(cfg, world_size, tokens_per_epoch, non_embedding_params):
-    """(grad_accum_steps, max_steps, end_step): how a step splits into micro-steps, the schedule's
-    length, and where this run stops (train.hard_stop). A batch that does not divide is one sentence."""
+    """(grad_accum_steps, max_steps, end_step, stage2_step): how a step splits into micro-steps, the
+    schedule's length, where this run stops (train.hard_stop) and the steps completed when stage 2
+    begins (None: one stage). A batch that does not divide is one sentence."""
     tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
     if cfg.train.total_batch_size % tokens_per_micro_step:
         raise ConfigError(
@@ -109,7 +117,14 @@ def plan_lengths(cfg, world_size, tokens_per_epoch, non_embedding_params):
     if cfg.train.hard_stop:
         end_step = min(max_steps, duration_to_steps(cfg.train.hard_stop, cfg.train.total_batch_size, tokens_per_epoch,
                                                     non_embedding_params, key="train.hard_stop"))
-    return grad_accum_steps, max_steps, end_step
+    stage2_step = None
+    if cfg.stage2.start:
+        stage2_step = duration_to_steps(cfg.stage2.start, cfg.train.total_batch_size, tokens_per_epoch,
+                                        non_embedding_params, key="stage2.start")
+        if stage2_step >= max_steps:
+            raise ConfigError(f"stage2.start={cfg.stage2.start} is step {stage2_step}, not before the run's end at "
+                              f"step {max_steps}; start stage 2 earlier or train longer.")
+    return grad_accum_steps, max_steps, end_step, stage2_step
 
 
 def describe_run(cfg, raw_model, *, world_size, device, grad_accum_steps, max_steps, end_step, sequences_per_epoch):
@@ -125,9 +140,11 @@ def describe_run(cfg, raw_model, *, world_size, device, grad_accum_steps, max_st
             f"sequences per epoch), {flops:.3g} training FLOPs{stop}")
 
 
-def forward_backward(model, loader, grad_accum_steps, autocast, world_size):
-    """One step's gradients over its micro-steps; returns (mean loss on device, seconds reading data)."""
-    loss_sum = torch.zeros((), device=loader.device)
+def forward_backward(model, loader, grad_accum_steps, autocast, world_size, stage2=None):
+    """One step's gradients over its micro-steps. Returns ({metric: mean over the step, on device},
+    seconds reading data). In stage 2, `stage2` = (reference, kl_beta, kl_estimator) adds the KL term."""
+    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if stage2 else [])
+    sums = torch.zeros(len(names), device=loader.device)
     data_time = 0.0
     for micro_step in range(grad_accum_steps):
         data_start = time.perf_counter()
@@ -137,15 +154,20 @@ def forward_backward(model, loader, grad_accum_steps, autocast, world_size):
         # micro-step would send the same amount of data grad_accum_steps times.
         last_micro_step = micro_step == grad_accum_steps - 1
         with model.no_sync() if world_size > 1 and not last_micro_step else nullcontext(), autocast:
-            _, loss = model(x, y)
+            logits, loss = model(x, y)
+            parts = [loss]
+            if stage2:
+                objective, kl, reference_loss = stage2_loss(loss, logits, x, y, *stage2)
+                parts = [objective, loss, kl, reference_loss]
+                loss = objective
         # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
         # summed gradients the mean over the whole batch, as if it were one big forward pass.
         loss = loss / grad_accum_steps
-        loss_sum += loss.detach()
+        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
         loss.backward()
     if world_size > 1:
-        dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)  # on device: no host sync
-    return loss_sum, data_time
+        dist.all_reduce(sums, op=dist.ReduceOp.AVG)  # on device: no host sync
+    return dict(zip(names, sums)), data_time
 
 
 @torch.no_grad()
@@ -207,18 +229,24 @@ def write_samples(raw_model, eval_cfg, out_dir, step, device, generator):
 def dry_run(cfg):
     """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run folder."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, without starting a process group
-    loader, _, mix = build_loaders(cfg, 0, 1, "cpu")
+    stages, _ = build_loaders(cfg, 0, 1, "cpu")
+    (mix, loader) = stages[0]
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
         raw_model = GPT(cfg.model)
-    grad_accum_steps, max_steps, end_step = plan_lengths(cfg, world_size, loader.num_sequences * cfg.model.block_size,
-                                                         raw_model.num_params(non_embedding=True))
+    grad_accum_steps, max_steps, end_step, stage2_step = plan_lengths(
+        cfg, world_size, loader.num_sequences * cfg.model.block_size, raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, max_steps)
     c = cfg.checkpoint
-    saves = sorted({s for s in range(1, end_step + 1) if checkpoint_kind(s, c, final=s == end_step)})
+    boundary = (stage2_step,) if stage2_step else ()
+    saves = sorted({s for s in range(1, end_step + 1) if checkpoint_kind(s, c, final=s == end_step, also_fixed=boundary)})
     print(describe_run(cfg, raw_model, world_size=world_size, device=cfg.train.device, grad_accum_steps=grad_accum_steps,
                        max_steps=max_steps, end_step=end_step, sequences_per_epoch=loader.num_sequences))
-    if mix:
-        print("mixture: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
+    print("data: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
+    if stage2_step:
+        print(f"stage 2: after step {stage2_step:,} ({stage2_step * cfg.train.total_batch_size:,} tokens): data "
+              + ", ".join(f"{name} {share:.1%}" for name, share in stages[-1][0])
+              + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) toward "
+              + (cfg.stage2.reference or f"the model at step {stage2_step} (kept as a fixed checkpoint)"))
     print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
           f"{grad_accum_steps} micro-step(s) x {world_size} rank(s) = {cfg.train.total_batch_size:,} tokens per step")
     print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
@@ -228,6 +256,8 @@ def dry_run(cfg):
     print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
           f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
     marks = [(end, f"period {i + 1}") for i, end in enumerate(schedule.period_ends())]
+    if stage2_step:
+        marks.append((stage2_step, "stage 2"))
     if end_step < max_steps:
         marks.append((end_step, "hard stop"))
     name = os.path.basename(os.path.normpath(cfg.train.out_dir)) or "run"
@@ -252,7 +282,8 @@ def main(argv):
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
 
     # ---- data (built-in datasets are prepared on first use; every shard is checked when opened)
-    train_loader, val_loaders, mix = build_loaders(cfg, rank, world_size, device)
+    stages, val_loaders = build_loaders(cfg, rank, world_size, device)  # [(mixture, train loader)], one per stage
+    mix, train_loader = stages[0]
     hellaswag_examples = []
     if cfg.eval.hellaswag_interval:  # downloads once, into the cache
         hellaswag_examples = rank0_first(lambda: hellaswag_eval.load_examples(cfg.eval.hellaswag_data), rank, world_size)
@@ -266,8 +297,8 @@ def main(argv):
     if world_size > 1:
         model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
     optimizer = raw_model.configure_optimizers(cfg.optim, device_type)
-    grad_accum_steps, max_steps, end_step = plan_lengths(cfg, world_size, train_loader.num_sequences * cfg.model.block_size,
-                                                         raw_model.num_params(non_embedding=True))
+    grad_accum_steps, max_steps, end_step, stage2_step = plan_lengths(
+        cfg, world_size, train_loader.num_sequences * cfg.model.block_size, raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, max_steps)
     sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
 
@@ -282,8 +313,12 @@ def main(argv):
                                 load_trainer_state=resuming or ck.load_trainer_state) if path else None
         step, tokens_seen = 0, 0  # optimizer steps completed, training tokens consumed
         best_val_loss = torch.tensor(math.inf, device=device)
+        reference = None  # stage 2's frozen model
         if saved:
             step, tokens_seen = saved["step"], saved["tokens"]
+            if stage2_step is not None and step > stage2_step:  # resuming inside stage 2
+                mix, train_loader = stages[-1]
+                reference = make_reference(cfg.stage2, raw_model, out_dir, stage2_step, device, resuming_inside=True)
             train_loader.load_state_dict(saved["data"])  # the data position is global: any world size works
             best_val_loss = saved["best_val_loss"].to(device)
         replaced = []  # files of a run this one replaces (save_overwrite), deleted after our first checkpoint
@@ -299,8 +334,10 @@ def main(argv):
                                max_steps=max_steps, end_step=end_step, sequences_per_epoch=train_loader.num_sequences))
             if path:
                 print(f"resumed from {path} at step {step}")
-            if mix:
-                print("mixture: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
+            if cfg.data.mix or stage2_step:
+                print("data: " + ", ".join(f"{name} {share:.1%}" for name, share in stages[0][0])
+                      + (f"; stage 2 after step {stage2_step}: " + ", ".join(f"{name} {share:.1%}" for name, share
+                                                                              in stages[-1][0]) if stage2_step else ""))
             if note:
                 print(note)
         if world_size > 1:
@@ -328,6 +365,11 @@ def main(argv):
 
         # ---- the training loop
         while step < end_step:
+            if step == stage2_step and reference is None:  # stage 2 begins: new data, a frozen reference
+                if len(stages) > 1:
+                    stages[-1][1].load_state_dict(carry_positions(train_loader, cfg.data.dataset))
+                    mix, train_loader = stages[-1]
+                reference = make_reference(cfg.stage2, raw_model, out_dir, stage2_step, device, resuming_inside=False)
             step_start = time.perf_counter()
             lr = schedule.lr_at(step + 1)  # step + 1: the step being taken, as logged
             for group in optimizer.param_groups:
@@ -339,7 +381,9 @@ def main(argv):
                 recorder.record_metric("train/skipped_data_step", 1.0)
                 data_time = 0.0
             else:
-                step_loss, data_time = forward_backward(model, train_loader, grad_accum_steps, autocast, world_size)
+                stage2 = (reference, cfg.stage2.kl_beta, cfg.stage2.kl_estimator) if reference is not None else None
+                losses, data_time = forward_backward(model, train_loader, grad_accum_steps, autocast, world_size, stage2)
+                step_loss = losses["train/loss"]
                 # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or math.inf)
                 if cfg.log.grad_norms_interval and (step + 1) % cfg.log.grad_norms_interval == 0:
@@ -350,7 +394,8 @@ def main(argv):
                     recorder.record_metric("train/skipped_nonfinite_step", 1.0)
                 else:
                     optimizer.step()
-                    recorder.record_metric("train/loss", step_loss)
+                    for name, value in losses.items():
+                        recorder.record_metric(name, value)
                     recorder.record_metric("train/grad_norm", grad_norm)
                 optimizer.zero_grad(set_to_none=True)
             step, tokens_seen = step + 1, tokens_seen + cfg.train.total_batch_size
@@ -362,7 +407,9 @@ def main(argv):
                 recorder.record_metric(name, value)
             recorder.record_metric("optim/lr", lr)
             recorder.record_metric("tokens", tokens_seen)
-            for name, count in (train_loader.sequences_by_source() if mix else {}).items():
+            counts = (train_loader.sequences_by_source() if isinstance(train_loader, MixtureLoader)
+                      else {cfg.data.dataset: train_loader.position})
+            for name, count in (counts if len(stages) > 1 or cfg.data.mix else {}).items():
                 recorder.record_metric(f"data/{name}/sequences", count)  # host numbers: no sync
 
             # ---- after the step: stop?, evaluations, metrics, checkpoint, samples (in that order, so an
@@ -374,14 +421,14 @@ def main(argv):
             hellaswag_now = hellaswag_examples and (step % cfg.eval.hellaswag_interval == 0 or last_step
                                                     or step in cfg.eval.fixed_steps)
             sample_now = is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step)
-            checkpoint_due = checkpoint_kind(step, ck, final=last_step)
+            checkpoint_due = checkpoint_kind(step, ck, final=last_step, also_fixed=(stage2_step,))
             if cfg.train.nan_policy == "stop" and step_loss is not None and (evaluate_now or hellaswag_now or sample_now
                                                                              or checkpoint_due):
                 check_finite(step, {"train/loss": step_loss.item(), "train/grad_norm": grad_norm.item()})
             if evaluate_now:
                 val = {prefix: validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
                        for prefix, loader in val_loaders.items()}
-                if mix:
+                if "val" not in val:  # several datasets: weighted by the current stage's mixture
                     val["val"] = sum(share * val[f"val/{name}"] for name, share in mix)
                 for prefix, val_loss in val.items():
                     recorder.record_metric(f"{prefix}/loss", val_loss)

@@ -1,0 +1,67 @@
+"""Two-stage training: a second stage on other data, regularised toward a frozen copy of the model.
+
+    python train.py --stage2.start=3000steps --stage2.mix=python:1 --stage2.kl_beta=0.1
+
+This is the JAX trainer's `KLDivergenceTrainer` for continued pretraining and domain adaptation: stage
+2 minimises CE + beta x KL(policy || reference), so the model learns the new data while being pulled
+toward what it already knew (it forgets less). The reference is a frozen snapshot of the model at the
+first step of stage 2 (or `stage2.reference`, any --init_from source). It runs in eval mode under
+no_grad and draws no random numbers, so beta = 0 trains exactly as a run that only switches data.
+
+- `nll_diff` (default, the JAX trainer's estimate): KL ~ CE(policy) - CE(reference) on the same batch,
+  the reference's loss held constant. Cheap: one extra forward pass of the reference, no logits kept.
+- `full`: the exact token-level KL over GPT-2's 50,257 real tokens, from both models' logits.
+
+The loop saves a `fixed` checkpoint at the stage boundary; a run resumed inside stage 2 rebuilds the
+reference from it (the same weights the snapshot had), so resuming is exact.
+"""
+
+import copy
+import os
+
+import torch
+from torch.nn import functional as F
+
+from checkpoint import load_model
+from tokenizer import GPT2_VOCAB_SIZE
+
+
+def full_kl(logits, reference_logits, targets):
+    """Mean over the scored tokens of sum_v p(v) (log p(v) - log q(v)), p the policy, q the reference."""
+    log_p = F.log_softmax(logits[..., :GPT2_VOCAB_SIZE].float(), dim=-1)
+    log_q = F.log_softmax(reference_logits[..., :GPT2_VOCAB_SIZE].float(), dim=-1)
+    per_token = (log_p.exp() * (log_p - log_q)).sum(-1)
+    scored = targets != -1
+    return (per_token * scored).sum() / scored.sum()
+
+
+def stage2_loss(ce, logits, x, y, reference, beta, estimator):
+    """(objective, kl, reference_loss) for one micro-batch of stage 2."""
+    with torch.no_grad():
+        reference_logits, reference_loss = reference(x, y)
+    kl = ce - reference_loss if estimator == "nll_diff" else full_kl(logits, reference_logits, y)
+    return ce + beta * kl, kl, reference_loss
+
+
+def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside):
+    """The frozen reference: stage2.reference if given; else the model at the stage boundary, copied now
+    when the loop crosses it, or read back from the boundary checkpoint when resuming inside stage 2."""
+    if stage2_cfg.reference:
+        reference = load_model(stage2_cfg.reference, device)
+    elif resuming_inside:
+        reference = load_model(os.path.join(out_dir, f"step{start_step}"), device)
+    else:
+        reference = copy.deepcopy(raw_model)
+    reference.eval()
+    for p in reference.parameters():
+        p.requires_grad_(False)
+    return reference
+
+
+def carry_positions(loader, dataset):
+    """A loader's position as a mixture state, so stage 2's sources that stage 1 read continue where
+    they were rather than repeating their first sequences."""
+    state = loader.state_dict()
+    if "position" in state:
+        return {"mix": [dataset], "counts": [state["position"]]}
+    return state
