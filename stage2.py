@@ -46,12 +46,16 @@ def stage2_loss(ce, logits, x, y, reference, beta, estimator):
 def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside):
     """The frozen reference: stage2.reference if given; else the model at the stage boundary, copied now
     when the loop crosses it, or read back from the boundary checkpoint when resuming inside stage 2."""
-    if stage2_cfg.reference:
-        reference = load_model(stage2_cfg.reference, device)
-    elif resuming_inside:
-        reference = load_model(os.path.join(out_dir, f"step{start_step}"), device)
-    else:
-        reference = copy.deepcopy(raw_model)
+    # Building a model initialises weights with the global RNG; the fork keeps training's RNG untouched,
+    # so dropout masks are the same whether the reference was copied or rebuilt on resume.
+    cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        if stage2_cfg.reference:
+            reference = load_model(stage2_cfg.reference, device)
+        elif resuming_inside:
+            reference = load_model(os.path.join(out_dir, f"step{start_step}"), device)
+        else:
+            reference = copy.deepcopy(raw_model)
     reference.eval()
     for p in reference.parameters():
         p.requires_grad_(False)
