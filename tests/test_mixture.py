@@ -51,7 +51,7 @@ def test_a_mixture_on_two_gloo_ranks_matches_one_rank_with_accumulation(mixture_
 
 def test_mixture_metrics_shares_and_validation(mixture_root, tmp_path):
     result = run_train(mixture_args(mixture_root, tmp_path, "--train.max_steps=4"))
-    assert "mixture: shakespeare 75.0%, python 25.0%" in result.stdout
+    assert "data: shakespeare 75.0%, python 25.0%" in result.stdout
     rows = read_metrics(tmp_path)
     for step, row in enumerate(rows, 1):  # 8 sequences per step: exactly 6 and 2
         assert (row["data/shakespeare/sequences"], row["data/python/sequences"]) == (6 * step, 2 * step)

@@ -81,3 +81,13 @@ def test_the_dry_run_shows_the_stage_boundary(mixture_root, tmp_path):
     result = run_train(stage2_args(mixture_root, tmp_path / "run", "--stage2.kl_beta=0.1", "--dry_run"))
     assert "stage 2: after step 4 (512 tokens): data python 100.0%; CE + 0.1 x KL (nll_diff)" in result.stdout
     assert "checkpoints at 2 step(s): 4, 8" in result.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_reference_from_another_source_is_used_as_given(mixture_root, tmp_path):
+    run_train(TINY + [f"--data.data_root={mixture_root}", f"--train.out_dir={tmp_path / 'other'}", "--train.max_steps=2"])
+    run_train(stage2_args(mixture_root, tmp_path / "snapshot", "--stage2.kl_beta=0.5"))
+    run_train(stage2_args(mixture_root, tmp_path / "given", "--stage2.kl_beta=0.5",
+                          f"--stage2.reference={tmp_path / 'other'}"))
+    snapshot, given = read_metrics(tmp_path / "snapshot"), read_metrics(tmp_path / "given")
+    assert snapshot[4]["train/ce_loss"] == given[4]["train/ce_loss"]  # the same model at the first stage-2 step
+    assert snapshot[4]["train/reference_loss"] != given[4]["train/reference_loss"]  # but another reference
