@@ -298,13 +298,9 @@ class TokenLoader:
 
     def next_batch(self):
         first = self.position + self.rank * self.batch_size
-        rows = np.stack([self.sequence(first + j) for j in range(self.batch_size)]).astype(np.int64)
+        rows = [self.sequence(first + j) for j in range(self.batch_size)]
         self.position += self.world_size * self.batch_size
-        batch = torch.from_numpy(rows)
-        if torch.device(self.device).type == "cuda":
-            # Pinned memory lets the copy to the GPU run asynchronously with the compute.
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        return rows_to_batch(rows, self.device)
 
     def skip_batches(self, n):
         """Move past n micro-batches of every rank without reading them (train.steps_to_skip)."""
@@ -315,6 +311,15 @@ class TokenLoader:
 
     def load_state_dict(self, state):
         self.position = state["position"]
+
+
+def rows_to_batch(rows, device):
+    """Sequences of block_size + 1 tokens -> (x, y) on `device`, y being x shifted by one."""
+    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+    if torch.device(device).type == "cuda":
+        # Pinned memory lets the copy to the GPU run asynchronously with the compute.
+        batch = batch.pin_memory().to(device, non_blocking=True)
+    return batch[:, :-1], batch[:, 1:]
 
 
 def open_shard(path, vocab_limit):

@@ -15,9 +15,8 @@ sequences for any world size and micro-batch split: micro-step m gives rank r th
 import os
 
 import numpy as np
-import torch
 
-from data import TokenLoader
+from data import TokenLoader, rows_to_batch
 
 
 def allocate(counts, start_counts, shares, n):
@@ -52,27 +51,23 @@ class MixtureLoader:
         self.slot, self.plan, self.next_counts = 0, None, None
 
     def next_batch(self):
-        if self.slot == 0:
-            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
-        first = self.slot + self.rank * self.batch_size
-        rows = np.stack([self.sources[s].sequence(i) for s, i in self.plan[first : first + self.batch_size]])
-        self._advance()
-        batch = torch.from_numpy(rows.astype(np.int64))
-        if torch.device(self.device).type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
-        return batch[:, :-1], batch[:, 1:]
+        first = self._take_slots()
+        return rows_to_batch([self.sources[s].sequence(i) for s, i in self.plan[first : first + self.batch_size]],
+                             self.device)
 
     def skip_batches(self, n):
         for _ in range(n):
-            if self.slot == 0:
-                self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares,
-                                                       self.sequences_per_step)
-            self._advance()
+            self._take_slots()
 
-    def _advance(self):
+    def _take_slots(self):
+        """This rank's first slot in the current global batch (planned on its first micro-batch); moves on."""
+        if self.slot == 0:
+            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
+        first = self.slot + self.rank * self.batch_size
         self.slot += self.world_size * self.batch_size
         if self.slot >= self.sequences_per_step:
             self.counts, self.slot = self.next_counts, 0
+        return first
 
     def sequences_by_source(self):
         return dict(zip(self.names, self.counts))

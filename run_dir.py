@@ -153,8 +153,7 @@ def claim_for_fresh_start(out_dir, run_config, save_overwrite):
     # no W&B id (a new W&B run is started, never the old one continued). Snapshots go with their log.
     write_config(out_dir, run_config)
     for name in names:
-        if name in ("metrics.jsonl", "samples.txt", "wandb_id.txt") or (
-                name.startswith("metrics_step") and name.endswith(".json")):
+        if (name in RECORD_FILES and name != "config.json") or (name.startswith("metrics_step") and name.endswith(".json")):
             os.remove(os.path.join(out_dir, name))
     return checkpoints
 
@@ -177,7 +176,7 @@ def remove_stale_cancel(out_dir):
     """A CANCEL file that exists before this run started was meant for an earlier run: remove it and
     say so, rather than stop this run after its first step. Returns the line to print, or None."""
     path = os.path.join(out_dir, "CANCEL")
-    if os.path.exists(path) and os.path.getmtime(path) <= time.time():
+    if os.path.exists(path):  # called before the loop starts, so any CANCEL is older than this run
         os.remove(path)
         return f"note: removed {path}, left by an earlier run (touch it again to stop this one)"
     return None

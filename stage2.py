@@ -60,12 +60,3 @@ def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
-
-
-def carry_positions(loader, dataset):
-    """A loader's position as a mixture state, so stage 2's sources that stage 1 read continue where
-    they were rather than repeating their first sequences."""
-    state = loader.state_dict()
-    if "position" in state:
-        return {"mix": [dataset], "counts": [state["position"]]}
-    return state

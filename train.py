@@ -36,7 +36,7 @@ from mixture import MixtureLoader
 from model import GPT
 from sample import generate_text
 from schedule import build_schedule, plot_schedule
-from stage2 import carry_positions, make_reference, stage2_loss
+from stage2 import make_reference, stage2_loss
 from stopping import SignalFlag, agree_on_stop, describe_stop, local_stop_reason
 
 
@@ -67,9 +67,14 @@ def rank0_first(work, rank, world_size):
     return work() if rank != 0 else result
 
 
+def shares_text(mix):
+    return ", ".join(f"{name} {share:.1%}" for name, share in mix)
+
+
 def build_loaders(cfg, rank, world_size, device):
-    """(train_loader, val_loaders, mix): one dataset, or a mixture of several (data.mix) whose val sets
-    are evaluated one by one. Rank 0 prepares a built-in dataset first if it is missing."""
+    """(stages, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2; and the
+    val loaders by metric prefix. A run with several datasets reads each stage through a MixtureLoader
+    (so positions carry over by name between stages). Rank 0 prepares a missing built-in dataset first."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
     names = list(dict.fromkeys(name for name, _ in mix + stage2_mix))
@@ -84,11 +89,12 @@ def build_loaders(cfg, rank, world_size, device):
 
     # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
     # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
-    val_names = {f"val/{name}": name for name in names} if len(names) > 1 or cfg.data.mix else {"val": names[0]}
+    several = bool(cfg.data.mix or stage2_mix)
+    val_names = {f"val/{name}": name for name in names} if several else {"val": names[0]}
     val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
     val_loaders = {prefix: TokenLoader(os.path.join(cfg.data.data_root, name), "val", **loader_args)
                    for prefix, name in val_names.items()}
-    if cfg.data.mix:
+    if several:
         stages = [(mix, mixture_loader(mix))]
     else:
         stages = [(mix, TokenLoader(os.path.join(cfg.data.data_root, cfg.data.dataset), "train",
@@ -241,11 +247,10 @@ def dry_run(cfg):
     saves = sorted({s for s in range(1, end_step + 1) if checkpoint_kind(s, c, final=s == end_step, also_fixed=boundary)})
     print(describe_run(cfg, raw_model, world_size=world_size, device=cfg.train.device, grad_accum_steps=grad_accum_steps,
                        max_steps=max_steps, end_step=end_step, sequences_per_epoch=loader.num_sequences))
-    print("data: " + ", ".join(f"{name} {share:.1%}" for name, share in mix))
+    print("data: " + shares_text(mix))
     if stage2_step:
         print(f"stage 2: after step {stage2_step:,} ({stage2_step * cfg.train.total_batch_size:,} tokens): data "
-              + ", ".join(f"{name} {share:.1%}" for name, share in stages[-1][0])
-              + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) toward "
+              + shares_text(stages[-1][0]) + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) toward "
               + (cfg.stage2.reference or f"the model at step {stage2_step} (kept as a fixed checkpoint)"))
     print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
           f"{grad_accum_steps} micro-step(s) x {world_size} rank(s) = {cfg.train.total_batch_size:,} tokens per step")
@@ -335,9 +340,8 @@ def main(argv):
             if path:
                 print(f"resumed from {path} at step {step}")
             if cfg.data.mix or stage2_step:
-                print("data: " + ", ".join(f"{name} {share:.1%}" for name, share in stages[0][0])
-                      + (f"; stage 2 after step {stage2_step}: " + ", ".join(f"{name} {share:.1%}" for name, share
-                                                                              in stages[-1][0]) if stage2_step else ""))
+                print("data: " + shares_text(stages[0][0])
+                      + (f"; stage 2 after step {stage2_step}: {shares_text(stages[-1][0])}" if stage2_step else ""))
             if note:
                 print(note)
         if world_size > 1:
@@ -362,12 +366,13 @@ def main(argv):
         handle_rows = row_handler(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.train.nan_policy,
                                   cfg.log.interval, end_step, start_time)
         peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
+        flops_per_token = raw_model.flops_per_token()  # once: it counts every parameter
 
         # ---- the training loop
         while step < end_step:
             if step == stage2_step and reference is None:  # stage 2 begins: new data, a frozen reference
-                if len(stages) > 1:
-                    stages[-1][1].load_state_dict(carry_positions(train_loader, cfg.data.dataset))
+                if len(stages) > 1:  # sources both stages read continue where stage 1 left them
+                    stages[-1][1].load_state_dict(train_loader.state_dict())
                     mix, train_loader = stages[-1]
                 reference = make_reference(cfg.stage2, raw_model, out_dir, stage2_step, device, resuming_inside=False)
             step_start = time.perf_counter()
@@ -402,15 +407,14 @@ def main(argv):
             for name, value in speed_metrics(step_time=time.perf_counter() - step_start, data_time=data_time,
                                              tokens_per_step=cfg.train.total_batch_size,
                                              block_size=cfg.model.block_size, tokens_seen=tokens_seen,
-                                             flops_per_token=raw_model.flops_per_token(), world_size=world_size,
+                                             flops_per_token=flops_per_token, world_size=world_size,
                                              peak_flops=peak_flops).items():
                 recorder.record_metric(name, value)
             recorder.record_metric("optim/lr", lr)
             recorder.record_metric("tokens", tokens_seen)
-            counts = (train_loader.sequences_by_source() if isinstance(train_loader, MixtureLoader)
-                      else {cfg.data.dataset: train_loader.position})
-            for name, count in (counts if len(stages) > 1 or cfg.data.mix else {}).items():
-                recorder.record_metric(f"data/{name}/sequences", count)  # host numbers: no sync
+            if isinstance(train_loader, MixtureLoader):
+                for name, count in train_loader.sequences_by_source().items():
+                    recorder.record_metric(f"data/{name}/sequences", count)  # host numbers: no sync
 
             # ---- after the step: stop?, evaluations, metrics, checkpoint, samples (in that order, so an
             # optional part that fails cannot lose the training done, and NaN weights are caught first)
@@ -424,7 +428,8 @@ def main(argv):
             checkpoint_due = checkpoint_kind(step, ck, final=last_step, also_fixed=(stage2_step,))
             if cfg.train.nan_policy == "stop" and step_loss is not None and (evaluate_now or hellaswag_now or sample_now
                                                                              or checkpoint_due):
-                check_finite(step, {"train/loss": step_loss.item(), "train/grad_norm": grad_norm.item()})
+                loss_value, norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()  # one sync, only now
+                check_finite(step, {"train/loss": loss_value, "train/grad_norm": norm_value})
             if evaluate_now:
                 val = {prefix: validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
                        for prefix, loader in val_loaders.items()}
