@@ -9,7 +9,7 @@ first step of stage 2 (or `stage2.reference`, any --init_from source). It runs i
 no_grad and draws no random numbers, so beta = 0 trains exactly as a run that only switches data.
 
 - `nll_diff` (default, the JAX trainer's estimate): KL ~ CE(policy) - CE(reference) on the same batch,
-  the reference's loss held constant. Cheap: one extra forward pass of the reference, no logits kept.
+  the reference's loss held constant. Cheap: one extra forward pass of the reference, no logits built.
 - `full`: the exact token-level KL over GPT-2's 50,257 real tokens, from both models' logits.
 
 The loop saves a `fixed` checkpoint at the stage boundary; a run resumed inside stage 2 rebuilds the
@@ -38,7 +38,7 @@ def full_kl(logits, reference_logits, targets):
 def stage2_loss(ce, logits, x, y, reference, beta, estimator):
     """(objective, kl, reference_loss) for one micro-batch of stage 2."""
     with torch.no_grad():
-        reference_logits, reference_loss = reference(x, y)
+        reference_logits, reference_loss = reference(x, y, return_logits=estimator == "full")
     kl = ce - reference_loss if estimator == "nll_diff" else full_kl(logits, reference_logits, y)
     return ce + beta * kl, kl, reference_loss
 

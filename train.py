@@ -160,7 +160,8 @@ def forward_backward(model, loader, grad_accum_steps, autocast, world_size, stag
         # micro-step would send the same amount of data grad_accum_steps times.
         last_micro_step = micro_step == grad_accum_steps - 1
         with model.no_sync() if world_size > 1 and not last_micro_step else nullcontext(), autocast:
-            logits, loss = model(x, y)
+            # Full logits only where stage 2's exact KL needs them; otherwise the fused loss never builds them.
+            logits, loss = model(x, y, return_logits=bool(stage2) and stage2[2] == "full")
             parts = [loss]
             if stage2:
                 objective, kl, reference_loss = stage2_loss(loss, logits, x, y, *stage2)
