@@ -70,6 +70,8 @@ class TrainConfig:
     nan_policy: Literal["stop", "skip"] = "stop"  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
     loss_spike_threshold: float = 1.0  # flag a loss this many nats above the mean of the previous 50; 0 = off
     gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
+    no_checkpoints: bool = False  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
+    no_evals: bool = False  # no validation, HellaSwag or samples (benchmarks; OLMo-core's switch)
 
 
 @dataclass(slots=True)
@@ -85,6 +87,7 @@ class OptimConfig:
     periods: list[int] = field(default_factory=list)  # wsds: the length of each period in steps
     period_lr_multipliers: list[float] = field(default_factory=list)  # wsds: each period's peak as a multiple of lr (empty: all 1)
     weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices only (GPT-3)
+    decay_embeddings: bool = True  # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
     beta1: float = 0.9  # AdamW first-moment decay
     beta2: float = 0.95  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
     eps: float = 1e-8  # AdamW epsilon
@@ -101,7 +104,7 @@ class EvalConfig:
     sample_prompt: str = "\n"  # text the samples start from
     sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
     sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
-    fixed_steps: list[int] = field(default_factory=list)  # also evaluate at these steps
+    fixed_steps: list[int] = field(default_factory=list)  # also evaluate at these steps (0: before training)
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations (also at fixed_steps and the end); 0 = off
     hellaswag_limit: int = 0  # score only the first N examples (0 = all 10,042)
     hellaswag_data: str = ""  # a hellaswag jsonl file; empty downloads and caches the validation set
@@ -131,7 +134,7 @@ class CheckpointConfig:
     interval: int = 1000  # steps between permanent checkpoints; 0 = only the final one
     keep_last: int = 3  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
     ephemeral_interval: int = 0  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
-    fixed_steps: list[int] = field(default_factory=list)  # steps whose checkpoints are always kept
+    fixed_steps: list[int] = field(default_factory=list)  # steps whose checkpoints are always kept (0: the untrained model)
     async_save: bool = False  # copy state to CPU in the step, write it on a background thread
     load: Literal["if_available", "always", "never"] = "if_available"  # if_available: resume from out_dir when it has a checkpoint
     load_path: str = ""  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
@@ -188,8 +191,8 @@ RANGES = [
     ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("model.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("train.device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "auto, cpu, cuda or cuda:N"),
-    ("eval.fixed_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
-    ("checkpoint.fixed_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
+    ("eval.fixed_steps", lambda v: all(s >= 0 for s in v), "steps of 0 (before training) or more"),
+    ("checkpoint.fixed_steps", lambda v: all(s >= 0 for s in v), "steps of 0 (before training) or more"),
 ]
 
 
@@ -372,6 +375,8 @@ def load_config_file(cfg, path):
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; give the path to a file such as config/gpt2.py.")
+    if path.suffix == ".json":  # a run's saved config.json: the same run again (e.g. a ladder size)
+        return load_saved_config(cfg, path)
     namespace = dict(sections(cfg))
     try:
         exec(compile(path.read_text(), str(path), "exec"), namespace)
@@ -400,6 +405,20 @@ def load_config_file(cfg, path):
     for key in all_keys(cfg):
         section_name, name = key.split(".")
         setattr(sections(cfg)[section_name], name, check_value(key, get(cfg, key), field_type(cfg, key)))
+
+
+def load_saved_config(cfg, path):
+    """Set every field from a config.json a run saved; a key this version does not know is an error."""
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}); give a config.json a run wrote.") from None
+    for section_name, values in data.items():
+        for name, value in (values.items() if isinstance(values, dict) else [(None, values)]):
+            key = f"{section_name}.{name}"
+            if key not in all_keys(cfg):
+                raise unknown_key_error(cfg, key, str(path))
+            setattr(sections(cfg)[section_name], name, check_value(key, value, field_type(cfg, key)))
 
 
 def apply_override(cfg, arg):

@@ -231,10 +231,14 @@ class GPT(nn.Module):
         """AdamW over this model from the `optim` config section (lr, betas, eps, weight decay)."""
         # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains:
         # shrinking those towards zero only hurts (as in GPT-3 and nanoGPT).
+        # optim.decay_embeddings=false also spares the embeddings (OLMo-core's ladder); the token embedding
+        # is the output layer too (tied weights), so it is spared as a whole.
+        embeddings = {id(self.transformer.wte.weight), id(self.transformer.wpe.weight)}
         params = [p for p in self.parameters() if p.requires_grad]
+        decayed = [p for p in params if p.dim() >= 2 and (optim.decay_embeddings or id(p) not in embeddings)]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": optim.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            {"params": decayed, "weight_decay": optim.weight_decay},
+            {"params": [p for p in params if all(p is not d for d in decayed)], "weight_decay": 0.0},
         ]
         # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters

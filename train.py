@@ -197,6 +197,23 @@ def validation_loss(model, loader, steps, autocast):
     return total
 
 
+def evaluate(model, raw_model, val_loaders, mix, val_steps, hellaswag_examples, hellaswag_batch_size, autocast,
+             device, rank, world_size):
+    """{metric: value on device}: the loss of each val set (`val/loss` is the current mixture's weighted
+    mean when there are several) and, given examples, HellaSwag's accuracies."""
+    scores = {f"{prefix}/loss": validation_loss(model, loader, val_steps, autocast)
+              for prefix, loader in val_loaders.items()}
+    if scores and "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
+        scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
+    if hellaswag_examples:
+        # The raw model: variable-length batches would make torch.compile recompile.
+        with autocast:
+            result = hellaswag_eval.evaluate(raw_model, hellaswag_examples, device,
+                                             hellaswag_batch_size, rank, world_size)
+        scores.update({"hellaswag/acc": result["acc"], "hellaswag/acc_norm": result["acc_norm"]})
+    return scores
+
+
 def row_handler(sinks, spikes, nan_policy, log_interval, end_step, run_start):
     """What happens to collected metrics (on the main thread, or the bookkeeping thread): flag loss
     spikes, add the ETA, write the sinks on rank 0, and with nan_policy=stop end the run on NaN/Inf."""
@@ -206,12 +223,13 @@ def row_handler(sinks, spikes, nan_policy, log_interval, end_step, run_start):
         for step, values in rows:
             if "train/loss" in values and spikes.is_spike(values["train/loss"]):
                 values["train/loss_spike"] = 1.0
-            first.setdefault("step", step - 1)
-            elapsed, done = time.monotonic() - run_start, step - first["step"]
-            values["throughput/eta_sec"] = elapsed / max(1, done) * (end_step - step)
+            if step > 0:  # step 0 holds the evaluations before training, nothing to time
+                first.setdefault("step", step - 1)
+                elapsed, done = time.monotonic() - run_start, step - first["step"]
+                values["throughput/eta_sec"] = elapsed / max(1, done) * (end_step - step)
             if sinks:
                 sinks.write(step, values, print_line=step % log_interval == 0 or step == end_step
-                            or "train/loss_spike" in values)
+                            or "train/loss_spike" in values or "val/loss" in values)
             if nan_policy == "stop":
                 check_finite(step, values)
     return handle_rows
@@ -272,10 +290,16 @@ def dry_run(cfg):
 
 
 def main(argv):
-    # ---- configuration and processes (every user mistake in the config fails here, before any file is touched)
+    # ---- configuration (every user mistake in the config fails here, before any file is touched)
     cfg = parse_args([a for a in argv if a != "--dry_run"])
     if "--dry_run" in argv:
         return dry_run(cfg)
+    train(cfg)
+
+
+def train(cfg):
+    """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
+    # ---- processes and numerics
     rank, world_size, device, cpu_group = setup_distributed(cfg.train.device)
     is_master = rank == 0  # rank 0 alone prints and writes files
     device_type = torch.device(device).type
@@ -369,6 +393,20 @@ def main(argv):
         peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
         flops_per_token = raw_model.flops_per_token()  # once: it counts every parameter
 
+        # ---- before the first step, if asked (the model ladder's "initialization" point): evaluate, keep the model
+        if step == 0 and not resuming and 0 in cfg.eval.fixed_steps and not cfg.train.no_evals:
+            for name, value in evaluate(model, raw_model, val_loaders, mix, cfg.eval.val_steps * grad_accum_steps,
+                                        hellaswag_examples, cfg.eval.hellaswag_batch_size, autocast, device, rank,
+                                        world_size).items():
+                recorder.record_metric(name, value)
+            recorder.end_step(0)
+            recorder.collect_then(handle_rows)
+            recorder.wait()
+        if step == 0 and not resuming and 0 in ck.fixed_steps and not cfg.train.no_checkpoints:
+            trainer_state = {"step": 0, "tokens": 0, "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
+                             "config": config_to_dict(cfg)}
+            checkpointer.save(0, capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master), "fixed")
+
         # ---- the training loop
         while step < end_step:
             if step == stage2_step and reference is None:  # stage 2 begins: new data, a frozen reference
@@ -422,30 +460,27 @@ def main(argv):
             stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
                                                           is_master, sinks), cpu_group)
             last_step = step == end_step or bool(stop_reason)
-            evaluate_now = (cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step)) or step in cfg.eval.fixed_steps
-            hellaswag_now = hellaswag_examples and (step % cfg.eval.hellaswag_interval == 0 or last_step
-                                                    or step in cfg.eval.fixed_steps)
-            sample_now = is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0 or last_step)
-            checkpoint_due = checkpoint_kind(step, ck, final=last_step, also_fixed=(stage2_step,))
+            evals = not cfg.train.no_evals  # train.no_evals / no_checkpoints: OLMo-core's switches for benchmarks
+            evaluate_now = evals and ((cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step))
+                                      or step in cfg.eval.fixed_steps)
+            hellaswag_now = evals and hellaswag_examples and (step % cfg.eval.hellaswag_interval == 0 or last_step
+                                                              or step in cfg.eval.fixed_steps)
+            sample_now = evals and is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0
+                                                                               or last_step)
+            checkpoint_due = None if cfg.train.no_checkpoints else checkpoint_kind(step, ck, final=last_step,
+                                                                                   also_fixed=(stage2_step,))
             if cfg.train.nan_policy == "stop" and step_loss is not None and (evaluate_now or hellaswag_now or sample_now
                                                                              or checkpoint_due):
                 loss_value, norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()  # one sync, only now
                 check_finite(step, {"train/loss": loss_value, "train/grad_norm": norm_value})
-            if evaluate_now:
-                val = {prefix: validation_loss(model, loader, cfg.eval.val_steps * grad_accum_steps, autocast)
-                       for prefix, loader in val_loaders.items()}
-                if "val" not in val:  # several datasets: weighted by the current stage's mixture
-                    val["val"] = sum(share * val[f"val/{name}"] for name, share in mix)
-                for prefix, val_loss in val.items():
-                    recorder.record_metric(f"{prefix}/loss", val_loss)
-                best_val_loss = torch.minimum(best_val_loss, val["val"])
-            if hellaswag_now:
-                # The raw model: variable-length batches would make torch.compile recompile.
-                with autocast:
-                    scores = hellaswag_eval.evaluate(raw_model, hellaswag_examples, device,
-                                                     cfg.eval.hellaswag_batch_size, rank, world_size)
-                recorder.record_metric("hellaswag/acc", scores["acc"])
-                recorder.record_metric("hellaswag/acc_norm", scores["acc_norm"])
+            if evaluate_now or hellaswag_now:
+                scores = evaluate(model, raw_model, val_loaders if evaluate_now else {}, mix,
+                                  cfg.eval.val_steps * grad_accum_steps, hellaswag_examples if hellaswag_now else [],
+                                  cfg.eval.hellaswag_batch_size, autocast, device, rank, world_size)
+                for name, value in scores.items():
+                    recorder.record_metric(name, value)
+                if "val/loss" in scores:
+                    best_val_loss = torch.minimum(best_val_loss, scores["val/loss"])
             garbage_collector.step(step)
             if step % cfg.log.metrics_collect_interval == 0 or last_step or checkpoint_due:
                 for name, value in memory_metrics(device).items():

@@ -63,3 +63,29 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
                                f"--train.out_dir={tmp_path / 'out'}"], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "python data.py fineweb-edu" in result.stderr
+
+
+def test_no_checkpoints_and_no_evals_switch_them_off(data_root, tmp_path):
+    """OLMo-core's benchmarking switches: nothing saved, nothing evaluated, training as usual."""
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=4",
+                      "--eval.interval=2", "--eval.sample_interval=2", "--checkpoint.interval=2",
+                      "--train.no_checkpoints=true", "--train.no_evals=true"])
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert not any("val/loss" in r for r in rows)
+    assert not list(tmp_path.glob("step*"))
+    assert not (tmp_path / "samples.txt").exists() or "--- step" not in (tmp_path / "samples.txt").read_text()
+
+
+def test_step_zero_evaluates_and_keeps_the_untrained_model(data_root, tmp_path):
+    """eval.fixed_steps / checkpoint.fixed_steps may hold 0: before the first step (the ladder's initialization)."""
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=2",
+                      "--eval.interval=0", "--eval.fixed_steps=0,2", "--checkpoint.fixed_steps=0"])
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows if "val/loss" in r] == [0, 2]
+    assert rows[0]["val/loss"] > 10  # ~ln(50304): nothing learned yet
+    assert (tmp_path / "metrics_step0.json").exists() and (tmp_path / "step0").is_dir()
+    resumed = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=3",
+                                "--eval.interval=0", "--eval.fixed_steps=0,2", "--checkpoint.fixed_steps=0"])
+    assert "resumed from" in resumed.stdout
+    assert [r["step"] for r in read_metrics(tmp_path)].count(0) == 1  # step 0 is not evaluated again
