@@ -1,0 +1,88 @@
+"""The model configurator: which GPT a ladder size name means, and how it fits on a device.
+
+A size is named `<layers>x<width>`: `4x32` is 4 transformer blocks with a 32-wide residual stream.
+Heads are 64 wide as in every GPT-2 (one head below 64). Two dials, one rule each:
+
+- On a GPU, GPT-2's own aspect ratio, 64 of width per layer: `4x256`, `6x384`, `8x512`, `10x640`, and
+  `12x768`, which is GPT-2 (124M). GPT-2's larger shapes are here under their names too.
+- On a CPU, a fixed width of 32 and a depth dial: `1x32`, `2x32`, `4x32`, `8x32`, `16x32`. With GPT-2's
+  50,304-token vocabulary, a small model's cost per token is almost all output layer
+  (6 x 50,304 x width FLOPs against 6 x 12 x layers x width^2 in the blocks), so growing only depth
+  doubles the non-embedding parameters N per step of the dial while the cost per token stays flat:
+  a whole CPU ladder's time is its total tokens.
+
+Parameter counts come from the real model built on the meta device (no memory, no initialisation).
+"""
+
+import math
+
+import torch
+
+from config import ConfigError
+from model import GPT, GPTConfig
+
+GPT2_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
+CPU_DIAL = [f"{layers}x32" for layers in (1, 2, 4, 8, 16)]
+GPU_DIAL = [f"{layers}x{64 * layers}" for layers in (4, 6, 8, 10, 12)]
+SIZES = CPU_DIAL + GPU_DIAL + list(GPT2_SHAPES)
+
+# Memory of one device, GiB, for the rank micro-batch. `cpu` is a laptop's share, not the machine's RAM.
+DEVICE_MEMORY_GIB = {"cpu": 8, "H100": 80, "H200": 141, "A100-80GB": 80, "A100-40GB": 40, "L40S": 48, "A10G": 24,
+                     "L4": 24, "RTX4090": 24, "T4": 16}
+
+
+def shape_of(size):
+    """(n_layer, n_embd) of a size name, or one sentence listing the names."""
+    if size in GPT2_SHAPES:
+        return GPT2_SHAPES[size]
+    if size not in SIZES:
+        raise ConfigError(f"unknown model size {size!r}; use one of {', '.join(SIZES)}.")
+    layers, width = size.split("x")
+    return int(layers), int(width)
+
+
+def model_config(size, block_size):
+    n_layer, n_embd = shape_of(size)
+    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), block_size=block_size)
+
+
+def param_counts(size, block_size):
+    """(non-embedding, total) parameters of the real model."""
+    with torch.device("meta"):
+        model = GPT(model_config(size, block_size))
+    return model.num_params(non_embedding=True), model.num_params()
+
+
+def device_memory_gib(device_type):
+    if device_type not in DEVICE_MEMORY_GIB:
+        raise ConfigError(f"ladder.device={device_type!r} is not a known device; use one of "
+                          f"{', '.join(DEVICE_MEMORY_GIB)}.")
+    return DEVICE_MEMORY_GIB[device_type]
+
+
+def configure_rank_microbatch_size(size, sequence_length, device_type):
+    """Tokens one device processes per micro-step (OLMo's configure_rank_microbatch_size): the largest
+    power-of-two number of sequences whose activations fit beside the weights and AdamW state.
+
+    Memory per device: 16 bytes per parameter (float32 weight, gradient and two AdamW moments), and per
+    token and layer about 34 x width bytes of bf16 activations (Korthikanti et al. 2022, table 2, with
+    flash attention, which keeps no sequence x sequence scores); float32 on a CPU doubles it. The fused
+    loss never holds the logits. Half the memory is left for the allocator, the compiler and the rest."""
+    n_layer, n_embd = shape_of(size)
+    _, total = param_counts(size, sequence_length)
+    budget = device_memory_gib(device_type) * 2**30 / 2 - 16 * total
+    bytes_per_token = 34 * n_embd * n_layer * (2 if device_type == "cpu" else 1) + 16 * n_embd
+    sequences = max(1, budget // (bytes_per_token * sequence_length))
+    sequences = 2 ** int(math.log2(min(sequences, 64)))  # 64 sequences per device is plenty for throughput
+    return sequences * sequence_length
+
+
+def configure_minimal_device_mesh_spec(size, sequence_length, device_type):
+    """(min_world_size, min_dp_world_size) as OLMo's configure_minimal_device_mesh_spec. This trainer
+    is data-parallel (DDP): every device holds the whole model, so more devices never make a model fit;
+    one device is the minimum when the weights and AdamW state fit in it, and none suffices otherwise."""
+    _, total = param_counts(size, sequence_length)
+    if 16 * total > device_memory_gib(device_type) * 2**30 / 2:
+        raise ConfigError(f"size {size} ({total:,} parameters) does not fit on one {device_type} with DDP; "
+                          f"pick a smaller size or a device with more memory.")
+    return 1, None

@@ -1,0 +1,125 @@
+"""The run configurator: batch, learning rate, schedule, duration and checkpoints from the model size.
+
+OLMo-core's `WSDSChinchillaRunConfigurator`, with N the non-embedding parameters:
+
+    target batch  round(2048 x 160 x (N / 108e6)^(2/3)) tokens           (Porian et al. 2024)
+    peak LR       0.0047 x (N / 108e6)^(-1/3) / 2 x lr_multiplier        (Porian et al. 2024, halved as OLMo)
+    AdamW         beta2 = 0.95 if the batch is >= 524,288 tokens else 0.99; weight decay 0.1, none on embeddings
+    warmup        N tokens
+    duration      chinchilla_multiple x tokens_per_param x N tokens, to the nearest whole batch
+    schedule      WSD-S periods ending at 0.5x, 1x, 2x, ... chinchilla_multiple Chinchilla durations, each
+                  ending with a linear decay (to 0) over decay_fraction of the period
+    checkpoints   two per period, before and after its decay
+
+A checkpoint after a decay is a finished run of that length: one ladder run of a size gives several
+points (tokens, loss) for the scaling-law fit. `plan_batch` is OLMo-core's
+`ModelLadder._configure_batch_size_and_num_devices`, step for step.
+"""
+
+import math
+import warnings
+from dataclasses import dataclass
+
+from config import ConfigError
+
+REFERENCE_PARAMS = 108e6  # the N at which Porian et al.'s batch and LR rules are anchored
+LARGE_BATCH_TOKENS = 524_288  # from this batch up, beta2 = 0.95 (else 0.99), as OLMo-core
+
+
+def target_batch_tokens(n):
+    return round(2048 * 160 * (n / REFERENCE_PARAMS) ** (2 / 3))
+
+
+def peak_lr(n, lr_multiplier=1.0):
+    return 0.0047 * (n / REFERENCE_PARAMS) ** (-1 / 3) / 2 * lr_multiplier
+
+
+def beta2(batch_tokens):
+    return 0.95 if batch_tokens >= LARGE_BATCH_TOKENS else 0.99
+
+
+def period_multiples(chinchilla_multiple):
+    """[0.5, 1, 2, ..., chinchilla_multiple]: where the WSD-S periods end, in Chinchilla durations."""
+    if chinchilla_multiple < 0.5 or not math.log2(chinchilla_multiple).is_integer():
+        raise ConfigError(f"ladder.chinchilla_multiple={chinchilla_multiple} is not a power of two of 0.5 or "
+                          f"more; use 0.5, 1, 2, 4, ...")
+    multiples = [0.5]
+    while multiples[-1] < chinchilla_multiple:
+        multiples.append(multiples[-1] * 2)
+    return multiples
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    batch_tokens: int  # the global batch actually used
+    micro_batch_tokens: int  # per device per micro-step
+    devices: int  # devices the run uses
+    dp_world_size: int  # data-parallel ranks
+    grad_accum_steps: int  # micro-steps per optimizer step
+
+
+def plan_batch(target, micro_batch_tokens, sequence_length, min_world_size, min_dp_world_size, max_devices,
+               size="?"):
+    """OLMo-core's _configure_batch_size_and_num_devices. One difference: the micro-batch, capped at the
+    target, is rounded down to whole sequences (OLMo asserts it already is)."""
+    micro = min(micro_batch_tokens, target)
+    micro = max(sequence_length, micro // sequence_length * sequence_length)
+    min_dp_world_size = min_dp_world_size or min_world_size
+    if min_world_size % min_dp_world_size:
+        raise ConfigError(f"size {size}: the minimum world size {min_world_size} is not divisible by the minimum "
+                          f"data-parallel size {min_dp_world_size}.")
+    if max_devices < min_world_size:
+        raise ConfigError(f"size {size} needs at least {min_world_size} devices but ladder.max_devices is "
+                          f"{max_devices}; raise it or drop the size.")
+    # The batch becomes a multiple of micro-batch x minimal data-parallel size ...
+    factor = micro * min_dp_world_size
+    batch = max(1, round(target / factor)) * factor
+    # ... then devices grow up to max_devices, by at most the accumulation steps there would be ...
+    expansion = min(max_devices // min_world_size, batch // factor)
+    devices, dp_world_size = min_world_size * expansion, min_dp_world_size * expansion
+    # ... and the batch is re-rounded to a multiple of one micro-step over all data-parallel ranks.
+    per_micro_step = micro * dp_world_size
+    batch = max(1, round(batch / per_micro_step)) * per_micro_step
+    if abs(batch - target) / target > 0.1:
+        warnings.warn(f"size {size}: the batch of {batch:,} tokens is {100 * abs(batch - target) / target:.1f}% "
+                      f"off the target of {target:,}" + ("; a smaller micro-batch would get closer."
+                                                        if micro // sequence_length > 1 else "."))
+    return BatchPlan(batch, micro, devices, dp_world_size, batch // per_micro_step)
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    lr: float
+    beta2: float
+    warmup_steps: int
+    duration_tokens: int
+    max_steps: int
+    periods: list  # WSD-S period lengths, steps
+    checkpoints: list  # [(name, step)] in step order, the initialization (step 0) first
+
+
+def plan_run(n, batch_tokens, *, chinchilla_multiple, tokens_per_param, lr_multiplier, decay_fraction):
+    """Everything but the batch: LR, beta2, warmup, duration and the WSD-S periods with their checkpoints."""
+    duration_tokens = round(chinchilla_multiple * tokens_per_param * n / batch_tokens) * batch_tokens
+    if duration_tokens == 0:
+        raise ConfigError(f"the run of {n:,} parameters is shorter than one batch of {batch_tokens:,} tokens; "
+                          f"raise ladder.tokens_per_param or ladder.chinchilla_multiple.")
+    ends = [round(m * tokens_per_param * n / batch_tokens) for m in period_multiples(chinchilla_multiple)]
+    checkpoints, periods, start = [("initialization", 0)], [], 0
+    for multiple, end in zip(period_multiples(chinchilla_multiple), ends):
+        length = end - start
+        if length < 1:
+            raise ConfigError(f"the WSD-S period ending at {multiple}x Chinchilla is shorter than a step; raise "
+                              f"ladder.tokens_per_param or drop the smallest sizes.")
+        decay = round(decay_fraction * length)  # as schedule.build_schedule rounds it
+        checkpoints += [(f"{multiple:g}xC-pre-decay", end - decay), (f"{multiple:g}xC-post-decay", end)]
+        periods.append(length)
+        start = end
+    checkpoints = list(dict.fromkeys(checkpoints))  # a period too short to decay gives one step twice
+    warmup_steps = n // batch_tokens  # N tokens
+    if warmup_steps + round(decay_fraction * periods[0]) > periods[0]:
+        raise ConfigError(f"the warmup of N = {n:,} tokens and the first decay do not fit in the first period "
+                          f"(0.5 Chinchilla = {periods[0]} steps); raise ladder.tokens_per_param.")
+    return RunPlan(lr=peak_lr(n, lr_multiplier), beta2=beta2(batch_tokens), warmup_steps=warmup_steps,
+                   duration_tokens=duration_tokens, max_steps=duration_tokens // batch_tokens, periods=periods,
+                   checkpoints=checkpoints)

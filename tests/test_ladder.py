@@ -1,0 +1,219 @@
+"""The model ladder: the configurators' numbers against hand computation, and a micro ladder end to end."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from config import ConfigError
+from configurator.model import SIZES, model_config, param_counts
+from configurator.run import beta2, peak_lr, period_multiples, plan_batch, plan_run, target_batch_tokens
+from model import GPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ----------------------------------------------------------------------------- model configurator
+
+
+def test_size_names_follow_their_rule_and_gpt2_is_on_the_dial():
+    gpt2 = model_config("12x768", 1024)
+    assert (gpt2.n_layer, gpt2.n_embd, gpt2.n_head) == (12, 768, 12)
+    assert model_config("gpt2", 1024) == gpt2
+    assert (model_config("gpt2-xl", 1024).n_layer, model_config("gpt2-xl", 1024).n_head) == (48, 25)
+    assert model_config("4x32", 64).n_head == 1  # narrower than one 64-wide head
+    with pytest.raises(ConfigError, match="unknown model size"):
+        model_config("3x33", 64)
+
+
+def test_parameter_counts_are_the_real_models():
+    n, total = param_counts("12x768", 1024)
+    real = GPT(model_config("12x768", 1024))
+    assert (n, total) == (real.num_params(non_embedding=True), real.num_params())
+    assert total == 124_475_904  # GPT-2 (124M) with the 50,304-row padded vocabulary, as nanoGPT prints
+    cpu = [param_counts(size, 64)[0] for size in ("1x32", "2x32", "4x32", "8x32")]
+    assert all(1.9 < b / a < 2.1 for a, b in zip(cpu, cpu[1:]))  # the CPU dial doubles N per step
+    assert len(SIZES) == len(set(SIZES))
+
+
+# ----------------------------------------------------------------------------- run configurator
+
+
+def test_run_configurator_formulas():
+    assert target_batch_tokens(108e6) == 2048 * 160
+    assert target_batch_tokens(8 * 108e6) == 2048 * 160 * 4  # (8)^(2/3) = 4
+    assert math.isclose(peak_lr(108e6), 0.0047 / 2)
+    assert math.isclose(peak_lr(8 * 108e6, lr_multiplier=2), 0.0047 / 2)  # (8)^(-1/3) = 1/2, times 2
+    assert beta2(524_288) == 0.95 and beta2(524_287) == 0.99
+    assert period_multiples(2) == [0.5, 1, 2] and period_multiples(0.5) == [0.5]
+    for bad in (3, 0.25):
+        with pytest.raises(ConfigError, match="power of two"):
+            period_multiples(bad)
+
+
+def test_plan_run_periods_and_named_checkpoints_by_hand():
+    # N = 1000, batch 100 tokens, 2 x 20 tokens/param: 40,000 tokens = 400 steps; periods end at 0.5x, 1x,
+    # 2x Chinchilla = steps 100, 200, 400; decays of 10% of each period: 10, 10, 20 steps.
+    plan = plan_run(1000, 100, chinchilla_multiple=2, tokens_per_param=20, lr_multiplier=1, decay_fraction=0.1)
+    assert plan.duration_tokens == 40_000 and plan.max_steps == 400
+    assert plan.periods == [100, 100, 200]
+    assert plan.warmup_steps == 10  # N tokens
+    assert plan.checkpoints == [("initialization", 0), ("0.5xC-pre-decay", 90), ("0.5xC-post-decay", 100),
+                                ("1xC-pre-decay", 190), ("1xC-post-decay", 200), ("2xC-pre-decay", 380),
+                                ("2xC-post-decay", 400)]
+    # The duration rounds to the nearest whole batch: 2 x 20 x 1000 / 300 = 133.3 -> 133 batches.
+    assert plan_run(1000, 300, chinchilla_multiple=2, tokens_per_param=20, lr_multiplier=1,
+                    decay_fraction=0.1).duration_tokens == 133 * 300
+    # Warmup (N tokens) must fit in the first period with its decay: at 1 token per parameter it cannot.
+    with pytest.raises(ConfigError, match="raise ladder.tokens_per_param"):
+        plan_run(1000, 100, chinchilla_multiple=2, tokens_per_param=1, lr_multiplier=1, decay_fraction=0.1)
+
+
+def test_plan_batch_matches_olmo_by_hand():
+    # 8 devices, micro-batch 16,384 tokens: 1e6 / 16,384 = 61.04 -> 61 micro-batches = 999,424 tokens; the
+    # devices expand by min(8, 61) = 8; the batch re-rounds to 8 x 16,384 x round(7.625) = 1,048,576.
+    plan = plan_batch(1_000_000, 16_384, 4096, 1, None, 8)
+    assert (plan.batch_tokens, plan.micro_batch_tokens, plan.devices, plan.dp_world_size, plan.grad_accum_steps) \
+        == (1_048_576, 16_384, 8, 8, 8)
+    # A model that needs 2 devices per replica (min dp 1): expansion min(8 // 2, 61) = 4 -> 8 devices, dp 4;
+    # 999,424 / (4 x 16,384) = 15.25 -> 15 micro-steps.
+    plan = plan_batch(1_000_000, 16_384, 4096, 2, 1, 8)
+    assert (plan.batch_tokens, plan.devices, plan.dp_world_size, plan.grad_accum_steps) == (983_040, 8, 4, 15)
+    # The micro-batch is capped at the target and rounded down to whole sequences: 3,148 -> 3,136 (49 x 64).
+    plan = plan_batch(3148, 1_000_000, 64, 1, None, 1)
+    assert (plan.batch_tokens, plan.micro_batch_tokens, plan.grad_accum_steps) == (3136, 3136, 1)
+
+
+def test_plan_batch_warns_past_ten_percent_and_refuses_impossible_meshes():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_batch(10_000, 8192, 1024, 1, None, 8)  # one micro-batch of 8,192: 18% under the target
+    assert plan.batch_tokens == 8192
+    assert any("18.1% off the target" in str(w.message) and "smaller micro-batch" in str(w.message) for w in caught)
+    with pytest.raises(ConfigError, match="not divisible"):
+        plan_batch(10_000, 1024, 1024, 3, 2, 8)
+    with pytest.raises(ConfigError, match="needs at least 4 devices"):
+        plan_batch(10_000, 1024, 1024, 4, None, 2)
+
+
+# ----------------------------------------------------------------------------- ladder.py
+
+
+def ladder(*args, env=None, check=True, cwd=ROOT):
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "ladder.py"), *args], capture_output=True, text=True,
+                            cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+    if check:
+        assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+def micro_ladder_file(tmp_path, data_root):
+    """Three CPU sizes trained to a fifth of a Chinchilla duration: a whole ladder in about a minute."""
+    path = tmp_path / "micro.py"
+    path.write_text(f'ladder.name = "micro"\nladder.dir = "{tmp_path / "ladder"}"\n'
+                    f'ladder.sizes = ["1x32", "2x32", "4x32"]\nladder.chinchilla_multiple = 1\n'
+                    f'ladder.tokens_per_param = 4\nladder.val_tokens = 2048\n'
+                    f'model.block_size = 64\ndata.data_root = "{data_root}"\neval.sample_interval = 0\n')
+    return str(path)
+
+
+def test_dry_run_json_has_exactly_the_documented_keys(tmp_path, data_root):
+    lines = ladder("dry-run", micro_ladder_file(tmp_path, data_root), "--json").stdout.strip().splitlines()
+    plans = [json.loads(line) for line in lines]
+    assert [p["size"] for p in plans] == ["1x32", "2x32", "4x32"]
+    assert set(plans[0]) == {"size", "non_embedding_params", "total_params", "target_batch_tokens", "batch_tokens",
+                             "micro_batch_tokens", "min_devices", "devices", "dp_world_size", "grad_accum_steps",
+                             "lr", "beta2", "warmup_tokens", "duration_tokens", "max_steps", "checkpoints"}
+    p = plans[0]
+    assert p["non_embedding_params"] == param_counts("1x32", 64)[0]
+    assert p["target_batch_tokens"] == target_batch_tokens(p["non_embedding_params"])
+    assert p["lr"] == peak_lr(p["non_embedding_params"]) and p["beta2"] == 0.99
+    assert p["checkpoints"][0] == {"name": "initialization", "step": 0, "tokens": 0}
+    assert all(c["tokens"] == c["step"] * p["batch_tokens"] for c in p["checkpoints"])
+    assert not os.path.exists(tmp_path / "ladder")  # a dry run touches nothing
+
+
+def test_ladder_file_may_not_set_what_the_ladder_derives(tmp_path, data_root):
+    path = micro_ladder_file(tmp_path, data_root)
+    with open(path, "a") as f:
+        f.write("optim.lr = 1e-3\n")
+    result = ladder("dry-run", path, check=False)
+    assert result.returncode != 0 and "sets optim.lr, which the ladder derives" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_refuses_a_world_size_other_than_planned(tmp_path, data_root):
+    path = micro_ladder_file(tmp_path, data_root)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               os.path.join(ROOT, "ladder.py"), "run", path, "--size=1x32"]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode != 0
+    assert "size 1x32 is planned for 1 device(s) but this run has 2 process(es)" in result.stderr
+    assert not os.path.exists(tmp_path / "ladder" / "1x32")  # refused before anything was written
+
+
+def test_micro_ladder_end_to_end(tmp_path, data_root):
+    path = micro_ladder_file(tmp_path, data_root)
+    out = ladder("run-all", path).stdout
+    assert out.count("ladder.py run") == 3
+    assert "skipped" in ladder("run-all", path).stdout  # finished sizes are not trained again
+
+    rows = [json.loads(line) for line in ladder("checkpoints", path, "--json").stdout.splitlines()]
+    assert len(rows) == 3 * 5  # initialization, then pre- and post-decay of the 0.5x and 1x periods
+    assert all(r["exists"] and r["metrics"] for r in rows), rows
+    assert "✔" in ladder("checkpoints", path).stdout
+
+    csv_path = tmp_path / "metrics.csv"
+    table = ladder("metrics", path, "--csv", str(csv_path)).stdout
+    assert "val/loss" in table and "initialization" in table
+    lines = csv_path.read_text().splitlines()
+    assert len(lines) == 1 + 15 and "val/loss" in lines[0]
+
+    fit = ladder("fit", path).stdout
+    assert "held out, size 4x32" in fit
+    result = json.loads((tmp_path / "ladder" / "fit.json").read_text())
+    assert set(result["params"]) == {"E", "A", "alpha", "B", "beta"}
+    assert [h["size"] for h in result["holdout"]] == ["4x32", "4x32"]
+    for h in result["holdout"]:
+        assert math.isclose(h["relative_error"], (h["predicted"] - h["measured"]) / h["measured"])
+    assert (tmp_path / "ladder" / "fit.png").stat().st_size > 0
+
+    # Each size is an ordinary run: its config.json is that run again, for train.py.
+    size_dir = tmp_path / "ladder" / "1x32"
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), str(size_dir / "config.json")],
+                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert again.returncode == 0 and "already trained" in again.stdout, again.stdout + again.stderr
+    step0 = json.loads((size_dir / "metrics_step0.json").read_text())
+    assert step0["val/loss"] > 10  # the untrained model: ~ln(50304) = 10.8
+
+
+def test_fit_with_too_few_finished_sizes_says_what_is_missing(tmp_path, data_root):
+    result = ladder("fit", micro_ladder_file(tmp_path, data_root), check=False)
+    assert result.returncode != 0
+    assert "needs three finished sizes" in result.stderr and "1x32 (no metrics for" in result.stderr
+
+
+def test_fit_recovers_a_known_law():
+    import ladder as ladder_module
+
+    truth = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
+    points = [(n, d, ladder_module.predict(truth, n, d)) for n in (1e6, 4e6, 16e6) for d in (2e7, 8e7, 3.2e8)]
+    fitted = ladder_module.fit_scaling_law(points)
+    for n, d in ((64e6, 1.28e9), (64e6, 5e9)):  # a size 4x beyond the fitted ones
+        assert math.isclose(ladder_module.predict(fitted, n, d), ladder_module.predict(truth, n, d), rel_tol=1e-4)
+
+
+def test_benchmark_runs_100_steps_without_checkpoints_or_evals(tmp_path, data_root):
+    path = micro_ladder_file(tmp_path, data_root)
+    max_steps = json.loads(ladder("dry-run", path, "--size=1x32", "--json").stdout)["max_steps"]
+    out = ladder("benchmark", path, "--size=1x32").stdout
+    assert "benchmark 1x32:" in out and "tokens/s" in out and "peak memory" in out
+    folder = tmp_path / "ladder" / "benchmark" / "1x32"
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == min(100, max_steps) and not any("val/loss" in r for r in rows)
+    assert not list(folder.glob("step*")) and list((folder / "profiler").iterdir())
