@@ -414,7 +414,9 @@ def load_saved_config(cfg, path):
     except ValueError as error:
         raise ConfigError(f"{path} is not valid JSON ({error}); give a config.json a run wrote.") from None
     for section_name, values in data.items():
-        for name, value in (values.items() if isinstance(values, dict) else [(None, values)]):
+        if not isinstance(values, dict) or section_name not in sections(cfg):
+            raise unknown_key_error(cfg, section_name, str(path))
+        for name, value in values.items():
             key = f"{section_name}.{name}"
             if key not in all_keys(cfg):
                 raise unknown_key_error(cfg, key, str(path))
@@ -457,12 +459,13 @@ def help_text():
     return "\n".join(lines)
 
 
-def parse_args(argv):
-    """Build the run's checked Config from `argv` (without the program name)."""
+def parse_args(argv, cfg=None):
+    """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
+    `cfg` (a Config with a `ladder` section) to be filled the same way."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         sys.exit(0)
-    cfg = Config()
+    cfg = Config() if cfg is None else cfg
     has_file = argv and not argv[0].startswith("--")
     load_config_file(cfg, argv[0] if has_file else DEFAULT_CONFIG_FILE)
     for arg in argv[1:] if has_file else argv:

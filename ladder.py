@@ -22,13 +22,14 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 
 from checkpoint import is_complete_checkpoint
-from config import (Config, ConfigError, UserError, apply_override, get, load_config_file, sections, validate)
+from config import Config, ConfigError, UserError, get, parse_args, sections, validate
 from configurator.model import (SIZES, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
                                 model_config, param_counts)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens
@@ -64,11 +65,7 @@ DERIVED = ["model.n_layer", "model.n_head", "model.n_embd", "data.batch_size", "
 
 def read_config(path, overrides):
     """The checked LadderConfig of a ladder file plus overrides; every mistake is one sentence."""
-    cfg = LadderConfig()
-    load_config_file(cfg, path)
-    for arg in overrides:
-        apply_override(cfg, arg)
-    validate(cfg)
+    cfg = parse_args([path, *overrides], LadderConfig())
     default = Config()
     for key in DERIVED:
         if get(cfg, key) != get(default, key):
@@ -244,8 +241,8 @@ def benchmark(cfg, plan):
     rows = [r for r in metrics.read_jsonl(os.path.join(bench.train.out_dir, "metrics.jsonl")) if r["step"] > 10]
 
     def median(name):
-        values = sorted(r[name] for r in rows if name in r)
-        return values[len(values) // 2] if values else None
+        values = [r[name] for r in rows if name in r]
+        return statistics.median(values) if values else None
 
     mfu = median("throughput/mfu")
     peak = max((v for r in rows for k, v in r.items() if k.startswith("system/") and "peak" in k), default=0.0)

@@ -235,10 +235,10 @@ class GPT(nn.Module):
         # is the output layer too (tied weights), so it is spared as a whole.
         embeddings = {id(self.transformer.wte.weight), id(self.transformer.wpe.weight)}
         params = [p for p in self.parameters() if p.requires_grad]
-        decayed = [p for p in params if p.dim() >= 2 and (optim.decay_embeddings or id(p) not in embeddings)]
+        decayed = [p.dim() >= 2 and (optim.decay_embeddings or id(p) not in embeddings) for p in params]
         groups = [
-            {"params": decayed, "weight_decay": optim.weight_decay},
-            {"params": [p for p in params if all(p is not d for d in decayed)], "weight_decay": 0.0},
+            {"params": [p for p, d in zip(params, decayed) if d], "weight_decay": optim.weight_decay},
+            {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0},
         ]
         # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
         fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters

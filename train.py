@@ -393,6 +393,12 @@ def train(cfg):
         peak_flops = peak_flops_for_device(device, cfg.train.peak_flops)
         flops_per_token = raw_model.flops_per_token()  # once: it counts every parameter
 
+        def save_checkpoint(kind):
+            """Snapshot the state after `step` (model, optimizer, data position, RNG) and hand it to the checkpointer."""
+            trainer_state = {"step": step, "tokens": tokens_seen, "data": train_loader.state_dict(),
+                             "best_val_loss": best_val_loss, "config": config_to_dict(cfg)}
+            checkpointer.save(step, capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master), kind)
+
         # ---- before the first step, if asked (the model ladder's "initialization" point): evaluate, keep the model
         if step == 0 and not resuming and 0 in cfg.eval.fixed_steps and not cfg.train.no_evals:
             for name, value in evaluate(model, raw_model, val_loaders, mix, cfg.eval.val_steps * grad_accum_steps,
@@ -403,9 +409,7 @@ def train(cfg):
             recorder.collect_then(handle_rows)
             recorder.wait()
         if step == 0 and not resuming and 0 in ck.fixed_steps and not cfg.train.no_checkpoints:
-            trainer_state = {"step": 0, "tokens": 0, "data": train_loader.state_dict(), "best_val_loss": best_val_loss,
-                             "config": config_to_dict(cfg)}
-            checkpointer.save(0, capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master), "fixed")
+            save_checkpoint("fixed")
 
         # ---- the training loop
         while step < end_step:
@@ -494,10 +498,7 @@ def train(cfg):
             if checkpoint_due:
                 stall_start = time.perf_counter()
                 checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
-                trainer_state = {"step": step, "tokens": tokens_seen, "data": train_loader.state_dict(),
-                                 "best_val_loss": best_val_loss, "config": config_to_dict(cfg)}
-                snapshot = capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master)
-                checkpointer.save(step, snapshot, checkpoint_due)
+                save_checkpoint(checkpoint_due)
                 if is_master:
                     print(f"checkpoint step{step} ({checkpoint_due}, {'async' if ck.async_save else 'sync'}): "
                           f"the loop stalled {time.perf_counter() - stall_start:.3f} s", flush=True)
