@@ -18,16 +18,19 @@ import os
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
+import tasks
 from checkpoint import load_model
 from config import UserError
+from sample import KVCache
 from tokenizer import GPT2_VOCAB_SIZE, get_tokenizer
 
 URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+SCORE_ROWS = 2**22 // GPT2_VOCAB_SIZE  # output-layer rows per slice: 16 MB of float32 logits, as the training loss
 DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab", "hellaswag")
 
 
@@ -79,54 +82,142 @@ def download(path):
     os.replace(tmp, path)
 
 
-def encode_example(example, block_size):
-    """Four rows of context + ending tokens, the index where each ending starts, and whether the
-    context had to be cut from the left to fit block_size + 1 tokens (the last token is only a target)."""
+@dataclass
+class Example:
+    """One example, tokenized: a row of context + continuation tokens per choice, each cut from the left
+    to block_size + 1 tokens (the last token is only a target), and what the scores need."""
+    rows: list  # [[token, ...], ...] one per choice
+    starts: list  # index in each row of the first scored (continuation) token
+    chars: list  # characters of each continuation, without the leading space (per-character accuracy)
+    label: int  # index of the right choice
+    group: str  # the task, or the MMLU subject (MMLU is averaged over its subjects)
+    truncated: bool  # whether a context had to be cut to fit
+
+
+def encode(choices, label, group, block_size):
+    """An Example from [(context, continuation), ...]: the pieces are tokenized apart, as GPT-2's
+    published HellaSwag numbers were, so a continuation's tokens never merge with its context's."""
     enc = get_tokenizer()
-    context = enc.encode(example["ctx"])
-    rows, starts, truncated = [], [], False
-    for ending in example["endings"]:
-        row = context + enc.encode(" " + ending)
+    rows, starts, chars, truncated, tokens = [], [], [], False, {}
+    for context, continuation in choices:
+        context_tokens = tokens.setdefault(context, enc.encode(context))
+        row = context_tokens + enc.encode(continuation)
         cut = max(0, len(row) - (block_size + 1))
         truncated |= cut > 0
         rows.append(row[cut:])
-        starts.append(max(1, len(context) - cut))  # the first token is never a target
-    return rows, starts, truncated
+        starts.append(max(1, len(context_tokens) - cut))  # the first token is never a target
+        chars.append(len(continuation) - continuation.startswith(" "))
+    return Example(rows, starts, chars, label, group, truncated)
+
+
+def encode_example(example, block_size):
+    """A HellaSwag example from the jsonl file, in the raw-context format."""
+    return encode(*tasks.hellaswag(example), "hellaswag", block_size)
+
+
+def shared_prefix(example):
+    """How many leading tokens every row of the example shares and no scored token needs the output
+    of: those are run through the model once and their keys and values reused by every choice."""
+    common = len(os.path.commonprefix(example.rows))
+    return max(0, min(common, *example.starts) - 1)
 
 
 @torch.no_grad()
+def score_choices(model, examples, device, batch_size=16):
+    """For each example, per choice, (summed log-probability of the continuation, its token count).
+
+    What makes it fast: an example's context (the prefix its choices share) runs once, and its keys
+    and values serve every choice; the choices are packed one after another into a single row, each
+    attending to the context and to its own earlier tokens only, with its own positions, so there is
+    no padding between them; examples are batched with others of the same context length (no padding
+    there either) and similar packed length; and the output layer runs only on positions whose next
+    token is scored, in slices that bound its memory."""
+    plan = sorted((shared_prefix(ex), sum(len(row) - 1 for row in ex.rows), i) for i, ex in enumerate(examples))
+    batches, batch = [], []
+    for prefix, _, i in plan:
+        if batch and (len(batch) == batch_size or prefix != batch[0][0]):
+            batches.append(batch)
+            batch = []
+        batch.append((prefix, i))
+    batches += [batch] if batch else []
+    results = [None] * len(examples)
+    for batch in batches:
+        prefix, chosen = batch[0][0], [examples[i] for _, i in batch]
+        cache = None
+        if prefix:
+            cache = KVCache(model.config.n_layer)
+            model.hidden_states(torch.tensor([ex.rows[0][:prefix] for ex in chosen], device=device), cache)
+        width = max(sum(len(row) - 1 - prefix for row in ex.rows) for ex in chosen)
+        inputs, positions, segments = [], [], []
+        where, targets, owner = [], [], []  # scored tokens: where their prediction is, what, whose
+        for b, ex in enumerate(chosen):
+            tokens, pos, seg = [], [], []
+            for c, (row, start) in enumerate(zip(ex.rows, ex.starts)):
+                where += [b * width + len(tokens) + j - 1 - prefix for j in range(start, len(row))]
+                targets += row[start:]
+                owner += [choice_index(chosen, b, c)] * (len(row) - start)
+                tokens += row[prefix:-1]
+                pos += range(prefix, len(row) - 1)
+                seg += [c] * (len(row) - 1 - prefix)
+            padding = width - len(tokens)
+            inputs.append(tokens + [0] * padding)
+            positions.append(pos + [0] * padding)
+            segments.append(seg + [-1 - k for k in range(padding)])  # a pad sees only itself
+        segments = torch.tensor(segments, device=device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        mask = (segments[:, :, None] == segments[:, None, :]) & causal
+        mask = torch.cat([torch.ones(len(chosen), width, prefix, dtype=torch.bool, device=device), mask], dim=2)
+        hidden = model.hidden_states(torch.tensor(inputs, device=device), cache,
+                                     torch.tensor(positions, device=device), mask[:, None]).flatten(0, 1)
+        hidden = hidden[torch.tensor(where, device=device)]
+        targets = torch.tensor(targets, device=device)
+        log_probs = torch.cat([
+            model.lm_head(h)[:, :GPT2_VOCAB_SIZE].float().log_softmax(-1).gather(1, t[:, None]).squeeze(1)
+            for h, t in zip(hidden.split(SCORE_ROWS), targets.split(SCORE_ROWS))])
+        n_choices = sum(len(ex.rows) for ex in chosen)
+        sums = torch.zeros(n_choices, dtype=torch.float64, device=device)
+        sums.index_add_(0, torch.tensor(owner, device=device), log_probs.double())
+        sums, r = sums.tolist(), 0
+        for (_, i), ex in zip(batch, chosen):
+            results[i] = [(sums[r + c], len(ex.rows[c]) - ex.starts[c]) for c in range(len(ex.rows))]
+            r += len(ex.rows)
+    return results
+
+
+def choice_index(chosen, b, c):
+    """The place of choice c of example b among all the choices of a batch."""
+    return sum(len(ex.rows) for ex in chosen[:b]) + c
+
+
+def best(values):
+    """Index of the largest value; the first one on a tie."""
+    return max(range(len(values)), key=values.__getitem__)
+
+
+def count_correct(model, examples, groups, device, batch_size=16):
+    """A (len(groups), 5) tensor of per-group counts: examples, right by acc, by acc_norm, by
+    acc_per_char, and the sum of 1/choices (chance)."""
+    counts = torch.zeros(len(groups), 5, dtype=torch.float64)
+    index = {group: g for g, group in enumerate(groups)}
+    for ex, scored in zip(examples, score_choices(model, examples, device, batch_size)):
+        summed = [s for s, _ in scored]
+        per_token = [s / n for s, n in scored]
+        per_char = [s / max(1, c) for (s, _), c in zip(scored, ex.chars)]
+        counts[index[ex.group]] += torch.tensor([1.0, best(summed) == ex.label, best(per_token) == ex.label,
+                                                 best(per_char) == ex.label, 1 / len(ex.rows)], dtype=torch.float64)
+    return counts
+
+
 def score_examples(model, examples, device, batch_size=16):
-    """(correct, correct_norm, truncated) counts over `examples`, batch_size examples per forward."""
-    block_size = model.config.block_size
-    correct = correct_norm = truncated = 0
-    for first in range(0, len(examples), batch_size):
-        encoded = [encode_example(ex, block_size) for ex in examples[first : first + batch_size]]
-        rows = [row for rows, _, _ in encoded for row in rows]
-        length = max(map(len, rows))
-        tokens = torch.zeros(len(rows), length, dtype=torch.long)
-        mask = torch.zeros(len(rows), length, dtype=torch.bool)  # the ending tokens, as targets
-        for i, row in enumerate(rows):
-            tokens[i, : len(row)] = torch.tensor(row)
-            start = encoded[i // 4][1][i % 4]
-            mask[i, start : len(row)] = True
-        tokens, mask = tokens.to(device), mask.to(device)
-        # Right padding is harmless: causal attention never lets a real token see a pad after it.
-        logits, _ = model(tokens[:, :-1])
-        logits = logits[..., :GPT2_VOCAB_SIZE].float()
-        losses = F.cross_entropy(logits.transpose(1, 2), tokens[:, 1:], reduction="none")
-        target_mask = mask[:, 1:]
-        summed = (losses * target_mask).sum(1).view(-1, 4)
-        mean = summed / target_mask.sum(1).view(-1, 4)
-        labels = torch.tensor([int(ex["label"]) for ex in examples[first : first + batch_size]], device=device)
-        correct += int((summed.argmin(1) == labels).sum())
-        correct_norm += int((mean.argmin(1) == labels).sum())
-        truncated += sum(t for _, _, t in encoded)
-    return correct, correct_norm, truncated
+    """(correct, correct_norm, truncated) counts over HellaSwag jsonl `examples`."""
+    encoded = [encode_example(ex, model.config.block_size) for ex in examples]
+    counts = count_correct(model, encoded, ["hellaswag"], device, batch_size)[0]
+    return int(counts[1]), int(counts[2]), sum(ex.truncated for ex in encoded)
 
 
 def evaluate(model, examples, device, batch_size=16, rank=0, world_size=1):
-    """acc and acc_norm over all examples; with several ranks each scores every world_size-th one
-    and the counts are summed across ranks."""
+    """acc and acc_norm over all HellaSwag jsonl examples; with several ranks each scores every
+    world_size-th one and the counts are summed across ranks."""
     start = time.perf_counter()
     was_training = model.training
     model.eval()
@@ -138,6 +229,35 @@ def evaluate(model, examples, device, batch_size=16, rank=0, world_size=1):
     n = len(examples)
     return {"n": n, "acc": correct / n, "acc_norm": correct_norm / n, "truncated": truncated,
             "examples_per_sec": n / (time.perf_counter() - start)}
+
+
+def load_tasks(names, block_size, data_dir="", limit=0):
+    """{task: [Example, ...]}, the first `limit` of each (0 = all)."""
+    tasks.check_names(names)
+    return {name: [encode(*tasks.TASKS[name].format(doc), group, block_size)
+                   for doc, group in tasks.load_docs(name, data_dir, limit)] for name in names}
+
+
+def evaluate_tasks(model, task_examples, device, batch_size=16, rank=0, world_size=1):
+    """{task: {n, acc, acc_norm, acc_per_char, chance}} plus "average" and "average_centered" (each task's
+    primary accuracy rescaled so chance is 0 and perfect is 1). Ranks score every world_size-th example
+    and the counts are summed; a task of several groups (MMLU's subjects) is the mean of its groups."""
+    was_training = model.training
+    model.eval()
+    results = {}
+    for name, examples in task_examples.items():
+        groups = list(dict.fromkeys(ex.group for ex in examples))  # the same order on every rank
+        counts = count_correct(model, examples[rank::world_size], groups, device, batch_size).to(device)
+        if world_size > 1:
+            dist.all_reduce(counts)
+        per_group = (counts[:, 1:] / counts[:, :1]).mean(0).tolist()
+        results[name] = {"n": int(counts[:, 0].sum()), "acc": per_group[0], "acc_norm": per_group[1],
+                         "acc_per_char": per_group[2], "chance": per_group[3]}
+    model.train(was_training)
+    primary = [(r[tasks.TASKS[name].primary], r["chance"]) for name, r in results.items()]
+    results["average"] = sum(acc for acc, _ in primary) / len(primary)
+    results["average_centered"] = sum((acc - chance) / (1 - chance) for acc, chance in primary) / len(primary)
+    return results
 
 
 def main(argv):

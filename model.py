@@ -105,7 +105,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj.residual_projection = True
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, attn_mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
@@ -114,7 +114,10 @@ class CausalSelfAttention(nn.Module):
             k, v = kv_cache.append(k, v)
         # With a cache and a single new token there is nothing in the future to mask.
         causal = kv_cache is None or T > 1
-        if kv_cache is not None and T > 1 and k.size(2) != T:
+        if attn_mask is not None:
+            # Packed evaluation rows (hellaswag_eval.py): the caller says who may see whom.
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        elif kv_cache is not None and T > 1 and k.size(2) != T:
             # Several new tokens after a cached prefix: each may see the whole prefix and its past.
             past = k.size(2) - T
             mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
@@ -150,9 +153,9 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, kv_cache=None):
+    def forward(self, x, kv_cache=None, attn_mask=None):
         # Pre-LayerNorm: normalise the input of each sub-layer, keep the residual stream untouched.
-        x = x + self.attn(self.ln_1(x), kv_cache)
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -192,13 +195,7 @@ class GPT(nn.Module):
         the mean cross-entropy where targets are not -1, through the fused chunked loss, and logits None
         (they are never built) unless `return_logits=True` asks for both, computed the plain way."""
         B, T = idx.size()
-        start = 0 if kv_cache is None else kv_cache.length
-        assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size"
-        pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
-            x = block(x, kv_cache)
-        x = self.transformer.ln_f(x)
+        x = self.hidden_states(idx, kv_cache)
         if targets is not None and not return_logits:
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
@@ -208,6 +205,21 @@ class GPT(nn.Module):
                 logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
             )
         return logits, loss
+
+    def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
+        """The final layer-normed hidden state of every position, before the output layer. The
+        evaluations apply the output layer only where a token is scored, and pack several sequences
+        in a row: then `pos` gives each token's position and `attn_mask` (B, 1, T, past + T) which
+        keys each token may attend to."""
+        T = idx.size(1)
+        start = 0 if kv_cache is None else kv_cache.length
+        if pos is None:
+            assert start + T <= self.config.block_size, f"sequence of {start + T} > block_size"
+            pos = torch.arange(start, start + T, dtype=torch.long, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        for block in self.transformer.h:
+            x = block(x, kv_cache, attn_mask)
+        return self.transformer.ln_f(x)
 
     def num_params(self, non_embedding=False):
         """Parameter count. Non-embedding (Kaplan et al. 2020) leaves out token and position
