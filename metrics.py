@@ -6,7 +6,7 @@ all pending values of all ranks in one collective and copies them to the host in
 OLMo-core's metrics_collect_interval); with `log.async_bookkeeping` that happens on a background
 thread over a CPU (gloo) group, as OLMo's async bookkeeping. The rows then go to `Sinks`: the console (rank 0),
 `<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps.
-Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellaswag/.
+Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellaswag/, eval/ (downstream tasks).
 
     python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
 """
@@ -164,7 +164,8 @@ class MetricRecorder:
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
-    "train/loss": "loss", "val/loss": "val", "hellaswag/acc_norm": "hellaswag", "train/grad_norm": "norm",
+    "train/loss": "loss", "val/loss": "val", "hellaswag/acc_norm": "hellaswag",
+    "eval/average": "tasks", "train/grad_norm": "norm",
     "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
     "train/loss_spike": "SPIKE",
 }
@@ -257,7 +258,7 @@ class Sinks:
             return
         try:
             append_jsonl(self.jsonl_path, step, values)
-            if any(name.startswith(("val/", "hellaswag/")) for name in values):
+            if any(name.startswith(("val/", "hellaswag/", "eval/")) for name in values):
                 # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
                 tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
                 with open(tmp, "w") as f:
@@ -293,6 +294,7 @@ def start_wandb(out_dir, log_cfg, config_dict):
 PLOTS = {  # file name -> metrics drawn in it
     "loss": ["train/loss", "val/loss"],
     "hellaswag": ["hellaswag/acc_norm", "hellaswag/acc"],
+    "tasks": ["eval/average", "eval/average_centered"],
     "lr": ["optim/lr"],
     "throughput": ["throughput/tokens_per_sec"],
 }

