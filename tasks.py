@@ -130,10 +130,10 @@ TASKS = {
 }
 
 
-def check_names(names):
+def check_names(names, where="--tasks"):
     unknown = [name for name in names if name not in TASKS]
     if unknown:
-        raise TaskDataError(f"unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}.")
+        raise TaskDataError(f"{where} has unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)}.")
 
 
 # ----------------------------------------------------------------------------- data

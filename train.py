@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hellaswag_eval
 import metrics
 import run_dir
+import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, check_finite, make_profiler, memory_metrics,
                        peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
 from checkpoint import Checkpointer, capture_state, checkpoint_kind, load_checkpoint
@@ -297,6 +298,7 @@ def dry_run(cfg):
 def main(argv):
     # ---- configuration (every user mistake in the config fails here, before any file is touched)
     cfg = parse_args([a for a in argv if a != "--dry_run"])
+    tasks.check_names(cfg.eval.tasks, "eval.tasks")  # the names tasks.py defines
     if "--dry_run" in argv:
         return dry_run(cfg)
     train(cfg)

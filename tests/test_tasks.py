@@ -175,7 +175,7 @@ def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
     assert set(lines[2]) == {"average", "average_centered"}
     typo = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"],
                           cwd=ROOT, capture_output=True, text=True)
-    assert typo.returncode != 0 and typo.stderr.startswith("error: unknown task(s) arc; choose from hellaswag,")
+    assert typo.returncode != 0 and typo.stderr.startswith("error: --tasks has unknown task(s) arc; choose from hellaswag,")
 
 
 def test_training_loop_logs_the_tasks(data_root, tmp_path):
@@ -190,7 +190,7 @@ def test_training_loop_logs_the_tasks(data_root, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--eval.tasks=copa,arc"], "eval.tasks has unknown task(s) arc; choose from"),
+    (["--eval.tasks=copa,arc", "--eval.tasks_interval=5"], "eval.tasks has unknown task(s) arc; choose from"),
     (["--eval.tasks=copa"], "eval.tasks=['copa'] and eval.tasks_interval=0 do not agree"),
     (["--eval.tasks_interval=5"], "do not agree; set both"),
 ])
