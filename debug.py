@@ -1,0 +1,330 @@
+"""When a run goes wrong: where two runs part, how two checkpoints differ, where a hung job waits.
+
+In the loop (train.py calls these):
+- `trace_forward` (debug.trace_steps): at the chosen steps, rank 0 runs the step's first micro-batch
+  through the model once more with forward hooks on every submodule, and saves each module's inputs
+  and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
+  `module_outputs_save_steps`). The extra forward uses the weights of that step (before its update),
+  runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay nothing.
+- `register_stack_dump`: every rank writes its pid to `<out_dir>/stacks/rank<r>.pid` and, on SIGUSR1,
+  the stacks of all its threads to `rank<r>.txt` (Python's faulthandler, safe inside a hang).
+- `make_deterministic` (train.deterministic): deterministic kernels, for hunting divergences.
+
+From the command line:
+
+    python debug.py compare-traces RUN_A RUN_B [--step N] [--atol 0] [--rtol 0]
+    python debug.py compare-state CKPT_A CKPT_B [--top 20]
+    python debug.py stacks RUN [--wait 10]
+
+compare-traces answers "where did these two runs start to differ?": per traced step, the modules in
+the order they ran, the largest absolute and relative difference of their outputs, and the first
+module past the tolerance (exit status 1 when there is one, as `diff`). compare-state lists the
+weights and AdamW moments that differ most between two checkpoints. stacks signals a running job's
+processes and prints every rank's innermost frames side by side, so the rank stuck elsewhere stands out.
+"""
+
+import argparse
+import faulthandler
+import json
+import os
+import signal
+import socket
+import sys
+import time
+
+import torch
+
+from config import UserError, config_from_dict
+from model import GPT
+
+TRACES, STACKS = "traces", "stacks"
+HERE = os.path.dirname(os.path.abspath(__file__))  # this project's folder: its frames are the telling ones
+
+
+class DebugError(UserError):
+    """A debug.py argument points at nothing usable; the message says what to give."""
+
+
+# ----------------------------------------------------------------------------- in the loop
+
+
+def make_deterministic():
+    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (see the
+    README); an op with no deterministic version raises an error naming it instead of running."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+
+
+def to_cpu_tensors(value):
+    """The tensors in a module's inputs or output (a tensor, a tuple, None), detached on the CPU."""
+    items = value if isinstance(value, (tuple, list)) else [value]
+    return [v.detach().to("cpu", copy=True) for v in items if isinstance(v, torch.Tensor)]
+
+
+@torch.no_grad()
+def trace_forward(model, loader, autocast, out_dir, step):
+    """Save every submodule's inputs and outputs for the first micro-batch of `step` (see the top)."""
+    state = loader.state_dict()
+    x, y = loader.next_batch()  # the batch the step is about to train on ...
+    loader.load_state_dict(state)  # ... left in place for it
+    calls = []
+    hooks = [module.register_forward_hook(
+        lambda module, inputs, output, name=name or "model": calls.append(
+            {"name": name, "inputs": to_cpu_tensors(inputs), "output": to_cpu_tensors(output)}))
+        for name, module in model.named_modules()]
+    try:
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), autocast:
+            model(x, y)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    folder = os.path.join(out_dir, TRACES, f"step{step}")
+    os.makedirs(folder, exist_ok=True)
+    torch.save({"step": step, "calls": calls}, os.path.join(folder, "rank0.pt.tmp"))
+    os.replace(os.path.join(folder, "rank0.pt.tmp"), os.path.join(folder, "rank0.pt"))
+    index = [{"name": c["name"], "inputs": [list(t.shape) for t in c["inputs"]],
+              "output": [list(t.shape) for t in c["output"]]} for c in calls]
+    with open(os.path.join(folder, "index.json"), "w") as f:
+        json.dump({"step": step, "calls": index}, f, indent=1)
+
+
+def register_stack_dump(out_dir, rank):
+    """Write this rank's pid and host, and dump its threads' stacks on SIGUSR1. Returns a function
+    that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does not
+    exist (Windows)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return lambda: None
+    folder = os.path.join(out_dir, STACKS)
+    os.makedirs(folder, exist_ok=True)
+    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
+    with open(pid_path, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank}, f)
+    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
+    stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+
+    def undo():
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks_file.close()
+        if os.path.exists(pid_path):
+            os.remove(pid_path)
+
+    return undo
+
+
+# ----------------------------------------------------------------------------- compare-traces
+
+
+def load_traces(run_dir):
+    """{step: [call, ...]} of a run's traces."""
+    folder = os.path.join(run_dir, TRACES)
+    if not os.path.isdir(folder):
+        raise DebugError(f"{run_dir} has no {TRACES}/ folder; train it with --debug.trace_steps=... to save traces.")
+    traces = {}
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name, "rank0.pt")
+        if name.startswith("step") and os.path.exists(path):
+            traces[int(name[4:])] = torch.load(path, map_location="cpu", weights_only=True)["calls"]
+    return traces
+
+
+def tensor_difference(a, b):
+    """(max |a - b|, that divided by max |b|) in float64; infinite when the shapes differ."""
+    if a.shape != b.shape:
+        return float("inf"), float("inf")
+    a, b = a.double(), b.double()
+    largest = (a - b).abs().max().item() if a.numel() else 0.0
+    scale = b.abs().max().item() if b.numel() else 0.0
+    return largest, largest / scale if scale else (0.0 if largest == 0 else float("inf"))
+
+
+def compare_calls(calls_a, calls_b, atol, rtol):
+    """[(name, max abs, max rel, parted)] per module call, in execution order."""
+    rows = []
+    for a, b in zip(calls_a, calls_b):
+        diffs = [tensor_difference(x, y) for x, y in zip(a["output"], b["output"])] or [(0.0, 0.0)]
+        largest, relative = max(d for d, _ in diffs), max(r for _, r in diffs)
+        scale = max((t.double().abs().max().item() for t in b["output"] if t.numel()), default=0.0)
+        rows.append((a["name"], largest, relative, a["name"] != b["name"] or largest > atol + rtol * scale))
+    return rows
+
+
+def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
+    """Print the comparison; returns (step, module) of the first parting, or None."""
+    traces_a, traces_b = load_traces(run_a), load_traces(run_b)
+    steps = sorted(set(traces_a) & set(traces_b))
+    if step is not None:
+        steps = [s for s in steps if s == step]
+    if not steps:
+        raise DebugError(f"{run_a} and {run_b} have no traced step in common"
+                         f"{'' if step is None else f' at step {step}'} (they have {sorted(traces_a)} and "
+                         f"{sorted(traces_b)}); trace the same --debug.trace_steps in both.")
+    first = None
+    for s in steps:
+        a, b = traces_a[s], traces_b[s]
+        same_tokens = all(torch.equal(x, y) for x, y in zip(a[0]["inputs"], b[0]["inputs"]))
+        print(f"step {s}: {len(a)} module calls" + ("" if same_tokens else "; the input tokens differ (different data)"))
+        print(f"  {'module':40s} {'max abs diff':>14s} {'max rel diff':>14s}")
+        for name, largest, relative, parted in compare_calls(a, b, atol, rtol):
+            print(f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}")
+            if parted and first is None:
+                first = (s, name)
+    if first:
+        print(f"the runs first part at step {first[0]} in {first[1]} (beyond atol={atol}, rtol={rtol})")
+    else:
+        print(f"no module parts beyond atol={atol}, rtol={rtol} at step(s) {', '.join(map(str, steps))}")
+    return first
+
+
+# ----------------------------------------------------------------------------- compare-state
+
+
+def named_state(path):
+    """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
+    from checkpoint import resolve_checkpoint
+
+    if not os.path.isdir(path):
+        raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
+    path = resolve_checkpoint(path)
+    state = dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
+    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    optim = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
+    # The optimizer numbers parameters in the order of its groups: rebuild them to name the moments.
+    cfg = config_from_dict(trainer["config"])
+    model = GPT(cfg.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    ordered = [names[id(p)] for g in model.configure_optimizers(cfg.optim, "cpu").param_groups for p in g["params"]]
+    for index, moments in optim["state"].items():
+        for key, value in moments.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                state[f"optim/{ordered[int(index)]}/{key}"] = value
+    return path, state
+
+
+def compare_state(path_a, path_b, top=20):
+    """Print the tensors that differ, the most different (relative norm) first; returns how many."""
+    path_a, a = named_state(path_a)
+    path_b, b = named_state(path_b)
+    only = sorted(set(a) ^ set(b))
+    rows = []
+    for name in sorted(set(a) & set(b)):
+        if a[name].shape != b[name].shape:
+            rows.append((name, float("inf"), float("inf")))
+        elif not torch.equal(a[name], b[name]):
+            diff = (a[name].double() - b[name].double())
+            norm = a[name].double().norm().item()
+            rows.append((name, diff.abs().max().item(), diff.norm().item() / norm if norm else float("inf")))
+    if not rows and not only:
+        print(f"identical: all {len(a)} tensors (weights and AdamW moments) of {path_a} and {path_b} are equal")
+        return 0
+    rows.sort(key=lambda r: -r[2])
+    print(f"{len(rows)} of {len(set(a) & set(b))} tensors differ between {path_a} and {path_b}, most different first:")
+    print(f"  {'tensor':50s} {'max abs diff':>14s} {'rel norm diff':>14s}")
+    for name, largest, relative in rows[:top]:
+        print(f"  {name:50s} {largest:14.3e} {relative:14.3e}")
+    if len(rows) > top:
+        print(f"  ... and {len(rows) - top} more (--top to see them)")
+    if only:
+        print(f"in one checkpoint only: {', '.join(only)}")
+    return len(rows) + len(only)
+
+
+# ----------------------------------------------------------------------------- stacks
+
+
+def where(dump):
+    """Where the main thread of a faulthandler dump is: its innermost frame, and the innermost one in
+    this project's files (faulthandler lists the innermost frame first; the main thread is the one
+    whose outermost frame is a script's `<module>`)."""
+    threads = [[line.strip() for line in block.splitlines() if line.strip().startswith("File")]
+               for block in dump.split("\n\n")]
+    threads = [frames for frames in threads if frames]
+    if not threads:
+        return "(no frame)"
+    frames = next((t for t in threads if t[-1].endswith("in <module>")), threads[0])
+    short = lambda frame: frame.replace('File "', "").replace('", line ', ":")  # noqa: E731
+    ours = next((f for f in frames if f'"{HERE}{os.sep}' in f), None)
+    text = short(frames[0]).split(os.sep)[-1]
+    return text if ours in (None, frames[0]) else f"{text}  <- {short(ours).split(os.sep)[-1]}"
+
+
+def collect_stacks(run_dir, wait=10.0):
+    """{rank: dump} of every rank of the run started on this host that answers SIGUSR1."""
+    folder = os.path.join(run_dir, STACKS)
+    pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if os.path.isdir(folder) else []
+    if not pid_files:
+        raise DebugError(f"no running training has registered in {folder}; give the train.out_dir of a run that "
+                         f"is running now (or use `py-spy dump --pid PID`).")
+    here, asked, elsewhere = socket.gethostname(), {}, []
+    for name in pid_files:
+        with open(os.path.join(folder, name)) as f:
+            info = json.load(f)
+        if info["host"] != here:
+            elsewhere.append(f"rank {info['rank']} on {info['host']}")
+            continue
+        text_path = os.path.join(folder, f"rank{info['rank']}.txt")
+        open(text_path, "w").close()  # empty it: the new dump lands at its start
+        try:
+            os.kill(info["pid"], signal.SIGUSR1)
+            asked[info["rank"]] = text_path
+        except ProcessLookupError:
+            print(f"rank {info['rank']} (pid {info['pid']}) is gone")
+    if elsewhere:
+        print(f"on other hosts (run this command there too; the files land in {folder}): {', '.join(elsewhere)}")
+    dumps, sizes, deadline = {}, {}, time.monotonic() + wait
+    while len(dumps) < len(asked) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        for rank, path in asked.items():
+            size = os.path.getsize(path)
+            if rank not in dumps and size and sizes.get(rank) == size:  # written, and no longer growing
+                dumps[rank] = open(path).read()
+            sizes[rank] = size
+    return dumps, sorted(set(asked) - set(dumps))
+
+
+def show_stacks(run_dir, wait=10.0):
+    dumps, silent = collect_stacks(run_dir, wait)
+    for rank in sorted(dumps):
+        print(f"==================== rank {rank}\n{dumps[rank].rstrip()}")
+    if dumps:
+        frames = {rank: where(dump) for rank, dump in dumps.items()}
+        common = max(set(frames.values()), key=list(frames.values()).count)
+        print("==================== where each rank is (main thread, innermost frame)")
+        for rank in sorted(frames):
+            print(f"rank {rank}: {frames[rank]}{'' if frames[rank] == common else '   <- not where the others are'}")
+    if silent:
+        print(f"no answer within {wait:g} s from rank(s) {', '.join(map(str, silent))}")
+    return dumps
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    p = commands.add_parser("compare-traces", help="where two runs' module outputs start to differ")
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--step", type=int, default=None, help="only this traced step")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (0: any difference counts)")
+    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to the largest output value")
+    p = commands.add_parser("compare-state", help="per-tensor differences of two checkpoints")
+    p.add_argument("ckpt_a")
+    p.add_argument("ckpt_b")
+    p.add_argument("--top", type=int, default=20, help="tensors listed")
+    p = commands.add_parser("stacks", help="every rank's stacks of a running (or hung) training")
+    p.add_argument("run")
+    p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the dumps")
+    args = parser.parse_args(argv)
+    if args.command == "compare-traces":
+        return 1 if compare_traces(args.run_a, args.run_b, args.step, args.atol, args.rtol) else 0
+    if args.command == "compare-state":
+        return 1 if compare_state(args.ckpt_a, args.ckpt_b, args.top) else 0
+    return 0 if show_stacks(args.run, args.wait) else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except UserError as error:
+        sys.exit(f"error: {error}")
