@@ -122,6 +122,7 @@ class EvalConfig:
 @dataclass(slots=True)
 class DebugConfig:
     trace_steps: list[int] = field(default_factory=list)  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
+    trace_sequences: int = 0  # trace only the first N sequences of that micro-batch (0 = all; GPT-2 124M: ~1 GB per sequence of 1024 tokens)
 
 
 @dataclass(slots=True)
@@ -190,7 +191,8 @@ RANGES = [
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
         "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.hellaswag_interval",
-        "eval.hellaswag_limit", "eval.tasks_interval", "eval.tasks_limit", "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
+        "eval.hellaswag_limit", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
+        "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
     ("train.dist_timeout", lambda v: v > 0, "greater than 0"),

@@ -64,11 +64,14 @@ def to_cpu_tensors(value):
 
 
 @torch.no_grad()
-def trace_forward(model, loader, autocast, out_dir, step):
-    """Save every submodule's inputs and outputs for the first micro-batch of `step` (see the top)."""
+def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
+    """Save every submodule's inputs and outputs for the first micro-batch of `step` (see the top), or
+    for its first `sequences` sequences (a GPT's outputs for one sequence do not depend on the others)."""
     state = loader.state_dict()
     x, y = loader.next_batch()  # the batch the step is about to train on ...
     loader.load_state_dict(state)  # ... left in place for it
+    if sequences:
+        x, y = x[:sequences], y[:sequences]
     calls = []
     hooks = [module.register_forward_hook(
         lambda module, inputs, output, name=name or "model": calls.append(

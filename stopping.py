@@ -3,8 +3,8 @@
 Cluster schedulers preempt a job with SIGTERM; a person presses Ctrl-C; a script touches
 `<out_dir>/CANCEL`; a job has a time limit. In every case the loop finishes the current step, saves a
 checkpoint and exits, so at most one step is lost. Ranks may see the cause at different moments (a
-signal reaches them one by one, only rank 0 looks for the file), so after every step they agree: one
-tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
+signal reaches them one by one, only rank 0 looks for the file), so every `train.cancel_check_interval`
+steps (default 1) they agree: one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
 """
 
 import os
@@ -49,7 +49,7 @@ def local_stop_reason(flag, out_dir, start_time, time_limit, is_master, sinks=No
 
 
 def agree_on_stop(reason, group=None):
-    """The reason to stop that any rank has (all ranks call this after every step)."""
+    """The reason to stop that any rank has (all ranks call this at the same steps)."""
     if not dist.is_initialized():
         return reason
     code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)

@@ -443,7 +443,7 @@ def train(cfg):
                 group["lr"] = lr
             step_loss = grad_norm = None
             if step + 1 in cfg.debug.trace_steps and is_master:  # every module's inputs and outputs, saved
-                debug.trace_forward(raw_model, train_loader, autocast, out_dir, step + 1)
+                debug.trace_forward(raw_model, train_loader, autocast, out_dir, step + 1, cfg.debug.trace_sequences)
             if in_ranges(step + 1, skip_ranges):
                 # A known-bad stretch of data: read past its batches without training on them.
                 train_loader.skip_batches(grad_accum_steps)

@@ -28,7 +28,7 @@ def traced_runs(data_root, tmp_path_factory):
     """Two identical runs and one with another learning rate, traced at steps 1 and 3, and one untraced."""
     root = tmp_path_factory.mktemp("traced")
     common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=4", "--eval.interval=0"]
-    for name, extra in [("a", []), ("b", []), ("lr", ["--optim.lr=1e-3"])]:
+    for name, extra in [("a", []), ("b", []), ("lr", ["--optim.lr=1e-3"]), ("first", ["--debug.trace_sequences=1"])]:
         run_train(common + [f"--train.out_dir={root / name}", "--debug.trace_steps=1,3"] + extra)
     run_train(common + [f"--train.out_dir={root / 'untraced'}"])
     return root
@@ -40,6 +40,8 @@ def test_traces_hold_every_module_and_leave_training_unchanged(traced_runs):
     assert names[0] == "transformer.wte" and names[-1] == "model" and "transformer.h.1.mlp.c_fc" in names
     assert index["calls"][0]["inputs"] == [[4, 32]] and index["calls"][0]["output"] == [[4, 32, 32]]  # first micro-batch
     assert sorted(os.listdir(traced_runs / "a" / "traces")) == ["step1", "step3"]
+    first = json.loads((traced_runs / "first" / "traces" / "step3" / "index.json").read_text())
+    assert first["calls"][0]["inputs"] == [[1, 32]] and len(first["calls"]) == len(index["calls"])
     traced, untraced = read_metrics(traced_runs / "a"), read_metrics(traced_runs / "untraced")
     assert [r["train/loss"] for r in traced] == [r["train/loss"] for r in untraced]  # bit for bit
 
