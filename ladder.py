@@ -28,6 +28,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
+import tasks
 from checkpoint import is_complete_checkpoint
 from config import Config, ConfigError, UserError, get, parse_args, sections, validate
 from configurator.model import (SIZES, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
@@ -66,6 +67,7 @@ DERIVED = ["model.n_layer", "model.n_head", "model.n_embd", "data.batch_size", "
 def read_config(path, overrides):
     """The checked LadderConfig of a ladder file plus overrides; every mistake is one sentence."""
     cfg = parse_args([path, *overrides], LadderConfig())
+    tasks.check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does: the names tasks.py defines
     default = Config()
     for key in DERIVED:
         if get(cfg, key) != get(default, key):

@@ -11,9 +11,11 @@ import callbacks
 import checkpoint
 import config
 import data
+import debug
 import hellaswag_eval
 import hf
 import metrics
+import tasks
 from config import ConfigError, parse_args
 from conftest import ROOT, TINY, read_metrics, run_train
 
@@ -43,7 +45,8 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_every_error_a_user_can_cause_is_a_user_error():
     for error in (ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.HellaSwagError,
-                  callbacks.NonFiniteLoss, hf.WeightsError, metrics.SinkError):
+                  callbacks.NonFiniteLoss, hf.WeightsError, metrics.SinkError, tasks.TaskDataError,
+                  debug.DebugError):
         assert issubclass(error, config.UserError), error
 
 
