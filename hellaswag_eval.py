@@ -7,8 +7,12 @@ the tokens of " " + ending after the context. `acc` picks the lowest summed loss
 mean loss per token. Only GPT-2's 50,257 real tokens take part in the softmax.
 
     python hellaswag_eval.py --init_from=out/gpt2 [--data=PATH] [--limit=N] [--device=cuda] [--json]
+    python hellaswag_eval.py --init_from=out/gpt2 --tasks=arc_easy,piqa,mmlu [--data_dir=DIR] [--json]
 
-In the training loop (`eval.hellaswag_interval`) the examples are split across ranks and the correct
+The same scorer serves the downstream task suite (`--tasks`; the tasks and their prompt formats are
+in tasks.py): every example is choices of (context, continuation), scored the same way, with `acc`
+(summed log-likelihood), `acc_norm` (per token) and `acc_per_char` (per character). In the training
+loop (`eval.hellaswag_interval`, `eval.tasks`) the examples are split across ranks and the correct
 counts are all-reduced.
 """
 
