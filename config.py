@@ -111,7 +111,7 @@ class EvalConfig:
     hellaswag_interval: int = 0  # steps between HellaSwag evaluations (also at fixed_steps and the end); 0 = off
     hellaswag_limit: int = 0  # score only the first N examples (0 = all 10,042)
     hellaswag_data: str = ""  # a hellaswag jsonl file; empty downloads and caches the validation set
-    hellaswag_batch_size: int = 16  # examples per forward pass (each is 4 rows); also used for eval.tasks
+    hellaswag_batch_size: int = 64  # examples per forward pass, also for eval.tasks (64: fastest on an H100, as fast as 16 on CPU)
     tasks: list[str] = field(default_factory=list)  # downstream tasks (tasks.py), e.g. arc_easy,piqa: eval/<task>/acc...
     tasks_interval: int = 0  # steps between task evaluations (also at fixed_steps and the end); 0 = off
     tasks_limit: int = 0  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
@@ -122,7 +122,7 @@ class EvalConfig:
 @dataclass(slots=True)
 class DebugConfig:
     trace_steps: list[int] = field(default_factory=list)  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
-    trace_sequences: int = 0  # trace only the first N sequences of that micro-batch (0 = all; GPT-2 124M: ~1 GB per sequence of 1024 tokens)
+    trace_sequences: int = 1  # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
 
 
 @dataclass(slots=True)

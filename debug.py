@@ -27,6 +27,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -83,6 +84,12 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
     finally:
         for hook in hooks:
             hook.remove()
+    size = sum(t.numel() * t.element_size() for c in calls for t in c["inputs"] + c["output"])
+    free = shutil.disk_usage(out_dir).free
+    if size > free // 2:  # a trace must never fill the disk the checkpoints need
+        print(f"warning: the trace of step {step} would take {size / 1e9:.1f} GB and {out_dir} has {free / 1e9:.1f} "
+              f"GB free, so it is not saved; lower debug.trace_sequences.", file=sys.stderr, flush=True)
+        return
     folder = os.path.join(out_dir, TRACES, f"step{step}")
     os.makedirs(folder, exist_ok=True)
     torch.save({"step": step, "calls": calls}, os.path.join(folder, "rank0.pt.tmp"))

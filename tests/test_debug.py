@@ -29,7 +29,8 @@ def traced_runs(data_root, tmp_path_factory):
     root = tmp_path_factory.mktemp("traced")
     common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=4", "--eval.interval=0"]
     for name, extra in [("a", []), ("b", []), ("lr", ["--optim.lr=1e-3"]), ("first", ["--debug.trace_sequences=1"])]:
-        run_train(common + [f"--train.out_dir={root / name}", "--debug.trace_steps=1,3"] + extra)
+        run_train(common + [f"--train.out_dir={root / name}", "--debug.trace_steps=1,3", "--debug.trace_sequences=0"]
+                  + extra)
     run_train(common + [f"--train.out_dir={root / 'untraced'}"])
     return root
 
@@ -151,3 +152,32 @@ def test_cancel_check_interval_sets_when_ranks_agree_on_stopping(data_root, tmp_
 def test_debug_settings_are_checked(tmp_path, override, message):
     result = run_train([f"--train.out_dir={tmp_path / 'run'}", override], check=False)
     assert result.returncode != 0 and message in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_trace_too_large_for_the_disk_is_not_written(tmp_path, monkeypatch, capsys):
+    from collections import namedtuple
+    from contextlib import nullcontext
+
+    from hellaswag_fixture import tiny_model
+
+    class Loader:  # the two methods trace_forward uses, and the batch
+        position = 0
+
+        def state_dict(self):
+            return {"position": self.position}
+
+        def load_state_dict(self, state):
+            self.position = state["position"]
+
+        def next_batch(self):
+            self.position += 1
+            tokens = torch.arange(2 * 17).view(2, 17)
+            return tokens[:, :-1], tokens[:, 1:]
+
+    loader = Loader()
+    debug.trace_forward(tiny_model(), loader, nullcontext(), str(tmp_path), 7)
+    assert (tmp_path / "traces" / "step7" / "rank0.pt").exists() and loader.position == 0  # batch left for the step
+    monkeypatch.setattr(debug.shutil, "disk_usage", lambda path: namedtuple("Usage", "total used free")(1, 1, 1000))
+    debug.trace_forward(tiny_model(), loader, nullcontext(), str(tmp_path), 8)
+    assert not (tmp_path / "traces" / "step8").exists()
+    assert "the trace of step 8 would take" in capsys.readouterr().err
