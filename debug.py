@@ -20,7 +20,8 @@ compare-traces answers "where did these two runs start to differ?": per traced s
 the order they ran, the largest absolute and relative difference of their outputs, and the first
 module past the tolerance (exit status 1 when there is one, as `diff`). compare-state lists the
 weights and AdamW moments that differ most between two checkpoints. stacks signals a running job's
-processes and prints every rank's innermost frames side by side, so the rank stuck elsewhere stands out.
+processes and prints every rank's stack, then their frames side by side and where each rank is, so the
+rank stuck elsewhere stands out.
 """
 
 import argparse
@@ -244,20 +245,34 @@ def compare_state(path_a, path_b, top=20):
 # ----------------------------------------------------------------------------- stacks
 
 
-def where(dump):
-    """Where the main thread of a faulthandler dump is: its innermost frame, and the innermost one in
-    this project's files (faulthandler lists the innermost frame first; the main thread is the one
-    whose outermost frame is a script's `<module>`)."""
+def main_thread_frames(dump):
+    """The main thread's frames in a faulthandler dump, innermost first, as "file.py:line in function"
+    (the main thread is the one whose outermost frame is a script's `<module>`)."""
     threads = [[line.strip() for line in block.splitlines() if line.strip().startswith("File")]
                for block in dump.split("\n\n")]
     threads = [frames for frames in threads if frames]
-    if not threads:
+    frames = next((t for t in threads if t[-1].endswith("in <module>")), threads[0] if threads else [])
+    return [(f'"{HERE}{os.sep}' in f, f.replace('File "', "").replace('", line ', ":").split(os.sep)[-1]) for f in frames]
+
+
+def where(frames):
+    """The innermost frame, and the innermost one in this project's files when that is another."""
+    if not frames:
         return "(no frame)"
-    frames = next((t for t in threads if t[-1].endswith("in <module>")), threads[0])
-    short = lambda frame: frame.replace('File "', "").replace('", line ', ":")  # noqa: E731
-    ours = next((f for f in frames if f'"{HERE}{os.sep}' in f), None)
-    text = short(frames[0]).split(os.sep)[-1]
-    return text if ours in (None, frames[0]) else f"{text}  <- {short(ours).split(os.sep)[-1]}"
+    ours = next((text for is_ours, text in frames if is_ours), None)
+    return frames[0][1] if ours in (None, frames[0][1]) else f"{frames[0][1]}  <- {ours}"
+
+
+def side_by_side(frames_by_rank, depth=12):
+    """The project's frames of every rank's main thread in columns, outermost at the top, so the
+    rank whose stack is not like the others shows at a glance."""
+    columns = {rank: [text for is_ours, text in frames if is_ours][::-1][:depth]
+               for rank, frames in frames_by_rank.items()}
+    width = max(24, min(44, 176 // max(1, len(columns))))
+    print(" | ".join(f"rank {rank}".ljust(width) for rank in columns).rstrip())
+    for row in range(max(map(len, columns.values()), default=0)):
+        print(" | ".join((cells[row] if row < len(cells) else "")[:width].ljust(width)
+                         for cells in columns.values()).rstrip())
 
 
 def collect_stacks(run_dir, wait=10.0):
@@ -299,11 +314,14 @@ def show_stacks(run_dir, wait=10.0):
     for rank in sorted(dumps):
         print(f"==================== rank {rank}\n{dumps[rank].rstrip()}")
     if dumps:
-        frames = {rank: where(dump) for rank, dump in dumps.items()}
-        common = max(set(frames.values()), key=list(frames.values()).count)
+        frames = {rank: main_thread_frames(dumps[rank]) for rank in sorted(dumps)}
+        print("==================== side by side (main thread, this project's frames, outermost first)")
+        side_by_side(frames)
+        places = {rank: where(f) for rank, f in frames.items()}
+        common = max(set(places.values()), key=list(places.values()).count)
         print("==================== where each rank is (main thread, innermost frame)")
-        for rank in sorted(frames):
-            print(f"rank {rank}: {frames[rank]}{'' if frames[rank] == common else '   <- not where the others are'}")
+        for rank, place in places.items():
+            print(f"rank {rank}: {place}{'' if place == common else '   <- not where the others are'}")
     if silent:
         print(f"no answer within {wait:g} s from rank(s) {', '.join(map(str, silent))}")
     return dumps

@@ -107,6 +107,8 @@ def test_stacks_of_every_rank_then_a_hung_rank_ends_the_run_with_a_message(data_
             assert f"==================== rank {rank}\n" in result.stdout
             assert (out / "stacks" / f"rank{rank}.txt").read_text().count('train.py", line') >= 2
         assert "where each rank is" in result.stdout
+        table = result.stdout.split("side by side")[1].splitlines()
+        assert table[1].split() == ["rank", "0", "|", "rank", "1"] and table[2].count("train.py:") == 2
         # Freeze rank 1: rank 0 waits at the next collective until train.dist_timeout, then says so.
         rank1 = json.loads((out / "stacks" / "rank1.pid").read_text())["pid"]
         os.kill(rank1, signal.SIGSTOP)
