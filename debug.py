@@ -142,13 +142,17 @@ def load_traces(run_dir):
 
 
 def tensor_difference(a, b):
-    """(max |a - b|, that divided by max |b|) in float64; infinite when the shapes differ."""
+    """(max |a - b|, max |b|) in float64; an infinite difference when the shapes differ."""
     if a.shape != b.shape:
-        return float("inf"), float("inf")
+        return float("inf"), 0.0
+    if not a.numel():
+        return 0.0, 0.0
     a, b = a.double(), b.double()
-    largest = (a - b).abs().max().item() if a.numel() else 0.0
-    scale = b.abs().max().item() if b.numel() else 0.0
-    return largest, largest / scale if scale else (0.0 if largest == 0 else float("inf"))
+    return (a - b).abs().max().item(), b.abs().max().item()
+
+
+def relative(largest, scale):
+    return largest / scale if scale else (0.0 if largest == 0 else float("inf"))
 
 
 def compare_calls(calls_a, calls_b, atol, rtol):
@@ -156,9 +160,9 @@ def compare_calls(calls_a, calls_b, atol, rtol):
     rows = []
     for a, b in zip(calls_a, calls_b):
         diffs = [tensor_difference(x, y) for x, y in zip(a["output"], b["output"])] or [(0.0, 0.0)]
-        largest, relative = max(d for d, _ in diffs), max(r for _, r in diffs)
-        scale = max((t.double().abs().max().item() for t in b["output"] if t.numel()), default=0.0)
-        rows.append((a["name"], largest, relative, a["name"] != b["name"] or largest > atol + rtol * scale))
+        largest, scale = max(d for d, _ in diffs), max(s for _, s in diffs)
+        rows.append((a["name"], largest, max(relative(d, s) for d, s in diffs),
+                     a["name"] != b["name"] or largest > atol + rtol * scale))
     return rows
 
 

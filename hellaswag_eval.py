@@ -157,12 +157,13 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
         width = max(sum(len(row) - 1 - prefix for row in ex.rows) for ex in chosen)
         inputs, positions, segments = [], [], []
         where, targets, owner = [], [], []  # scored tokens: where their prediction is, what, whose
+        first_choice = [0]  # per example, the place of its first choice among the batch's choices
         for b, ex in enumerate(chosen):
             tokens, pos, seg = [], [], []
             for c, (row, start) in enumerate(zip(ex.rows, ex.starts)):
                 where += [b * width + len(tokens) + j - 1 - prefix for j in range(start, len(row))]
                 targets += row[start:]
-                owner += [choice_index(chosen, b, c)] * (len(row) - start)
+                owner += [first_choice[b] + c] * (len(row) - start)
                 tokens += row[prefix:-1]
                 pos += range(prefix, len(row) - 1)
                 seg += [c] * (len(row) - 1 - prefix)
@@ -170,6 +171,7 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
             inputs.append(tokens + [0] * padding)
             positions.append(pos + [0] * padding)
             segments.append(seg + [-1 - k for k in range(padding)])  # a pad sees only itself
+            first_choice.append(first_choice[b] + len(ex.rows))
         segments = torch.tensor(segments, device=device)
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask = (segments[:, :, None] == segments[:, None, :]) & causal
@@ -181,20 +183,13 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
         log_probs = torch.cat([
             model.lm_head(h)[:, :GPT2_VOCAB_SIZE].float().log_softmax(-1).gather(1, t[:, None]).squeeze(1)
             for h, t in zip(hidden.split(SCORE_ROWS), targets.split(SCORE_ROWS))])
-        n_choices = sum(len(ex.rows) for ex in chosen)
         # Summed on the CPU (the sums are needed there next): deterministic, unlike index_add_ on CUDA.
-        sums = torch.zeros(n_choices, dtype=torch.float64)
-        sums.index_add_(0, torch.tensor(owner), log_probs.double().cpu())
-        sums, r = sums.tolist(), 0
-        for (_, i), ex in zip(batch, chosen):
-            results[i] = [(sums[r + c], len(ex.rows[c]) - ex.starts[c]) for c in range(len(ex.rows))]
-            r += len(ex.rows)
+        sums = torch.zeros(first_choice[-1], dtype=torch.float64)
+        sums = sums.index_add_(0, torch.tensor(owner), log_probs.double().cpu()).tolist()
+        for b, ((_, i), ex) in enumerate(zip(batch, chosen)):
+            results[i] = [(sums[first_choice[b] + c], len(row) - start)
+                          for c, (row, start) in enumerate(zip(ex.rows, ex.starts))]
     return results
-
-
-def choice_index(chosen, b, c):
-    """The place of choice c of example b among all the choices of a batch."""
-    return sum(len(ex.rows) for ex in chosen[:b]) + c
 
 
 def best(values):
