@@ -27,10 +27,33 @@ class GPTConfig:
     bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
 
 
-# Rows of logits computed at once by the fused loss: 2**22 float32 values (16 MB) per slice, e.g. 83
-# rows of GPT-2's 50,304-wide vocabulary. Slices this small stay under glibc's largest mmap threshold
-# (32 MB), so each slice reuses the memory of the previous one instead of asking the kernel again.
-LOSS_CHUNK_VALUES = 2**22
+# How many logits the fused loss computes at once, by device type. CPU: 2**22 float32 values (16 MB),
+# e.g. 83 rows of GPT-2's 50,304-wide vocabulary; slices this small stay under glibc's largest mmap
+# threshold (32 MB), so each slice reuses the memory of the previous one (measured: docs/measurements.md).
+# CUDA: 2**29 values (2 GiB of float32 logits), so a GPT-2 micro-batch of 64 x 1,024 tokens is 7 slices
+# of ~10,700 rows: each slice's matmul fills the GPU, and torch.compile unrolls only 7 of them.
+LOSS_SLICE_VALUES = {"cpu": 2**22, "cuda": 2**29}
+
+
+def loss_slice_rows(device_type, vocab_size):
+    """Rows of hidden states per slice of the fused loss on this kind of device."""
+    return max(1, LOSS_SLICE_VALUES.get(device_type, LOSS_SLICE_VALUES["cpu"]) // vocab_size)
+
+
+def choose_loss_path(setting, device_type, compiled):
+    """train.loss_path resolved: "chunked" or "full" (see GPT.forward). "auto" picks what was measured
+    fastest (docs/measurements.md): under torch.compile on CUDA, "full" (inductor fuses the softmax and
+    the loss into few passes over bf16 logits; GPT-2 124M on an H100: 559k tokens/s against 537k chunked,
+    for 3 GiB more memory); everywhere else "chunked" (eager CUDA: the same speed without the 37 GiB of
+    float32 logits and their gradient; CPU: 1.5x faster than the full logits)."""
+    if setting != "auto":
+        return setting
+    return "full" if device_type == "cuda" and compiled else "chunked"
+
+
+def loss_slices(rows, vocab_size, device_type):
+    """Slices per micro-step: the number of loop iterations torch.compile unrolls into the graph."""
+    return -(-rows // loss_slice_rows(device_type, vocab_size))
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -90,7 +113,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 def chunked_cross_entropy(hidden, weight, targets):
     """Mean cross-entropy of `hidden @ weight.T` against `targets` (-1: not scored), never holding the
     full logits. hidden: (tokens, n_embd); weight: (vocabulary, n_embd); targets: (tokens,)."""
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, max(1, LOSS_CHUNK_VALUES // weight.size(0)))
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)))
 
 
 class CausalSelfAttention(nn.Module):
@@ -175,6 +198,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
         self.transformer.wte.weight = self.lm_head.weight
+        self.loss_path = "chunked"  # how forward computes the training loss: "chunked" or "full" (see forward)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -192,11 +216,13 @@ class GPT(nn.Module):
 
     def forward(self, idx, targets=None, kv_cache=None, return_logits=None):
         """(logits, loss). Without `targets`: the logits of every position, loss None. With `targets`:
-        the mean cross-entropy where targets are not -1, through the fused chunked loss, and logits None
-        (they are never built) unless `return_logits=True` asks for both, computed the plain way."""
+        the mean cross-entropy where targets are not -1, and logits None: through the fused chunked loss
+        (`loss_path = "chunked"`, the default: the full logits are never built), or through the full
+        logits and F.cross_entropy (`"full"`, what nanoGPT does). `return_logits=True` asks for both,
+        computed the full way. train.py sets `loss_path` from train.loss_path."""
         B, T = idx.size()
         x = self.hidden_states(idx, kv_cache)
-        if targets is not None and not return_logits:
+        if targets is not None and not return_logits and self.loss_path == "chunked":
             return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
         logits = self.lm_head(x)
         loss = None
@@ -204,7 +230,7 @@ class GPT(nn.Module):
             loss = F.cross_entropy(
                 logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
             )
-        return logits, loss
+        return (logits if return_logits or targets is None else None), loss
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
         """The final layer-normed hidden state of every position, before the output layer. The

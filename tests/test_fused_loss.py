@@ -1,5 +1,6 @@
 """The fused, chunked output layer + cross-entropy gives what F.cross_entropy on full logits gives."""
 
+import numpy as np
 import pytest
 import torch
 from torch.nn import functional as F
@@ -25,7 +26,7 @@ def loss_and_grads(fn, hidden, weight, targets, autocast_dtype):
 @pytest.mark.parametrize("autocast_dtype, tolerance", [(None, 1e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("chunk_values", [7 * 1000, 10**9])  # many slices with a ragged last one; one slice
 def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tolerance, chunk_values):
-    monkeypatch.setattr(model, "LOSS_CHUNK_VALUES", chunk_values)
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", chunk_values)
     torch.manual_seed(0)
     hidden, weight = torch.randn(50, 16), torch.randn(1000, 16) * 0.5
     targets = torch.randint(0, 1000, (50,))
@@ -81,3 +82,129 @@ def test_torch_compile_traces_the_fused_loss_without_graph_breaks():
     x = torch.randint(0, 100, (2, 8))
     explanation = torch._dynamo.explain(net)(x, x)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+# ----------------------------------------------------------------------------- the loss path on GPUs
+
+
+def gpt2_rows_per_micro_step(world_size):
+    from config import parse_args
+    cfg = parse_args(["config/gpt2.py"])
+    assert cfg.train.total_batch_size % (cfg.data.batch_size * cfg.model.block_size * world_size) == 0
+    return cfg.data.batch_size * cfg.model.block_size, cfg.model.vocab_size
+
+
+def test_gpt2_config_is_a_handful_of_loss_slices_per_micro_step_on_cuda():
+    """torchrun --nproc-per-node=8 train.py config/gpt2.py: each rank's micro-step is 64 x 1,024 rows,
+    cut into 7 slices on CUDA (the laptop's 16 MB slices would be 790, each too thin for a GPU)."""
+    rows, vocab = gpt2_rows_per_micro_step(world_size=8)
+    assert model.loss_slices(rows, vocab, "cuda") == 7
+    assert model.loss_slices(rows, vocab, "cpu") == 790
+
+
+class Traced(Exception):
+    """Raised by the counting backend: the graph is captured, nothing is compiled or run."""
+
+
+def traced_graph_nodes(net, batch_size):
+    """FX nodes torch.compile captures for a forward with targets (the autograd.Function's own
+    subgraphs included). The backend stops before any compiling, so only tracing costs time."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    nodes = []
+
+    def counting_backend(graph_module, example_inputs):
+        nodes.append(sum(len(m.graph.nodes) for m in graph_module.modules() if isinstance(m, torch.fx.GraphModule)))
+        raise Traced
+
+    x = torch.zeros(batch_size, net.config.block_size, dtype=torch.long)
+    with pytest.raises(Exception) as raised:
+        torch.compile(net, backend=counting_backend)(x, x)
+    assert "Traced" in repr(raised.value) or isinstance(raised.value, Traced)
+    return sum(nodes)
+
+
+def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monkeypatch):
+    """The graph holds one copy of the slice loop's body per slice: at config/gpt2.py's micro-batch
+    with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 790 times, ~26,000)."""
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", model.LOSS_SLICE_VALUES["cuda"])  # CUDA slicing, traced on CPU
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
+    rows, vocab = gpt2_rows_per_micro_step(world_size=8)
+    one_slice = traced_graph_nodes(net, 8)  # 8,192 rows: one slice
+    gpt2 = traced_graph_nodes(net, rows // net.config.block_size)  # 65,536 rows: 7 slices
+    per_slice = (gpt2 - one_slice) / 6
+    assert gpt2 < 400 and per_slice < 50
+    net.loss_path = "full"
+    assert traced_graph_nodes(net, rows // net.config.block_size) < one_slice  # no loop at all
+
+
+@pytest.mark.parametrize("device_type, compiled, expected", [
+    ("cpu", False, "chunked"), ("cpu", True, "chunked"), ("cuda", False, "chunked"), ("cuda", True, "full")])
+def test_auto_loss_path_is_the_one_measured_fastest(device_type, compiled, expected):
+    assert model.choose_loss_path("auto", device_type, compiled) == expected
+    assert model.choose_loss_path("chunked", device_type, compiled) == "chunked"
+
+
+def test_full_and_chunked_paths_train_the_same_model():
+    torch.manual_seed(0)
+    x, y = torch.randint(0, 1000, (2, 16)), torch.randint(0, 1000, (2, 16))
+    results = []
+    for path in ("chunked", "full"):
+        torch.manual_seed(0)
+        net = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+        net.loss_path = path
+        logits, loss = net(x, y)
+        loss.backward()
+        assert logits is None  # neither path hands training the logits
+        results.append((loss.detach(), [p.grad for p in net.parameters()]))
+    assert torch.allclose(results[0][0], results[1][0], rtol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- the rest of the CUDA step, read by test
+
+
+def test_flops_per_token_is_palms_6n_plus_attention():
+    """PaLM, appendix B: 6N + 12·L·H·Q·T, N every parameter that multiplies (the output layer, which
+    the token embedding shares, counted once; the position embedding is a lookup)."""
+    with torch.device("meta"):
+        net = GPT(GPTConfig())
+    n = net.num_params() - net.transformer.wpe.weight.numel()
+    layers, heads, head_dim, context = 12, 12, 64, 1024
+    assert net.flops_per_token() == 6 * n + 12 * layers * heads * head_dim * context == 855_383_040
+
+
+def test_adamw_is_fused_on_cuda_and_plain_on_cpu():
+    net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
+    settings = type("Optim", (), dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decay_embeddings=True))
+    assert net.configure_optimizers(settings, "cuda").defaults["fused"] is True
+    assert not net.configure_optimizers(settings, "cpu").defaults["fused"]
+
+
+def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeypatch):
+    """is_causal=True and no attn_mask: the call PyTorch serves with flash attention on GPUs."""
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        calls.append((attn_mask, is_causal))
+        return real(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    net = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
+    x = torch.randint(0, 100, (2, 8))
+    net(x, x)[1].backward()
+    assert calls == [(None, True), (None, True)]
+
+
+def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
+    from data import rows_to_batch
+
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append((device, non_blocking)) or self)
+    rows_to_batch([np.arange(9), np.arange(9)], "cuda:0")
+    assert copies == ["pinned", ("cuda:0", True)]

