@@ -21,9 +21,8 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag_eval
-import tasks
 from checkpoint import load_model
-from config import UserError
+from config import run_command
 from model import GPT, GPTConfig
 from tokenizer import GPT2_VOCAB_SIZE
 
@@ -103,7 +102,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

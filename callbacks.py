@@ -97,13 +97,24 @@ class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
 
 
-def check_finite(step, values):
-    """train.nan_policy=stop: never keep training on garbage. Checked when metrics are collected."""
+def nonfinite_message(step, values):
+    """The sentence for a NaN/Inf train/loss or train/grad_norm among host `values`, else None."""
     for name in ("train/loss", "train/grad_norm"):
         if name in values and not math.isfinite(values[name]):
-            raise NonFiniteLoss(f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it; "
-                                f"resume from the last checkpoint with a lower optim.lr, or set "
-                                f"train.nan_policy=skip to skip such steps.")
+            return (f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it; resume from "
+                    f"the last checkpoint with a lower optim.lr, or set train.nan_policy=skip to skip such steps.")
+    return None
+
+
+def check_finite(step, values):
+    """train.nan_policy=stop: never keep training on garbage. `values` may be device tensors: one host
+    sync for all of them, so the loop calls this only when something is about to read the weights."""
+    names = [name for name in ("train/loss", "train/grad_norm") if name in values]
+    if names:
+        host = torch.stack([torch.as_tensor(values[name]).float().reshape(()) for name in names]).tolist()
+        message = nonfinite_message(step, dict(zip(names, host)))
+        if message:
+            raise NonFiniteLoss(message)
 
 
 # ----------------------------------------------------------------------------- system

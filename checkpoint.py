@@ -19,9 +19,11 @@ reads. What happens to the run folder around checkpoints (locks, fresh starts, r
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
 """
 
+import argparse
 import hashlib
 import io
 import json
+import math
 import os
 import random
 import re
@@ -29,12 +31,13 @@ import shutil
 import sys
 import threading
 import warnings
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import UserError, config_from_dict
+from config import UserError, config_from_dict, run_command
 from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_hf_folder
 from model import GPT
 
@@ -211,18 +214,6 @@ def prune_checkpoints(run_dir, keep_last):
             shutil.rmtree(path, ignore_errors=True)
 
 
-def checkpoint_kind(step, c, final, also_fixed=()):
-    """Which kind of checkpoint is due after `step` under the `checkpoint` config section `c`, or None.
-    `final` means the run is ending; `also_fixed` are steps the loop itself must keep (a stage boundary)."""
-    if step in c.fixed_steps or step in also_fixed:
-        return "fixed"
-    if final or (c.interval and step % c.interval == 0):
-        return "permanent"
-    if c.ephemeral_interval and step % c.ephemeral_interval == 0:
-        return "ephemeral"
-    return None
-
-
 class Checkpointer:
     """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
     `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
@@ -282,7 +273,10 @@ def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
     if load_path:
         if load == "if_available" and not (is_complete_checkpoint(load_path) or find_checkpoints(load_path)):
             return None, False, f"warning: checkpoint.load_path={load_path} holds no checkpoint; starting from scratch"
-        return resolve_checkpoint(load_path), False, ""
+        try:
+            return resolve_checkpoint(load_path), False, ""
+        except CheckpointError as error:
+            raise CheckpointError(f"checkpoint.load_path: {error}") from None
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
                               f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
@@ -290,6 +284,36 @@ def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
 
 
 # ----------------------------------------------------------------------------- training state
+
+
+@dataclass
+class TrainState:
+    """What a checkpoint saves for the trainer, besides weights, optimizer and RNG states (the loop's
+    counters, as torchtitan checkpoints them like any other component). The loop advances it after every
+    step; `to_dict` is what trainer.pt holds, `from_dict` what a resume restores: one place each."""
+    step: int = 0  # optimizer steps completed
+    tokens: int = 0  # training tokens consumed
+    best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
+    data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
+
+    def advance(self, tokens, loader):
+        self.step, self.tokens, self.data = self.step + 1, self.tokens + tokens, loader.state_dict()
+
+    def keep_best(self, val_loss):
+        if val_loss is not None:
+            self.best_val_loss = torch.minimum(torch.as_tensor(self.best_val_loss, device=val_loss.device), val_loss)
+
+    def to_dict(self):
+        return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data}
+
+    @classmethod
+    def from_dict(cls, saved):
+        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"])
+
+
+def read_trainer_state(path):
+    """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU."""
+    return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
 
 
 def to_cpu(obj):
@@ -367,7 +391,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
     uninterrupted run, as they must: there is no such run to match)."""
     device = next(model.parameters()).device
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    trainer = read_trainer_state(path)
     check_model_shape(trainer["config"]["model"], model.config, path)
     load_model_state(model, path, device)
     if load_optim:
@@ -383,37 +407,59 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     return trainer
 
 
-def load_model(source, device):
-    """A GPT from any `--init_from` SOURCE: a run folder (its newest valid checkpoint), a checkpoint
-    folder, an OpenAI GPT-2 name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder."""
-    if source in OPENAI_MODELS or is_hf_folder(source):
-        return import_hf(source).to(device).eval()
+def check_source(source, key="--init_from"):
+    """Raise one sentence naming `key` unless `source` is a model that load_model can load: a run or
+    checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder, or an OpenAI GPT-2 name
+    (then transformers must be installed). Returns the checkpoint folder, or None. Cheap: no weights read."""
+    if source in OPENAI_MODELS:
+        import importlib.util
+        if importlib.util.find_spec("transformers") is None:
+            raise CheckpointError(f"{key}={source} is loaded with the transformers package, which is not installed; "
+                                  f"pip install transformers, or give a run folder.")
+        return None
+    if is_hf_folder(source):
+        return None
     if not os.path.isdir(source):
-        raise CheckpointError(f"--init_from={source} is not a folder nor one of {', '.join(OPENAI_MODELS)}; give a "
+        raise CheckpointError(f"{key}={source} is not a folder nor one of {', '.join(OPENAI_MODELS)}; give a "
                               f"run folder, a step<N> checkpoint folder, a GPT-2 name or a HF GPT-2 folder.")
-    path = resolve_checkpoint(source)
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
-    model = GPT(config_from_dict(trainer["config"]).model)
+    try:
+        return resolve_checkpoint(source)
+    except CheckpointError as error:
+        if any(os.path.exists(os.path.join(source, name)) for name in ("model.safetensors", "pytorch_model.bin")):
+            raise CheckpointError(f"{key}={source} holds Hugging Face weights but no readable config.json with a "
+                                  f"model_type; save the model again with save_pretrained.") from None
+        raise CheckpointError(f"{key}: {error}") from None
+
+
+def load_model(source, device, key="--init_from"):
+    """A GPT from any `--init_from` SOURCE: a run folder (its newest valid checkpoint), a checkpoint
+    folder, an OpenAI GPT-2 name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder.
+    Errors name `key`, the setting the source came from."""
+    path = check_source(source, key)
+    if path is None:
+        return import_hf(source).to(device).eval()
+    model = GPT(config_from_dict(read_trainer_state(path)["config"]).model)
     load_model_state(model, path, "cpu")
     return model.to(device).eval()
 
 
 def main(argv):
-    if len(argv) == 2 and argv[0] == "list":
-        if not os.path.isdir(argv[1]):
-            raise CheckpointError(f"{argv[1]} is not a folder; give the train.out_dir of a run.")
-        for step, path in find_checkpoints(argv[1]):
+    parser = argparse.ArgumentParser(description="List a run's checkpoints, or export one as a Hugging Face GPT-2.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="the complete checkpoints of a run").add_argument("run_dir")
+    export = commands.add_parser("export-hf", help="a Hugging Face GPT-2 folder (see hf.py)")
+    export.add_argument("checkpoint", help="a step<N> folder or a run folder (its newest valid checkpoint)")
+    export.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        if not os.path.isdir(args.run_dir):
+            raise CheckpointError(f"{args.run_dir} is not a folder; give the train.out_dir of a run.")
+        for step, path in find_checkpoints(args.run_dir):
             print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}")
-    elif len(argv) == 3 and argv[0] == "export-hf":
-        check_export_target(argv[2])  # before the (slow) load
-        export_hf(load_model(argv[1], "cpu"), argv[2])
     else:
-        raise CheckpointError("usage: python checkpoint.py list RUN_DIR | export-hf CHECKPOINT OUT_DIR; "
-                              "give one of those commands.")
+        check_export_target(args.out_dir)  # before the (slow) load
+        export_hf(load_model(args.checkpoint, "cpu"), args.out_dir)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

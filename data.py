@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from config import UserError
+from config import UserError, run_command
 from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
 
 
@@ -306,6 +306,9 @@ class TokenLoader:
         """Move past n micro-batches of every rank without reading them (train.steps_to_skip)."""
         self.position += n * self.world_size * self.batch_size
 
+    def metrics(self):
+        return {}  # one source: nothing to count (MixtureLoader counts each source's sequences)
+
     def state_dict(self):
         return {"position": self.position}
 
@@ -341,8 +344,10 @@ def open_shard(path, vocab_limit):
 
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
-    if name in ("shakespeare", "fineweb-edu"):
-        return f"prepare it with `python data.py {name} --out_dir {data_dir}`."
+    if name == "fineweb-edu":
+        return f"prepare it with `python data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` (10B tokens)."
+    if name == "shakespeare":
+        return f"prepare it with `python data.py shakespeare --out_dir {data_dir}`."
     if name == "python":
         return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
     return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
@@ -351,6 +356,20 @@ def prepare_hint(data_dir):
 def python_stdlib_files():
     """The .py files at the top of this Python's standard library: code that every machine has."""
     return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+
+
+DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+
+
+def dataset_dir(data_root, name):
+    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
+    empty, so a run started from another working directory finds (not re-prepares) the same data."""
+    return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
+
+
+def dataset_ready(data_dir):
+    """Prepared, or prepared on first use (the built-in datasets)."""
+    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in ("shakespeare", "python")
 
 
 def ensure_dataset(data_dir):
@@ -378,7 +397,7 @@ def main(argv):
     parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
-    out_dir = args.out_dir or os.path.join("data", "python" if args.dataset == "python-stdlib" else args.dataset)
+    out_dir = args.out_dir or dataset_dir("", "python" if args.dataset == "python-stdlib" else args.dataset)
     if args.dataset == "shakespeare":
         prepare_shakespeare(out_dir)
     elif args.dataset == "python-stdlib":
@@ -392,7 +411,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

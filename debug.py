@@ -6,8 +6,8 @@ In the loop (train.py calls these):
   and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
   `module_outputs_save_steps`). The extra forward uses the weights of that step (before its update),
   runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay nothing.
-- `register_stack_dump`: every rank writes its pid to `<out_dir>/stacks/rank<r>.pid` and, on SIGUSR1,
-  the stacks of all its threads to `rank<r>.txt` (Python's faulthandler, safe inside a hang).
+- `register_stack_dump`: every rank writes its pid and start time to `<out_dir>/stacks/rank<r>.pid` and,
+  on SIGUSR1, the stacks of all its threads to `rank<r>.txt` (Python's faulthandler, safe inside a hang).
 - `make_deterministic` (train.deterministic): deterministic kernels, for hunting divergences.
 
 From the command line:
@@ -18,10 +18,13 @@ From the command line:
 
 compare-traces answers "where did these two runs start to differ?": per traced step, the modules in
 the order they ran, the largest absolute and relative difference of their outputs, and the first
-module past the tolerance (exit status 1 when there is one, as `diff`). compare-state lists the
-weights and AdamW moments that differ most between two checkpoints. stacks signals a running job's
-processes and prints every rank's stack, then their frames side by side and where each rank is, so the
-rank stuck elsewhere stands out.
+module past the tolerance or with NaN/Inf where the other run has none (exit status 1 when there is
+one, as `diff`). compare-state lists the weights and AdamW moments that differ most between two
+checkpoints, those with NaN/Inf in one only first. In both, NaN/Inf at the same places in both runs are
+no difference. stacks signals a running job's processes, only those proven still to be its ranks (a
+rank killed with -9 leaves its pid file, and the pid may go to another process), and prints every
+rank's stack, then their frames side by side and where each rank is, so the rank stuck elsewhere
+stands out.
 """
 
 import argparse
@@ -36,10 +39,12 @@ import time
 
 import torch
 
-from config import UserError, config_from_dict
+from checkpoint import to_cpu
+from config import UserError, config_from_dict, run_command
 from model import GPT
 
 TRACES, STACKS = "traces", "stacks"
+PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
 HERE = os.path.dirname(os.path.abspath(__file__))  # this project's folder: its frames are the telling ones
 
 
@@ -51,18 +56,18 @@ class DebugError(UserError):
 
 
 def make_deterministic():
-    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (see the
-    README); an op with no deterministic version raises an error naming it instead of running."""
+    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (1.42x
+    the step time of GPT-2 on an H100: docs/measurements.md); an op with no deterministic version raises an error naming it instead of running."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
 
 
-def to_cpu_tensors(value):
-    """The tensors in a module's inputs or output (a tensor, a tuple, None), detached on the CPU."""
+def tensors_of(value):
+    """The tensors in a module's inputs or output (a tensor, a tuple, None), copied to the CPU."""
     items = value if isinstance(value, (tuple, list)) else [value]
-    return [v.detach().to("cpu", copy=True) for v in items if isinstance(v, torch.Tensor)]
+    return to_cpu([v for v in items if isinstance(v, torch.Tensor)])
 
 
 @torch.no_grad()
@@ -77,7 +82,7 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
     calls = []
     hooks = [module.register_forward_hook(
         lambda module, inputs, output, name=name or "model": calls.append(
-            {"name": name, "inputs": to_cpu_tensors(inputs), "output": to_cpu_tensors(output)}))
+            {"name": name, "inputs": tensors_of(inputs), "output": tensors_of(output)}))
         for name, module in model.named_modules()]
     try:
         with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []), autocast:
@@ -101,17 +106,32 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
         json.dump({"step": step, "calls": index}, f, indent=1)
 
 
+def process_start_time(pid):
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
+    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
+    try:
+        with open(os.path.join(PROC, str(pid), "stat")) as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def register_stack_dump(out_dir, rank):
-    """Write this rank's pid and host, and dump its threads' stacks on SIGUSR1. Returns a function
-    that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does not
-    exist (Windows)."""
+    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
+    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
+    not exist (Windows)."""
     if not hasattr(signal, "SIGUSR1"):
         return lambda: None
     folder = os.path.join(out_dir, STACKS)
     os.makedirs(folder, exist_ok=True)
     pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
+    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
+    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
+    start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
     with open(pid_path, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
     # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
     stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
@@ -141,14 +161,34 @@ def load_traces(run_dir):
     return traces
 
 
-def tensor_difference(a, b):
-    """(max |a - b|, max |b|) in float64; an infinite difference when the shapes differ."""
+def apart(a, b):
+    """Why `a` and `b` cannot be compared value by value, in words, or "" when they can: other shapes, or
+    NaN/Inf at other places. NaN compares false with everything, so a plain max |a - b| > atol would call
+    a run gone NaN equal to any other; NaN and Inf at the same places in both are no difference."""
     if a.shape != b.shape:
-        return float("inf"), 0.0
+        return f"shapes {list(a.shape)} and {list(b.shape)}"
+    for name, test in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
+        in_a, in_b = test(a), test(b)
+        if not torch.equal(in_a, in_b):
+            return f"{name} at different places: {int(in_a.sum())} and {int(in_b.sum())} of {a.numel()} values"
+    return ""
+
+
+def finite_values(a, b):
+    """The values of `a` and `b` (compared by `apart` first) where both are finite, in float64."""
+    finite = torch.isfinite(a)
+    return a[finite].double(), b[finite].double()
+
+
+def tensor_difference(a, b):
+    """(max |a - b|, max |b|, why apart) over the finite values; an infinite difference when `apart`."""
+    why = apart(a, b)
+    if why:
+        return float("inf"), 0.0, why
+    a, b = finite_values(a, b)
     if not a.numel():
-        return 0.0, 0.0
-    a, b = a.double(), b.double()
-    return (a - b).abs().max().item(), b.abs().max().item()
+        return 0.0, 0.0, ""
+    return (a - b).abs().max().item(), b.abs().max().item(), ""
 
 
 def relative(largest, scale):
@@ -156,18 +196,31 @@ def relative(largest, scale):
 
 
 def compare_calls(calls_a, calls_b, atol, rtol):
-    """[(name, max abs, max rel, parted)] per module call, in execution order."""
+    """[(name, max abs, max rel, parted, why apart)] per module call, in execution order. A call that
+    cannot be compared value by value (another module, other outputs, NaN/Inf at other places, a call
+    one run did not make) parts whatever the tolerances."""
     rows = []
     for a, b in zip(calls_a, calls_b):
-        diffs = [tensor_difference(x, y) for x, y in zip(a["output"], b["output"])] or [(0.0, 0.0)]
-        largest, scale = max(d for d, _ in diffs), max(s for _, s in diffs)
-        rows.append((a["name"], largest, max(relative(d, s) for d, s in diffs),
-                     a["name"] != b["name"] or largest > atol + rtol * scale))
+        diffs = [tensor_difference(x, y) for x, y in zip(a["output"], b["output"])] or [(0.0, 0.0, "")]
+        whys = [why for _, _, why in diffs if why]
+        if len(a["output"]) != len(b["output"]):
+            whys.insert(0, f"{len(a['output'])} and {len(b['output'])} outputs")
+        if a["name"] != b["name"]:
+            whys.insert(0, f"the other run calls {b['name']} here")
+        largest, scale = max(d for d, _, _ in diffs), max(s for _, s, _ in diffs)
+        rows.append((a["name"], largest, max(relative(d, s) for d, s, _ in diffs),
+                     bool(whys) or largest > atol + rtol * scale, whys[0] if whys else ""))
+    if len(calls_a) != len(calls_b):
+        extra = max(calls_a, calls_b, key=len)[len(rows)]
+        rows.append((extra["name"], float("inf"), float("inf"), True, f"{len(calls_a)} and {len(calls_b)} module calls"))
     return rows
 
 
 def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
     """Print the comparison; returns (step, module) of the first parting, or None."""
+    if not (atol >= 0 and rtol >= 0):  # written so that NaN fails too: it would let every difference pass
+        raise DebugError(f"--atol and --rtol must be numbers of 0 or more (got {atol} and {rtol}); give tolerances "
+                         f"such as --atol=1e-6.")
     traces_a, traces_b = load_traces(run_a), load_traces(run_b)
     steps = sorted(set(traces_a) & set(traces_b))
     if step is not None:
@@ -182,15 +235,16 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
         same_tokens = all(torch.equal(x, y) for x, y in zip(a[0]["inputs"], b[0]["inputs"]))
         print(f"step {s}: {len(a)} module calls" + ("" if same_tokens else "; the input tokens differ (different data)"))
         print(f"  {'module':40s} {'max abs diff':>14s} {'max rel diff':>14s}")
-        for name, largest, relative, parted in compare_calls(a, b, atol, rtol):
-            print(f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}")
+        for name, largest, relative, parted, why in compare_calls(a, b, atol, rtol):
+            print(f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}"
+                  f"{f'  ({why})' if why else ''}")
             if parted and first is None:
-                first = (s, name)
+                first = (s, name, why)
     if first:
-        print(f"the runs first part at step {first[0]} in {first[1]} (beyond atol={atol}, rtol={rtol})")
+        print(f"the runs first part at step {first[0]} in {first[1]} ({first[2] or f'beyond atol={atol}, rtol={rtol}'})")
     else:
         print(f"no module parts beyond atol={atol}, rtol={rtol} at step(s) {', '.join(map(str, steps))}")
-    return first
+    return first[:2] if first else None
 
 
 # ----------------------------------------------------------------------------- compare-state
@@ -198,13 +252,13 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 
 def named_state(path):
     """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
-    from checkpoint import resolve_checkpoint
+    from checkpoint import read_trainer_state, resolve_checkpoint
 
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
     path = resolve_checkpoint(path)
     state = dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    trainer = read_trainer_state(path)
     optim = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
     # The optimizer numbers parameters in the order of its groups: rebuild them to name the moments.
     cfg = config_from_dict(trainer["config"])
@@ -225,20 +279,22 @@ def compare_state(path_a, path_b, top=20):
     only = sorted(set(a) ^ set(b))
     rows = []
     for name in sorted(set(a) & set(b)):
-        if a[name].shape != b[name].shape:
-            rows.append((name, float("inf"), float("inf")))
-        elif not torch.equal(a[name], b[name]):
-            diff = (a[name].double() - b[name].double())
-            norm = a[name].double().norm().item()
-            rows.append((name, diff.abs().max().item(), diff.norm().item() / norm if norm else float("inf")))
+        why = apart(a[name], b[name])
+        if why:  # NaN or Inf in one checkpoint only: the most different of all, listed first
+            rows.append((name, float("inf"), float("inf"), why))
+            continue
+        x, y = finite_values(a[name], b[name])
+        if not torch.equal(x, y):
+            diff, norm = x - y, x.norm().item()
+            rows.append((name, diff.abs().max().item(), diff.norm().item() / norm if norm else float("inf"), ""))
     if not rows and not only:
         print(f"identical: all {len(a)} tensors (weights and AdamW moments) of {path_a} and {path_b} are equal")
         return 0
     rows.sort(key=lambda r: -r[2])
     print(f"{len(rows)} of {len(set(a) & set(b))} tensors differ between {path_a} and {path_b}, most different first:")
     print(f"  {'tensor':50s} {'max abs diff':>14s} {'rel norm diff':>14s}")
-    for name, largest, relative in rows[:top]:
-        print(f"  {name:50s} {largest:14.3e} {relative:14.3e}")
+    for name, largest, relative, why in rows[:top]:
+        print(f"  {name:50s} {largest:14.3e} {relative:14.3e}{f'  ({why})' if why else ''}")
     if len(rows) > top:
         print(f"  ... and {len(rows) - top} more (--top to see them)")
     if only:
@@ -279,8 +335,32 @@ def side_by_side(frames_by_rank, depth=12):
                          for cells in columns.values()).rstrip())
 
 
+def verified_rank(path, here):
+    """(rank info, "") when the pid file at `path` names a process of this host that is still the rank
+    that wrote it, else (info or None, why it is not signalled)."""
+    try:
+        with open(path) as f:
+            info = json.load(f)
+        rank, pid, host = info["rank"], info["pid"], info["host"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return None, f"{path} is unreadable ({type(error).__name__}); not signalled"
+    if host != here:
+        return info, ""
+    if not os.path.isdir(PROC):
+        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {PROC}; not signalled "
+                      f"(use `py-spy dump --pid {pid}` if it is)")
+    started = process_start_time(pid)
+    if started is None:
+        return info, f"rank {rank}: stale pid file, pid {pid} has ended; not signalled"
+    if started != info.get("start_time"):  # None: a file from before start times were recorded
+        return info, f"rank {rank}: stale pid file, pid {pid} is now another process; not signalled"
+    return info, ""
+
+
 def collect_stacks(run_dir, wait=10.0):
-    """{rank: dump} of every rank of the run started on this host that answers SIGUSR1."""
+    """{rank: dump} of every rank of the run started on this host that answers SIGUSR1, and the ranks
+    that were asked and did not answer. Only a process proven to be the rank is signalled (see
+    register_stack_dump); each pid file that is not is reported in one line."""
     folder = os.path.join(run_dir, STACKS)
     pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if os.path.isdir(folder) else []
     if not pid_files:
@@ -288,20 +368,24 @@ def collect_stacks(run_dir, wait=10.0):
                          f"is running now (or use `py-spy dump --pid PID`).")
     here, asked, elsewhere = socket.gethostname(), {}, []
     for name in pid_files:
-        with open(os.path.join(folder, name)) as f:
-            info = json.load(f)
-        if info["host"] != here:
+        info, why_not = verified_rank(os.path.join(folder, name), here)
+        if why_not:
+            print(why_not)
+        elif info["host"] != here:
             elsewhere.append(f"rank {info['rank']} on {info['host']}")
-            continue
-        text_path = os.path.join(folder, f"rank{info['rank']}.txt")
-        open(text_path, "w").close()  # empty it: the new dump lands at its start
-        try:
-            os.kill(info["pid"], signal.SIGUSR1)
-            asked[info["rank"]] = text_path
-        except ProcessLookupError:
-            print(f"rank {info['rank']} (pid {info['pid']}) is gone")
+        else:
+            text_path = os.path.join(folder, f"rank{info['rank']}.txt")
+            open(text_path, "w").close()  # empty it: the new dump lands at its start
+            try:
+                os.kill(info["pid"], signal.SIGUSR1)  # proven this rank a moment ago: no pid is reused that fast
+                asked[info["rank"]] = text_path
+            except ProcessLookupError:  # it ended since
+                print(f"rank {info['rank']}: pid {info['pid']} ended before it could be signalled")
     if elsewhere:
         print(f"on other hosts (run this command there too; the files land in {folder}): {', '.join(elsewhere)}")
+    elif not asked:
+        raise DebugError(f"no rank registered in {folder} is running now (see above); give the train.out_dir of a "
+                         f"run that is running now.")
     dumps, sizes, deadline = {}, {}, time.monotonic() + wait
     while len(dumps) < len(asked) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -356,7 +440,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

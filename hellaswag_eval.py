@@ -1,19 +1,22 @@
-"""HellaSwag (Zellers et al. 2019): the benchmark GPT-2 reproductions are judged by.
+"""The downstream-task scorer (HellaSwag, ARC, PIQA, ...; tasks.py defines them), in the loop and on
+the command line.
 
-Each example is a context and four endings; the model should find the true one most likely. Scoring
-is completion style, the definition behind the published GPT-2 numbers (124M: acc 0.2859, acc_norm
-0.2955; XL: 0.3842 / 0.4893 on the 10,042 validation examples): for each ending, the cross-entropy of
-the tokens of " " + ending after the context. `acc` picks the lowest summed loss, `acc_norm` the lowest
-mean loss per token. Only GPT-2's 50,257 real tokens take part in the softmax.
+Every example is choices of (context, continuation); the model should find the right one most likely.
+Scoring is completion style, the definition behind GPT-2's published HellaSwag numbers (124M: acc 0.2859,
+acc_norm 0.2955; XL: 0.3842 / 0.4893 on the 10,042 validation examples): for each choice, the
+log-likelihood of the continuation's tokens after the context, over GPT-2's 50,257 real tokens.
+`acc` picks the highest sum, `acc_norm` the highest mean per token, `acc_per_char` the highest sum per
+character. A context too long for the model's window is cut from the left; an example with a
+continuation longer than the window cannot be scored fairly (part of an answer would go unseen while
+its length still counts) and is skipped, counted in `skipped` (as lm-evaluation-harness refuses them).
 
-    python hellaswag_eval.py --init_from=out/gpt2 [--data=PATH] [--limit=N] [--device=cuda] [--json]
+    python hellaswag_eval.py --init_from=out/gpt2                                 # HellaSwag
     python hellaswag_eval.py --init_from=out/gpt2 --tasks=arc_easy,piqa,mmlu [--data_dir=DIR] [--json]
+    python hellaswag_eval.py --init_from=gpt2 --data=hellaswag_val.jsonl           # HellaSwag from a jsonl file
 
-The same scorer serves the downstream task suite (`--tasks`; the tasks and their prompt formats are
-in tasks.py): every example is choices of (context, continuation), scored the same way, with `acc`
-(summed log-likelihood), `acc_norm` (per token) and `acc_per_char` (per character). In the training
-loop (`eval.hellaswag_interval`, `eval.tasks`) the examples are split across ranks and the correct
-counts are all-reduced.
+In the training loop (`eval.tasks`, `eval.tasks_interval`) the examples are split across ranks and
+the counts are all-reduced; the metrics are eval/<task>/{acc,acc_norm,acc_per_char,skipped}, eval/average and
+eval/average_centered.
 """
 
 import argparse
@@ -21,7 +24,6 @@ import json
 import os
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import torch
@@ -29,28 +31,23 @@ import torch.distributed as dist
 
 import tasks
 from checkpoint import load_model
-from config import UserError
+from config import UserError, run_command
 from sample import KVCache
 from tokenizer import GPT2_VOCAB_SIZE, get_tokenizer
 
-URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 SCORE_ROWS = 2**22 // GPT2_VOCAB_SIZE  # output-layer rows per slice: 16 MB of float32 logits, as the training loss
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
-# cores the two are equally fast (README, "HellaSwag and the downstream task suite").
+# cores the two are equally fast (docs/measurements.md).
 BATCH_SIZE = 64
-DEFAULT_CACHE = os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab", "hellaswag")
 
 
 class HellaSwagError(UserError):
     """The data cannot be had; the message says where to put it."""
 
 
-def load_examples(data_path="", cache_dir=DEFAULT_CACHE):
-    """Examples from a local jsonl file, or from the cached download of the validation set."""
-    if not data_path:
-        data_path = os.path.join(cache_dir, "hellaswag_val.jsonl")
-        if not os.path.exists(data_path):
-            download(data_path)
+def load_examples(data_path):
+    """HellaSwag examples ({ctx, endings, label}, as the validation set has them) from a jsonl file,
+    each line checked: a file of another kind is one sentence naming its line."""
     if not os.path.exists(data_path):
         raise HellaSwagError(f"no HellaSwag file at {data_path}; give the path of a hellaswag jsonl file.")
     examples = []
@@ -71,24 +68,6 @@ def load_examples(data_path="", cache_dir=DEFAULT_CACHE):
     return examples
 
 
-def download(path):
-    from tqdm import tqdm
-
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.partial"
-    try:
-        with urllib.request.urlopen(URL, timeout=30) as response, open(tmp, "wb") as f:
-            total = int(response.headers.get("Content-Length", 0)) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc="hellaswag_val.jsonl") as bar:
-                for chunk in iter(lambda: response.read(1 << 16), b""):
-                    f.write(chunk)
-                    bar.update(len(chunk))
-    except OSError as error:
-        raise HellaSwagError(f"could not download HellaSwag ({error}); download {URL} yourself and put it at "
-                             f"{path}, or pass --data PATH.") from None
-    os.replace(tmp, path)
-
-
 @dataclass
 class Example:
     """One example, tokenized: a row of context + continuation tokens per choice, each cut from the left
@@ -99,22 +78,24 @@ class Example:
     label: int  # index of the right choice
     group: str  # the task, or the MMLU subject (MMLU is averaged over its subjects)
     truncated: bool  # whether a context had to be cut to fit
+    fits: bool  # every continuation fits in the window: scored; else skipped (see the top)
 
 
 def encode(choices, label, group, block_size):
     """An Example from [(context, continuation), ...]: the pieces are tokenized apart, as GPT-2's
     published HellaSwag numbers were, so a continuation's tokens never merge with its context's."""
     enc = get_tokenizer()
-    rows, starts, chars, truncated, tokens = [], [], [], False, {}
+    rows, starts, chars, truncated, fits, tokens = [], [], [], False, True, {}
     for context, continuation in choices:
-        context_tokens = tokens.setdefault(context, enc.encode(context))
-        row = context_tokens + enc.encode(continuation)
+        context_tokens, continuation_tokens = tokens.setdefault(context, enc.encode(context)), enc.encode(continuation)
+        row = context_tokens + continuation_tokens
         cut = max(0, len(row) - (block_size + 1))
         truncated |= cut > 0
+        fits &= len(continuation_tokens) <= block_size  # each scored token needs one token before it
         rows.append(row[cut:])
         starts.append(max(1, len(context_tokens) - cut))  # the first token is never a target
         chars.append(len(continuation) - continuation.startswith(" "))
-    return Example(rows, starts, chars, label, group, truncated)
+    return Example(rows, starts, chars, label, group, truncated, fits)
 
 
 def encode_example(example, block_size):
@@ -198,51 +179,39 @@ def best(values):
 
 
 def count_correct(model, examples, groups, device, batch_size=BATCH_SIZE):
-    """A (len(groups), 5) tensor of per-group counts: examples, right by acc, by acc_norm, by
-    acc_per_char, and the sum of 1/choices (chance)."""
-    counts = torch.zeros(len(groups), 5, dtype=torch.float64)
+    """A (len(groups), 6) tensor of per-group counts: examples scored, right by acc, by acc_norm, by
+    acc_per_char, the sum of 1/choices (chance), and examples skipped (a continuation too long)."""
+    counts = torch.zeros(len(groups), 6, dtype=torch.float64)
     index = {group: g for g, group in enumerate(groups)}
-    for ex, scored in zip(examples, score_choices(model, examples, device, batch_size)):
+    scorable = [ex for ex in examples if ex.fits]
+    for ex in examples:
+        if not ex.fits:
+            counts[index[ex.group], 5] += 1
+    for ex, scored in zip(scorable, score_choices(model, scorable, device, batch_size)):
         summed = [s for s, _ in scored]
         per_token = [s / n for s, n in scored]
         per_char = [s / max(1, c) for (s, _), c in zip(scored, ex.chars)]
-        counts[index[ex.group]] += torch.tensor([1.0, best(summed) == ex.label, best(per_token) == ex.label,
-                                                 best(per_char) == ex.label, 1 / len(ex.rows)], dtype=torch.float64)
+        counts[index[ex.group], :5] += torch.tensor([1.0, best(summed) == ex.label, best(per_token) == ex.label,
+                                                     best(per_char) == ex.label, 1 / len(ex.rows)], dtype=torch.float64)
     return counts
 
 
-def score_examples(model, examples, device, batch_size=BATCH_SIZE):
-    """(correct, correct_norm, truncated) counts over HellaSwag jsonl `examples`."""
-    encoded = [encode_example(ex, model.config.block_size) for ex in examples]
-    counts = count_correct(model, encoded, ["hellaswag"], device, batch_size)[0]
-    return int(counts[1]), int(counts[2]), sum(ex.truncated for ex in encoded)
-
-
-def evaluate(model, examples, device, batch_size=BATCH_SIZE, rank=0, world_size=1):
-    """acc and acc_norm over all HellaSwag jsonl examples; with several ranks each scores every
-    world_size-th one and the counts are summed across ranks."""
-    start = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    counts = torch.tensor(score_examples(model, examples[rank::world_size], device, batch_size), device=device)
-    model.train(was_training)
-    if world_size > 1:
-        dist.all_reduce(counts)
-    correct, correct_norm, truncated = counts.tolist()
-    n = len(examples)
-    return {"n": n, "acc": correct / n, "acc_norm": correct_norm / n, "truncated": truncated,
-            "examples_per_sec": n / (time.perf_counter() - start)}
-
-
-def load_tasks(names, block_size, data_dir="", limit=0):
-    """{task: [Example, ...]}, the first `limit` of each (0 = all)."""
+def load_tasks(names, block_size, data_dir="", limit=0, hellaswag_file=""):
+    """{task: [Example, ...]}, the first `limit` of each (0 = all). HellaSwag's examples come from
+    `hellaswag_file` (a jsonl) when one is given, like every task's otherwise (tasks.load_docs)."""
     tasks.check_names(names)
-    return {name: [encode(*tasks.TASKS[name].format(doc), group, block_size)
-                   for doc, group in tasks.load_docs(name, data_dir, limit)] for name in names}
+    loaded = {}
+    for name in names:
+        if name == "hellaswag" and hellaswag_file:
+            docs = [(doc, name) for doc in load_examples(hellaswag_file)[: limit or None]]
+        else:
+            docs = tasks.load_docs(name, data_dir, limit)
+        loaded[name] = [encode(*tasks.TASKS[name].format(doc), group, block_size) for doc, group in docs]
+    return loaded
 
 
 def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, world_size=1):
-    """{task: {n, acc, acc_norm, acc_per_char, chance}} plus "average" and "average_centered" (each task's
+    """{task: {n, acc, acc_norm, acc_per_char, chance, skipped}} plus "average" and "average_centered" (each task's
     primary accuracy rescaled so chance is 0 and perfect is 1). Ranks score every world_size-th example
     and the counts are summed; a task of several groups (MMLU's subjects) is the mean of its groups."""
     was_training = model.training
@@ -253,9 +222,10 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
         counts = count_correct(model, examples[rank::world_size], groups, device, batch_size).to(device)
         if world_size > 1:
             dist.all_reduce(counts)
-        per_group = (counts[:, 1:] / counts[:, :1]).mean(0).tolist()
+        scored = counts[counts[:, 0] > 0]  # a group whose every example was skipped has no accuracy
+        per_group = (scored[:, 1:5] / scored[:, :1]).mean(0).tolist() if len(scored) else [float("nan")] * 4
         results[name] = {"n": int(counts[:, 0].sum()), "acc": per_group[0], "acc_norm": per_group[1],
-                         "acc_per_char": per_group[2], "chance": per_group[3]}
+                         "acc_per_char": per_group[2], "chance": per_group[3], "skipped": int(counts[:, 5].sum())}
     model.train(was_training)
     primary = [(r[tasks.TASKS[name].primary], r["chance"]) for name, r in results.items()]
     results["average"] = sum(acc for acc, _ in primary) / len(primary)
@@ -264,12 +234,12 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="Score a model on HellaSwag (completion style), or on a task suite.")
+    parser = argparse.ArgumentParser(description="Score a model on downstream tasks (HellaSwag by default).")
     parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
-    parser.add_argument("--data", default="", help="a hellaswag jsonl file (default: download and cache the val set)")
-    parser.add_argument("--tasks", default="", help=f"comma-separated tasks instead of HellaSwag alone: {', '.join(tasks.TASKS)}")
+    parser.add_argument("--tasks", default="hellaswag", help=f"comma-separated, of: {', '.join(tasks.TASKS)}")
+    parser.add_argument("--data", default="", help="HellaSwag's examples from this jsonl file instead")
     parser.add_argument("--data_dir", default="", help="a folder of the tasks' saved datasets (see tasks.py)")
-    parser.add_argument("--limit", type=int, default=0, help="score only the first N examples (of each task)")
+    parser.add_argument("--limit", type=int, default=0, help="score only the first N examples of each task")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--batch_size", type=int, default=BATCH_SIZE, help="examples per forward pass")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
@@ -277,27 +247,14 @@ def main(argv):
     if args.batch_size < 1 or args.limit < 0:
         raise HellaSwagError(f"--batch_size must be at least 1 and --limit 0 or more (got {args.batch_size} and "
                              f"{args.limit}); give values in range.")
-    if args.tasks:
-        return main_tasks(args)
-    examples = load_examples(args.data)
-    model = load_model(args.init_from, args.device)
-    if args.limit:
-        examples = examples[: args.limit]
-    result = evaluate(model, examples, args.device, args.batch_size)
-    if args.json:
-        print(json.dumps({"n": result["n"], "acc": result["acc"], "acc_norm": result["acc_norm"]}))
-    else:
-        print(f"HellaSwag on {result['n']} examples: acc {result['acc']:.4f}, acc_norm {result['acc_norm']:.4f} "
-              f"({result['examples_per_sec']:.1f} examples/s; {result['truncated']} contexts cut from the left "
-              f"to fit block_size)")
-
-
-def main_tasks(args):
-    """--tasks: one line per task, then the averages."""
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    if not names:
+        raise tasks.TaskDataError(f"--tasks={args.tasks!r} names no task; give one or more of {', '.join(tasks.TASKS)}.")
     tasks.check_names(names)  # before the model loads: a typo costs nothing
+    if args.data:
+        load_examples(args.data)  # a missing or wrong file, before the model loads
     model = load_model(args.init_from, args.device)
-    task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit)
+    task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit, args.data)
     start = time.perf_counter()
     results = evaluate_tasks(model, task_examples, args.device, args.batch_size)
     seconds = time.perf_counter() - start
@@ -306,8 +263,9 @@ def main_tasks(args):
         if args.json:
             print(json.dumps({"task": name, **r}))
         else:
-            print(f"{name:15s} n {r['n']:6d}  acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  "
-                  f"acc_per_char {r['acc_per_char']:.4f}  (chance {r['chance']:.4f})")
+            print(f"{name:15s} n {r['n']:6d}  acc {r['acc']:.4f}  acc_norm {r['acc_norm']:.4f}  acc_per_char "
+                  f"{r['acc_per_char']:.4f}  (chance {r['chance']:.4f})"
+                  + (f"; {r['skipped']} skipped: a continuation longer than block_size" if r["skipped"] else ""))
     n = sum(results[name]["n"] for name in names)
     if args.json:
         print(json.dumps({"average": results["average"], "average_centered": results["average_centered"]}))
@@ -317,7 +275,4 @@ def main_tasks(args):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

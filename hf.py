@@ -11,6 +11,7 @@ is the only difference in layout. `transformers` is optional: only these two pat
 import importlib.resources
 import json
 import os
+import re
 import shutil
 
 from config import UserError
@@ -19,6 +20,9 @@ from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# What save_pretrained writes the weights as: one file, or an index of shards (large models).
+HF_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "model.safetensors.index.json",
+                   "pytorch_model.bin.index.json")
 
 
 class WeightsError(UserError):
@@ -34,22 +38,49 @@ def require_transformers():
     return transformers
 
 
+def read_json(path):
+    """The JSON object in the file at `path`, or None when there is none (missing, cut off, not an object)."""
+    try:
+        with open(path) as f:
+            value = json.load(f)
+    except (OSError, ValueError):  # ValueError: not JSON, or not text
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def is_hf_folder(path):
-    config_path = os.path.join(path, "config.json")
-    if not os.path.isfile(config_path):
+    """Whether `path` is a Hugging Face model folder: a config.json naming a model_type, beside weights.
+    This project's run folders hold a config.json too (the run's settings) but no such weights, and
+    must load even when their config.json is damaged: an unreadable one is "not a HF folder"."""
+    if not any(os.path.isfile(os.path.join(path, name)) for name in HF_WEIGHT_FILES):
         return False
-    with open(config_path) as f:
-        return json.load(f).get("model_type") == "gpt2"
+    config = read_json(os.path.join(path, "config.json"))
+    return config is not None and "model_type" in config
 
 
 def import_hf(source):
     """Our GPT with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder."""
     transformers = require_transformers()
+    if os.path.isdir(source):
+        hf_config = read_json(os.path.join(source, "config.json"))
+        if hf_config is None:
+            raise WeightsError(f"{source}/config.json is missing or not valid JSON; write the folder again with "
+                               f"save_pretrained.")
+        if hf_config.get("model_type") != "gpt2":
+            raise WeightsError(f"{source} holds a {hf_config.get('model_type')} model, not a GPT-2; give a GPT-2 folder.")
     try:
-        hf_model = transformers.GPT2LMHeadModel.from_pretrained(source)
+        # Sizes that disagree with config.json come back in `info` instead of raising (or, in transformers 5,
+        # of being silently initialized at random): check_weights_match_config words them.
+        hf_model, info = transformers.GPT2LMHeadModel.from_pretrained(source, output_loading_info=True,
+                                                                     ignore_mismatched_sizes=True)
     except OSError as error:
         raise WeightsError(f"could not load {source!r} from the Hugging Face hub or disk ({error.__class__.__name__}); "
                            f"when offline, give a local folder written by save_pretrained.") from None
+    except Exception as error:  # a cut-off weights file (SafetensorError), n_head not dividing n_embd, ...
+        reason = (str(error).splitlines() or [""])[0].rstrip(".")
+        raise WeightsError(f"{source} is not a loadable GPT-2 ({type(error).__name__}: {reason}); write it again "
+                           f"with save_pretrained, or download it again.") from None
+    check_weights_match_config(source, hf_model, info)
     c = hf_model.config
     # Keep GPT-2's own 50,257-token vocabulary: padding rows would change the softmax and the loss.
     config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
@@ -61,6 +92,33 @@ def import_hf(source):
         value = hf_state[key]
         ours[key].copy_(value.t() if key.endswith(CONV1D_SUFFIXES) else value)
     return model
+
+
+def check_weights_match_config(source, hf_model, info):
+    """A WeightsError naming what of config.json disagrees with the weights, when loading reported
+    tensors the config asks for and the weights lack, tensors it has no place for, or other sizes."""
+    # The output layer is the token embedding (tied): a weights file need not hold it twice.
+    missing = set(info["missing_keys"]) - {"lm_head.weight"}
+    unexpected = set(info["unexpected_keys"])
+    mismatched = {key: saved for key, saved, _ in info["mismatched_keys"]}
+    if not (missing or unexpected or mismatched):
+        return
+    # The shape of every tensor in the weights (None: one the model has no place for), and what they imply.
+    shapes = {key: value.shape for key, value in hf_model.state_dict().items() if key not in missing}
+    shapes |= {key: None for key in unexpected} | mismatched
+    wte = next((shape for key, shape in shapes.items() if key.endswith("wte.weight") and shape), (None, None))
+    wpe = next((shape for key, shape in shapes.items() if key.endswith("wpe.weight") and shape), (None, None))
+    layers = {match.group(1) for key in shapes if (match := re.search(r"(?:^|\.)h\.(\d+)\.", key))}
+    c = hf_model.config
+    for name, in_weights in (("n_layer", len(layers)), ("vocab_size", wte[0]), ("n_embd", wte[1]),
+                             ("n_positions", wpe[0])):
+        if in_weights is not None and in_weights != getattr(c, name):
+            raise WeightsError(f"{source}/config.json says {name}={getattr(c, name)} but its weights are for "
+                               f"{name}={in_weights}; fix config.json or write the folder again with save_pretrained.")
+    key = sorted(missing | unexpected | set(mismatched))[0]
+    raise WeightsError(f"{source}/config.json does not match the weights at {key} "
+                       f"({'missing' if key in missing else 'unexpected' if key in unexpected else 'another size'}); "
+                       f"fix config.json or write the folder again with save_pretrained.")
 
 
 def check_export_target(out_dir):

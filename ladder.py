@@ -17,20 +17,24 @@ Each size is an ordinary run: its config.json reproduces it with `python train.p
 and it resumes, lists (`checkpoint.py list`) and plots (`metrics.py plot`) like any other.
 """
 
+import argparse
 import copy
 import itertools
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 
 import tasks
 from checkpoint import is_complete_checkpoint
-from config import Config, ConfigError, UserError, get, parse_args, sections, validate
+from run_dir import changed_fields
+from config import Config, ConfigError, UserError, config_to_dict, get, parse_args, run_command, sections, validate
 from configurator.model import (SIZES, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
                                 model_config, param_counts)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens
@@ -64,9 +68,16 @@ DERIVED = ["model.n_layer", "model.n_head", "model.n_embd", "data.batch_size", "
            "optim.period_lr_multipliers", "eval.interval", "eval.val_steps", "eval.fixed_steps", "checkpoint.fixed_steps"]
 
 
+LADDER_RANGES = [  # checked with config.RANGES, in the same form
+    ("ladder.max_devices", lambda v: v >= 1, "at least 1"), ("ladder.sizes", lambda v: bool(v), "not empty"),
+    ("ladder.tokens_per_param", lambda v: v > 0, "greater than 0"), ("ladder.val_tokens", lambda v: v >= 1, "at least 1"),
+    ("ladder.lr_multiplier", lambda v: v > 0, "greater than 0"), ("ladder.decay_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+]
+
+
 def read_config(path, overrides):
     """The checked LadderConfig of a ladder file plus overrides; every mistake is one sentence."""
-    cfg = parse_args([path, *overrides], LadderConfig())
+    cfg = parse_args([path, *overrides], LadderConfig(), LADDER_RANGES)
     tasks.check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does: the names tasks.py defines
     default = Config()
     for key in DERIVED:
@@ -74,13 +85,9 @@ def read_config(path, overrides):
             raise ConfigError(f"{path} sets {key}, which the ladder derives from the model size; remove it "
                               f"(ladder.lr_multiplier, ladder.decay_fraction and ladder.seed are the knobs).")
     L = cfg.ladder
-    for key, ok, wanted in [("max_devices", L.max_devices >= 1, "at least 1"), ("sizes", bool(L.sizes), "not empty"),
-                            ("tokens_per_param", L.tokens_per_param > 0, "greater than 0"),
-                            ("val_tokens", L.val_tokens >= 1, "at least 1"),
-                            ("lr_multiplier", L.lr_multiplier > 0, "greater than 0"),
-                            ("decay_fraction", 0 <= L.decay_fraction < 1, "in [0, 1)")]:
-        if not ok:
-            raise ConfigError(f"ladder.{key} must be {wanted}; set it to a value in range.")
+    repeated = sorted({size for size in L.sizes if L.sizes.count(size) > 1})
+    if repeated:
+        raise ConfigError(f"ladder.sizes names {', '.join(repeated)} more than once; list each size once.")
     for size in L.sizes:
         if size not in SIZES:
             raise ConfigError(f"ladder.sizes has {size!r}, which is not a size; use names from {', '.join(SIZES)}.")
@@ -204,27 +211,111 @@ def check_world_size(plan):
                           f"{world_size} process(es); launch it as {launch}.")
 
 
+# Settings whose change makes a trained size another experiment (the rest, logging say, may differ).
+RESULT_SECTIONS = ("model", "data", "optim", "stage2")
+RESULT_KEYS = ("train.total_batch_size", "train.max_steps", "train.max_duration", "train.seed", "train.dtype",
+               "train.steps_to_skip", "train.nan_policy", "eval.val_steps", "eval.fixed_steps")
+
+
+def size_status(cfg, plan):
+    """(status, detail) of a size's folder against its plan: "new" (never started), "partial" (started,
+    not at its last step), "finished", or "different" (trained under other settings; detail names them)."""
+    folder = os.path.join(cfg.ladder.dir, plan.size)
+    saved_path = os.path.join(folder, "config.json")
+    if not os.path.exists(saved_path):
+        return "new", ""
+    try:
+        with open(saved_path) as f:
+            saved = json.load(f)
+    except ValueError:
+        return "different", f"its {saved_path} is unreadable"
+    wanted = config_to_dict(run_config(cfg, plan))
+    differences = [f"{key}={old!r} where the plan now says {new!r}" for key, (old, new) in
+                   changed_fields(saved, wanted).items() if key.split(".")[0] in RESULT_SECTIONS or key in RESULT_KEYS]
+    if differences:
+        return "different", "; ".join(differences)
+    finished = is_complete_checkpoint(os.path.join(folder, f"step{plan.run.max_steps}"))
+    return ("finished" if finished else "partial"), ""
+
+
+def refuse_different(cfg, plan, detail):
+    raise UserError(f"size {plan.size} in {os.path.join(cfg.ladder.dir, plan.size)} was trained under other "
+                    f"settings ({detail}); use another ladder.dir for these settings, or move that folder away to "
+                    f"train the size anew.")
+
+
 def run(cfg, plan):
     import train
 
     check_world_size(plan)  # before anything is written
+    status, detail = size_status(cfg, plan)
+    if status == "different":
+        refuse_different(cfg, plan, detail)
     train.train(run_config(cfg, plan))
 
 
+def run_child(command):
+    """Run one size in its own process and return its exit status. Ctrl-C in a terminal reaches the
+    child too (one process group) and the child finishes its step and saves; this process waits for that
+    instead of killing it, and forwards a SIGINT/SIGTERM sent to it alone. Returns (status, signal name)."""
+    child = subprocess.Popen(command)
+    received = []
+
+    def forward(signum, frame):
+        received.append(signal.Signals(signum).name)
+        if child.poll() is None and signum == signal.SIGTERM:
+            child.send_signal(signum)  # a terminal's Ctrl-C already reached the child; a SIGTERM to us alone did not
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while True:
+            try:
+                return child.wait(), (received[0] if received else None)
+            except KeyboardInterrupt:  # a signal arriving while wait() was being set up
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def run_all(cfg, plans, config_path, overrides):
-    """Each unfinished size in its own process (torchrun when it needs several devices), smallest first."""
-    for p in plans:
-        final = os.path.join(cfg.ladder.dir, p.size, f"step{p.run.max_steps}")
-        if is_complete_checkpoint(final):
-            print(f"size {p.size}: finished ({final}); skipped")
+    """Each unfinished size in its own process (torchrun when it needs several devices), smallest first.
+    A size is skipped only when it finished under the plan's settings; one stopped early stops run-all."""
+    statuses = [(p, *size_status(cfg, p)) for p in plans]
+    for p, status, detail in statuses:  # refuse before training anything
+        if status == "different":
+            refuse_different(cfg, p, detail)
+    start, todo = time.monotonic(), [p for p, status, _ in statuses if status != "finished"]
+    for k, (p, status, _) in enumerate(statuses, 1):
+        if status == "finished":
+            print(f"size {p.size} ({k} of {len(plans)}): finished ({os.path.join(cfg.ladder.dir, p.size)}); skipped")
             continue
         launcher = [sys.executable] if p.batch.devices == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p.batch.devices}"]
         command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides, f"--size={p.size}"]
-        print(f"size {p.size}: {' '.join(command[1:])}", flush=True)
-        if subprocess.run(command).returncode != 0:
+        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{ladder_eta(start, todo, p)}): "
+              f"{' '.join(command[1:])}", flush=True)
+        code, signal_name = run_child(command)
+        status, _ = size_status(cfg, p)
+        if signal_name:
+            raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a checkpoint of what it had "
+                            f"trained: run run-all again to continue from there.")
+        if code != 0:
             raise UserError(f"size {p.size} failed (its output is above); fix that, then run run-all again to "
                             f"continue from where it stopped.")
+        if status != "finished":
+            raise UserError(f"size {p.size} stopped before its last step (a time limit, a CANCEL file or a signal; its "
+                            f"output is above); run run-all again to continue from its checkpoint.")
+
+
+def ladder_eta(start, todo, plan):
+    """", about M min left for the whole ladder": sizes so far took this long per training token."""
+    done = todo[: todo.index(plan)]
+    tokens_done = sum(p.run.duration_tokens for p in done)
+    if not tokens_done:
+        return ""
+    left = sum(p.run.duration_tokens for p in todo[todo.index(plan):])
+    return f", about {(time.monotonic() - start) / tokens_done * left / 60:.0f} min left for the ladder"
 
 
 def benchmark(cfg, plan):
@@ -253,6 +344,19 @@ def benchmark(cfg, plan):
           f"peak memory {peak:.2f} GB; profiler trace in {os.path.join(bench.train.out_dir, 'profiler')}")
 
 
+def read_metrics_file(path):
+    """A metrics_step<N>.json a run wrote; a damaged one is one sentence naming it."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+        if not isinstance(saved, dict):
+            raise ValueError("not a JSON object")
+        return saved
+    except (OSError, ValueError) as error:
+        raise UserError(f"{path} cannot be read ({error}); evaluate that checkpoint again (e.g. `python "
+                        f"hellaswag_eval.py`) or remove the file and its size's run folder to retrain it.") from None
+
+
 def show_checkpoints(cfg, plans, as_json):
     for p in plans:
         for c in checkpoint_rows(cfg, p):
@@ -270,8 +374,7 @@ def metrics_table(cfg, plans):
     for p in plans:
         for c in checkpoint_rows(cfg, p):
             if c["metrics"]:
-                with open(c["metrics"]) as f:
-                    saved = json.load(f)
+                saved = read_metrics_file(c["metrics"])
                 saved.pop("step", None)
                 table.append({"size": p.size, "checkpoint": c["name"], "step": c["step"], "tokens": c["tokens"],
                               "non_embedding_params": p.non_embedding_params, **saved})
@@ -287,12 +390,15 @@ def show_metrics(cfg, plans, csv_path):
     if csv_path:
         import csv
 
-        with open(csv_path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=columns + ["non_embedding_params"])
-            writer.writeheader()
-            writer.writerows(table)
-    shown = [c for c in columns if c in ("size", "checkpoint", "step", "tokens") or c.startswith(("val/", "hellaswag/",
-                                                                                                   "eval/"))]
+        try:
+            with open(csv_path, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=columns + ["non_embedding_params"])
+                writer.writeheader()
+                writer.writerows(table)
+        except OSError as error:
+            raise UserError(f"cannot write --csv={csv_path} ({error.strerror or error}); give a path in a folder "
+                            f"that exists and that you can write to.") from None
+    shown = [c for c in columns if c in ("size", "checkpoint", "step", "tokens") or c.startswith(("val/", "eval/"))]
     cell = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in table)) for c in shown]
     print("  ".join(c.ljust(w) for c, w in zip(shown, widths)))
@@ -367,10 +473,7 @@ def fit(cfg, plans):
         if lacking:
             missing.append(f"{p.size} (no metrics for {', '.join(lacking)})")
             continue
-        points = []
-        for c in rows:
-            with open(c["metrics"]) as f:
-                points.append((p.non_embedding_params, c["tokens"], json.load(f).get("val/loss")))
+        points = [(p.non_embedding_params, c["tokens"], read_metrics_file(c["metrics"]).get("val/loss")) for c in rows]
         if any(loss is None for _, _, loss in points):
             missing.append(f"{p.size} (its metrics files hold no val/loss)")
             continue
@@ -436,43 +539,33 @@ COMMANDS = ("dry-run", "run", "run-all", "benchmark", "checkpoints", "metrics", 
 
 
 def main(argv):
-    if len(argv) < 2 or argv[0] not in COMMANDS or argv[1].startswith("--"):
-        raise UserError(f"usage: python ladder.py {{{','.join(COMMANDS)}}} LADDER_CONFIG [--section.field=value ...] "
-                        f"[--size=NAME] [--json] [--csv=PATH]; e.g. python ladder.py dry-run config/ladder_shakespeare.py.")
-    command, config_path, rest = argv[0], argv[1], list(argv[2:])
-    flags, overrides = {}, []
-    while rest:
-        arg = rest.pop(0)
-        name, _, value = arg.partition("=")
-        if name in ("--size", "--csv") and not value and rest:  # --size NAME, --csv PATH
-            value = rest.pop(0)
-        if name in ("--size", "--json", "--csv"):
-            flags[name] = value or True
-        else:
-            overrides.append(arg)
-    cfg = read_config(config_path, overrides)
-    size = flags.get("--size")
-    if command in ("run", "benchmark") and not size:
-        raise UserError(f"{command} trains one size; add --size=NAME, one of {', '.join(cfg.ladder.sizes)}.")
-    plans = plan_sizes(cfg, size)
-    if command == "dry-run":
-        dry_run(cfg, plans, "--json" in flags)
-    elif command == "run":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Any other --section.field=value "
+                                     "overrides the ladder file, as in train.py.")
+    parser.add_argument("command", choices=COMMANDS)
+    parser.add_argument("config", help="a ladder config file, e.g. config/ladder_shakespeare.py")
+    parser.add_argument("--size", help="one size of ladder.sizes (run and benchmark need it)")
+    parser.add_argument("--json", action="store_true", help="dry-run, checkpoints: JSON lines")
+    parser.add_argument("--csv", help="metrics: also write every column to this CSV file")
+    args, overrides = parser.parse_known_args(argv)
+    cfg = read_config(args.config, overrides)
+    if args.command in ("run", "benchmark") and not args.size:
+        raise UserError(f"{args.command} trains one size; add --size=NAME, one of {', '.join(cfg.ladder.sizes)}.")
+    plans = plan_sizes(cfg, args.size)
+    if args.command == "dry-run":
+        dry_run(cfg, plans, args.json)
+    elif args.command == "run":
         run(cfg, plans[0])
-    elif command == "run-all":
-        run_all(cfg, plans, config_path, overrides)
-    elif command == "benchmark":
+    elif args.command == "run-all":
+        run_all(cfg, plans, args.config, overrides)
+    elif args.command == "benchmark":
         benchmark(cfg, plans[0])
-    elif command == "checkpoints":
-        show_checkpoints(cfg, plans, "--json" in flags)
-    elif command == "metrics":
-        show_metrics(cfg, plans, flags.get("--csv"))
+    elif args.command == "checkpoints":
+        show_checkpoints(cfg, plans, args.json)
+    elif args.command == "metrics":
+        show_metrics(cfg, plans, args.csv)
     else:
         fit(cfg, plans)
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
+    run_command(main, sys.argv[1:])

@@ -6,7 +6,7 @@ all pending values of all ranks in one collective and copies them to the host in
 OLMo-core's metrics_collect_interval); with `log.async_bookkeeping` that happens on a background
 thread over a CPU (gloo) group, as OLMo's async bookkeeping. The rows then go to `Sinks`: the console (rank 0),
 `<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps.
-Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, hellaswag/, eval/ (downstream tasks).
+Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
 
     python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
 """
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -22,15 +23,19 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from config import UserError
+from callbacks import nonfinite_message
+from config import UserError, run_command
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
 MERGES = ("warn", "latest", "oldest", "mean", "sum", "max", "min")  # a metric recorded twice in a step
 
 
 class MetricRecorder:
-    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None):
-        self.device, self.world_size = device, world_size
+    """Records a step's metrics on the device; `finish_step` collects them every so often and hands the
+    rows to `on_rows` (a RowWriter in training), on this thread or, with async bookkeeping, the worker's."""
+
+    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None, on_rows=None):
+        self.device, self.world_size, self.on_rows = device, world_size, on_rows
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
         self.pending = []  # (step, {name: value}) not yet collected
@@ -68,10 +73,24 @@ class MetricRecorder:
                                   "max": lambda: torch.maximum(old, value),
                                   "min": lambda: torch.minimum(old, value)}[merge]()
 
+    def record_all(self, values, reduce="mean"):
+        for name, value in values.items():
+            self.record_metric(name, value, reduce)
+
     def end_step(self, step):
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
+
+    def finish_step(self, step, collect, wait=False):
+        """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to
+        `on_rows`; with `wait` too, return only once they are handled (metrics.jsonl then holds every step
+        up to this one: the loop asks for that before a checkpoint)."""
+        self.end_step(step)
+        if collect:
+            self.collect_then(self.on_rows)
+            if wait:
+                self.wait()
 
     def collect(self):
         """Reduce every pending metric over ranks: one collective, one copy to the host.
@@ -160,11 +179,38 @@ class MetricRecorder:
         return sorted(rows.items())
 
 
+# ----------------------------------------------------------------------------- what happens to collected rows
+
+
+class RowWriter:
+    """Collected rows, on the main thread or the bookkeeping thread: flag loss spikes, add the ETA,
+    write the sinks (rank 0). It never raises (it may run on the worker thread): the first non-finite
+    train loss or gradient norm is kept in `nonfinite` as a sentence, and the loop stops on it."""
+
+    def __init__(self, sinks, spikes, log_interval, end_step):
+        self.sinks, self.spikes, self.log_interval, self.end_step = sinks, spikes, log_interval, end_step
+        self.start_time, self.first_step = time.monotonic(), None
+        self.nonfinite = None
+
+    def __call__(self, rows):
+        for step, values in rows:
+            if "train/loss" in values and self.spikes.is_spike(values["train/loss"]):
+                values["train/loss_spike"] = 1.0
+            if step > 0:  # step 0 holds the evaluations before training, nothing to time
+                self.first_step = step - 1 if self.first_step is None else self.first_step
+                elapsed, done = time.monotonic() - self.start_time, step - self.first_step
+                values["throughput/eta_sec"] = elapsed / max(1, done) * (self.end_step - step)
+            if self.sinks:
+                self.sinks.write(step, values, print_line=step % self.log_interval == 0 or step == self.end_step
+                                 or "train/loss_spike" in values or "val/loss" in values)
+            self.nonfinite = self.nonfinite or nonfinite_message(step, values)
+
+
 # ----------------------------------------------------------------------------- sinks
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
-    "train/loss": "loss", "val/loss": "val", "hellaswag/acc_norm": "hellaswag",
+    "train/loss": "loss", "val/loss": "val", "eval/hellaswag/acc_norm": "hellaswag",
     "eval/average": "tasks", "train/grad_norm": "norm",
     "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
     "train/loss_spike": "SPIKE",
@@ -258,7 +304,7 @@ class Sinks:
             return
         try:
             append_jsonl(self.jsonl_path, step, values)
-            if any(name.startswith(("val/", "hellaswag/", "eval/")) for name in values):
+            if any(name.startswith(("val/", "eval/")) for name in values):
                 # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
                 tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
                 with open(tmp, "w") as f:
@@ -293,7 +339,7 @@ def start_wandb(out_dir, log_cfg, config_dict):
 
 PLOTS = {  # file name -> metrics drawn in it
     "loss": ["train/loss", "val/loss"],
-    "hellaswag": ["hellaswag/acc_norm", "hellaswag/acc"],
+    "hellaswag": ["eval/hellaswag/acc_norm", "eval/hellaswag/acc"],
     "tasks": ["eval/average", "eval/average_centered"],
     "lr": ["optim/lr"],
     "throughput": ["throughput/tokens_per_sec"],
@@ -346,4 +392,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_command(main, sys.argv[1:])

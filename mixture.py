@@ -12,11 +12,10 @@ sequences for any world size and micro-batch split: micro-step m gives rank r th
 (m x world_size + r) x batch_size of the batch's plan, as `data.TokenLoader` does.
 """
 
-import os
 
 import numpy as np
 
-from data import TokenLoader, rows_to_batch
+from data import TokenLoader, dataset_dir, rows_to_batch
 
 
 def allocate(counts, start_counts, shares, n):
@@ -41,7 +40,7 @@ class MixtureLoader:
                  shuffle=True, seed=0, device="cpu", vocab_size=50304):
         self.names = [name for name, _ in mix]
         self.shares = [share for _, share in mix]
-        self.sources = [TokenLoader(os.path.join(data_root, name), "train", batch_size=1, block_size=block_size,
+        self.sources = [TokenLoader(dataset_dir(data_root, name), "train", batch_size=1, block_size=block_size,
                                     shuffle=shuffle, seed=seed, vocab_size=vocab_size) for name in self.names]
         self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
         self.sequences_per_step = sequences_per_step
@@ -69,8 +68,9 @@ class MixtureLoader:
             self.counts, self.slot = self.next_counts, 0
         return first
 
-    def sequences_by_source(self):
-        return dict(zip(self.names, self.counts))
+    def metrics(self):
+        """data/<source>/sequences: sequences taken from each source so far (host numbers: no sync)."""
+        return {f"data/{name}/sequences": count for name, count in zip(self.names, self.counts)}
 
     def state_dict(self):
         return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts)}

@@ -19,13 +19,14 @@ Rank 0 calls these at start-up, in this order, before the loop writes anything:
 
 import json
 import os
+import re
 import shutil
 import socket
 import time
 
-import torch
 
-from checkpoint import CheckpointError, choose_checkpoint, find_checkpoints, STEP_DIR
+from checkpoint import STEP_DIR, CheckpointError, choose_checkpoint, find_checkpoints, read_trainer_state
+from config import as_override, parse_duration, parse_mix
 
 LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
@@ -43,7 +44,15 @@ class RunLock:
         self.out_dir = out_dir
 
     def __enter__(self):
-        os.makedirs(self.out_dir, exist_ok=True)
+        self.created = not os.path.exists(self.out_dir)  # a run that fails at start leaves no empty folder behind
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+            probe = os.path.join(self.out_dir, f".writable.{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+        except OSError as error:  # a read-only filesystem, no permission, a file in the way: before anything is written
+            raise CheckpointError(f"cannot write in train.out_dir={self.out_dir} ({error.strerror or error}); choose "
+                                  f"a folder you can write to.") from None
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
             try:
@@ -75,6 +84,8 @@ class RunLock:
         owner = self._owner()
         if owner and owner.get("pid") == os.getpid() and owner.get("host") == socket.gethostname():
             os.remove(self.path)
+        if self.created and os.path.isdir(self.out_dir) and not os.listdir(self.out_dir):
+            os.rmdir(self.out_dir)
 
 
 def pid_alive(pid):
@@ -88,7 +99,15 @@ def pid_alive(pid):
 
 
 def identity(config_dict):
-    return {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
+    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
+    stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture."""
+    values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
+    for key in ("data.mix", "stage2.mix"):
+        if values[key]:
+            values[key] = [(name, round(share, 12)) for name, share in parse_mix(values[key], key)]
+    if values["stage2.start"]:
+        values["stage2.start"] = parse_duration(values["stage2.start"], "stage2.start")
+    return values
 
 
 def changed_fields(old, new):
@@ -107,7 +126,7 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
     c = checkpoint_cfg
     path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
     if resuming and c.save_overwrite:
-        saved = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)["config"]
+        saved = read_trainer_state(path)["config"]
         if identity(saved) != identity(run_config):
             path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
             note = "\n".join(filter(None, [note, f"note: replacing the different run in {out_dir} "
@@ -118,13 +137,14 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
 def accept_resume(out_dir, saved_config, run_config, step):
     """Refuse a resume whose identity changed; note and record any other change."""
     changes = changed_fields(saved_config, run_config)
+    saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:
-        if key in changes:
+        if saved_identity[key] != run_identity[key]:
             old, new = changes[key]
             raise CheckpointError(
                 f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
-                f"correctly; set --{key}={old!r} to resume it, or start fresh in another train.out_dir (or pass "
-                f"--checkpoint.save_overwrite=true to replace it).")
+                f"correctly; set {as_override(key, old)} to resume it, or start fresh in another train.out_dir (or "
+                f"pass --checkpoint.save_overwrite=true to replace it).")
     if changes:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
@@ -170,6 +190,78 @@ def remove_own_partial_saves(out_dir):
     for name in os.listdir(out_dir):
         if name.endswith(".partial") and STEP_DIR.match(name[: -len(".partial")]):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def check_shared_folder(out_dir, rank, world_size, group=None):
+    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local
+    folders, the other nodes would start from step 0 with other weights until a collective times out.
+    Rank 0 writes a token there, every rank reads it, and all agree before anyone reads a checkpoint
+    (OLMo-core raises too when the save folder is not shared)."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return
+    path = os.path.join(out_dir, ".shared_folder_check")
+    token = [f"{socket.gethostname()}:{os.getpid()}:{time.time()}" if rank == 0 else None]
+    if rank == 0:
+        with open(path, "w") as f:
+            f.write(token[0])
+    dist.broadcast_object_list(token, src=0, group=group)
+    try:
+        with open(path) as f:
+            seen = f.read() == token[0]
+    except OSError:
+        seen = False
+    blind = [None] * world_size
+    dist.all_gather_object(blind, None if seen else f"{rank} on {socket.gethostname()}", group=group)
+    blind = [b for b in blind if b is not None]
+    dist.barrier(group=group)
+    if rank == 0:
+        os.remove(path)
+    if blind:
+        raise CheckpointError(f"rank(s) {', '.join(blind)} do not see the files rank 0 writes in "
+                              f"train.out_dir={out_dir}: every node must reach the run folder on one shared "
+                              f"filesystem (an NFS or Lustre path, not a node-local disk); set train.out_dir to one.")
+
+
+def rewind(out_dir, step):
+    """checkpoint.resume_step: make `step<step>` this run's newest checkpoint by moving every newer
+    checkpoint, and the metrics past that step, into out_dir/rewound/<time>_to_step<step>/ (OLMo's
+    "restart from an earlier checkpoint after a loss spike"). Nothing is deleted, and the rewind is
+    recorded in rewinds.jsonl; running the same command again later (a preempted job that restarts)
+    resumes normally instead of rewinding twice. Returns the line to print, or ""."""
+    found = dict(find_checkpoints(out_dir))
+    if step not in found:
+        have = ", ".join(map(str, sorted(found))) or "none"
+        raise CheckpointError(f"checkpoint.resume_step={step} but {out_dir} has no complete checkpoint at step {step} "
+                              f"(it has: {have}); pick one of those.")
+    log_path = os.path.join(out_dir, "rewinds.jsonl")
+    done = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
+    if done and done[-1]["to_step"] == step:
+        return f"note: already rewound to step {step} ({done[-1]['time']}); resuming as usual"
+    newer = sorted(s for s in found if s > step)
+    if not newer:
+        return ""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    folder = os.path.join(out_dir, "rewound", f"{stamp}_to_step{step}")
+    os.makedirs(folder)
+    for s in newer:
+        os.replace(found[s], os.path.join(folder, f"step{s}"))
+    for name in os.listdir(out_dir):  # per-evaluation snapshots past the step go with their checkpoints
+        match = re.fullmatch(r"metrics_step(\d+)\.json", name)
+        if match and int(match.group(1)) > step:
+            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if os.path.exists(metrics_path):
+        shutil.copy2(metrics_path, os.path.join(folder, "metrics.jsonl"))  # the whole log, as it was
+    link = os.path.join(out_dir, "latest")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(f"step{step}", link)
+    with open(log_path, "a") as f:
+        f.write(json.dumps({"time": stamp, "to_step": step, "moved_steps": newer, "folder": folder}) + "\n")
+    return (f"rewound to step {step}: checkpoints {', '.join(map(str, newer))} and the metrics after step {step} are "
+            f"in {folder}")
 
 
 def remove_stale_cancel(out_dir):

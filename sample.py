@@ -16,7 +16,7 @@ import torch
 from torch.nn import functional as F
 
 from checkpoint import load_model
-from config import UserError
+from config import UserError, run_command
 from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
 
 
@@ -201,7 +201,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except UserError as error:
-        sys.exit(f"error: {error}")
+    run_command(main, sys.argv[1:])

@@ -99,6 +99,9 @@ def build_schedule(optim, total_steps):
         if any(d > p for d, p in zip(decays, o.periods)):
             raise ConfigError(f"optim.decay_steps={o.decay_steps} is longer than a period ({min(o.periods)} steps); "
                               f"lower it or use optim.decay_fraction.")
+        if sum(o.periods) != total_steps:  # a checkpoint at each period's end is what a WSD-S run is for
+            raise ConfigError(f"optim.periods={','.join(map(str, o.periods))} add up to {sum(o.periods)} steps but the "
+                              f"run is {total_steps} steps (train.max_steps or train.max_duration); make them add up.")
         multipliers = tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)
         return Schedule("wsds", o.lr, o.min_lr, total_steps, warmup, decays, tuple(o.periods), multipliers,
                         o.decay_shape)

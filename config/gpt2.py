@@ -27,7 +27,8 @@ optim.grad_clip = 1.0
 eval.interval = 250
 eval.val_steps = 20  # 20 x 524,288 = 10M validation tokens each time
 eval.sample_interval = 1000
-eval.hellaswag_interval = 250  # all 10,042 examples, split across the GPUs
+eval.tasks = ["hellaswag"]  # all 10,042 examples, split across the GPUs: eval/hellaswag/acc_norm
+eval.tasks_interval = 250
 log.interval = 10
 
 checkpoint.interval = 1000

@@ -1,9 +1,13 @@
 """Shared test helpers: a tiny model config and a way to run train.py as a user would."""
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -27,18 +31,65 @@ def data_root(tmp_path_factory):
     return root
 
 
-def run_train(args, nproc=1, timeout=600, check=True, env=None):
-    """Run train.py in a subprocess; with nproc > 1 through torchrun with the gloo backend."""
-    if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+def run_train(args, nproc=1, timeout=600, check=True, env=None, in_process=None):
+    """Run train.py as a user would, and return its exit status and output (a CompletedProcess).
+    One process without extra environment runs in this process (`train.main`, as `python train.py`
+    would, with one thread as OMP_NUM_THREADS=1): seconds faster per run. With nproc > 1 it goes
+    through torchrun with the gloo backend; `in_process=False` forces a real process."""
+    if in_process is None:
+        in_process = nproc == 1 and not env
+    if in_process:
+        result = run_in_process(args)
     else:
-        cmd = [sys.executable]
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    result = subprocess.run(cmd + [str(ROOT / "train.py")] + args, cwd=ROOT, capture_output=True,
-                            text=True, timeout=timeout, env=full_env)
+        if nproc > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+        else:
+            cmd = [sys.executable]
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+        result = subprocess.run(cmd + [str(ROOT / "train.py")] + args, cwd=ROOT, capture_output=True,
+                                text=True, timeout=timeout, env=full_env)
     if check and result.returncode != 0:
         raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result
+
+
+def run_in_process(args):
+    """train.main(args) here, with what `python train.py` would print and its exit status; the global
+    settings a run may change (threads, deterministic mode, working directory) are put back after."""
+    import torch
+
+    import train
+    from config import UserError
+
+    out, err = io.StringIO(), io.StringIO()
+    threads, deterministic, cwd = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getcwd()
+    cudnn = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.set_num_threads(1)
+    os.chdir(ROOT)
+    code = 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            warnings.simplefilter("default")
+            warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
+                warnings.formatwarning(message, category, filename, lineno, line))
+            try:
+                train.main(list(map(str, args)))
+            except UserError as error:
+                print(f"error: {error}", file=sys.stderr)
+                code = 1
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+                if isinstance(exit_.code, str):
+                    print(exit_.code, file=sys.stderr)
+            except Exception:  # noqa: BLE001 - reported as python would: a traceback and exit status 1
+                traceback.print_exc()
+                code = 1
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn
+        os.chdir(cwd)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def read_metrics(out_dir):

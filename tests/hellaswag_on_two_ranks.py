@@ -1,7 +1,6 @@
-"""Run by test_hellaswag.py and test_tasks.py under torchrun: score examples split over 2 gloo ranks.
+"""Run by test_tasks.py under torchrun: score examples split over 2 gloo ranks.
 
-    hellaswag_on_two_ranks.py DATA.jsonl OUT.json   HellaSwag from a jsonl file
-    hellaswag_on_two_ranks.py --tasks OUT.json      copa, mmlu and winogrande, 7 examples each
+    hellaswag_on_two_ranks.py OUT.json      copa, mmlu and winogrande, 7 examples each
 """
 
 import json
@@ -17,12 +16,8 @@ from hellaswag_fixture import tiny_model  # noqa: E402
 
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
-if sys.argv[1] == "--tasks":
-    task_examples = hellaswag_eval.load_tasks(["copa", "mmlu", "winogrande"], 64, limit=7)
-    result = hellaswag_eval.evaluate_tasks(tiny_model(), task_examples, "cpu", 2, rank, world_size)
-else:
-    examples = hellaswag_eval.load_examples(sys.argv[1])
-    result = hellaswag_eval.evaluate(tiny_model(), examples, "cpu", 2, rank, world_size)
+task_examples = hellaswag_eval.load_tasks(["copa", "mmlu", "winogrande"], 64, limit=7)
+result = hellaswag_eval.evaluate_tasks(tiny_model(), task_examples, "cpu", 2, rank, world_size)
 if rank == 0:
-    Path(sys.argv[2]).write_text(json.dumps(result))
+    Path(sys.argv[1]).write_text(json.dumps(result))
 dist.destroy_process_group()

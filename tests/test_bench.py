@@ -1,4 +1,4 @@
-"""bench.py, the per-step figure the README reports, runs and prints what it says."""
+"""bench.py, the per-step figure docs/measurements.md reports, runs and prints what it says."""
 
 import os
 import re

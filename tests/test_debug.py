@@ -7,7 +7,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import socket
 import time
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,12 +17,43 @@ import torch
 import debug
 from checkpoint import sha256_file
 from conftest import ROOT, TINY, read_metrics, run_train
+from hellaswag_fixture import tiny_model
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
 
 def run_debug(*args):
     return subprocess.run([sys.executable, "debug.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+class Loader:  # the two methods trace_forward uses, and the batch
+    position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+    def next_batch(self):
+        self.position += 1
+        tokens = torch.arange(2 * 17).view(2, 17)
+        return tokens[:, :-1], tokens[:, 1:]
+
+
+def trace(run, model, step=1):
+    """`run`'s trace of `model` at `step`, as training writes it."""
+    run.mkdir(exist_ok=True)
+    debug.trace_forward(model, Loader(), nullcontext(), str(run), step)
+    return run
+
+
+def model_gone_nan():
+    """A model whose second block's MLP holds one NaN weight: every module from there on outputs NaN."""
+    model = tiny_model()
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = float("nan")
+    return model
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +97,69 @@ def test_a_changed_learning_rate_is_caught_at_the_first_step_and_module_it_reach
     assert loose.returncode == 0  # the differences are small: a tolerance that large lets them pass
     missing = run_debug("compare-traces", str(traced_runs / "a"), str(traced_runs / "untraced"))
     assert missing.returncode != 0 and "has no traces/ folder; train it with --debug.trace_steps" in missing.stderr
+
+
+def test_a_run_gone_nan_parts_at_the_first_module_with_nan_whatever_the_tolerance(tmp_path, capsys):
+    good, bad = trace(tmp_path / "good", tiny_model()), trace(tmp_path / "nan", model_gone_nan())
+    assert debug.main(["compare-traces", str(good), str(bad), "--atol=1e9"]) == 1  # as any parting: status 1
+    out = capsys.readouterr().out
+    assert "the runs first part at step 1 in transformer.h.1.mlp.c_fc (NaN at different places: 0 and " in out
+    assert debug.main(["compare-traces", str(bad), str(good)]) == 1  # whichever run went NaN
+
+
+def test_the_same_nan_at_the_same_places_in_both_runs_is_no_difference(tmp_path, capsys):
+    a, b = trace(tmp_path / "a", model_gone_nan()), trace(tmp_path / "b", model_gone_nan())
+    assert debug.main(["compare-traces", str(a), str(b)]) == 0
+    assert "no module parts beyond atol=0.0, rtol=0.0 at step(s) 1" in capsys.readouterr().out
+
+
+def with_values(tensor, positions, value):
+    tensor = tensor.clone()
+    for position in positions:
+        tensor[position] = value
+    return tensor
+
+
+@pytest.mark.parametrize("in_a, in_b, why", [
+    ([], [(0, 1)], "NaN at different places: 0 and 1 of 8 values"),  # in one run only
+    ([(0, 0)], [(1, 2)], "NaN at different places: 1 and 1 of 8 values"),  # at other places
+    ([(0, 0)], [(0, 0), (1, 3)], "NaN at different places: 1 and 2 of 8 values"),  # more of them
+])
+def test_nan_in_one_run_only_or_elsewhere_or_more_often_parts_there(tmp_path, capsys, in_a, in_b, why):
+    tokens, clean = torch.arange(8).view(2, 4), torch.randn(2, 4)
+    for run, positions in (("a", in_a), ("b", in_b)):
+        nan = with_values(clean, positions, float("nan"))
+        calls = [{"name": name, "inputs": [tokens], "output": [output]}
+                 for name, output in (("transformer.wte", clean), ("transformer.h.0", nan), ("model", nan))]
+        (tmp_path / run / "traces" / "step1").mkdir(parents=True)
+        torch.save({"step": 1, "calls": calls}, tmp_path / run / "traces" / "step1" / "rank0.pt")
+    assert debug.compare_traces(str(tmp_path / "a"), str(tmp_path / "b")) == (1, "transformer.h.0")
+    assert f"the runs first part at step 1 in transformer.h.0 ({why})" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("value_b, why", [
+    (5.0, "+Inf at different places: 1 and 0 of 4 values"),  # +Inf against a finite value
+    (float("-inf"), "+Inf at different places: 1 and 0 of 4 values"),  # +Inf against -Inf
+    (float("nan"), "NaN at different places: 0 and 1 of 4 values"),
+])
+def test_compare_state_lists_nan_or_inf_in_one_checkpoint_first(monkeypatch, capsys, value_b, why):
+    clean, nan = torch.arange(4.0), with_values(torch.arange(4.0), [2], float("nan"))
+    states = {"A": {"w": clean, "x": with_values(clean, [1], float("inf")), "both_nan": nan, "small": clean},
+              "B": {"w": clean, "x": with_values(clean, [1], value_b), "both_nan": nan.clone(), "small": clean + 1e-3}}
+    monkeypatch.setattr(debug, "named_state", lambda path: (path, states[path]))
+    assert debug.compare_state("A", "B") == 2  # x and small; NaN at the same place in both is no difference
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("2 of 4 tensors differ") and lines[2].split()[:3] == ["x", "inf", "inf"]
+    assert lines[2].endswith(f"({why})") and lines[3].split()[0] == "small"
+    states["B"] = {**states["A"]}
+    assert debug.compare_state("A", "B") == 0 and capsys.readouterr().out.startswith("identical: all 4 tensors")
+
+
+@pytest.mark.parametrize("atol, rtol", [("nan", "0"), ("-1", "0"), ("0", "nan")])
+def test_tolerances_must_be_numbers_of_zero_or_more(tmp_path, atol, rtol):
+    run = trace(tmp_path / "run", tiny_model())
+    with pytest.raises(debug.DebugError, match=r"--atol and --rtol must be numbers of 0 or more .*; give tolerances"):
+        debug.main(["compare-traces", str(run), str(run), f"--atol={atol}", f"--rtol={rtol}"])
 
 
 def test_compare_state_finds_a_perturbed_parameter(traced_runs, tmp_path):
@@ -125,6 +221,60 @@ def test_stacks_of_every_rank_then_a_hung_rank_ends_the_run_with_a_message(data_
     assert 5 < waited < 60 and job.returncode != 0
 
 
+def test_stacks_signals_a_rank_proven_by_its_pid_and_start_time(tmp_path):
+    undo = debug.register_stack_dump(str(tmp_path), 0)  # this process plays rank 0
+    try:
+        info = json.loads((tmp_path / "stacks" / "rank0.pid").read_text())
+        assert info["pid"] == os.getpid() and info["start_time"] == debug.process_start_time(os.getpid())
+        dumps, silent = debug.collect_stacks(str(tmp_path), wait=10)
+        assert silent == [] and "test_debug.py" in dumps[0]  # our own stack, dumped on SIGUSR1
+    finally:
+        undo()
+    assert not (tmp_path / "stacks" / "rank0.pid").exists()
+
+
+def point_at(pid_path, pid):
+    info = json.loads(pid_path.read_text())
+    pid_path.write_text(json.dumps({**info, "pid": pid}))
+
+
+@pytest.mark.parametrize("proc, report", [
+    ("/proc", "rank 0: stale pid file, pid {pid} is now another process; not signalled"),  # the pid was reused
+    ("no-proc", "rank 0: pid {pid} cannot be proven to be this run's rank without"),  # nothing to prove it with
+])
+def test_a_pid_file_naming_an_unrelated_live_process_does_not_signal_it(tmp_path, monkeypatch, capsys, proc, report):
+    if proc != "/proc":
+        monkeypatch.setattr(debug, "PROC", str(tmp_path / proc))
+    unrelated = subprocess.Popen(["sleep", "30"])  # SIGUSR1 would end it: its default action is to terminate
+    undo = debug.register_stack_dump(str(tmp_path / "run"), 0)
+    try:
+        # The file a rank wrote, but its pid now names another process, as after a kill -9 and a reused pid.
+        point_at(tmp_path / "run" / "stacks" / "rank0.pid", unrelated.pid)
+        with pytest.raises(debug.DebugError, match="no rank registered in .* is running now"):
+            debug.collect_stacks(str(tmp_path / "run"), wait=1)
+        assert report.format(pid=unrelated.pid) in capsys.readouterr().out
+        time.sleep(0.5)
+        assert unrelated.poll() is None  # still alive: never signalled
+    finally:
+        unrelated.kill()
+        undo()
+
+
+def test_stale_and_unreadable_pid_files_are_reported_in_one_line_each(tmp_path):
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    (stacks / "rank0.pid").write_text(json.dumps({"pid": ended.pid, "host": socket.gethostname(), "rank": 0,
+                                                   "start_time": 1}))  # a rank killed with -9 left it behind
+    (stacks / "rank1.pid").write_text('{"pid": 12')  # cut off mid-write
+    result = run_debug("stacks", str(tmp_path), "--wait=1")
+    assert result.returncode == 1 and result.stdout.splitlines() == [
+        f"rank 0: stale pid file, pid {ended.pid} has ended; not signalled",
+        f"{stacks / 'rank1.pid'} is unreadable (JSONDecodeError); not signalled"]
+    assert result.stderr.startswith(f"error: no rank registered in {stacks} is running now (see above);")
+
+
 def test_deterministic_runs_match_and_switch_the_flags(data_root, tmp_path):
     common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=3", "--eval.interval=3"]
     run_train(common + [f"--train.out_dir={tmp_path / 'a'}", "--train.deterministic=true"])
@@ -158,23 +308,6 @@ def test_debug_settings_are_checked(tmp_path, override, message):
 
 def test_a_trace_too_large_for_the_disk_is_not_written(tmp_path, monkeypatch, capsys):
     from collections import namedtuple
-    from contextlib import nullcontext
-
-    from hellaswag_fixture import tiny_model
-
-    class Loader:  # the two methods trace_forward uses, and the batch
-        position = 0
-
-        def state_dict(self):
-            return {"position": self.position}
-
-        def load_state_dict(self, state):
-            self.position = state["position"]
-
-        def next_batch(self):
-            self.position += 1
-            tokens = torch.arange(2 * 17).view(2, 17)
-            return tokens[:, :-1], tokens[:, 1:]
 
     loader = Loader()
     debug.trace_forward(tiny_model(), loader, nullcontext(), str(tmp_path), 7)

@@ -1,3 +1,6 @@
+"""hf.py: GPT-2 weights in and out of the Hugging Face format, and the folders it refuses in one sentence."""
+
+import json
 import subprocess
 import sys
 
@@ -8,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import hf  # noqa: E402
 from checkpoint import load_model  # noqa: E402
+from config import UserError  # noqa: E402
 from conftest import ROOT, TINY, run_train  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -61,4 +65,66 @@ def test_export_refuses_a_folder_that_is_not_empty(data_root, tmp_path):
 def test_without_transformers_hf_sources_fail_with_one_sentence(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what an uninstalled package looks like
     with pytest.raises(hf.WeightsError, match="needs the transformers package; install it with"):
+        hf.import_hf("gpt2")
+    with pytest.raises(UserError, match="transformers"):  # checkpoint.py may say so before hf.py is reached
         load_model("gpt2", "cpu")
+
+
+def edit_config(folder, **changes):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **changes}))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"n_layer": 3}, "config.json says n_layer=3 but its weights are for n_layer=2"),  # weights lack a layer
+    ({"n_layer": 1}, "config.json says n_layer=1 but its weights are for n_layer=2"),  # a layer with no place
+    ({"n_embd": 16}, "config.json says n_embd=16 but its weights are for n_embd=32"),
+    ({"vocab_size": 50000}, "config.json says vocab_size=50000 but its weights are for vocab_size=50257"),
+    ({"n_positions": 32}, "config.json says n_positions=32 but its weights are for n_positions=64"),
+    ({"n_head": 3}, "is not a loadable GPT-2 (ValueError: "),  # no GPT-2 has 3 heads of 32 dimensions
+])
+def test_a_config_json_that_disagrees_with_its_weights_is_one_sentence(hf_folder, changes, message):
+    path, _ = hf_folder
+    edit_config(path, **changes)
+    with pytest.raises(hf.WeightsError) as caught:
+        load_model(str(path), "cpu")
+    assert str(caught.value).startswith(str(path)) and message in str(caught.value)
+    assert str(caught.value).endswith("save_pretrained.") or str(caught.value).endswith("download it again.")
+
+
+def test_a_cut_off_weights_file_or_another_model_is_one_sentence(hf_folder):
+    path, _ = hf_folder
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(hf.WeightsError, match=r"is not a loadable GPT-2 \(SafetensorError: .*; write it again"):
+        load_model(str(path), "cpu")
+    edit_config(path, model_type="llama")
+    with pytest.raises(hf.WeightsError, match="holds a llama model, not a GPT-2; give a GPT-2 folder"):
+        load_model(str(path), "cpu")
+
+
+@pytest.mark.parametrize("config_json", ['{"model_type": "gp', "", "\x00\xff binary", "[1, 2]", '"gpt2"'])
+def test_a_damaged_config_json_is_not_a_hf_folder_and_never_raises(hf_folder, config_json):
+    path, _ = hf_folder
+    (path / "config.json").write_bytes(config_json.encode("latin-1"))
+    assert not hf.is_hf_folder(str(path))
+    (path / "config.json").unlink()
+    assert not hf.is_hf_folder(str(path)) and not hf.is_hf_folder(str(path / "no such folder"))
+
+
+def test_hf_ness_needs_a_model_type_beside_weights(hf_folder):
+    path, _ = hf_folder
+    assert hf.is_hf_folder(str(path))
+    (path / "model.safetensors").unlink()  # a config.json alone, as a run folder's, is not a HF folder
+    assert not hf.is_hf_folder(str(path))
+
+
+def test_a_run_folder_whose_config_json_is_cut_off_still_loads(data_root, tmp_path):
+    run = tmp_path / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={run}", "--train.max_steps=1"])
+    before = load_model(str(run), "cpu")
+    assert not hf.is_hf_folder(str(run))  # its config.json holds the run's settings, and no model_type
+    config = (run / "config.json").read_text()
+    (run / "config.json").write_text(config[: len(config) // 2])  # cut off (a full disk, a killed copy)
+    after = load_model(str(run), "cpu")  # from the checkpoint, which holds its own copy of the settings
+    assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))

@@ -304,7 +304,7 @@ def test_14_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
     (["sample.py", "--init_from=nowhere", "--top_p=2"], "--top_p=2.0 is out of range"),
     (["sample.py", "--init_from=nowhere", "--num_samples=0"], "--num_samples=0 is out of range"),
     (["sample.py", "--init_from=/no/such/run"], "is not a folder nor one of gpt2"),
-    (["checkpoint.py", "export-hf", "/no/such/run"], "usage: python checkpoint.py list RUN_DIR"),
+    (["checkpoint.py", "export-hf", "/no/such/run"], "the following arguments are required: out_dir"),
     (["checkpoint.py", "list", "/no/such/run"], "is not a folder; give the train.out_dir"),
 ])
 def test_14_command_line_mistakes_are_one_sentence(command, message):

@@ -2,6 +2,7 @@
 and the dry run, which must leave the run folder untouched."""
 
 import math
+import re
 import subprocess
 import sys
 
@@ -36,10 +37,10 @@ def test_wsd_takes_warmup_and_decay_as_fractions_of_the_run():
 
 def test_wsds_periods_decay_to_the_floor_and_jump_back_to_their_peak():
     # Periods of 4 steps with peaks 1 and 0.5, min_lr 0, warmup 1, decay 2 per period: in each period
-    # m = 1..4, the decay runs over m >= 4 - 2 with x = (4 - m) / 2; after the last period the floor.
+    # m = 1..4, the decay runs over m >= 4 - 2 with x = (4 - m) / 2.
     schedule = build_schedule(OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=1, schedule="wsds", periods=[4, 4],
-                                          period_lr_multipliers=[1.0, 0.5], decay_steps=2), 9)
-    assert [schedule.lr_at(n) for n in range(1, 10)] == [1.0, 1.0, 0.5, 0.0, 0.5, 0.5, 0.25, 0.0, 0.0]
+                                          period_lr_multipliers=[1.0, 0.5], decay_steps=2), 8)
+    assert [schedule.lr_at(n) for n in range(1, 9)] == [1.0, 1.0, 0.5, 0.0, 0.5, 0.5, 0.25, 0.0]
     assert schedule.period_ends() == [4, 8]
 
 
@@ -52,6 +53,23 @@ def test_wsds_warmup_plus_first_decay_longer_than_the_first_period_names_both():
     with pytest.raises(ConfigError, match=r"warmup \(3 steps\) plus the first decay \(2 steps\) is longer than the "
                                           r"first period \(4 steps\)"):
         build_schedule(OptimConfig(schedule="wsds", periods=[4, 4], warmup_steps=3, decay_steps=2), 8)
+
+
+@pytest.mark.parametrize("periods, steps", [([100, 100], 50), ([10, 10], 50)])
+def test_wsds_periods_must_add_up_to_the_run(periods, steps):
+    """Too long, the last periods never happen; too short, the run idles at the floor after them."""
+    with pytest.raises(ConfigError, match=f"add up to {sum(periods)} steps but the run is {steps} steps"):
+        build_schedule(OptimConfig(schedule="wsds", periods=periods, warmup_steps=1), steps)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("--optim.periods=10,10", "belong to optim.schedule=wsds, and this run's schedule is cosine"),
+    ("--optim.period_lr_multipliers=1,inf", "optim.period_lr_multipliers must be positive numbers (got [1.0, inf])"),
+])
+def test_period_settings_are_refused_where_they_mean_nothing(override, message):
+    extra = ["--optim.schedule=wsds", "--optim.periods=10,10"] if "multipliers" in override else []
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args([*extra, override])
 
 
 def test_linear_and_constant_schedules():

