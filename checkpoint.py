@@ -393,6 +393,10 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     device = next(model.parameters()).device
     trainer = read_trainer_state(path)
     check_model_shape(trainer["config"]["model"], model.config, path)
+    saved_optimizer = trainer["config"]["optim"].get("name", "adamw")
+    if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
+        raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
+                              f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
     load_model_state(model, path, device)
     if load_optim:
         optimizer.load_state_dict(torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True))

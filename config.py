@@ -81,6 +81,7 @@ class TrainConfig:
 
 @dataclass(slots=True)
 class OptimConfig:
+    name: Literal["adamw", "muon"] = "adamw"  # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
     lr: float = 6e-4  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
     min_lr: float = 6e-5  # learning rate at the end of the decay (10% of lr, Chinchilla)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = "cosine"  # LR schedule (schedule.py)
@@ -97,6 +98,9 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
     eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
+    muon_lr: float = 0.0  # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
+    muon_weight_decay: float = 0.1  # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
+    muon_momentum: float = 0.95  # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
 
 
 @dataclass(slots=True)
@@ -190,6 +194,7 @@ RANGES = [
     *((key, lambda v: v >= 0, "0 or more") for key in (
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
+        "optim.muon_lr", "optim.muon_weight_decay",
         "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
         "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval", "checkpoint.resume_step")),
@@ -205,6 +210,7 @@ RANGES = [
     ("stage2.kl_beta", lambda v: v >= 0, "0 or more"),
     ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("optim.muon_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("model.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("train.device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "auto, cpu, cuda or cuda:N"),
     ("eval.fixed_steps", lambda v: all(s >= 0 for s in v), "steps of 0 (before training) or more"),

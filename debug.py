@@ -42,6 +42,7 @@ import torch
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
 from model import GPT
+from optimizer import build_optimizer
 
 TRACES, STACKS = "traces", "stacks"
 PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
@@ -264,11 +265,14 @@ def named_state(path):
     cfg = config_from_dict(trainer["config"])
     model = GPT(cfg.model)
     names = {id(p): n for n, p in model.named_parameters()}
-    ordered = [names[id(p)] for g in model.configure_optimizers(cfg.optim, "cpu").param_groups for p in g["params"]]
-    for index, moments in optim["state"].items():
-        for key, value in moments.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state[f"optim/{ordered[int(index)]}/{key}"] = value
+    optimizer = build_optimizer(model, cfg.optim, "cpu")
+    parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both
+    for part_name, part in parts.items():
+        ordered = [names[id(p)] for g in part.param_groups for p in g["params"]]
+        for index, moments in (optim[part_name] if part_name else optim)["state"].items():
+            for key, value in moments.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    state[f"optim/{ordered[int(index)]}/{key}"] = value
     return path, state
 
 

@@ -6,7 +6,8 @@ Scoring is completion style, the definition behind GPT-2's published HellaSwag n
 acc_norm 0.2955; XL: 0.3842 / 0.4893 on the 10,042 validation examples): for each choice, the
 log-likelihood of the continuation's tokens after the context, over GPT-2's 50,257 real tokens.
 `acc` picks the highest sum, `acc_norm` the highest mean per token, `acc_per_char` the highest sum per
-character. A context too long for the model's window is cut from the left; an example with a
+character; `loss` is the right answer's loss per character (nats), the task loss that OLMo's ladder
+predicts accuracy from. A context too long for the model's window is cut from the left; an example with a
 continuation longer than the window cannot be scored fairly (part of an answer would go unseen while
 its length still counts) and is skipped, counted in `skipped` (as lm-evaluation-harness refuses them).
 
@@ -15,7 +16,7 @@ its length still counts) and is skipped, counted in `skipped` (as lm-evaluation-
     python hellaswag_eval.py --init_from=gpt2 --data=hellaswag_val.jsonl           # HellaSwag from a jsonl file
 
 In the training loop (`eval.tasks`, `eval.tasks_interval`) the examples are split across ranks and
-the counts are all-reduced; the metrics are eval/<task>/{acc,acc_norm,acc_per_char,skipped}, eval/average and
+the counts are all-reduced; the metrics are eval/<task>/{acc,acc_norm,acc_per_char,loss,skipped}, eval/average and
 eval/average_centered.
 """
 
@@ -179,20 +180,22 @@ def best(values):
 
 
 def count_correct(model, examples, groups, device, batch_size=BATCH_SIZE):
-    """A (len(groups), 6) tensor of per-group counts: examples scored, right by acc, by acc_norm, by
-    acc_per_char, the sum of 1/choices (chance), and examples skipped (a continuation too long)."""
-    counts = torch.zeros(len(groups), 6, dtype=torch.float64)
+    """A (len(groups), 7) tensor of per-group sums: examples scored, right by acc, by acc_norm, by
+    acc_per_char, 1/choices (chance), the right answer's loss per character (the task loss of OLMo's
+    ladder), and examples skipped (a continuation too long)."""
+    counts = torch.zeros(len(groups), 7, dtype=torch.float64)
     index = {group: g for g, group in enumerate(groups)}
     scorable = [ex for ex in examples if ex.fits]
     for ex in examples:
         if not ex.fits:
-            counts[index[ex.group], 5] += 1
+            counts[index[ex.group], 6] += 1
     for ex, scored in zip(scorable, score_choices(model, scorable, device, batch_size)):
         summed = [s for s, _ in scored]
         per_token = [s / n for s, n in scored]
         per_char = [s / max(1, c) for (s, _), c in zip(scored, ex.chars)]
-        counts[index[ex.group], :5] += torch.tensor([1.0, best(summed) == ex.label, best(per_token) == ex.label,
-                                                     best(per_char) == ex.label, 1 / len(ex.rows)], dtype=torch.float64)
+        counts[index[ex.group], :6] += torch.tensor([1.0, best(summed) == ex.label, best(per_token) == ex.label,
+                                                     best(per_char) == ex.label, 1 / len(ex.rows), -per_char[ex.label]],
+                                                    dtype=torch.float64)
     return counts
 
 
@@ -211,7 +214,7 @@ def load_tasks(names, block_size, data_dir="", limit=0, hellaswag_file=""):
 
 
 def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, world_size=1):
-    """{task: {n, acc, acc_norm, acc_per_char, chance, skipped}} plus "average" and "average_centered" (each task's
+    """{task: {n, acc, acc_norm, acc_per_char, chance, loss, skipped}} plus "average" and "average_centered" (each task's
     primary accuracy rescaled so chance is 0 and perfect is 1). Ranks score every world_size-th example
     and the counts are summed; a task of several groups (MMLU's subjects) is the mean of its groups."""
     was_training = model.training
@@ -223,9 +226,10 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
         if world_size > 1:
             dist.all_reduce(counts)
         scored = counts[counts[:, 0] > 0]  # a group whose every example was skipped has no accuracy
-        per_group = (scored[:, 1:5] / scored[:, :1]).mean(0).tolist() if len(scored) else [float("nan")] * 4
+        per_group = (scored[:, 1:6] / scored[:, :1]).mean(0).tolist() if len(scored) else [float("nan")] * 5
         results[name] = {"n": int(counts[:, 0].sum()), "acc": per_group[0], "acc_norm": per_group[1],
-                         "acc_per_char": per_group[2], "chance": per_group[3], "skipped": int(counts[:, 5].sum())}
+                         "acc_per_char": per_group[2], "chance": per_group[3], "loss": per_group[4],
+                         "skipped": int(counts[:, 6].sum())}
     model.train(was_training)
     primary = [(r[tasks.TASKS[name].primary], r["chance"]) for name, r in results.items()]
     results["average"] = sum(acc for acc, _ in primary) / len(primary)

@@ -19,7 +19,6 @@ and it resumes, lists (`checkpoint.py list`) and plots (`metrics.py plot`) like 
 
 import argparse
 import copy
-import itertools
 import json
 import math
 import os
@@ -30,13 +29,15 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import tasks
 from checkpoint import is_complete_checkpoint
 from run_dir import changed_fields
 from config import Config, ConfigError, UserError, config_to_dict, get, parse_args, run_command, sections, validate
-from configurator.model import (SIZES, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
-                                model_config, param_counts)
+import scaling_law
+from configurator.model import (PARAMS, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
+                                model_config, param_counts, shape_of)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens
 
 
@@ -53,6 +54,12 @@ class LadderSettings:
     decay_fraction: float = 0.1  # each WSD-S period ends with a linear decay over this share of it
     seed: int = 42  # train.seed of every size (OLMo-core's ladder default)
     val_tokens: int = 65536  # validation tokens per evaluation, the same first ones for every size (sets eval.val_steps)
+    batch_tokens: int = 0  # one global batch for every size, in tokens; 0 = OLMo's rule from N (Porian et al. 2024)
+    duration_tokens: int = 0  # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration (tokens_per_param x N)
+    warmup_tokens: int = 0  # warmup of every size, in tokens; 0 = N tokens (OLMo)
+    fit_tasks: list[str] = field(default_factory=list)  # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in eval.tasks
+    optimizer: Literal["adamw", "muon"] = "adamw"  # optim.name of every size; muon takes the same LR rule (OLMo-core's muon ladder, Liu et al. 2025)
+    muon_batch_multiplier: float = 2.0  # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
 
 
 @dataclass(slots=True)
@@ -62,7 +69,7 @@ class LadderConfig(Config):
 
 # Fields the ladder sets for every size; a ladder file that sets one would be silently overruled.
 DERIVED = ["model.n_layer", "model.n_head", "model.n_embd", "data.batch_size", "train.total_batch_size",
-           "train.max_steps", "train.max_duration", "train.out_dir", "train.seed", "optim.lr", "optim.min_lr",
+           "train.max_steps", "train.max_duration", "train.out_dir", "train.seed", "optim.name", "optim.lr", "optim.min_lr",
            "optim.beta2", "optim.weight_decay", "optim.decay_embeddings", "optim.schedule", "optim.warmup_steps",
            "optim.warmup_fraction", "optim.decay_steps", "optim.decay_fraction", "optim.decay_shape", "optim.periods",
            "optim.period_lr_multipliers", "eval.interval", "eval.val_steps", "eval.fixed_steps", "checkpoint.fixed_steps"]
@@ -72,6 +79,8 @@ LADDER_RANGES = [  # checked with config.RANGES, in the same form
     ("ladder.max_devices", lambda v: v >= 1, "at least 1"), ("ladder.sizes", lambda v: bool(v), "not empty"),
     ("ladder.tokens_per_param", lambda v: v > 0, "greater than 0"), ("ladder.val_tokens", lambda v: v >= 1, "at least 1"),
     ("ladder.lr_multiplier", lambda v: v > 0, "greater than 0"), ("ladder.decay_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("ladder.muon_batch_multiplier", lambda v: v > 0, "greater than 0"),
+    *((f"ladder.{key}", lambda v: v >= 0, "0 or more") for key in ("batch_tokens", "duration_tokens", "warmup_tokens")),
 ]
 
 
@@ -89,9 +98,12 @@ def read_config(path, overrides):
     if repeated:
         raise ConfigError(f"ladder.sizes names {', '.join(repeated)} more than once; list each size once.")
     for size in L.sizes:
-        if size not in SIZES:
-            raise ConfigError(f"ladder.sizes has {size!r}, which is not a size; use names from {', '.join(SIZES)}.")
+        shape_of(size)  # a name that is not a size is one sentence
     period_multiples(L.chinchilla_multiple)
+    missing = [task for task in L.fit_tasks if task not in cfg.eval.tasks]
+    if missing:
+        raise ConfigError(f"ladder.fit_tasks has {', '.join(missing)}, which eval.tasks does not evaluate; add it to "
+                          f"eval.tasks (the ladder evaluates them at its checkpoints).")
     return cfg
 
 
@@ -101,24 +113,30 @@ def read_config(path, overrides):
 @dataclass(frozen=True)
 class SizePlan:
     size: str
-    non_embedding_params: int
-    total_params: int
+    params: dict  # configurator.model.param_counts: non_embedding, with_output, total
     target_batch_tokens: int
     min_devices: int
     batch: object  # configurator.run.BatchPlan
     run: object  # configurator.run.RunPlan
 
+    @property
+    def non_embedding_params(self):
+        return self.params["non_embedding"]
+
 
 def plan_size(cfg, size):
     L, seq = cfg.ladder, cfg.model.block_size
-    n, total = param_counts(size, seq)
-    target = target_batch_tokens(n)
+    params = param_counts(size, seq)
+    n = params["non_embedding"]
+    # Muon tolerates a larger batch: OLMo-core's muon ladder doubles OLMo's target batch.
+    target = L.batch_tokens or round(target_batch_tokens(n) * (L.muon_batch_multiplier if L.optimizer == "muon" else 1))
     min_world_size, min_dp_world_size = configure_minimal_device_mesh_spec(size, seq, L.device)
     batch = plan_batch(target, configure_rank_microbatch_size(size, seq, L.device), seq, min_world_size,
                        min_dp_world_size, L.max_devices, size)
     run = plan_run(n, batch.batch_tokens, chinchilla_multiple=L.chinchilla_multiple,
-                   tokens_per_param=L.tokens_per_param, lr_multiplier=L.lr_multiplier, decay_fraction=L.decay_fraction)
-    return SizePlan(size, n, total, target, min_world_size, batch, run)
+                   tokens_per_param=L.tokens_per_param, lr_multiplier=L.lr_multiplier, decay_fraction=L.decay_fraction,
+                   duration_tokens=L.duration_tokens, warmup_tokens=L.warmup_tokens)
+    return SizePlan(size, params, target, min_world_size, batch, run)
 
 
 def plan_sizes(cfg, only=None):
@@ -141,11 +159,13 @@ def run_config(cfg, plan):
     run.train.total_batch_size, run.train.max_steps = plan.batch.batch_tokens, plan.run.max_steps
     run.train.out_dir, run.train.seed = os.path.join(L.dir, plan.size), L.seed
     o = run.optim
+    o.name = L.optimizer
     o.lr, o.min_lr, o.beta2, o.weight_decay, o.decay_embeddings = plan.run.lr, 0.0, plan.run.beta2, 0.1, False
     o.schedule, o.periods, o.decay_fraction, o.decay_shape = "wsds", list(plan.run.periods), L.decay_fraction, "linear"
     o.warmup_steps = plan.run.warmup_steps
     steps = [step for _, step in plan.run.checkpoints]
     run.eval.interval, run.eval.fixed_steps, run.checkpoint.fixed_steps = 0, steps, steps  # evaluate at the named ones
+    run.checkpoint.interval = 0  # and keep only those (the last is the final checkpoint)
     run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))  # val batches are whole global batches
     run.log.wandb_group = run.log.wandb_group or L.name
     run.log.wandb_name = run.log.wandb_name or f"{L.name}-{plan.size}"
@@ -177,7 +197,7 @@ def dry_run(cfg, plans, as_json):
         checkpoints = [{"name": name, "step": step, "tokens": step * b.batch_tokens} for name, step in r.checkpoints]
         if as_json:
             print(json.dumps({"size": p.size, "non_embedding_params": p.non_embedding_params,
-                              "total_params": p.total_params, "target_batch_tokens": p.target_batch_tokens,
+                              "total_params": p.params["total"], "target_batch_tokens": p.target_batch_tokens,
                               "batch_tokens": b.batch_tokens, "micro_batch_tokens": b.micro_batch_tokens,
                               "min_devices": p.min_devices, "devices": b.devices, "dp_world_size": b.dp_world_size,
                               "grad_accum_steps": b.grad_accum_steps, "lr": r.lr, "beta2": r.beta2,
@@ -189,13 +209,15 @@ def dry_run(cfg, plans, as_json):
         png = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png"),
                             [(step, name) for name, step in r.checkpoints[1:]])
         print(f"size {p.size}:\n"
-              f"  parameters       {p.non_embedding_params:,} non-embedding, {p.total_params:,} total\n"
+              f"  parameters       {p.non_embedding_params:,} non-embedding, {p.params['with_output']:,} with the "
+              f"output layer, {p.params['total']:,} total\n"
               f"  batch            target {p.target_batch_tokens:,} tokens; actual {b.batch_tokens:,} tokens "
               f"= {b.batch_tokens // seq:,} sequences of {seq}\n"
               f"  micro-batch      {b.micro_batch_tokens:,} tokens ({b.micro_batch_tokens // seq} sequences) per device\n"
               f"  devices          {b.devices} of {cfg.ladder.max_devices} (at least {p.min_devices}); data-parallel "
               f"size {b.dp_world_size}; {b.grad_accum_steps} accumulation step(s)\n"
-              f"  optimizer        AdamW, peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
+              f"  optimizer        {'Muon for the block matrices + AdamW' if cfg.ladder.optimizer == 'muon' else 'AdamW'}, "
+              f"peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
               f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens ({r.warmup_steps} steps)\n"
               f"  duration         {r.duration_tokens:,} tokens = {r.max_steps:,} steps; WSD-S periods {r.periods}\n"
               f"  checkpoints      " + ", ".join(f"{c['name']} @ {c['step']}" for c in checkpoints) + "\n"
@@ -296,13 +318,15 @@ def run_all(cfg, plans, config_path, overrides):
         print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{ladder_eta(start, todo, p)}): "
               f"{' '.join(command[1:])}", flush=True)
         code, signal_name = run_child(command)
-        status, _ = size_status(cfg, p)
+        status, detail = size_status(cfg, p)
         if signal_name:
             raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a checkpoint of what it had "
                             f"trained: run run-all again to continue from there.")
         if code != 0:
             raise UserError(f"size {p.size} failed (its output is above); fix that, then run run-all again to "
                             f"continue from where it stopped.")
+        if status == "different":  # its run wrote a config other than the plan: this ladder.py and train.py disagree
+            refuse_different(cfg, p, detail)
         if status != "finished":
             raise UserError(f"size {p.size} stopped before its last step (a time limit, a CANCEL file or a signal; its "
                             f"output is above); run run-all again to continue from its checkpoint.")
@@ -411,143 +435,267 @@ def show_metrics(cfg, plans, csv_path):
 # ----------------------------------------------------------------------------- the scaling-law fit
 
 
-def fit_scaling_law(points, delta=1e-3):
-    """Fit L(N, D) = E + A / N^alpha + B / D^beta to [(N, D, loss)] as Hoffmann et al. 2022, approach 3:
-    minimise the Huber loss (delta 1e-3) of log L against log(exp(a - alpha log N) + exp(b - beta log D)
-    + exp(e)) with L-BFGS from their grid of starting points; the best is kept."""
-    import numpy as np
-    from scipy.optimize import minimize
-    from scipy.special import logsumexp, softmax
-
-    log_n, log_d, log_l = (np.log(np.array(column, dtype=float)) for column in zip(*points))
-
-    def objective(p):
-        a, b, e, alpha, beta = p
-        terms = np.stack([a - alpha * log_n, b - beta * log_d, np.full_like(log_n, e)])
-        residual = logsumexp(terms, axis=0) - log_l
-        small = np.abs(residual) <= delta
-        loss = np.where(small, 0.5 * residual**2, delta * (np.abs(residual) - 0.5 * delta)).sum()
-        slope = np.where(small, residual, delta * np.sign(residual))
-        weights = softmax(terms, axis=0) * slope  # d loss / d term
-        grad = [weights[0].sum(), weights[1].sum(), weights[2].sum(), -(weights[0] * log_n).sum(),
-                -(weights[1] * log_d).sum()]
-        return loss, np.array(grad)
-
-    # Their grid of 4,500 starting points; L-BFGS runs from the 50 where the objective is already lowest,
-    # with tolerances tight enough for Huber losses of 1e-10 and below (scipy's defaults stop early).
-    # A test checks that this recovers a known law; running from all 4,500 takes a minute, this 2 s.
-    grid = [np.array(start, dtype=float) for start in itertools.product(
-        range(0, 30, 5), range(0, 30, 5), (-1, -0.5, 0, 0.5, 1), (0, 0.5, 1, 1.5, 2), (0, 0.5, 1, 1.5, 2))]
-    starts = sorted(grid, key=lambda p: objective(p)[0])[:50]
-    # alpha, beta >= 0: loss never rises with more parameters or more data. Unbounded, a ladder whose
-    # small sizes are limited by their number of steps rather than by N can fit a negative alpha.
-    bounds = [(None, None)] * 3 + [(0, None)] * 2
-    best = min((minimize(objective, start, jac=True, method="L-BFGS-B", bounds=bounds,
-                         options={"ftol": 1e-15, "gtol": 1e-12}) for start in starts), key=lambda r: r.fun)
-    a, b, e, alpha, beta = (float(v) for v in best.x)
-    return {"E": math.exp(e), "A": math.exp(a), "alpha": alpha, "B": math.exp(b), "beta": beta}
+def size_points(cfg, plan, metric="val/loss", names=("post-decay",)):
+    """[(tokens, value, step)] of `metric` at the size's checkpoints whose name ends with one of `names`
+    (all checkpoints for names=("",)); None when a checkpoint lacks its metrics. A value that cannot be a
+    loss (NaN, Inf, 0 or less) is refused, naming the size and the step."""
+    status, detail = size_status(cfg, plan)
+    if status == "different":
+        refuse_different(cfg, plan, detail)
+    points = []
+    for c in checkpoint_rows(cfg, plan):
+        if not c["name"].endswith(names) or c["step"] == 0 and names != ("",):
+            continue
+        value = read_metrics_file(c["metrics"]).get(metric) if c["metrics"] else None
+        if value is None:
+            return None
+        points.append((c["tokens"], value, c["step"]))
+    return points
 
 
-def predict(params, n, d):
-    return params["E"] + params["A"] / n ** params["alpha"] + params["B"] / d ** params["beta"]
+def check_losses(size, points, metric):
+    for tokens, value, step in points:
+        if not (math.isfinite(value) and value > 0):
+            raise UserError(f"size {size} has {metric}={value} at step {step}, which no scaling law can fit; retrain "
+                            f"that size from an earlier checkpoint (checkpoint.resume_step) or drop it from ladder.sizes.")
 
 
-def optimal_tokens_per_param(params, n):
-    """D/N at the compute-optimal point for a model of N parameters (C = 6ND; Hoffmann et al. 2022, eq. 4)."""
-    alpha, beta, A, B = params["alpha"], params["beta"], params["A"], params["B"]
-    if alpha <= 0 or beta <= 0:  # loss that does not fall with N or with D: no optimum to speak of
-        return float("nan")
-    try:
-        g = (alpha * A / (beta * B)) ** (1 / (alpha + beta))
-        compute_over_6 = (n / g) ** ((alpha + beta) / beta)
-        return compute_over_6 / n / n
-    except (ZeroDivisionError, OverflowError, ValueError):
-        return float("nan")
-
-
-def fit(cfg, plans):
+def finished_sizes(cfg, plans, metric="val/loss"):
+    """[(plan, [(tokens, value, step)])] of the sizes whose post-decay checkpoints all have `metric`; a
+    sentence saying what is missing when fewer than three do (two to fit, the largest to check)."""
     finished, missing = [], []
     for p in plans:
-        rows = [c for c in checkpoint_rows(cfg, p) if c["name"].endswith("post-decay")]
-        lacking = [c["name"] for c in rows if not c["metrics"]]
-        if lacking:
-            missing.append(f"{p.size} (no metrics for {', '.join(lacking)})")
+        points = size_points(cfg, p, metric)
+        if points is None:
+            missing.append(f"{p.size} (no {metric} at some post-decay checkpoint)")
             continue
-        points = [(p.non_embedding_params, c["tokens"], read_metrics_file(c["metrics"]).get("val/loss")) for c in rows]
-        if any(loss is None for _, _, loss in points):
-            missing.append(f"{p.size} (its metrics files hold no val/loss)")
-            continue
+        check_losses(p.size, points, metric)
         finished.append((p, points))
     if len(finished) < 3:
         raise UserError(f"the fit needs three finished sizes (two to fit, the largest to check), and "
                         f"{len(finished)} are finished; missing: {'; '.join(missing)}. Train them with run-all.")
+    return finished
+
+
+def fit_sizes(finished, params="non_embedding", rounds=0):
+    """The law fitted to `finished` sizes' points with N counted as `params`; with `rounds`, also its
+    bootstrap refits. A fit that did not converge is one sentence."""
+    points = [(p.params[params], d, loss) for p, pts in finished for d, loss, _ in pts]
+    law = scaling_law.fit_law(points)
+    if not law["converged"]:
+        raise UserError(f"the scaling-law fit did not converge ({law['message']}); check the losses with "
+                        f"`python ladder.py metrics`, or add sizes.")
+    return law, (scaling_law.bootstrap(points, law, rounds) if rounds else [])
+
+
+def fit(cfg, plans, params="non_embedding", task=None, rounds=200):
+    finished = finished_sizes(cfg, plans)
     held_out, fitted = finished[-1], finished[:-1]
-    params = fit_scaling_law([point for _, points in fitted for point in points])
-    holdout = [{"size": held_out[0].size, "tokens": d, "predicted": predict(params, n, d), "measured": loss,
-                "relative_error": (predict(params, n, d) - loss) / loss} for n, d, loss in held_out[1]]
-    ratio = optimal_tokens_per_param(params, held_out[0].non_embedding_params)
-    result = {"params": params, "holdout": holdout, "fitted_sizes": [p.size for p, _ in fitted],
-              "points": [{"size": p.size, "non_embedding_params": n, "tokens": d, "loss": loss}
-                         for p, points in finished for n, d, loss in points],
-              "optimal_tokens_per_param": ratio}
+    law, refits = fit_sizes(fitted, params, rounds)
+    n_held = held_out[0].params[params]
+    bands = {name: scaling_law.interval([r[name] for r in refits]) for name in ("E", "A", "alpha", "B", "beta")}
+    ratio = scaling_law.optimal_tokens_per_param(law, n_held)
+    ratio_band = scaling_law.interval([scaling_law.optimal_tokens_per_param(r, n_held) for r in refits])
+    holdout = []
+    for d, loss, step in held_out[1]:
+        predicted = scaling_law.predict(law, n_held, d)
+        holdout.append({"size": held_out[0].size, "step": step, "tokens": d, "predicted": predicted,
+                        "interval": scaling_law.interval([scaling_law.predict(r, n_held, d) for r in refits]),
+                        "measured": loss, "relative_error": (predicted - loss) / loss})
+    choices = {}  # the held-out error with each way of counting N (README: which predicts best)
+    for choice in PARAMS:
+        other = law if choice == params else fit_sizes(fitted, choice)[0]
+        choices[choice] = max(abs(scaling_law.predict(other, held_out[0].params[choice], d) - loss) / loss
+                              for d, loss, _ in held_out[1])
+    result = {"params": {k: law[k] for k in ("E", "A", "alpha", "B", "beta")}, "intervals": bands,
+              "n_counts": params, "bootstrap_rounds": len(refits), "holdout": holdout,
+              "fitted_sizes": [p.size for p, _ in fitted], "optimal_tokens_per_param": ratio,
+              "optimal_tokens_per_param_interval": ratio_band, "max_holdout_error_by_params": choices,
+              "points": [{"size": p.size, "N": p.params[params], "tokens": d, "loss": loss, "step": step}
+                         for p, pts in finished for d, loss, step in pts]}
+    tasks_fitted = [task] if task else cfg.ladder.fit_tasks
+    result["tasks"] = {name: fit_task(cfg, finished, name, params) for name in tasks_fitted}
     os.makedirs(cfg.ladder.dir, exist_ok=True)
     with open(os.path.join(cfg.ladder.dir, "fit.json"), "w") as f:
         json.dump(result, f, indent=1)
-    png = plot_fit(finished, params, held_out[0].size, os.path.join(cfg.ladder.dir, "fit.png"))
-    print(f"fit on {', '.join(result['fitted_sizes'])} ({sum(len(pts) for _, pts in fitted)} post-decay points):\n"
-          f"  L(N, D) = {params['E']:.3f} + {params['A']:.4g} / N^{params['alpha']:.3f} + "
-          f"{params['B']:.4g} / D^{params['beta']:.3f}\n"
-          f"  compute-optimal tokens per parameter at N = {held_out[0].non_embedding_params:,}: {ratio:.3g}\n"
-          f"held out, size {held_out[0].size}:")
-    for h in holdout:
-        print(f"  {h['tokens']:>12,} tokens: predicted {h['predicted']:.4f}, measured {h['measured']:.4f}, "
-              f"relative error {100 * h['relative_error']:+.2f}%")
+    png = scaling_law.plot_fit(finished, law, refits, params, os.path.join(cfg.ladder.dir, "fit.png"))
+    print(describe_fit(result, held_out[0], n_held))
+    for name, task_fit in result["tasks"].items():
+        print(describe_task(name, task_fit))
     print(f"wrote {os.path.join(cfg.ladder.dir, 'fit.json')} and {png}")
 
 
-def plot_fit(finished, params, held_out_size, path):
-    import matplotlib
+def describe_fit(result, held_out, n_held):
+    p, bands = result["params"], result["intervals"]
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
+    def with_band(name, fmt):
+        low, high = bands[name]
+        return f"{name} = {format(p[name], fmt)} [{format(low, fmt)}, {format(high, fmt)}]"
 
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for (p, points), color in zip(finished, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4):
-        n = p.non_embedding_params
-        tokens = [d for _, d, _ in points]
-        curve = np.geomspace(min(tokens) / 2, max(tokens) * 2, 100)
-        ax.plot(curve, [predict(params, n, d) for d in curve], color=color, linewidth=1,
-                linestyle="--" if p.size == held_out_size else "-")
-        ax.scatter(tokens, [loss for _, _, loss in points], color=color, zorder=3,
-                   marker="*" if p.size == held_out_size else "o", s=120 if p.size == held_out_size else 30,
-                   label=f"{p.size} ({n:,} params)" + (", held out" if p.size == held_out_size else ""))
-    ax.set_xscale("log")
-    ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss")
-    ax.set_title("scaling-law fit (lines) to post-decay checkpoints (points)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    lines = [f"fit on {', '.join(result['fitted_sizes'])} ({len(result['points']) - len(result['holdout'])} post-decay "
+             f"points), N = {result['n_counts']} parameters; [90% intervals from {result['bootstrap_rounds']} "
+             f"bootstrap refits]",
+             f"  L(N, D) = {p['E']:.3f} + {p['A']:.4g} / N^{p['alpha']:.3f} + {p['B']:.4g} / D^{p['beta']:.3f}",
+             "  " + ", ".join(with_band(name, fmt) for name, fmt in (("E", ".3f"), ("alpha", ".3f"), ("beta", ".3f"))),
+             f"  compute-optimal tokens per parameter at N = {n_held:,}: {result['optimal_tokens_per_param']:.3g} "
+             f"[{result['optimal_tokens_per_param_interval'][0]:.3g}, "
+             f"{result['optimal_tokens_per_param_interval'][1]:.3g}]",
+             f"held out, size {held_out.size}:"]
+    for h in result["holdout"]:
+        lines.append(f"  {h['tokens']:>12,} tokens: predicted {h['predicted']:.4f} [{h['interval'][0]:.4f}, "
+                     f"{h['interval'][1]:.4f}], measured {h['measured']:.4f}, relative error "
+                     f"{100 * h['relative_error']:+.2f}%")
+    lines.append("largest held-out error by what N counts: " + ", ".join(
+        f"{choice} {100 * error:.2f}%" for choice, error in result["max_holdout_error_by_params"].items()))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- downstream tasks: two steps
+
+
+def fit_task(cfg, finished, task, params):
+    """OLMo's two-step prediction of a task's accuracy at the held-out size: step one, the law fitted to
+    the task loss (eval/<task>/loss: the correct answer's loss per character) of the fitted sizes'
+    post-decay checkpoints; step two, a sigmoid from task loss to accuracy fitted on every evaluated
+    checkpoint of those sizes; chained at the held-out size's post-decay checkpoints."""
+    metric, accuracy = f"eval/{task}/loss", f"eval/{task}/{tasks.TASKS[task].primary}"
+    held_out, fitted = finished[-1], finished[:-1]
+    loss_points = []
+    for p, _ in finished:
+        points = size_points(cfg, p, metric)
+        if points is None:
+            raise UserError(f"size {p.size} has no {metric} at its post-decay checkpoints; evaluate the task there "
+                            f"(eval.tasks in the ladder file) and train again, or drop --task.")
+        check_losses(p.size, points, metric)
+        loss_points.append(points)
+    pairs = [(values[metric], values[accuracy]) for p, _ in fitted for c in checkpoint_rows(cfg, p) if c["metrics"]
+             for values in [read_metrics_file(c["metrics"])] if metric in values and accuracy in values]
+    step1 = scaling_law.fit_law([(p.params[params], d, loss) for (p, _), pts in zip(fitted, loss_points[:-1])
+                                 for d, loss, _ in pts])
+    accuracies = [a for _, a in pairs]
+    flat = max(accuracies) - min(accuracies) < 0.02
+    step2 = None if flat else scaling_law.fit_sigmoid(*zip(*pairs))
+    n_held = held_out[0].params[params]
+    predictions = []
+    for (d, measured_loss, step), c in zip(loss_points[-1], [c for c in checkpoint_rows(cfg, held_out[0])
+                                                             if c["name"].endswith("post-decay")]):
+        predicted_loss = scaling_law.predict(step1, n_held, d)
+        measured_accuracy = read_metrics_file(c["metrics"]).get(accuracy)
+        predictions.append({"tokens": d, "step": step, "predicted_loss": predicted_loss, "measured_loss": measured_loss,
+                            "predicted_accuracy": scaling_law.sigmoid(step2, predicted_loss) if step2 else None,
+                            "measured_accuracy": measured_accuracy})
+    return {"accuracy_metric": accuracy, "step1": {k: step1[k] for k in ("E", "A", "alpha", "B", "beta")},
+            "step2": step2, "accuracy_spread": max(accuracies) - min(accuracies), "held_out": predictions}
+
+
+def describe_task(task, result):
+    lines = [f"task {task} ({result['accuracy_metric']}), two steps:"]
+    if result["step2"] is None:
+        lines.append(f"  its accuracy moves by {result['accuracy_spread']:.3f} across every checkpoint (chance level at "
+                     f"these sizes): there is no sigmoid to fit, so only the task loss is predicted")
+    for h in result["held_out"]:
+        line = (f"  {h['tokens']:>12,} tokens: task loss predicted {h['predicted_loss']:.4f}, measured "
+                f"{h['measured_loss']:.4f}")
+        if h["predicted_accuracy"] is not None:
+            line += f"; accuracy predicted {h['predicted_accuracy']:.4f}, measured {h['measured_accuracy']:.4f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- two ladders compared
+
+
+def compare(config_a, config_b, overrides, params="non_embedding", rounds=200):
+    """`ladder.py compare A B`: how many times the compute (6ND, at the same N) ladder A needs to reach the
+    loss ladder B reaches, at each size, predicted at the largest size from the smaller ones (with a
+    bootstrap interval), and extrapolated to a size 4x the largest. Above 1, B's recipe is better."""
+    ladders = []
+    for path in (config_a, config_b):
+        cfg = read_config(path, overrides)
+        finished = finished_sizes(cfg, plan_sizes(cfg))
+        ladders.append((cfg, finished, fit_sizes(finished, params)[0], fit_sizes(finished[:-1], params, rounds)))
+    (cfg_a, sizes_a, all_a, (small_a, refits_a)), (cfg_b, sizes_b, all_b, (small_b, refits_b)) = ladders
+    common = [size for size in (p.size for p, _ in sizes_b) if size in {p.size for p, _ in sizes_a}]
+    if len(common) < 3:
+        raise UserError(f"{config_a} and {config_b} share {len(common)} finished sizes; compare needs three or more "
+                        f"(the same ladder.sizes, trained with run-all).")
+    by_size_a, by_size_b = ({p.size: (p, pts) for p, pts in sizes} for sizes in (sizes_a, sizes_b))
+    rows = []
+    for size in common:
+        (plan, points_b), (_, points_a) = by_size_b[size], by_size_a[size]
+        n, (d, loss_b, _) = plan.params[params], points_b[-1]
+        rows.append({"size": size, "N": n, "tokens": d, "loss_b": loss_b,
+                     "measured": measured_multiplier(points_a, loss_b, all_a, n, d),
+                     "through_laws": scaling_law.compute_multiplier(all_a, all_b, n, d)})
+    held = rows[-1]
+    pairs = list(zip(refits_a, refits_b))
+    predicted = scaling_law.compute_multiplier(small_a, small_b, held["N"], held["tokens"])
+    band = scaling_law.interval([scaling_law.compute_multiplier(a, b, held["N"], held["tokens"]) for a, b in pairs])
+    far = 4 * held["N"]
+    extrapolated = scaling_law.compute_multiplier(all_a, all_b, far, held["tokens"])
+    result = {"a": config_a, "b": config_b, "params": params, "sizes": rows,
+              "held_out": {"size": held["size"], "predicted": predicted, "interval": band, "measured": held["measured"],
+                           # 1% of slack: the measured multiplier interpolates between A's checkpoints
+                           "held": 0.99 * band[0] <= held["measured"] <= 1.01 * band[1]},
+              "extrapolated": {"N": far, "tokens": held["tokens"], "multiplier": extrapolated}}
+    print(f"compute multiplier: the compute A ({config_a}) needs to reach B's ({config_b}) loss, at the same N "
+          f"(above 1: B is better)")
+    for r in rows:
+        print(f"  {r['size']:<8} N {r['N']:>11,}  {r['tokens']:>12,} tokens  B's loss {r['loss_b']:.4f}  measured "
+              f"{r['measured']:.3f}x  through the laws {r['through_laws']:.3f}x")
+    h = result["held_out"]
+    print(f"  predicted at {h['size']} from the smaller sizes: {h['predicted']:.3f}x [{h['interval'][0]:.3f}, "
+          f"{h['interval'][1]:.3f}]; measured {h['measured']:.3f}x: the prediction "
+          f"{'held' if h['held'] else 'did not hold'}")
+    print(f"  extrapolated to N = {far:,} at {held['tokens']:,} tokens: {extrapolated:.3f}x")
+    out = os.path.join(cfg_b.ladder.dir, f"compare_{cfg_a.ladder.name}.json")
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"wrote {out}")
+
+
+def measured_multiplier(points_a, loss_b, law_a, n, d):
+    """D_A / d, D_A where A's own measured post-decay losses at this size reach `loss_b`: interpolated
+    between them in log D, or from A's law beyond them."""
+    for (d0, l0, _), (d1, l1, _) in zip(points_a, points_a[1:]):
+        if l1 <= loss_b <= l0 and l0 != l1:
+            return math.exp(math.log(d0) + (math.log(d1) - math.log(d0)) * (l0 - loss_b) / (l0 - l1)) / d
+    return scaling_law.tokens_to_reach(law_a, n, loss_b) / d
 
 
 # ----------------------------------------------------------------------------- the command line
 
-COMMANDS = ("dry-run", "run", "run-all", "benchmark", "checkpoints", "metrics", "fit")
+COMMANDS = ("dry-run", "run", "run-all", "benchmark", "checkpoints", "metrics", "fit", "compare")
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Any other --section.field=value "
-                                     "overrides the ladder file, as in train.py.")
+                                     "overrides the ladder file(s), as in train.py.")
     parser.add_argument("command", choices=COMMANDS)
-    parser.add_argument("config", help="a ladder config file, e.g. config/ladder_shakespeare.py")
+    parser.add_argument("config", nargs="+", help="a ladder config file, e.g. config/ladder_shakespeare.py "
+                                                  "(compare: two of them, A then B)")
     parser.add_argument("--size", help="one size of ladder.sizes (run and benchmark need it)")
     parser.add_argument("--json", action="store_true", help="dry-run, checkpoints: JSON lines")
     parser.add_argument("--csv", help="metrics: also write every column to this CSV file")
+    parser.add_argument("--params", default="non_embedding", choices=PARAMS,
+                        help="fit, compare: what N counts (default: non_embedding, Kaplan et al.)")
+    parser.add_argument("--task", help="fit: also predict this task's accuracy (two steps: Bhagia et al. 2024)")
+    parser.add_argument("--rounds", type=int, default=200, help="fit, compare: bootstrap refits for the intervals")
     args, overrides = parser.parse_known_args(argv)
-    cfg = read_config(args.config, overrides)
+    if len(args.config) != (2 if args.command == "compare" else 1):
+        raise UserError(f"{args.command} takes {'two ladder files (A, then B)' if args.command == 'compare' else 'one ladder file'}, "
+                        f"and {len(args.config)} were given; e.g. python ladder.py {args.command} "
+                        f"config/ladder_shakespeare.py{' config/ladder_shakespeare_muon.py' if args.command == 'compare' else ''}.")
+    if args.rounds < 0:
+        raise UserError(f"--rounds={args.rounds} must be 0 or more; give the number of bootstrap refits.")
+    if args.command == "compare":
+        return compare(*args.config, overrides, args.params, args.rounds)
+    cfg = read_config(args.config[0], overrides)
+    if args.task:
+        tasks.check_names([args.task], "--task")
+        if args.task not in cfg.eval.tasks:
+            raise UserError(f"--task={args.task} is not among eval.tasks of {args.config[0]}, so the ladder has no "
+                            f"scores for it; add it to eval.tasks and train the sizes.")
     if args.command in ("run", "benchmark") and not args.size:
         raise UserError(f"{args.command} trains one size; add --size=NAME, one of {', '.join(cfg.ladder.sizes)}.")
     plans = plan_sizes(cfg, args.size)
@@ -556,7 +704,7 @@ def main(argv):
     elif args.command == "run":
         run(cfg, plans[0])
     elif args.command == "run-all":
-        run_all(cfg, plans, args.config, overrides)
+        run_all(cfg, plans, args.config[0], overrides)
     elif args.command == "benchmark":
         benchmark(cfg, plans[0])
     elif args.command == "checkpoints":
@@ -564,7 +712,7 @@ def main(argv):
     elif args.command == "metrics":
         show_metrics(cfg, plans, args.csv)
     else:
-        fit(cfg, plans)
+        fit(cfg, plans, args.params, args.task, args.rounds)
 
 
 if __name__ == "__main__":

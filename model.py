@@ -1,13 +1,12 @@
-"""The GPT-2 model: configuration, architecture, parameter and FLOP counts, optimizer groups.
+"""The GPT-2 model: configuration, architecture, the output layer + loss, parameter and FLOP counts.
 
 This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
 blocks, learned position embeddings, a GELU(tanh) MLP and a language-model head that shares its
-weights with the token embedding. `train.py` builds a `GPT` from a `GPTConfig`, asks it for an
-optimizer, and calls `forward` for the loss; sampling (sample.py, with its KV cache) and evaluation
-call `forward` for the logits.
+weights with the token embedding. `train.py` builds a `GPT` from a `GPTConfig` (optimizer.py builds
+its optimizer) and calls `forward` for the loss; sampling (sample.py, with its KV cache) and
+evaluation call `forward` for the logits.
 """
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -264,21 +263,3 @@ class GPT(nn.Module):
         c = self.config
         n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
-
-    def configure_optimizers(self, optim, device_type):
-        """AdamW over this model from the `optim` config section (lr, betas, eps, weight decay)."""
-        # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains:
-        # shrinking those towards zero only hurts (as in GPT-3 and nanoGPT).
-        # optim.decay_embeddings=false also spares the embeddings (OLMo-core's ladder); the token embedding
-        # is the output layer too (tied weights), so it is spared as a whole.
-        embeddings = {id(self.transformer.wte.weight), id(self.transformer.wpe.weight)}
-        params = [p for p in self.parameters() if p.requires_grad]
-        decayed = [p.dim() >= 2 and (optim.decay_embeddings or id(p) not in embeddings) for p in params]
-        groups = [
-            {"params": [p for p, d in zip(params, decayed) if d], "weight_decay": optim.weight_decay},
-            {"params": [p for p, d in zip(params, decayed) if not d], "weight_decay": 0.0},
-        ]
-        # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
-        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
-        extra = {"fused": True} if fused else {}
-        return torch.optim.AdamW(groups, lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra)

@@ -7,9 +7,10 @@ Rank 0 calls these at start-up, in this order, before the loop writes anything:
 2. `choose_start`: resume this run's newest checkpoint, or start fresh (from scratch or
    `checkpoint.load_path`). With `checkpoint.save_overwrite` a *different* run in the folder is
    replaced rather than resumed; the same run is still resumed (so a preempted job restarts well).
-3. `accept_resume` (resuming): the settings that make a run what it is (model shape, data, seed,
-   batch, mixture) must not change, or the run stops with the field's name; other changes (max_steps, LR,
-   evaluation, ...) are printed and recorded in `config_changes.jsonl`. `config.json` keeps the
+3. `check_identity` (resuming, every rank, before the checkpoint is loaded): the settings that make a
+   run what it is (model shape, data, seed, batch, mixture, optimizer) must not change, or the run
+   stops with the field's name. `accept_resume` (rank 0): other changes (max_steps, LR, evaluation,
+   ...) are printed and recorded in `config_changes.jsonl`. `config.json` keeps the
    first config.
    `claim_for_fresh_start` (fresh): a folder holding another run is refused unless save_overwrite.
    When replacing, the old run's record (config, metrics, samples, W&B id) is replaced now, and its
@@ -26,14 +27,14 @@ import time
 
 
 from checkpoint import STEP_DIR, CheckpointError, choose_checkpoint, find_checkpoints, read_trainer_state
-from config import as_override, parse_duration, parse_mix
+from config import Config, as_override, config_to_dict, parse_duration, parse_mix
 
 LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
 # What makes two runs the same run: what a checkpoint cannot be resumed correctly without.
 IDENTITY = ("model.block_size", "model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias",
             "data.dataset", "data.mix", "data.shuffle", "train.seed", "train.total_batch_size", "stage2.start",
-            "stage2.mix", "stage2.reference")
+            "stage2.mix", "stage2.reference", "optim.name")
 
 
 class RunLock:
@@ -101,6 +102,7 @@ def pid_alive(pid):
 def identity(config_dict):
     """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
     stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture."""
+    config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
     for key in ("data.mix", "stage2.mix"):
         if values[key]:
@@ -111,7 +113,9 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs."""
+    """{'section.field': (old, new)} for every field that differs. A field that `old` (a config saved by
+    an earlier version) lacks had its default then: it counts as the default (optim.name: adamw)."""
+    old = with_defaults(old)
     changes = {}
     for section in sorted(set(old) | set(new)):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -119,6 +123,13 @@ def changed_fields(old, new):
             if a != b:
                 changes[f"{section}.{name}"] = (a, b)
     return changes
+
+
+def with_defaults(saved):
+    """A saved config with the fields it lacks filled in from today's defaults."""
+    defaults = config_to_dict(Config())
+    return {section: {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
+            for section, values in {**defaults, **saved}.items()}
 
 
 def choose_start(out_dir, checkpoint_cfg, run_config):
@@ -134,8 +145,8 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
     return path, resuming, note
 
 
-def accept_resume(out_dir, saved_config, run_config, step):
-    """Refuse a resume whose identity changed; note and record any other change."""
+def check_identity(out_dir, saved_config, run_config):
+    """Every rank, before a checkpoint is loaded: refuse a resume whose identity changed."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:
@@ -145,6 +156,12 @@ def accept_resume(out_dir, saved_config, run_config, step):
                 f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
                 f"correctly; set {as_override(key, old)} to resume it, or start fresh in another train.out_dir (or "
                 f"pass --checkpoint.save_overwrite=true to replace it).")
+
+
+def accept_resume(out_dir, saved_config, run_config, step):
+    """Rank 0, resuming: note and record every change of a setting that may change (check_identity has
+    refused the others)."""
+    changes = changed_fields(saved_config, run_config)
     if changes:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))

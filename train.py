@@ -32,11 +32,12 @@ import run_dir
 import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, check_finite, make_profiler,
                        memory_metrics, peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
-from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint
+from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint, read_trainer_state
 from config import config_to_dict, get, parse_args, parse_duration, parse_mix, run_command
 from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
 from mixture import MixtureLoader
 from model import GPT, choose_loss_path, loss_slices
+from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
 from plan import Plan, make_plan
 from sample import generate_text
 from schedule import build_schedule, plot_schedule
@@ -175,11 +176,6 @@ def skip_step(loader, grad_accum_steps):
     return {"train/skipped_data_step": 1.0}, 0.0
 
 
-def set_lr(optimizer, lr):
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-
-
 # ----------------------------------------------------------------------------- evaluation and samples
 
 
@@ -220,7 +216,7 @@ def evaluate(run, due, mix):
                                                     run.cfg.eval.tasks_batch_size, run.rank, run.world_size)
         for name in run.task_examples:
             scores.update({f"eval/{name}/{metric}": results[name][metric]
-                           for metric in ("acc", "acc_norm", "acc_per_char", "skipped")})
+                           for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
         scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
     return scores
 
@@ -328,7 +324,7 @@ def build_run(cfg, stack):
     model = torch.compile(raw_model) if compiled else raw_model
     if world_size > 1:
         model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
-    optimizer = raw_model.configure_optimizers(cfg.optim, device_type)
+    optimizer = build_optimizer(raw_model, cfg.optim, device_type)
     plan = make_plan(cfg, world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, plan.max_steps)
@@ -342,6 +338,8 @@ def build_run(cfg, stack):
         rewound = run_dir.rewind(out_dir, ck.resume_step) if ck.resume_step else ""
     run_dir.check_shared_folder(out_dir, rank, world_size, cpu_group)  # every node sees what rank 0 writes
     path, resumed, note = run_dir.choose_start(out_dir, ck, config_to_dict(cfg))
+    if resumed:  # before anything is loaded: a checkpoint of another run would not even load
+        run_dir.check_identity(out_dir, read_trainer_state(path)["config"], config_to_dict(cfg))
     saved = load_checkpoint(path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
                             rank=rank, world_size=world_size, load_optim=resumed or ck.load_optim,
                             load_trainer_state=resumed or ck.load_trainer_state) if path else None
@@ -450,7 +448,7 @@ def train(cfg):
             n = state.step + 1  # the step being taken, as logged
             mix, loader, stage2 = run.stages.at(n)  # stage2: None, or stage 2's frozen reference and KL weight
             lr = run.schedule.lr_at(n)
-            set_lr(run.optimizer, lr)
+            set_lr(run.optimizer, lr, cfg.optim.lr)  # every group follows the schedule from its own peak
             if plan.traces.due(n) and run.is_master:  # every module's inputs and outputs, saved
                 debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n, cfg.debug.trace_sequences)
             step_start = time.perf_counter()
@@ -470,7 +468,7 @@ def train(cfg):
                 step_time=time.perf_counter() - step_start, data_time=data_time, tokens_per_step=plan.tokens_per_step,
                 block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
                 world_size=run.world_size, peak_flops=run.peak_flops))
-            recorder.record_all({"optim/lr": lr, "tokens": state.tokens, **loader.metrics()})
+            recorder.record_all({"optim/lr": lr, **lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
             # fails cannot lose the training done, and NaN weights are caught before anything reads them.
@@ -540,6 +538,8 @@ def dry_run(cfg):
           f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
           + (f", periods {list(schedule.periods)} ending at steps {schedule.period_ends()}, decays "
              f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
+    for line in describe_optimizer(raw_model, cfg.optim):
+        print(f"optimizer: {line}")
     print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
           f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
     marks = [(end, f"period {i + 1}") for i, end in enumerate(schedule.period_ends())]

@@ -1,14 +1,23 @@
-# A model ladder a laptop CPU trains in about 20 minutes: four sizes, 8x apart in non-embedding
-# parameters, each to 2 Chinchilla durations, then a scaling-law fit that predicts the largest.
+# The CPU model ladder: four widths of a 2-layer GPT, 62x apart in non-embedding parameters from the
+# smallest to the largest, each trained on 400K Shakespeare tokens with checkpoints after decays at
+# 100K, 200K and 400K; a scaling law fitted to the three smaller sizes predicts the largest.
+# About 20 minutes on 2 cores (docs/measurements.md).
 #   python ladder.py dry-run config/ladder_shakespeare.py
 #   python ladder.py run-all config/ladder_shakespeare.py && python ladder.py fit config/ladder_shakespeare.py
+# The rules that differ from the GPU ladder's (configurator/run.py) and the measurements behind them are
+# in docs/ladder.md.
 ladder.name = "shakespeare"
 ladder.dir = "out/ladder_shakespeare"
-ladder.sizes = ["1x32", "2x32", "4x32", "8x32"]  # the CPU dial: width 32, depth doubling (configurator/model.py)
+ladder.sizes = ["2x32", "2x64", "2x128", "2x256"]  # width doubling at depth 2: depth did not lower the loss at this scale (docs/ladder.md)
 ladder.max_devices = 1
 ladder.device = "cpu"
-ladder.chinchilla_multiple = 2  # checkpoints after the decays at 0.5x, 1x and 2x Chinchilla: 3 points per size
-ladder.val_tokens = 65536  # the first 64K validation tokens, the same for every size
+ladder.batch_tokens = 512  # the same 8 sequences of 64 for every size: the same number of steps per token
+ladder.duration_tokens = 200_000  # the duration unit: periods end at 0.5x, 1x, 2x of it
+ladder.chinchilla_multiple = 2  # 3 post-decay checkpoints per size, at 100K, 200K and 400K tokens
+ladder.warmup_tokens = 10_240  # 20 steps
+ladder.decay_fraction = 0.2  # each period ends with a linear decay over its last 20%
+ladder.lr_multiplier = 0.1  # Porian's N^(-1/3) rule scaled to the CPU sweep's best LRs (docs/ladder.md)
+ladder.val_tokens = 32768  # the first 32K validation tokens, the same for every size
 
 # What every size shares.
 model.block_size = 64

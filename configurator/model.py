@@ -1,20 +1,22 @@
 """The model configurator: which GPT a ladder size name means, and how it fits on a device.
 
 A size is named `<layers>x<width>`: `4x32` is 4 transformer blocks with a 32-wide residual stream.
-Heads are 64 wide as in every GPT-2 (one head below 64). Two dials, one rule each:
+Heads are 64 wide as in every GPT-2 (one head below 64), so a width is a multiple of 32 below 64 and
+of 64 from there. Any such name is a size; two dials list the ones the shipped ladders use:
 
 - On a GPU, GPT-2's own aspect ratio, 64 of width per layer: `4x256`, `6x384`, `8x512`, `10x640`, and
   `12x768`, which is GPT-2 (124M). GPT-2's larger shapes are here under their names too.
-- On a CPU, a fixed width of 32 and a depth dial: `1x32`, `2x32`, `4x32`, `8x32`, `16x32`. With GPT-2's
-  50,304-token vocabulary, a small model's cost per token is almost all output layer
-  (6 x 50,304 x width FLOPs against 6 x 12 x layers x width^2 in the blocks), so growing only depth
-  doubles the non-embedding parameters N per step of the dial while the cost per token stays flat:
-  a whole CPU ladder's time is its total tokens.
+- On a CPU, width doubling at depth 2: `2x32`, `2x64`, `2x128`, `2x256`. With GPT-2's 50,304-token
+  vocabulary a small model's time per token is mostly the output layer and its softmax over the
+  vocabulary (on 2 cores at batch 512: about 4,500 tokens/s at 2x32, 2,300 at 2x128, 900 at 2x256), so N
+  grows 4x per step of the dial for 1.3x to 2.5x the time per token. Doubling depth instead (2x64 to
+  4x64) did not lower the loss at these durations, so the fit saw no N effect (docs/ladder.md).
 
 Parameter counts come from the real model built on the meta device (no memory, no initialisation).
 """
 
 import math
+import re
 
 import torch
 
@@ -22,9 +24,10 @@ from config import ConfigError
 from model import GPT, GPTConfig
 
 GPT2_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
-CPU_DIAL = [f"{layers}x32" for layers in (1, 2, 4, 8, 16)]
+CPU_DIAL = ["2x32", "2x64", "2x128", "2x256"]
 GPU_DIAL = [f"{layers}x{64 * layers}" for layers in (4, 6, 8, 10, 12)]
-SIZES = CPU_DIAL + GPU_DIAL + list(GPT2_SHAPES)
+SIZES = CPU_DIAL + GPU_DIAL + list(GPT2_SHAPES)  # the named ones; any <layers>x<width> of the rule works
+PARAMS = ("non_embedding", "with_output", "total")  # what N counts (ladder.py fit --params)
 
 # Memory of one device, GiB, for the rank micro-batch. `cpu` is a laptop's share, not the machine's RAM.
 DEVICE_MEMORY_GIB = {"cpu": 8, "H100": 80, "H200": 141, "A100-80GB": 80, "A100-40GB": 40, "L40S": 48, "A10G": 24,
@@ -32,13 +35,16 @@ DEVICE_MEMORY_GIB = {"cpu": 8, "H100": 80, "H200": 141, "A100-80GB": 80, "A100-4
 
 
 def shape_of(size):
-    """(n_layer, n_embd) of a size name, or one sentence listing the names."""
+    """(n_layer, n_embd) of a size name, or one sentence saying what a size is."""
     if size in GPT2_SHAPES:
         return GPT2_SHAPES[size]
-    if size not in SIZES:
-        raise ConfigError(f"unknown model size {size!r}; use one of {', '.join(SIZES)}.")
-    layers, width = size.split("x")
-    return int(layers), int(width)
+    match = re.fullmatch(r"([1-9]\d*)x([1-9]\d*)", size)
+    width = int(match.group(2)) if match else 0
+    if not match or width % (32 if width < 64 else 64):
+        raise ConfigError(f"unknown model size {size!r}; a size is <layers>x<width> with a width that is a multiple "
+                          f"of 32 below 64 and of 64 from there (e.g. {', '.join(CPU_DIAL[:3])}), or one of "
+                          f"{', '.join(GPT2_SHAPES)}.")
+    return int(match.group(1)), width
 
 
 def model_config(size, block_size):
@@ -47,10 +53,15 @@ def model_config(size, block_size):
 
 
 def param_counts(size, block_size):
-    """(non-embedding, total) parameters of the real model."""
+    """{non_embedding, with_output, total} parameters of the real model. non_embedding is Kaplan et al.'s N
+    (no token or position embeddings); with_output adds the output layer (the tied token embedding,
+    which every token multiplies: nanochat's N, and Porian et al.'s point that it is real compute);
+    total adds the position embedding too."""
     with torch.device("meta"):
         model = GPT(model_config(size, block_size))
-    return model.num_params(non_embedding=True), model.num_params()
+    non_embedding = model.num_params(non_embedding=True)
+    return {"non_embedding": non_embedding, "with_output": non_embedding + model.transformer.wte.weight.numel(),
+            "total": model.num_params()}
 
 
 def device_memory_gib(device_type):
@@ -69,7 +80,7 @@ def configure_rank_microbatch_size(size, sequence_length, device_type):
     flash attention, which keeps no sequence x sequence scores); float32 on a CPU doubles it. The fused
     loss never holds the logits. Half the memory is left for the allocator, the compiler and the rest."""
     n_layer, n_embd = shape_of(size)
-    _, total = param_counts(size, sequence_length)
+    total = param_counts(size, sequence_length)["total"]
     budget = device_memory_gib(device_type) * 2**30 / 2 - 16 * total
     bytes_per_token = 34 * n_embd * n_layer * (2 if device_type == "cpu" else 1) + 16 * n_embd
     sequences = max(1, budget // (bytes_per_token * sequence_length))
@@ -81,7 +92,7 @@ def configure_minimal_device_mesh_spec(size, sequence_length, device_type):
     """(min_world_size, min_dp_world_size) as OLMo's configure_minimal_device_mesh_spec. This trainer
     is data-parallel (DDP): every device holds the whole model, so more devices never make a model fit;
     one device is the minimum when the weights and AdamW state fit in it, and none suffices otherwise."""
-    _, total = param_counts(size, sequence_length)
+    total = param_counts(size, sequence_length)["total"]
     if 16 * total > device_memory_gib(device_type) * 2**30 / 2:
         raise ConfigError(f"size {size} ({total:,} parameters) does not fit on one {device_type} with DDP; "
                           f"pick a smaller size or a device with more memory.")

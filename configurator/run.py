@@ -1,6 +1,6 @@
 """The run configurator: batch, learning rate, schedule, duration and checkpoints from the model size.
 
-OLMo-core's `WSDSChinchillaRunConfigurator`, with N the non-embedding parameters:
+OLMo-core's `WSDSChinchillaRunConfigurator` (the GPU dial's rules), with N the non-embedding parameters:
 
     target batch  round(2048 x 160 x (N / 108e6)^(2/3)) tokens           (Porian et al. 2024)
     peak LR       0.0047 x (N / 108e6)^(-1/3) / 2 x lr_multiplier        (Porian et al. 2024, halved as OLMo)
@@ -14,6 +14,16 @@ OLMo-core's `WSDSChinchillaRunConfigurator`, with N the non-embedding parameters
 A checkpoint after a decay is a finished run of that length: one ladder run of a size gives several
 points (tokens, loss) for the scaling-law fit. `plan_batch` is OLMo-core's
 `ModelLadder._configure_batch_size_and_num_devices`, step for step.
+
+Three settings replace a rule where a laptop cannot follow it (config/ladder_shakespeare.py uses them;
+docs/ladder.md gives the measurements behind each):
+- `ladder.batch_tokens`: one fixed batch for every size. With Porian's batch the small sizes take more
+  steps per token than the large ones, and at a few hundred steps the loss is set by the number of steps.
+- `ladder.duration_tokens`: the duration unit in tokens, the same for every size, instead of a
+  Chinchilla duration: 20 tokens per parameter of a 400K-parameter model is 8M tokens, an hour of a CPU.
+- `ladder.warmup_tokens`: a short warmup. N tokens would be most of a CPU run (too long a warmup for
+  small models: Porian et al. 2024).
+The LR keeps Porian's N^(-1/3) shape; its constant (`ladder.lr_multiplier`) comes from a sweep.
 """
 
 import math
@@ -98,28 +108,32 @@ class RunPlan:
     checkpoints: list  # [(name, step)] in step order, the initialization (step 0) first
 
 
-def plan_run(n, batch_tokens, *, chinchilla_multiple, tokens_per_param, lr_multiplier, decay_fraction):
-    """Everything but the batch: LR, beta2, warmup, duration and the WSD-S periods with their checkpoints."""
-    duration_tokens = round(chinchilla_multiple * tokens_per_param * n / batch_tokens) * batch_tokens
+def plan_run(n, batch_tokens, *, chinchilla_multiple, tokens_per_param, lr_multiplier, decay_fraction,
+             duration_tokens=0, warmup_tokens=0):
+    """Everything but the batch: LR, beta2, warmup, duration and the WSD-S periods with their checkpoints.
+    The duration unit is `duration_tokens` (checkpoint names `0.5xD-...`), or one Chinchilla duration,
+    tokens_per_param x N (`0.5xC-...`); the warmup is `warmup_tokens`, or N tokens."""
+    unit, unit_name = (duration_tokens, "D") if duration_tokens else (tokens_per_param * n, "C")
+    duration_tokens = round(chinchilla_multiple * unit / batch_tokens) * batch_tokens
     if duration_tokens == 0:
         raise ConfigError(f"the run of {n:,} parameters is shorter than one batch of {batch_tokens:,} tokens; "
-                          f"raise ladder.tokens_per_param or ladder.chinchilla_multiple.")
-    ends = [round(m * tokens_per_param * n / batch_tokens) for m in period_multiples(chinchilla_multiple)]
+                          f"raise ladder.tokens_per_param, ladder.duration_tokens or ladder.chinchilla_multiple.")
+    ends = [round(m * unit / batch_tokens) for m in period_multiples(chinchilla_multiple)]
     checkpoints, periods, start = [("initialization", 0)], [], 0
     for multiple, end in zip(period_multiples(chinchilla_multiple), ends):
         length = end - start
         if length < 1:
-            raise ConfigError(f"the WSD-S period ending at {multiple}x Chinchilla is shorter than a step; raise "
-                              f"ladder.tokens_per_param or drop the smallest sizes.")
+            raise ConfigError(f"the WSD-S period ending at {multiple}x{unit_name} is shorter than a step; raise "
+                              f"ladder.tokens_per_param or ladder.duration_tokens, or drop the smallest sizes.")
         decay = round(decay_fraction * length)  # as schedule.build_schedule rounds it
-        checkpoints += [(f"{multiple:g}xC-pre-decay", end - decay), (f"{multiple:g}xC-post-decay", end)]
+        checkpoints += [(f"{multiple:g}x{unit_name}-pre-decay", end - decay), (f"{multiple:g}x{unit_name}-post-decay", end)]
         periods.append(length)
         start = end
     checkpoints = list(dict.fromkeys(checkpoints))  # a period too short to decay gives one step twice
-    warmup_steps = n // batch_tokens  # N tokens
+    warmup_steps = (warmup_tokens or n) // batch_tokens
     if warmup_steps + round(decay_fraction * periods[0]) > periods[0]:
-        raise ConfigError(f"the warmup of N = {n:,} tokens and the first decay do not fit in the first period "
-                          f"(0.5 Chinchilla = {periods[0]} steps); raise ladder.tokens_per_param.")
+        raise ConfigError(f"the warmup of {warmup_tokens or n:,} tokens and the first decay do not fit in the first "
+                          f"period ({periods[0]} steps); shorten the warmup or lengthen the duration.")
     return RunPlan(lr=peak_lr(n, lr_multiplier), beta2=beta2(batch_tokens), warmup_steps=warmup_steps,
                    duration_tokens=duration_tokens, max_steps=duration_tokens // batch_tokens, periods=periods,
                    checkpoints=checkpoints)

@@ -178,10 +178,11 @@ def test_flops_per_token_is_palms_6n_plus_attention():
 
 
 def test_adamw_is_fused_on_cuda_and_plain_on_cpu():
+    from config import OptimConfig
+    from optimizer import build_optimizer
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
-    settings = type("Optim", (), dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, decay_embeddings=True))
-    assert net.configure_optimizers(settings, "cuda").defaults["fused"] is True
-    assert not net.configure_optimizers(settings, "cpu").defaults["fused"]
+    assert build_optimizer(net, OptimConfig(), "cuda").defaults["fused"] is True
+    assert not build_optimizer(net, OptimConfig(), "cpu").defaults["fused"]
 
 
 def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeypatch):

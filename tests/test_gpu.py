@@ -10,9 +10,11 @@ from torch.nn import functional as F
 
 import hellaswag_eval
 import model
+from config import OptimConfig
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
 from model import GPT, GPTConfig, chunked_cross_entropy
+from optimizer import build_optimizer
 from sample import generate_text
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -38,8 +40,7 @@ def batches(steps, seed=1):
 
 
 def train_losses(net, data, bf16):
-    optimizer = net.configure_optimizers(type("O", (), dict(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8,
-                                                            weight_decay=0.1, decay_embeddings=True))(), "cuda")
+    optimizer = build_optimizer(net, OptimConfig(lr=3e-3), "cuda")
     losses = []
     for batch in data:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):

@@ -31,7 +31,7 @@ def hellaswag_counts(model, examples, batch_size=64):
     """(scored, right by acc, right by acc_norm, skipped) over HellaSwag jsonl examples."""
     encoded = [hellaswag_eval.encode_example(ex, model.config.block_size) for ex in examples]
     counts = hellaswag_eval.count_correct(model, encoded, ["hellaswag"], "cpu", batch_size)[0]
-    return int(counts[0]), int(counts[1]), int(counts[2]), int(counts[5])
+    return int(counts[0]), int(counts[1]), int(counts[2]), int(counts[6])
 
 
 @pytest.mark.parametrize("block_size", [64, 24])  # 24 cuts contexts from the left, and one ending does not fit

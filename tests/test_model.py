@@ -4,6 +4,7 @@ import torch
 
 from config import OptimConfig
 from model import GPT, GPTConfig
+from optimizer import build_optimizer
 from sample import filter_logits, generate
 from tokenizer import GPT2_VOCAB_SIZE
 
@@ -17,7 +18,7 @@ def test_model_overfits_a_tiny_batch():
     model = GPT(tiny_config())
     x = torch.randint(0, 1000, (2, 16))
     y = torch.randint(0, 1000, (2, 16))
-    optimizer = model.configure_optimizers(OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
     _, first = model(x, y)
     for _ in range(150):
         _, loss = model(x, y)
@@ -71,7 +72,7 @@ def test_flops_per_token_is_6n_plus_attention():
 
 def test_weight_decay_only_on_matrices():
     model = GPT(tiny_config())
-    optimizer = model.configure_optimizers(OptimConfig(weight_decay=0.1, lr=1e-3), "cpu")
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1, lr=1e-3), "cpu")
     decayed, plain = optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.dim() < 2 for p in plain["params"])

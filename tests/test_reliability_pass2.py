@@ -172,3 +172,92 @@ def test_nodes_that_do_not_share_the_run_folder_stop_before_reading_a_checkpoint
     assert all(node.returncode != 0 for node in nodes)
     assert "rank(s) 1 on" in outputs[0][1] and "do not see the files rank 0 writes" in outputs[0][1]
     assert not (tmp_path / "node0" / "metrics.jsonl").exists()
+
+
+# ----------------------------------------------------------------------------- the ladder: 1, 3, 4, 7, 8, 15
+
+
+def tiny_ladder(tmp_path, data_root, duration=4096, extra=""):
+    path = tmp_path / "tiny.py"
+    path.write_text(f'ladder.name = "tiny"\nladder.dir = "{tmp_path / "ladder"}"\nladder.sizes = ["1x32", "2x32", "2x64"]\n'
+                    f'ladder.batch_tokens = 256\nladder.duration_tokens = {duration}\nladder.warmup_tokens = 256\n'
+                    f'ladder.chinchilla_multiple = 1\nladder.val_tokens = 512\nmodel.block_size = 32\n'
+                    f'data.data_root = "{data_root}"\neval.sample_interval = 0\nlog.interval = 1\n{extra}')
+    return str(path)
+
+
+def ladder_command(*args, **kwargs):
+    return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600, **kwargs)
+
+
+def test_1_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_root, tmp_path):
+    import signal
+    import time
+    path = tiny_ladder(tmp_path, data_root, duration=2_000_000)  # far longer than the test waits
+    proc = subprocess.Popen([sys.executable, str(ROOT / "ladder.py"), "run-all", path], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    size = tmp_path / "ladder" / "1x32"
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((size / "metrics.jsonl").exists() and len(read_metrics(size)) >= 3):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground process group
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "run-all was stopped by SIGINT; size 1x32 saved a checkpoint" in err, err[-2000:]
+    assert "Traceback" not in err
+    steps = [int(p.name[4:]) for p in size.iterdir() if p.name.startswith("step") and p.name[4:].isdigit()]
+    assert max(steps) >= 3  # the child finished its step and saved it
+    assert not (size / ".lock").exists() and not (size / "stacks" / "rank0.pid").exists()
+
+
+def test_3_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
+    from test_scaling_law import LAW, write_ladder
+    path = write_ladder(tmp_path, "a", LAW, finished=True)
+    assert "skipped" in ladder_command("run-all", path).stdout  # finished under the plan: nothing to do
+    changed = ladder_command("run-all", path, "--ladder.lr_multiplier=2")
+    assert changed.returncode == 1 and "size 1x32 in" in changed.stderr and "optim.lr=" in changed.stderr
+    assert "where the plan now says" in changed.stderr and "use another ladder.dir" in changed.stderr
+
+
+def test_7_a_size_that_stops_early_stops_run_all(data_root, tmp_path):
+    result = ladder_command("run-all", tiny_ladder(tmp_path, data_root, duration=2_000_000), "--train.time_limit=2")
+    assert result.returncode == 1 and "size 1x32 stopped before its last step" in result.stderr
+    assert not (tmp_path / "ladder" / "2x32").exists()  # the next size never started
+
+
+def test_8_a_size_listed_twice_is_refused(data_root, tmp_path):
+    result = ladder_command("dry-run", tiny_ladder(tmp_path, data_root), "--ladder.sizes=1x32,2x32,2x32")
+    assert result.returncode == 1 and "ladder.sizes names 2x32 more than once" in result.stderr
+
+
+def test_15_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_one_sentence(tmp_path):
+    from test_scaling_law import LAW, write_ladder
+    path = write_ladder(tmp_path, "a", LAW)
+    csv = ladder_command("metrics", path, "--csv=/no/such/folder/x.csv")
+    assert csv.returncode == 1 and "cannot write --csv=/no/such/folder/x.csv" in csv.stderr
+    (tmp_path / "a" / "2x32" / "metrics_step200.json").write_text("{cut off")
+    for command in ("metrics", "fit"):
+        damaged = ladder_command(command, path)
+        assert damaged.returncode == 1 and "metrics_step200.json cannot be read" in damaged.stderr
+        assert "Traceback" not in damaged.stderr
+
+
+def test_10_17_command_line_values_that_name_nothing_are_one_sentence(data_root, tmp_path):
+    tasks_empty = subprocess.run([sys.executable, "hellaswag_eval.py", "--init_from=gpt2", "--tasks=,"], cwd=ROOT,
+                                 capture_output=True, text=True)
+    assert tasks_empty.returncode == 1 and "--tasks=',' names no task" in tasks_empty.stderr
+    no_size = ladder_command("run", tiny_ladder(tmp_path, data_root), "--size")
+    assert no_size.returncode == 2 and "argument --size: expected one argument" in no_size.stderr
+
+
+# ----------------------------------------------------------------------------- 16: answers longer than the window
+
+
+def test_16_piqa_answers_longer_than_the_window_are_counted_and_skipped():
+    """With block_size 128, 10 of PIQA's 1,838 validation examples have an answer longer than the window
+    (index 142: 138 and 140 tokens); they are skipped and counted, never scored on a cut answer."""
+    import hellaswag_eval
+    examples = hellaswag_eval.load_tasks(["piqa"], 128)["piqa"]
+    assert len(examples) == 1838 and sum(not ex.fits for ex in examples) == 10 and not examples[142].fits
+    assert all(ex.fits for ex in hellaswag_eval.load_tasks(["piqa"], 1024)["piqa"])

@@ -235,7 +235,7 @@ def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
                             cwd=ROOT, capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [line.get("task") for line in lines] == ["copa", "arc_easy", None]
-    assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "skipped"} and lines[0]["n"] == 5
+    assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "loss", "skipped"} and lines[0]["n"] == 5
     assert set(lines[2]) == {"average", "average_centered"}
     typo = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"],
                           cwd=ROOT, capture_output=True, text=True)

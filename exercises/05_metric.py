@@ -1,0 +1,34 @@
+"""Exercise 5: a new metric through record_metric.
+
+Goal: log the update-to-weight ratio of every step, ||W_after - W_before|| / ||W_before|| over all
+the parameters: how far one optimizer step moves the weights, relative to their size (around 1e-3 is
+a common rule of thumb; much larger means a learning rate too high). It must reach metrics.jsonl like
+train/loss does: recorded on the device, without a host-device sync, with a reduction that stays
+right on any number of ranks.
+In the project: metrics.py, `MetricRecorder.record_metric` (read its docstring for `reduce`) and
+`record_all`; train.py's loop calls `recorder.record_all(step_metrics)` after every `train_step`.
+Check: python exercises/check.py 5
+(a short real training run, in this process, that calls your function after every step; then
+metrics.jsonl must hold your metric at every step with the right value)
+"""
+
+import torch
+
+
+def record_update_ratio(recorder, model, weights_before):
+    """Record the step's update-to-weight ratio as the metric "optim/update_ratio" with
+    `recorder.record_metric`. `weights_before` is {name: tensor} of `model.named_parameters()` copied
+    before the optimizer step; `model` holds the weights after it.
+
+    Hint: the norm of all the parameters together is the norm of the per-tensor norms
+    (torch.linalg.vector_norm of a stacked list). Record the tensor itself: calling .item() or float()
+    on it would make the host wait for the device every step. Every rank holds the same weights, so
+    pick the reduce type that logs that same value on any number of ranks.
+    """
+    changes, sizes = [], []
+    for name, weight in model.named_parameters():
+        before = weights_before[name]
+        changes.append((weight.detach() - before).norm())
+        sizes.append(before.norm())
+    ratio = torch.linalg.vector_norm(torch.stack(changes)) / torch.linalg.vector_norm(torch.stack(sizes))
+    recorder.record_metric("optim/update_ratio", ratio, reduce="mean")

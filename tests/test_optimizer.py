@@ -1,0 +1,117 @@
+"""optimizer.py: AdamW, or Muon for the blocks' matrices beside AdamW for the rest; in the loop, in
+checkpoints, under DDP, in the dry run and in the metrics."""
+
+import pytest
+import torch
+
+from config import ConfigError, OptimConfig, parse_args
+from conftest import TINY, read_metrics, run_train
+from model import GPT, GPTConfig
+from optimizer import MuonAdamW, build_optimizer, lr_metrics, param_groups, set_lr
+
+
+def tiny():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+
+def test_muon_owns_the_block_matrices_and_adamw_the_rest():
+    net = tiny()
+    groups = param_groups(net, OptimConfig(name="muon"))
+    blocks = [p for block in net.transformer.h for p in block.parameters() if p.dim() == 2]
+    assert {id(p) for p in groups["muon"]} == {id(p) for p in blocks}  # c_attn, c_proj, c_fc, mlp.c_proj per block
+    decayed = {id(p) for p in groups["decay"]}
+    assert id(net.transformer.wte.weight) in decayed and id(net.transformer.wpe.weight) in decayed
+    assert all(p.dim() == 1 for p in groups["no_decay"])  # biases and LayerNorm gains
+    assert sum(len(g) for g in groups.values()) == len(list(net.parameters()))  # every parameter once
+    assert "muon" not in param_groups(net, OptimConfig(name="adamw"))
+
+
+def test_each_group_follows_the_schedule_from_its_own_peak():
+    net = tiny()
+    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1e-3, muon_lr=0.02), "cpu")
+    assert isinstance(optimizer, MuonAdamW) and isinstance(optimizer.optimizers["muon"], torch.optim.Muon)
+    set_lr(optimizer, 5e-4, peak_lr=1e-3)  # the schedule at half its peak
+    assert lr_metrics(optimizer) == {"optim/lr/muon": 0.01, "optim/lr/adamw": 5e-4, "optim/lr/adamw_no_decay": 5e-4}
+    same = build_optimizer(net, OptimConfig(name="muon", lr=1e-3), "cpu")  # muon_lr 0: optim.lr (RMS-matched)
+    assert same.optimizers["muon"].param_groups[0]["lr"] == 1e-3
+
+
+def test_a_muon_step_orthogonalizes_the_matrices_update():
+    """Muon's update of a matrix has all its singular values near one size (Newton-Schulz), unlike the gradient's."""
+    net = tiny()
+    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1.0, muon_weight_decay=0.0), "cpu")
+    x = torch.randint(0, 100, (4, 16))
+    net(x, x)[1].backward()
+    weight = net.transformer.h[0].mlp.c_fc.weight
+    before, gradient = weight.detach().clone(), weight.grad.clone()
+    optimizer.step()
+    update = torch.linalg.svdvals((before - weight.detach()).float())
+    gradient = torch.linalg.svdvals(gradient)
+
+    def spread(values):  # the ratio of the 90th to the 10th percentile of the singular values
+        return (values.quantile(0.9) / values.quantile(0.1)).item()
+    assert spread(update) < 2 < 10 < spread(gradient)
+
+
+def test_two_gloo_ranks_match_one_rank_with_accumulation_under_muon(data_root, tmp_path):
+    """DDP all-reduces the gradients before the step, so each rank's Muon update of a whole matrix is the same."""
+    common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=4", "--eval.interval=0",
+                     "--train.total_batch_size=256", "--optim.name=muon"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'one'}"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'two'}"], nproc=2)
+    one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for a, b in zip(one, two):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
+    assert one[-1]["train/loss"] < one[0]["train/loss"]
+
+
+def test_muon_resumes_exactly_and_logs_each_groups_lr(data_root, tmp_path):
+    common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=8", "--eval.interval=0", "--optim.name=muon",
+                     "--checkpoint.interval=4", "--model.dropout=0.1"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'full'}"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'split'}", "--train.hard_stop=4"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'split'}"])
+    full, split = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "split")
+    assert [r["train/loss"] for r in split] == [r["train/loss"] for r in full]  # both optimizers' states came back
+    assert {"optim/lr/muon", "optim/lr/adamw", "optim/lr/adamw_no_decay"} <= set(full[-1])
+
+
+def test_resuming_with_the_other_optimizer_is_refused_before_anything_is_loaded(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=2"])
+    before = sorted(p.name for p in out.iterdir())
+    refused = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=4",
+                                "--optim.name=muon"], check=False)
+    assert refused.returncode == 1 and "optim.name='adamw' and this run has optim.name='muon'" in refused.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+    fine_tune = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'new'}",
+                                  f"--checkpoint.load_path={out}", "--train.max_steps=4", "--optim.name=muon"],
+                          check=False)
+    assert fine_tune.returncode == 1 and "set --checkpoint.load_optim=false" in fine_tune.stderr
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'new'}", f"--checkpoint.load_path={out}",
+                      "--train.max_steps=4", "--optim.name=muon", "--checkpoint.load_optim=false"])
+
+
+def test_compare_state_names_both_optimizers_moments(data_root, tmp_path):
+    import debug
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=2",
+                      "--optim.name=muon"])
+    _, state = debug.named_state(str(tmp_path))
+    assert "optim/transformer.h.0.attn.c_attn.weight/momentum_buffer" in state  # Muon's
+    assert "optim/transformer.wte.weight/exp_avg" in state  # AdamW's
+
+
+def test_the_dry_run_says_which_optimizer_owns_what(data_root, tmp_path):
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--optim.name=muon",
+                               "--dry_run"])
+    lines = [line for line in result.stdout.splitlines() if line.startswith("optimizer: ")]
+    assert lines[0].startswith("optimizer: Muon: 24,576 parameters in 8 block matrices")
+    assert lines[1].startswith("optimizer: AdamW: ")
+
+
+def test_muon_settings_are_checked():
+    with pytest.raises(ConfigError, match="optim.name='lion' is not one of adamw, muon"):
+        parse_args(["--optim.name=lion"])
+    with pytest.raises(ConfigError, match="optim.muon_momentum must be in"):
+        parse_args(["--optim.muon_momentum=1.5"])
