@@ -9,6 +9,7 @@ Parts, in order (each prints its own lines; the output ends with the summary tab
   ours        train.py config/gpt2.py (GPT-2 124M, 64 x 1,024 tokens per micro-step, 524,288 per step, bf16)
               on the Shakespeare tokens, eager and compiled, for each loss path: compile time, median
               tokens/s after warm-up, MFU, peak memory
+  muon        the compiled run again with optim.name=muon, and its tokens/s against AdamW's
   nanogpt     build-nanogpt's train_gpt2.py at the same settings, eager and compiled (a temporary copy with
               its evaluation, HellaSwag and sampling switched off and its step count lowered; nothing else)
   hellaswag   HellaSwag examples/s of the scorer at batch 64 against the plain loop (bench_eval.py)
@@ -38,7 +39,7 @@ import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(ROOT, ".bench")  # what --prepare writes; git ignores it
-PARTS = ("tests", "ours", "nanogpt", "hellaswag", "checkpoint", "loss")
+PARTS = ("tests", "ours", "muon", "nanogpt", "hellaswag", "checkpoint", "loss")
 TIKTOKEN_URLS = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
                  "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
 table = []  # (what, figure) rows of the summary
@@ -300,6 +301,12 @@ def main():
         for path in args.loss_paths.split(","):
             results[f"ours compiled {path}"] = ours(args.steps, args.warmup, "true", path)[0]
         results["ours eager"] = ours(args.eager_steps, args.warmup, "false", "auto")[0]
+    if "muon" in parts:  # the same run with optim.name=muon (its LR is AdamW's: RMS-matched updates)
+        results["muon compiled"] = ours(args.steps, args.warmup, "true", "auto", ("--optim.name=muon",),
+                                        label="ours, compiled, loss auto, Muon")[0]
+        adamw = results.get("ours compiled auto") or ours(args.steps, args.warmup, "true", "auto")[0]
+        if results["muon compiled"] and adamw:
+            report("Muon / AdamW tokens/s, compiled", f"{results['muon compiled'] / adamw:.2f}x")
     if "nanogpt" in parts:
         results["nanogpt compiled"] = nanogpt(args.steps, args.warmup, True, anchor)
         results["nanogpt eager"] = nanogpt(args.eager_steps, args.warmup, False, anchor)

@@ -8,6 +8,9 @@ to the small ones and check what it predicts for the largest (OLMo-core's ModelL
     python ladder.py checkpoints config/ladder_shakespeare.py [--json]                  # planned vs saved
     python ladder.py metrics     config/ladder_shakespeare.py [--csv=PATH]              # sizes x checkpoints
     python ladder.py fit         config/ladder_shakespeare.py                           # L(N, D), held-out check
+    python ladder.py compare     config/ladder_shakespeare.py config/ladder_shakespeare_muon.py  # A against B
+
+fit and compare live in ladder_fit.py.
 
 A ladder config file sets the `ladder` section and any training field every run shares (data, block
 size, evaluation, logging), with the same syntax and `--section.field=value` overrides as train.py.
@@ -20,7 +23,6 @@ and it resumes, lists (`checkpoint.py list`) and plots (`metrics.py plot`) like 
 import argparse
 import copy
 import json
-import math
 import os
 import signal
 import statistics
@@ -31,14 +33,20 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-import tasks
-from checkpoint import is_complete_checkpoint
-from run_dir import changed_fields
-from config import Config, ConfigError, UserError, config_to_dict, get, parse_args, run_command, sections, validate
-import scaling_law
-from configurator.model import (PARAMS, configure_minimal_device_mesh_spec, configure_rank_microbatch_size,
-                                model_config, param_counts, shape_of)
-from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens
+# Before numpy loads (torch loads it): the fit (ladder_fit.py) makes thousands of tiny numpy/scipy
+# calls, which OpenBLAS threads slow down tenfold on a busy machine (measured on 2 busy cores: 56 s a
+# fit, 6 s with one thread).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import tasks  # noqa: E402 - after the line above
+from checkpoint import is_complete_checkpoint  # noqa: E402
+from config import (Config, ConfigError, UserError, config_to_dict, get, parse_args, run_command,  # noqa: E402
+                    sections, validate)
+from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
+                                configure_rank_microbatch_size, model_config, param_counts, shape_of)
+from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
+import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
+from run_dir import changed_fields  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -173,19 +181,6 @@ def run_config(cfg, plan):
     return run
 
 
-def checkpoint_rows(cfg, plan):
-    """[{name, step, tokens, path, exists, metrics}] of the planned checkpoints, in step order."""
-    rows = []
-    for name, step in plan.run.checkpoints:
-        folder = os.path.join(cfg.ladder.dir, plan.size)
-        metrics_path = os.path.join(folder, f"metrics_step{step}.json")
-        rows.append({"name": name, "step": step, "tokens": step * plan.batch.batch_tokens,
-                     "path": os.path.join(folder, f"step{step}"),
-                     "exists": is_complete_checkpoint(os.path.join(folder, f"step{step}")),
-                     "metrics": metrics_path if os.path.exists(metrics_path) else None})
-    return rows
-
-
 # ----------------------------------------------------------------------------- commands
 
 
@@ -264,6 +259,15 @@ def refuse_different(cfg, plan, detail):
     raise UserError(f"size {plan.size} in {os.path.join(cfg.ladder.dir, plan.size)} was trained under other "
                     f"settings ({detail}); use another ladder.dir for these settings, or move that folder away to "
                     f"train the size anew.")
+
+
+def refuse_any_different(cfg, plans):
+    """Before a fit: every size's saved config must be its plan's (a size trained under other settings
+    would put a point of another law into this one)."""
+    for plan in plans:
+        status, detail = size_status(cfg, plan)
+        if status == "different":
+            refuse_different(cfg, plan, detail)
 
 
 def run(cfg, plan):
@@ -368,22 +372,9 @@ def benchmark(cfg, plan):
           f"peak memory {peak:.2f} GB; profiler trace in {os.path.join(bench.train.out_dir, 'profiler')}")
 
 
-def read_metrics_file(path):
-    """A metrics_step<N>.json a run wrote; a damaged one is one sentence naming it."""
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-        if not isinstance(saved, dict):
-            raise ValueError("not a JSON object")
-        return saved
-    except (OSError, ValueError) as error:
-        raise UserError(f"{path} cannot be read ({error}); evaluate that checkpoint again (e.g. `python "
-                        f"hellaswag_eval.py`) or remove the file and its size's run folder to retrain it.") from None
-
-
 def show_checkpoints(cfg, plans, as_json):
     for p in plans:
-        for c in checkpoint_rows(cfg, p):
+        for c in ladder_fit.checkpoint_rows(cfg, p):
             if as_json:
                 print(json.dumps({"size": p.size, **c}))
             else:
@@ -396,9 +387,9 @@ def metrics_table(cfg, plans):
     """[{size, checkpoint, step, tokens, non_embedding_params, <every metric saved at that step>}]."""
     table = []
     for p in plans:
-        for c in checkpoint_rows(cfg, p):
+        for c in ladder_fit.checkpoint_rows(cfg, p):
             if c["metrics"]:
-                saved = read_metrics_file(c["metrics"])
+                saved = ladder_fit.read_metrics_file(c["metrics"])
                 saved.pop("step", None)
                 table.append({"size": p.size, "checkpoint": c["name"], "step": c["step"], "tokens": c["tokens"],
                               "non_embedding_params": p.non_embedding_params, **saved})
@@ -432,237 +423,6 @@ def show_metrics(cfg, plans, csv_path):
         print(f"all {len(columns)} columns written to {csv_path}")
 
 
-# ----------------------------------------------------------------------------- the scaling-law fit
-
-
-def size_points(cfg, plan, metric="val/loss", names=("post-decay",)):
-    """[(tokens, value, step)] of `metric` at the size's checkpoints whose name ends with one of `names`
-    (all checkpoints for names=("",)); None when a checkpoint lacks its metrics. A value that cannot be a
-    loss (NaN, Inf, 0 or less) is refused, naming the size and the step."""
-    status, detail = size_status(cfg, plan)
-    if status == "different":
-        refuse_different(cfg, plan, detail)
-    points = []
-    for c in checkpoint_rows(cfg, plan):
-        if not c["name"].endswith(names) or c["step"] == 0 and names != ("",):
-            continue
-        value = read_metrics_file(c["metrics"]).get(metric) if c["metrics"] else None
-        if value is None:
-            return None
-        points.append((c["tokens"], value, c["step"]))
-    return points
-
-
-def check_losses(size, points, metric):
-    for tokens, value, step in points:
-        if not (math.isfinite(value) and value > 0):
-            raise UserError(f"size {size} has {metric}={value} at step {step}, which no scaling law can fit; retrain "
-                            f"that size from an earlier checkpoint (checkpoint.resume_step) or drop it from ladder.sizes.")
-
-
-def finished_sizes(cfg, plans, metric="val/loss"):
-    """[(plan, [(tokens, value, step)])] of the sizes whose post-decay checkpoints all have `metric`; a
-    sentence saying what is missing when fewer than three do (two to fit, the largest to check)."""
-    finished, missing = [], []
-    for p in plans:
-        points = size_points(cfg, p, metric)
-        if points is None:
-            missing.append(f"{p.size} (no {metric} at some post-decay checkpoint)")
-            continue
-        check_losses(p.size, points, metric)
-        finished.append((p, points))
-    if len(finished) < 3:
-        raise UserError(f"the fit needs three finished sizes (two to fit, the largest to check), and "
-                        f"{len(finished)} are finished; missing: {'; '.join(missing)}. Train them with run-all.")
-    return finished
-
-
-def fit_sizes(finished, params="non_embedding", rounds=0):
-    """The law fitted to `finished` sizes' points with N counted as `params`; with `rounds`, also its
-    bootstrap refits. A fit that did not converge is one sentence."""
-    points = [(p.params[params], d, loss) for p, pts in finished for d, loss, _ in pts]
-    law = scaling_law.fit_law(points)
-    if not law["converged"]:
-        raise UserError(f"the scaling-law fit did not converge ({law['message']}); check the losses with "
-                        f"`python ladder.py metrics`, or add sizes.")
-    return law, (scaling_law.bootstrap(points, law, rounds) if rounds else [])
-
-
-def fit(cfg, plans, params="non_embedding", task=None, rounds=200):
-    finished = finished_sizes(cfg, plans)
-    held_out, fitted = finished[-1], finished[:-1]
-    law, refits = fit_sizes(fitted, params, rounds)
-    n_held = held_out[0].params[params]
-    bands = {name: scaling_law.interval([r[name] for r in refits]) for name in ("E", "A", "alpha", "B", "beta")}
-    ratio = scaling_law.optimal_tokens_per_param(law, n_held)
-    ratio_band = scaling_law.interval([scaling_law.optimal_tokens_per_param(r, n_held) for r in refits])
-    holdout = []
-    for d, loss, step in held_out[1]:
-        predicted = scaling_law.predict(law, n_held, d)
-        holdout.append({"size": held_out[0].size, "step": step, "tokens": d, "predicted": predicted,
-                        "interval": scaling_law.interval([scaling_law.predict(r, n_held, d) for r in refits]),
-                        "measured": loss, "relative_error": (predicted - loss) / loss})
-    choices = {}  # the held-out error with each way of counting N (README: which predicts best)
-    for choice in PARAMS:
-        other = law if choice == params else fit_sizes(fitted, choice)[0]
-        choices[choice] = max(abs(scaling_law.predict(other, held_out[0].params[choice], d) - loss) / loss
-                              for d, loss, _ in held_out[1])
-    result = {"params": {k: law[k] for k in ("E", "A", "alpha", "B", "beta")}, "intervals": bands,
-              "n_counts": params, "bootstrap_rounds": len(refits), "holdout": holdout,
-              "fitted_sizes": [p.size for p, _ in fitted], "optimal_tokens_per_param": ratio,
-              "optimal_tokens_per_param_interval": ratio_band, "max_holdout_error_by_params": choices,
-              "points": [{"size": p.size, "N": p.params[params], "tokens": d, "loss": loss, "step": step}
-                         for p, pts in finished for d, loss, step in pts]}
-    tasks_fitted = [task] if task else cfg.ladder.fit_tasks
-    result["tasks"] = {name: fit_task(cfg, finished, name, params) for name in tasks_fitted}
-    os.makedirs(cfg.ladder.dir, exist_ok=True)
-    with open(os.path.join(cfg.ladder.dir, "fit.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    png = scaling_law.plot_fit(finished, law, refits, params, os.path.join(cfg.ladder.dir, "fit.png"))
-    print(describe_fit(result, held_out[0], n_held))
-    for name, task_fit in result["tasks"].items():
-        print(describe_task(name, task_fit))
-    print(f"wrote {os.path.join(cfg.ladder.dir, 'fit.json')} and {png}")
-
-
-def describe_fit(result, held_out, n_held):
-    p, bands = result["params"], result["intervals"]
-
-    def with_band(name, fmt):
-        low, high = bands[name]
-        return f"{name} = {format(p[name], fmt)} [{format(low, fmt)}, {format(high, fmt)}]"
-
-    lines = [f"fit on {', '.join(result['fitted_sizes'])} ({len(result['points']) - len(result['holdout'])} post-decay "
-             f"points), N = {result['n_counts']} parameters; [90% intervals from {result['bootstrap_rounds']} "
-             f"bootstrap refits]",
-             f"  L(N, D) = {p['E']:.3f} + {p['A']:.4g} / N^{p['alpha']:.3f} + {p['B']:.4g} / D^{p['beta']:.3f}",
-             "  " + ", ".join(with_band(name, fmt) for name, fmt in (("E", ".3f"), ("alpha", ".3f"), ("beta", ".3f"))),
-             f"  compute-optimal tokens per parameter at N = {n_held:,}: {result['optimal_tokens_per_param']:.3g} "
-             f"[{result['optimal_tokens_per_param_interval'][0]:.3g}, "
-             f"{result['optimal_tokens_per_param_interval'][1]:.3g}]",
-             f"held out, size {held_out.size}:"]
-    for h in result["holdout"]:
-        lines.append(f"  {h['tokens']:>12,} tokens: predicted {h['predicted']:.4f} [{h['interval'][0]:.4f}, "
-                     f"{h['interval'][1]:.4f}], measured {h['measured']:.4f}, relative error "
-                     f"{100 * h['relative_error']:+.2f}%")
-    lines.append("largest held-out error by what N counts: " + ", ".join(
-        f"{choice} {100 * error:.2f}%" for choice, error in result["max_holdout_error_by_params"].items()))
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- downstream tasks: two steps
-
-
-def fit_task(cfg, finished, task, params):
-    """OLMo's two-step prediction of a task's accuracy at the held-out size: step one, the law fitted to
-    the task loss (eval/<task>/loss: the correct answer's loss per character) of the fitted sizes'
-    post-decay checkpoints; step two, a sigmoid from task loss to accuracy fitted on every evaluated
-    checkpoint of those sizes; chained at the held-out size's post-decay checkpoints."""
-    metric, accuracy = f"eval/{task}/loss", f"eval/{task}/{tasks.TASKS[task].primary}"
-    held_out, fitted = finished[-1], finished[:-1]
-    loss_points = []
-    for p, _ in finished:
-        points = size_points(cfg, p, metric)
-        if points is None:
-            raise UserError(f"size {p.size} has no {metric} at its post-decay checkpoints; evaluate the task there "
-                            f"(eval.tasks in the ladder file) and train again, or drop --task.")
-        check_losses(p.size, points, metric)
-        loss_points.append(points)
-    pairs = [(values[metric], values[accuracy]) for p, _ in fitted for c in checkpoint_rows(cfg, p) if c["metrics"]
-             for values in [read_metrics_file(c["metrics"])] if metric in values and accuracy in values]
-    step1 = scaling_law.fit_law([(p.params[params], d, loss) for (p, _), pts in zip(fitted, loss_points[:-1])
-                                 for d, loss, _ in pts])
-    accuracies = [a for _, a in pairs]
-    flat = max(accuracies) - min(accuracies) < 0.02
-    step2 = None if flat else scaling_law.fit_sigmoid(*zip(*pairs))
-    n_held = held_out[0].params[params]
-    predictions = []
-    for (d, measured_loss, step), c in zip(loss_points[-1], [c for c in checkpoint_rows(cfg, held_out[0])
-                                                             if c["name"].endswith("post-decay")]):
-        predicted_loss = scaling_law.predict(step1, n_held, d)
-        measured_accuracy = read_metrics_file(c["metrics"]).get(accuracy)
-        predictions.append({"tokens": d, "step": step, "predicted_loss": predicted_loss, "measured_loss": measured_loss,
-                            "predicted_accuracy": scaling_law.sigmoid(step2, predicted_loss) if step2 else None,
-                            "measured_accuracy": measured_accuracy})
-    return {"accuracy_metric": accuracy, "step1": {k: step1[k] for k in ("E", "A", "alpha", "B", "beta")},
-            "step2": step2, "accuracy_spread": max(accuracies) - min(accuracies), "held_out": predictions}
-
-
-def describe_task(task, result):
-    lines = [f"task {task} ({result['accuracy_metric']}), two steps:"]
-    if result["step2"] is None:
-        lines.append(f"  its accuracy moves by {result['accuracy_spread']:.3f} across every checkpoint (chance level at "
-                     f"these sizes): there is no sigmoid to fit, so only the task loss is predicted")
-    for h in result["held_out"]:
-        line = (f"  {h['tokens']:>12,} tokens: task loss predicted {h['predicted_loss']:.4f}, measured "
-                f"{h['measured_loss']:.4f}")
-        if h["predicted_accuracy"] is not None:
-            line += f"; accuracy predicted {h['predicted_accuracy']:.4f}, measured {h['measured_accuracy']:.4f}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-# ----------------------------------------------------------------------------- two ladders compared
-
-
-def compare(config_a, config_b, overrides, params="non_embedding", rounds=200):
-    """`ladder.py compare A B`: how many times the compute (6ND, at the same N) ladder A needs to reach the
-    loss ladder B reaches, at each size, predicted at the largest size from the smaller ones (with a
-    bootstrap interval), and extrapolated to a size 4x the largest. Above 1, B's recipe is better."""
-    ladders = []
-    for path in (config_a, config_b):
-        cfg = read_config(path, overrides)
-        finished = finished_sizes(cfg, plan_sizes(cfg))
-        ladders.append((cfg, finished, fit_sizes(finished, params)[0], fit_sizes(finished[:-1], params, rounds)))
-    (cfg_a, sizes_a, all_a, (small_a, refits_a)), (cfg_b, sizes_b, all_b, (small_b, refits_b)) = ladders
-    common = [size for size in (p.size for p, _ in sizes_b) if size in {p.size for p, _ in sizes_a}]
-    if len(common) < 3:
-        raise UserError(f"{config_a} and {config_b} share {len(common)} finished sizes; compare needs three or more "
-                        f"(the same ladder.sizes, trained with run-all).")
-    by_size_a, by_size_b = ({p.size: (p, pts) for p, pts in sizes} for sizes in (sizes_a, sizes_b))
-    rows = []
-    for size in common:
-        (plan, points_b), (_, points_a) = by_size_b[size], by_size_a[size]
-        n, (d, loss_b, _) = plan.params[params], points_b[-1]
-        rows.append({"size": size, "N": n, "tokens": d, "loss_b": loss_b,
-                     "measured": measured_multiplier(points_a, loss_b, all_a, n, d),
-                     "through_laws": scaling_law.compute_multiplier(all_a, all_b, n, d)})
-    held = rows[-1]
-    pairs = list(zip(refits_a, refits_b))
-    predicted = scaling_law.compute_multiplier(small_a, small_b, held["N"], held["tokens"])
-    band = scaling_law.interval([scaling_law.compute_multiplier(a, b, held["N"], held["tokens"]) for a, b in pairs])
-    far = 4 * held["N"]
-    extrapolated = scaling_law.compute_multiplier(all_a, all_b, far, held["tokens"])
-    result = {"a": config_a, "b": config_b, "params": params, "sizes": rows,
-              "held_out": {"size": held["size"], "predicted": predicted, "interval": band, "measured": held["measured"],
-                           # 1% of slack: the measured multiplier interpolates between A's checkpoints
-                           "held": 0.99 * band[0] <= held["measured"] <= 1.01 * band[1]},
-              "extrapolated": {"N": far, "tokens": held["tokens"], "multiplier": extrapolated}}
-    print(f"compute multiplier: the compute A ({config_a}) needs to reach B's ({config_b}) loss, at the same N "
-          f"(above 1: B is better)")
-    for r in rows:
-        print(f"  {r['size']:<8} N {r['N']:>11,}  {r['tokens']:>12,} tokens  B's loss {r['loss_b']:.4f}  measured "
-              f"{r['measured']:.3f}x  through the laws {r['through_laws']:.3f}x")
-    h = result["held_out"]
-    print(f"  predicted at {h['size']} from the smaller sizes: {h['predicted']:.3f}x [{h['interval'][0]:.3f}, "
-          f"{h['interval'][1]:.3f}]; measured {h['measured']:.3f}x: the prediction "
-          f"{'held' if h['held'] else 'did not hold'}")
-    print(f"  extrapolated to N = {far:,} at {held['tokens']:,} tokens: {extrapolated:.3f}x")
-    out = os.path.join(cfg_b.ladder.dir, f"compare_{cfg_a.ladder.name}.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"wrote {out}")
-
-
-def measured_multiplier(points_a, loss_b, law_a, n, d):
-    """D_A / d, D_A where A's own measured post-decay losses at this size reach `loss_b`: interpolated
-    between them in log D, or from A's law beyond them."""
-    for (d0, l0, _), (d1, l1, _) in zip(points_a, points_a[1:]):
-        if l1 <= loss_b <= l0 and l0 != l1:
-            return math.exp(math.log(d0) + (math.log(d1) - math.log(d0)) * (l0 - loss_b) / (l0 - l1)) / d
-    return scaling_law.tokens_to_reach(law_a, n, loss_b) / d
-
-
 # ----------------------------------------------------------------------------- the command line
 
 COMMANDS = ("dry-run", "run", "run-all", "benchmark", "checkpoints", "metrics", "fit", "compare")
@@ -689,7 +449,10 @@ def main(argv):
     if args.rounds < 0:
         raise UserError(f"--rounds={args.rounds} must be 0 or more; give the number of bootstrap refits.")
     if args.command == "compare":
-        return compare(*args.config, overrides, args.params, args.rounds)
+        ladders = [(path, cfg, plan_sizes(cfg)) for path in args.config for cfg in [read_config(path, overrides)]]
+        for _, cfg, plans in ladders:
+            refuse_any_different(cfg, plans)
+        return ladder_fit.compare(*ladders, args.params, args.rounds)
     cfg = read_config(args.config[0], overrides)
     if args.task:
         tasks.check_names([args.task], "--task")
@@ -712,7 +475,8 @@ def main(argv):
     elif args.command == "metrics":
         show_metrics(cfg, plans, args.csv)
     else:
-        fit(cfg, plans, args.params, args.task, args.rounds)
+        refuse_any_different(cfg, plans)
+        ladder_fit.fit(cfg, plans, args.params, args.task, args.rounds)
 
 
 if __name__ == "__main__":

@@ -30,33 +30,49 @@ def fit_law(points, delta=1e-3, starts=None):
     """{E, A, alpha, B, beta, converged} fitted to [(N, D, loss)]. `starts` (log-space parameter vectors
     [a, b, e, alpha, beta]) replace the grid: a bootstrap starts from the fit it perturbs."""
     from scipy.optimize import minimize
-    from scipy.special import logsumexp, softmax
 
     log_n, log_d, log_l = (np.log(np.array(column, dtype=float)) for column in zip(*points))
 
-    def objective(p):
-        terms = law_terms(p, log_n, log_d)
-        residual = logsumexp(terms, axis=0) - log_l
+    def huber(residual):
         small = np.abs(residual) <= delta
-        loss = np.where(small, 0.5 * residual**2, delta * (np.abs(residual) - 0.5 * delta)).sum()
+        return np.where(small, 0.5 * residual**2, delta * (np.abs(residual) - 0.5 * delta)), small
+
+    def objective(p):
+        terms = law_terms(p, log_n, log_d)  # log of each of the three terms, per point
+        top = terms.max(axis=0)
+        exp = np.exp(terms - top)
+        total = exp.sum(axis=0)
+        residual = top + np.log(total) - log_l  # log(sum of the terms) - log L, computed stably
+        loss, small = huber(residual)
         slope = np.where(small, residual, delta * np.sign(residual))
-        weights = softmax(terms, axis=0) * slope  # d loss / d term
+        weights = exp / total * slope  # d loss / d term (the softmax of the terms, times the Huber slope)
         grad = [weights[0].sum(), weights[1].sum(), weights[2].sum(), -(weights[0] * log_n).sum(),
                 -(weights[1] * log_d).sum()]
-        return loss, np.array(grad)
+        return loss.sum(), np.array(grad)
 
     if starts is None:
-        # Hoffmann et al.'s grid of 4,500 starting points; L-BFGS runs from the 50 where the objective is
-        # already lowest, with tolerances tight enough for Huber losses of 1e-10 and below (scipy's
-        # defaults stop early). A test checks that this recovers a known law.
-        grid = [np.array(start, dtype=float) for start in itertools.product(
-            range(0, 30, 5), range(0, 30, 5), (-1, -0.5, 0, 0.5, 1), (0, 0.5, 1, 1.5, 2), (0, 0.5, 1, 1.5, 2))]
-        starts = sorted(grid, key=lambda p: objective(p)[0])[:50]
+        # Hoffmann et al.'s grid of 4,500 starting points, scored at once; L-BFGS runs from the 50 where the
+        # objective is already lowest, finishing with tolerances tight enough for Huber losses of 1e-10
+        # and below (scipy's defaults stop early). A test checks that this recovers a known law.
+        grid = np.array(list(itertools.product(range(0, 30, 5), range(0, 30, 5), (-1, -0.5, 0, 0.5, 1),
+                                               (0, 0.5, 1, 1.5, 2), (0, 0.5, 1, 1.5, 2))), dtype=float)
+        a, b, e, alpha, beta = (grid[:, [k]] for k in range(5))  # each (4500, 1) against the points
+        terms = np.stack([a - alpha * log_n, b - beta * log_d, np.broadcast_to(e, (len(grid), len(log_n)))])
+        top = terms.max(axis=0)
+        scores = huber(top + np.log(np.exp(terms - top).sum(axis=0)) - log_l)[0].sum(axis=1)
+        starts = grid[np.argsort(scores)[:50]]
     # alpha, beta in [0, 10]: loss never rises with more parameters or more data, and no measured exponent
     # is near 10 (Hoffmann et al.: 0.34, 0.28); the cap keeps a degenerate fit (N that barely varies) finite.
     bounds = [(None, 300)] * 2 + [(None, None)] + [(0, 10)] * 2
-    best = min((minimize(objective, start, jac=True, method="L-BFGS-B", bounds=bounds,
-                         options={"ftol": 1e-15, "gtol": 1e-12}) for start in starts), key=lambda r: r.fun)
+
+    def descend(start, tight):
+        options = {"ftol": 1e-15, "gtol": 1e-12} if tight else {}
+        return minimize(objective, start, jac=True, method="L-BFGS-B", bounds=bounds, options=options)
+
+    # Every start with scipy's default tolerances, then the 3 best again with tight ones: the same
+    # optimum as tight tolerances from every start, in a third of the time (measured on 2 CPU cores).
+    rough = sorted((descend(start, tight=False) for start in starts), key=lambda r: r.fun)[:3]
+    best = min((descend(r.x, tight=True) for r in rough), key=lambda r: r.fun)
     a, b, e, alpha, beta = (float(v) for v in best.x)
     return {"E": math.exp(e), "A": math.exp(a), "alpha": alpha, "B": math.exp(b), "beta": beta,
             "converged": bool(best.success), "message": str(best.message)}
@@ -152,10 +168,14 @@ def tokens_to_reach(params, n, loss):
     return (params["B"] / gap) ** (1 / params["beta"])
 
 
-def compute_multiplier(law_a, law_b, n, d):
-    """How many times the compute (6ND at the same N) A needs to reach the loss B has at (N, D):
-    above 1, B is the better recipe by that factor; inf when A never gets there at this size."""
-    return tokens_to_reach(law_a, n, predict(law_b, n, d)) / d
+def compute_multiplier(law_a, law_b, n, d, at="b"):
+    """How many times the compute (6ND at the same N) A needs to reach the loss that B has at (N, D)
+    (`at="b"`): above 1, B is the better recipe by that factor; inf when A never gets there at this size.
+    `at="a"` asks the same question at A's loss at (N, D): D over the tokens B needs to reach it (0 when
+    B never does). The two differ when the multiplier changes with the loss."""
+    if at == "b":
+        return tokens_to_reach(law_a, n, predict(law_b, n, d)) / d
+    return d / tokens_to_reach(law_b, n, predict(law_a, n, d))
 
 
 # ----------------------------------------------------------------------------- the picture

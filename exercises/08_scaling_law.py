@@ -5,7 +5,7 @@ model ladder fits to a few small runs (N parameters, D training tokens) to predi
 loss it predicts, the data a model of N parameters needs to reach a given loss, and the
 compute-optimal number of tokens per parameter (Chinchilla's "20").
 In the project: scaling_law.py, `fit_law`, `predict`, `tokens_to_reach`, `optimal_tokens_per_param`;
-ladder.py, `fit` (which fits the small sizes and checks the prediction for the largest).
+ladder.py, `fit` (ladder_fit.py: it fits the small sizes and checks the prediction for the largest).
 Check: python exercises/check.py 8
 (your three functions against the project's on random laws, then on the law fitted to a synthetic
 3-size ladder whose true law is known)

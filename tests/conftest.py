@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 
+# Before numpy loads: the scaling-law fits make thousands of tiny numpy/scipy calls, which OpenBLAS's
+# threads slow down several times over on a 2-core machine (ladder.py sets the same for its fits).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -53,13 +57,16 @@ def run_train(args, nproc=1, timeout=600, check=True, env=None, in_process=None)
     return result
 
 
-def run_in_process(args):
-    """train.main(args) here, with what `python train.py` would print and its exit status; the global
-    settings a run may change (threads, deterministic mode, working directory) are put back after."""
+def run_in_process(args, main=None):
+    """train.main(args) (or another entry point's `main`) here, with what `python train.py` would print
+    and its exit status; the global settings a run may change (threads, deterministic mode, working
+    directory) are put back after."""
     import torch
 
     import train
     from config import UserError
+
+    main = main or train.main
 
     out, err = io.StringIO(), io.StringIO()
     threads, deterministic, cwd = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), os.getcwd()
@@ -73,7 +80,7 @@ def run_in_process(args):
             warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
                 warnings.formatwarning(message, category, filename, lineno, line))
             try:
-                train.main(list(map(str, args)))
+                main(list(map(str, args)))
             except UserError as error:
                 print(f"error: {error}", file=sys.stderr)
                 code = 1

@@ -10,6 +10,7 @@ import warnings
 import pytest
 
 from config import ConfigError
+from conftest import run_in_process, run_train
 from configurator.model import CPU_DIAL, SIZES, model_config, param_counts
 from configurator.run import beta2, peak_lr, period_multiples, plan_batch, plan_run, target_batch_tokens
 from model import GPT
@@ -107,9 +108,20 @@ def test_plan_batch_warns_past_ten_percent_and_refuses_impossible_meshes():
 # ----------------------------------------------------------------------------- ladder.py
 
 
+READ_ONLY = ("dry-run", "checkpoints", "metrics", "fit")  # commands that train nothing
+
+
 def ladder(*args, env=None, check=True, cwd=ROOT):
-    result = subprocess.run([sys.executable, os.path.join(ROOT, "ladder.py"), *args], capture_output=True, text=True,
-                            cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, timeout=600)
+    """`python ladder.py ARGS` as a user runs it: in this process for the commands that train nothing (a
+    new process's start-up would be most of their time), else in a process of its own."""
+    if args[0] in READ_ONLY and env is None and cwd == ROOT:
+        import ladder as ladder_module
+
+        result = run_in_process(args, ladder_module.main)
+    else:
+        result = subprocess.run([sys.executable, os.path.join(ROOT, "ladder.py"), *args], capture_output=True,
+                                text=True, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                                timeout=600)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result
@@ -194,8 +206,7 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
 
     # Each size is an ordinary run: its config.json is that run again, for train.py.
     size_dir = tmp_path / "ladder" / "1x32"
-    again = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), str(size_dir / "config.json")],
-                           capture_output=True, text=True, cwd=ROOT, timeout=300)
+    again = run_train([str(size_dir / "config.json")], check=False)
     assert again.returncode == 0 and "already trained" in again.stdout, again.stdout + again.stderr
     step0 = json.loads((size_dir / "metrics_step0.json").read_text())
     assert step0["val/loss"] > 10  # the untrained model: ~ln(50304) = 10.8

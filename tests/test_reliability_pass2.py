@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from config import ConfigError, parse_args
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 
 
 def args(data_root, out, *extra):
@@ -187,6 +187,11 @@ def tiny_ladder(tmp_path, data_root, duration=4096, extra=""):
 
 
 def ladder_command(*args, **kwargs):
+    """`python ladder.py ARGS`: in this process for the commands that train nothing, else in its own."""
+    if args[0] in ("dry-run", "checkpoints", "metrics", "fit") and not kwargs:
+        import ladder
+
+        return run_in_process(args, ladder.main)
     return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600, **kwargs)
 

@@ -3,14 +3,12 @@ on ladder folders written from known laws (no training: the numbers are the test
 
 import json
 import math
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 import scaling_law
-from conftest import ROOT
+from conftest import run_in_process
 
 TRUTH = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 
@@ -42,8 +40,11 @@ def test_a_law_that_needs_k_times_the_data_costs_k_times_the_compute():
     for n, d in ((1e6, 2e7), (1e8, 2e9)):
         assert math.isclose(scaling_law.compute_multiplier(slower, TRUTH, n, d), k, rel_tol=1e-9)
         assert math.isclose(scaling_law.compute_multiplier(TRUTH, slower, n, d), 1 / k, rel_tol=1e-9)
+        # Asked at A's loss instead of B's: the same k for a law that differs by a constant factor in D.
+        assert math.isclose(scaling_law.compute_multiplier(slower, TRUTH, n, d, at="a"), k, rel_tol=1e-9)
     unreachable = {**TRUTH, "E": 9.5}  # above TRUTH's loss there (9.03)
     assert scaling_law.compute_multiplier(unreachable, TRUTH, 1e6, 2e7) == math.inf
+    assert scaling_law.compute_multiplier(TRUTH, unreachable, 1e6, 2e7, at="a") == 0
 
 
 def test_two_steps_predict_a_held_out_accuracy_from_a_known_two_step_law():
@@ -63,10 +64,11 @@ def test_two_steps_predict_a_held_out_accuracy_from_a_known_two_step_law():
 # ----------------------------------------------------------------------------- ladder.py on folders written from a law
 
 
-def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False):
+def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False, task=None):
     """A ladder file and, for each size, the config.json and metrics_step<N>.json files run-all would
     leave, with val/loss from `law` (N = non-embedding parameters, D = tokens); with `finished`, also a
-    complete final checkpoint folder (its marker)."""
+    complete final checkpoint folder (its marker); with `task` = (name, task law, sigmoid), also that task's
+    loss (from the task law) and accuracy (the sigmoid of the loss) at every checkpoint."""
     import ladder
 
     path = tmp_path / f"{name}.py"
@@ -84,7 +86,12 @@ def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False):
             loss = scaling_law.predict(law, plan.non_embedding_params, tokens) if step else 10.8
             if corrupt and (plan.size, checkpoint) == corrupt[:2]:
                 loss = corrupt[2]
-            (folder / f"metrics_step{step}.json").write_text(json.dumps({"step": step, "val/loss": loss}))
+            values = {"step": step, "val/loss": loss}
+            if task:
+                name_, task_law, curve = task
+                task_loss = scaling_law.predict(task_law, plan.non_embedding_params, max(tokens, 512))
+                values.update({f"eval/{name_}/loss": task_loss, f"eval/{name_}/acc": scaling_law.sigmoid(curve, task_loss)})
+            (folder / f"metrics_step{step}.json").write_text(json.dumps(values))
         if finished:
             final = folder / f"step{plan.run.max_steps}"
             final.mkdir()
@@ -93,8 +100,11 @@ def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False):
 
 
 def ladder_command(*args):
-    return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300)
+    """`python ladder.py ARGS` as a user runs it, in this process (fit and compare train nothing; the
+    subprocess's start-up would be most of each test's time)."""
+    import ladder
+
+    return run_in_process(args, ladder.main)
 
 
 LAW = {"E": 3.0, "A": 40.0, "alpha": 0.35, "B": 300.0, "beta": 0.3}
@@ -136,9 +146,36 @@ def test_compare_reports_the_compute_multiplier_between_two_ladders(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "fast" / "compare_slow.json").read_text())
     assert [r["size"] for r in report["sizes"]] == ["1x32", "2x32", "2x64", "4x64"]
-    assert all(r["measured"] == pytest.approx(k, rel=1e-2) for r in report["sizes"])
+    # B's final loss lies beyond A's checkpoints (A would need 4x D), so the measured multiplier is taken
+    # at A's final loss, which B's checkpoints reach: from the measurements alone, never from a law.
+    assert all(r["measured"] == pytest.approx(k, rel=1e-2) and r["at"] == "a" for r in report["sizes"])
     assert report["held_out"]["predicted"] == pytest.approx(k, rel=1e-3) and report["held_out"]["held"]
     assert report["extrapolated"]["multiplier"] == pytest.approx(k, rel=1e-3)
     assert "the prediction held" in result.stdout
+    far = write_ladder(tmp_path, "far", {**LAW, "B": LAW["B"] * 10 ** LAW["beta"]})  # 10x: beyond both ladders
+    beyond = ladder_command("compare", far, fast, "--rounds=5")
+    assert beyond.returncode == 0, beyond.stderr
+    report = json.loads((tmp_path / "fast" / "compare_far.json").read_text())
+    assert all(r["measured"] is None for r in report["sizes"]) and report["held_out"]["held"] is None
+    assert "nothing measured to check" in beyond.stdout and "train longer durations" in beyond.stdout
     wrong = ladder_command("compare", slow)
     assert wrong.returncode == 1 and "compare takes two ladder files" in wrong.stderr
+
+
+def test_fit_predicts_a_tasks_accuracy_in_two_steps_and_says_when_it_sits_at_chance(tmp_path):
+    task_law = {"E": 0.5, "A": 8.0, "alpha": 0.3, "B": 40.0, "beta": 0.3}
+    curve = {"floor": 0.5, "top": 0.95, "k": 6.0, "loss_mid": 2.1}  # task losses run from 1.7 to 2.5
+    path = write_ladder(tmp_path, "a", LAW, extra='eval.tasks = ["copa"]\n', task=("copa", task_law, curve))
+    result = ladder_command("fit", path, "--task=copa", "--rounds=5")
+    assert result.returncode == 0, result.stderr
+    held = json.loads((tmp_path / "a" / "fit.json").read_text())["tasks"]["copa"]["held_out"]
+    for h in held:
+        assert h["predicted_loss"] == pytest.approx(h["measured_loss"], rel=1e-3)
+        assert h["predicted_accuracy"] == pytest.approx(h["measured_accuracy"], abs=0.01)
+    assert "task copa (eval/copa/acc), two steps:" in result.stdout
+    flat = write_ladder(tmp_path, "b", LAW, extra='eval.tasks = ["copa"]\n',
+                        task=("copa", task_law, {**curve, "top": 0.505}))  # accuracy never leaves chance
+    at_chance = ladder_command("fit", flat, "--task=copa", "--rounds=5")
+    assert at_chance.returncode == 0 and "there is no sigmoid to fit" in at_chance.stdout
+    missing = ladder_command("fit", path, "--task=piqa")
+    assert missing.returncode == 1 and "--task=piqa is not among eval.tasks" in missing.stderr

@@ -103,8 +103,11 @@ def test_batched_counts_equal_one_example_at_a_time_on_every_task():
     for name, examples in hellaswag_eval.load_tasks(list(tasks.TASKS), 64, limit=12).items():
         groups = list(dict.fromkeys(ex.group for ex in examples))
         one = sum(hellaswag_eval.count_correct(model, [ex], groups, "cpu", batch_size=1) for ex in examples)
-        assert torch.equal(hellaswag_eval.count_correct(model, examples, groups, "cpu", batch_size=16), one), name
-        assert torch.equal(hellaswag_eval.count_correct(model, examples, groups, "cpu", batch_size=5), one), name
+        for batch_size in (16, 5):
+            batched = hellaswag_eval.count_correct(model, examples, groups, "cpu", batch_size=batch_size)
+            # Counts agree exactly; the loss column is a float sum whose last bits depend on the batching.
+            assert torch.equal(batched[:, [0, 1, 2, 3, 4, 6]], one[:, [0, 1, 2, 3, 4, 6]]), name
+            assert torch.allclose(batched[:, 5], one[:, 5], rtol=1e-5), name
         assert one[:, 0].sum() == 12
 
 
