@@ -100,6 +100,17 @@ def run_in_process(args, main=None):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def run_ladder(*args):
+    """`python ladder.py ARGS` as a user runs it: in this process for the commands that train nothing (a
+    new process's start-up would be most of their time), else in a process of its own."""
+    if args[0] in ("dry-run", "checkpoints", "metrics", "fit", "compare"):
+        import ladder
+
+        return run_in_process(args, ladder.main)
+    return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+
+
 def read_metrics(out_dir):
     path = Path(out_dir) / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -10,7 +10,7 @@ import warnings
 import pytest
 
 from config import ConfigError
-from conftest import run_in_process, run_train
+from conftest import run_ladder, run_train
 from configurator.model import CPU_DIAL, SIZES, model_config, param_counts
 from configurator.run import beta2, peak_lr, period_multiples, plan_batch, plan_run, target_batch_tokens
 from model import GPT
@@ -108,20 +108,8 @@ def test_plan_batch_warns_past_ten_percent_and_refuses_impossible_meshes():
 # ----------------------------------------------------------------------------- ladder.py
 
 
-READ_ONLY = ("dry-run", "checkpoints", "metrics", "fit")  # commands that train nothing
-
-
-def ladder(*args, env=None, check=True, cwd=ROOT):
-    """`python ladder.py ARGS` as a user runs it: in this process for the commands that train nothing (a
-    new process's start-up would be most of their time), else in a process of its own."""
-    if args[0] in READ_ONLY and env is None and cwd == ROOT:
-        import ladder as ladder_module
-
-        result = run_in_process(args, ladder_module.main)
-    else:
-        result = subprocess.run([sys.executable, os.path.join(ROOT, "ladder.py"), *args], capture_output=True,
-                                text=True, cwd=cwd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                                timeout=600)
+def ladder(*args, check=True):
+    result = run_ladder(*args)
     if check:
         assert result.returncode == 0, result.stdout + result.stderr
     return result

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from config import ConfigError, parse_args
-from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
+from conftest import ROOT, TINY, read_metrics, run_ladder, run_train
 
 
 def args(data_root, out, *extra):
@@ -186,16 +186,6 @@ def tiny_ladder(tmp_path, data_root, duration=4096, extra=""):
     return str(path)
 
 
-def ladder_command(*args, **kwargs):
-    """`python ladder.py ARGS`: in this process for the commands that train nothing, else in its own."""
-    if args[0] in ("dry-run", "checkpoints", "metrics", "fit") and not kwargs:
-        import ladder
-
-        return run_in_process(args, ladder.main)
-    return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600, **kwargs)
-
-
 def test_1_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_root, tmp_path):
     import signal
     import time
@@ -219,31 +209,31 @@ def test_1_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_
 def test_3_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
     from test_scaling_law import LAW, write_ladder
     path = write_ladder(tmp_path, "a", LAW, finished=True)
-    assert "skipped" in ladder_command("run-all", path).stdout  # finished under the plan: nothing to do
-    changed = ladder_command("run-all", path, "--ladder.lr_multiplier=2")
+    assert "skipped" in run_ladder("run-all", path).stdout  # finished under the plan: nothing to do
+    changed = run_ladder("run-all", path, "--ladder.lr_multiplier=2")
     assert changed.returncode == 1 and "size 1x32 in" in changed.stderr and "optim.lr=" in changed.stderr
     assert "where the plan now says" in changed.stderr and "use another ladder.dir" in changed.stderr
 
 
 def test_7_a_size_that_stops_early_stops_run_all(data_root, tmp_path):
-    result = ladder_command("run-all", tiny_ladder(tmp_path, data_root, duration=2_000_000), "--train.time_limit=2")
+    result = run_ladder("run-all", tiny_ladder(tmp_path, data_root, duration=2_000_000), "--train.time_limit=2")
     assert result.returncode == 1 and "size 1x32 stopped before its last step" in result.stderr
     assert not (tmp_path / "ladder" / "2x32").exists()  # the next size never started
 
 
 def test_8_a_size_listed_twice_is_refused(data_root, tmp_path):
-    result = ladder_command("dry-run", tiny_ladder(tmp_path, data_root), "--ladder.sizes=1x32,2x32,2x32")
+    result = run_ladder("dry-run", tiny_ladder(tmp_path, data_root), "--ladder.sizes=1x32,2x32,2x32")
     assert result.returncode == 1 and "ladder.sizes names 2x32 more than once" in result.stderr
 
 
 def test_15_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_one_sentence(tmp_path):
     from test_scaling_law import LAW, write_ladder
     path = write_ladder(tmp_path, "a", LAW)
-    csv = ladder_command("metrics", path, "--csv=/no/such/folder/x.csv")
+    csv = run_ladder("metrics", path, "--csv=/no/such/folder/x.csv")
     assert csv.returncode == 1 and "cannot write --csv=/no/such/folder/x.csv" in csv.stderr
     (tmp_path / "a" / "2x32" / "metrics_step200.json").write_text("{cut off")
     for command in ("metrics", "fit"):
-        damaged = ladder_command(command, path)
+        damaged = run_ladder(command, path)
         assert damaged.returncode == 1 and "metrics_step200.json cannot be read" in damaged.stderr
         assert "Traceback" not in damaged.stderr
 
@@ -252,7 +242,7 @@ def test_10_17_command_line_values_that_name_nothing_are_one_sentence(data_root,
     tasks_empty = subprocess.run([sys.executable, "hellaswag_eval.py", "--init_from=gpt2", "--tasks=,"], cwd=ROOT,
                                  capture_output=True, text=True)
     assert tasks_empty.returncode == 1 and "--tasks=',' names no task" in tasks_empty.stderr
-    no_size = ladder_command("run", tiny_ladder(tmp_path, data_root), "--size")
+    no_size = run_ladder("run", tiny_ladder(tmp_path, data_root), "--size")
     assert no_size.returncode == 2 and "argument --size: expected one argument" in no_size.stderr
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import scaling_law
-from conftest import run_in_process
+from conftest import run_ladder
 
 TRUTH = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
 
@@ -99,20 +99,12 @@ def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False, ta
     return str(path)
 
 
-def ladder_command(*args):
-    """`python ladder.py ARGS` as a user runs it, in this process (fit and compare train nothing; the
-    subprocess's start-up would be most of each test's time)."""
-    import ladder
-
-    return run_in_process(args, ladder.main)
-
-
 LAW = {"E": 3.0, "A": 40.0, "alpha": 0.35, "B": 300.0, "beta": 0.3}
 
 
 def test_fit_reports_intervals_and_predicts_a_held_out_size_drawn_from_the_law(tmp_path):
     path = write_ladder(tmp_path, "a", LAW)
-    result = ladder_command("fit", path, "--rounds=20")
+    result = run_ladder("fit", path, "--rounds=20")
     assert result.returncode == 0, result.stderr
     fit = json.loads((tmp_path / "a" / "fit.json").read_text())
     assert fit["fitted_sizes"] == ["1x32", "2x32", "2x64"] and fit["n_counts"] == "non_embedding"
@@ -126,14 +118,14 @@ def test_fit_reports_intervals_and_predicts_a_held_out_size_drawn_from_the_law(t
 
 def test_fit_refuses_a_loss_that_cannot_be_fitted_naming_size_and_step(tmp_path):
     path = write_ladder(tmp_path, "a", LAW, corrupt=("2x32", "1xD-post-decay", float("nan")))
-    result = ladder_command("fit", path)
+    result = run_ladder("fit", path)
     assert result.returncode == 1 and "size 2x32 has val/loss=nan at step 200" in result.stderr
     assert not (tmp_path / "a" / "fit.json").exists()
 
 
 def test_fit_refuses_sizes_trained_under_other_settings(tmp_path):
     path = write_ladder(tmp_path, "a", LAW)
-    result = ladder_command("fit", path, "--ladder.lr_multiplier=2")
+    result = run_ladder("fit", path, "--ladder.lr_multiplier=2")
     assert result.returncode == 1 and "was trained under other settings (optim.lr=" in result.stderr
     assert not (tmp_path / "a" / "fit.json").exists()
 
@@ -142,7 +134,7 @@ def test_compare_reports_the_compute_multiplier_between_two_ladders(tmp_path):
     k = 2.0  # ladder a needs twice the data of ladder b for the same loss
     slow = write_ladder(tmp_path, "slow", {**LAW, "B": LAW["B"] * k ** LAW["beta"]})
     fast = write_ladder(tmp_path, "fast", LAW)
-    result = ladder_command("compare", slow, fast, "--rounds=20")
+    result = run_ladder("compare", slow, fast, "--rounds=20")
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / "fast" / "compare_slow.json").read_text())
     assert [r["size"] for r in report["sizes"]] == ["1x32", "2x32", "2x64", "4x64"]
@@ -153,12 +145,12 @@ def test_compare_reports_the_compute_multiplier_between_two_ladders(tmp_path):
     assert report["extrapolated"]["multiplier"] == pytest.approx(k, rel=1e-3)
     assert "the prediction held" in result.stdout
     far = write_ladder(tmp_path, "far", {**LAW, "B": LAW["B"] * 10 ** LAW["beta"]})  # 10x: beyond both ladders
-    beyond = ladder_command("compare", far, fast, "--rounds=5")
+    beyond = run_ladder("compare", far, fast, "--rounds=5")
     assert beyond.returncode == 0, beyond.stderr
     report = json.loads((tmp_path / "fast" / "compare_far.json").read_text())
     assert all(r["measured"] is None for r in report["sizes"]) and report["held_out"]["held"] is None
     assert "nothing measured to check" in beyond.stdout and "train longer durations" in beyond.stdout
-    wrong = ladder_command("compare", slow)
+    wrong = run_ladder("compare", slow)
     assert wrong.returncode == 1 and "compare takes two ladder files" in wrong.stderr
 
 
@@ -166,7 +158,7 @@ def test_fit_predicts_a_tasks_accuracy_in_two_steps_and_says_when_it_sits_at_cha
     task_law = {"E": 0.5, "A": 8.0, "alpha": 0.3, "B": 40.0, "beta": 0.3}
     curve = {"floor": 0.5, "top": 0.95, "k": 6.0, "loss_mid": 2.1}  # task losses run from 1.7 to 2.5
     path = write_ladder(tmp_path, "a", LAW, extra='eval.tasks = ["copa"]\n', task=("copa", task_law, curve))
-    result = ladder_command("fit", path, "--task=copa", "--rounds=5")
+    result = run_ladder("fit", path, "--task=copa", "--rounds=5")
     assert result.returncode == 0, result.stderr
     held = json.loads((tmp_path / "a" / "fit.json").read_text())["tasks"]["copa"]["held_out"]
     for h in held:
@@ -175,7 +167,7 @@ def test_fit_predicts_a_tasks_accuracy_in_two_steps_and_says_when_it_sits_at_cha
     assert "task copa (eval/copa/acc), two steps:" in result.stdout
     flat = write_ladder(tmp_path, "b", LAW, extra='eval.tasks = ["copa"]\n',
                         task=("copa", task_law, {**curve, "top": 0.505}))  # accuracy never leaves chance
-    at_chance = ladder_command("fit", flat, "--task=copa", "--rounds=5")
+    at_chance = run_ladder("fit", flat, "--task=copa", "--rounds=5")
     assert at_chance.returncode == 0 and "there is no sigmoid to fit" in at_chance.stdout
-    missing = ladder_command("fit", path, "--task=piqa")
+    missing = run_ladder("fit", path, "--task=piqa")
     assert missing.returncode == 1 and "--task=piqa is not among eval.tasks" in missing.stderr
