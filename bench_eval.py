@@ -22,8 +22,9 @@ from torch.nn import functional as F
 
 import hellaswag_eval
 from checkpoint import load_model
-from config import run_command
+from config import UserError, run_command
 from model import GPT, GPTConfig
+from sample import check_device
 from tokenizer import GPT2_VOCAB_SIZE
 
 
@@ -63,6 +64,18 @@ def timed(fn, *args):
     return result, time.perf_counter() - start
 
 
+def batch_sizes(text):
+    """[1, 16] from "1,16", or one sentence saying what to give."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UserError(f"--batch_sizes={text} is not a comma-separated list of whole numbers of 1 or more; give "
+                        f"e.g. --batch_sizes=1,16.")
+    return sizes
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--init_from", default="", help="a model source (default: GPT-2 124M's shape, random weights)")
@@ -73,6 +86,11 @@ def main(argv):
     parser.add_argument("--data", default="", help="a hellaswag jsonl file instead (needs no `datasets`)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
+    sizes = batch_sizes(args.batch_sizes)  # the argument mistakes, before the (slow) model
+    if args.limit < 0 or args.repeats < 1:
+        raise UserError(f"--limit must be 0 (all) or more and --repeats at least 1 (got {args.limit} and "
+                        f"{args.repeats}); give values in range.")
+    check_device(args.device)
     torch.manual_seed(0)
     model = load_model(args.init_from, args.device) if args.init_from else GPT(GPTConfig()).to(args.device)
     model.eval()
@@ -82,7 +100,6 @@ def main(argv):
     else:
         examples = hellaswag_eval.load_tasks(["hellaswag"], model.config.block_size, args.data_dir,
                                              args.limit)["hellaswag"]
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
     times = {"plain": [], **{f"ours, batch {b}": [] for b in sizes}}
     for _ in range(args.repeats):
         reference, seconds = timed(plain_loop, model, examples, args.device)

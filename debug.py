@@ -278,6 +278,8 @@ def named_state(path):
 
 def compare_state(path_a, path_b, top=20):
     """Print the tensors that differ, the most different (relative norm) first; returns how many."""
+    if top < 1:  # 0 would print an empty table, and a negative count would slice the list from its end
+        raise DebugError(f"--top={top} lists no tensor; give --top=1 or more.")
     path_a, a = named_state(path_a)
     path_b, b = named_state(path_b)
     only = sorted(set(a) ^ set(b))

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import tasks
 from checkpoint import load_model
 from config import UserError, run_command
-from sample import KVCache
+from sample import KVCache, check_device
 from tokenizer import GPT2_VOCAB_SIZE, get_tokenizer
 
 SCORE_ROWS = 2**22 // GPT2_VOCAB_SIZE  # output-layer rows per slice: 16 MB of float32 logits, as the training loss
@@ -255,6 +255,7 @@ def main(argv):
     if not names:
         raise tasks.TaskDataError(f"--tasks={args.tasks!r} names no task; give one or more of {', '.join(tasks.TASKS)}.")
     tasks.check_names(names)  # before the model loads: a typo costs nothing
+    check_device(args.device)
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
     model = load_model(args.init_from, args.device)

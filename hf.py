@@ -122,6 +122,8 @@ def check_weights_match_config(source, hf_model, info):
 
 
 def check_export_target(out_dir):
+    if not out_dir:  # "" is no folder: os.makedirs would fail only after the (slow) load
+        raise WeightsError("the output folder is an empty name; give a new folder to export into.")
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise WeightsError(f"{out_dir} is not empty (or not a folder); give a new folder to export into.")
 

@@ -10,6 +10,8 @@ greedy decoding.
 """
 
 import argparse
+import math
+import re
 import sys
 
 import torch
@@ -97,15 +99,17 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 
 def encode_prompt(prompt):
+    """The prompt's tokens; an empty prompt is <|endoftext|> alone, the token GPT-2 saw before every document."""
     return get_tokenizer().encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_TOKEN]
 
 
-def decode_until_end(tokens, prompt_length):
-    """The text of `tokens`, stopping before the first <|endoftext|> the model generated."""
+def decode_until_end(tokens, prompt, prompt_length):
+    """The text of `tokens`, stopping before the first <|endoftext|> the model generated. An empty `prompt`
+    became <|endoftext|> (encode_prompt), which the user did not type: then only the generated text."""
     new = tokens[prompt_length:]
     if EOT_TOKEN in new:
         tokens = tokens[: prompt_length + new.index(EOT_TOKEN)]
-    return get_tokenizer().decode(tokens)
+    return get_tokenizer().decode(tokens if prompt else tokens[prompt_length:])
 
 
 @torch.no_grad()
@@ -119,7 +123,7 @@ def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, to
     out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
                    stop_token=EOT_TOKEN, generator=generator)
     model.train(was_training)
-    return [decode_until_end(row, len(tokens)) for row in out.tolist()]
+    return [decode_until_end(row, prompt, len(tokens)) for row in out.tolist()]
 
 
 @torch.no_grad()
@@ -159,13 +163,31 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     return sorted(finished, key=lambda pair: -pair[1])[:beam_size]
 
 
+def check_device(device):
+    """Raise one sentence unless `device` names a device this machine has (cpu, cuda or cuda:N): checked
+    before a model loads, where torch would stop with a traceback."""
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
+        raise UserError(f"--device={device} is not a device; give cpu, cuda or cuda:N.")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device={device} but this torch sees no CUDA GPU; give --device=cpu.")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise UserError(f"--device={device} but this machine has {torch.cuda.device_count()} GPU(s), numbered from 0; "
+                        f"give one of them.")
+
+
 def check_args(args):
     """Argument mistakes found before a model is loaded, each as one sentence."""
-    for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("temperature", 0), ("top_k", 0), ("beam_size", 0)):
+    for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("beam_size", 0)):
         if getattr(args, name) < low:
             raise UserError(f"--{name}={getattr(args, name)} is out of range; give a value of at least {low}.")
+    # Written so that NaN fails too (it compares false with everything); infinity makes the masked logits
+    # -inf / inf = NaN, which torch.multinomial rejects with a traceback.
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise UserError(f"--temperature={args.temperature} is out of range; give a finite value of at least 0 "
+                        f"(0 is greedy).")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p={args.top_p} is out of range; give a probability in (0, 1].")
+    check_device(args.device)
 
 
 def main(argv):
@@ -190,7 +212,7 @@ def main(argv):
     if args.beam_size:
         max_new = min(args.max_new_tokens, model.config.block_size - len(tokens))
         for i, (row, score) in enumerate(beam_search(model, tokens, args.beam_size, max_new, EOT_TOKEN)):
-            print(f"--- beam {i}, log-probability {score:.3f}\n{decode_until_end(row, len(tokens))}")
+            print(f"--- beam {i}, log-probability {score:.3f}\n{decode_until_end(row, args.prompt, len(tokens))}")
         return
     generator = torch.Generator(args.device).manual_seed(args.seed)
     texts = generate_text(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,

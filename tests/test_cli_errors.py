@@ -1,0 +1,124 @@
+"""Mistakes a user can make on the command line of sample.py, hellaswag_eval.py, bench.py, bench_eval.py,
+checkpoint.py export-hf and debug.py: each ends the program with one `error: ...` sentence that says what
+to do, exit status 1, no traceback, and nothing written."""
+
+import pytest
+import torch
+
+import bench
+import bench_eval
+import checkpoint
+import debug
+import hellaswag_eval
+import sample
+from conftest import ROOT, TINY, run_in_process, run_train
+from hellaswag_fixture import write_hellaswag
+from tokenizer import EOT_TOKEN, get_tokenizer
+
+ON_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def run_dir(data_root, tmp_path_factory):
+    """A run folder with one checkpoint of a tiny model, for every command here to load."""
+    out = tmp_path_factory.mktemp("cli") / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=1"])
+    return out
+
+
+def assert_one_sentence(result, *phrases):
+    """Exit status 1, no traceback, and stderr is one `error: ...` sentence holding each of `phrases`."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output, output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
+# ----------------------------------------------------------------------------- --device
+
+
+def device_commands(run_dir, tmp_path):
+    """{name: (main, arguments besides --device)} of the commands that take a --device, each otherwise valid."""
+    data = str(write_hellaswag(tmp_path / "h.jsonl", copies=1))
+    return {"sample": (sample.main, [f"--init_from={run_dir}", "--num_samples=1", "--max_new_tokens=2"]),
+            "hellaswag_eval": (hellaswag_eval.main, [f"--init_from={run_dir}", f"--data={data}"]),
+            "bench_eval": (bench_eval.main, [f"--init_from={run_dir}", f"--data={data}", "--limit=1", "--repeats=1"])}
+
+
+@pytest.mark.parametrize("device, message", [
+    pytest.param("cuda", "--device=cuda but this torch sees no CUDA GPU; give --device=cpu.", marks=ON_CPU_ONLY,
+                 id="cuda"),
+    pytest.param("foo", "--device=foo is not a device; give cpu, cuda or cuda:N.", id="foo"),
+    pytest.param("cuda:x", "--device=cuda:x is not a device; give cpu, cuda or cuda:N.", id="cuda:x"),
+])
+@pytest.mark.parametrize("command", ["sample", "hellaswag_eval", "bench_eval"])
+def test_a_device_that_is_not_here_is_one_sentence_before_a_model_loads(run_dir, tmp_path, command, device, message):
+    main, args = device_commands(run_dir, tmp_path)[command]
+    assert_one_sentence(run_in_process(args + [f"--device={device}"], main), message)
+
+
+# ----------------------------------------------------------------------------- sample.py
+
+
+@pytest.mark.parametrize("temperature", ["nan", "inf", "-1"])
+def test_sample_refuses_a_temperature_that_is_not_a_finite_number_of_zero_or_more(run_dir, temperature):
+    result = run_in_process([f"--init_from={run_dir}", f"--temperature={temperature}", "--num_samples=1",
+                             "--max_new_tokens=2", "--device=cpu"], sample.main)
+    assert_one_sentence(result, f"--temperature={float(temperature)} is out of range", "give a finite value")
+
+
+def test_an_empty_prompt_starts_from_end_of_text_and_prints_only_the_generated_text(run_dir):
+    result = run_in_process([f"--init_from={run_dir}", "--prompt=", "--temperature=0", "--num_samples=1",
+                             "--max_new_tokens=4", "--device=cpu"], sample.main)
+    assert result.returncode == 0, result.stderr
+    model = checkpoint.load_model(str(run_dir), "cpu")
+    new = sample.generate(model, torch.tensor([[EOT_TOKEN]]), 4, temperature=0)[0, 1:].tolist()  # as GPT-2 starts
+    new = new[: new.index(EOT_TOKEN)] if EOT_TOKEN in new else new
+    assert result.stdout == f"--- sample 0\n{get_tokenizer().decode(new)}\n"
+    beams = run_in_process([f"--init_from={run_dir}", "--prompt=", "--beam_size=2", "--max_new_tokens=4",
+                            "--device=cpu"], sample.main)
+    assert beams.returncode == 0 and beams.stdout.count("--- beam") == 2, beams.stderr
+    assert "<|endoftext|>" not in beams.stdout
+
+
+# ----------------------------------------------------------------------------- bench.py and bench_eval.py
+
+
+@pytest.mark.parametrize("steps", [5, 10, 0])
+def test_bench_refuses_too_few_steps_to_time_before_writing_data(tmp_path, steps):
+    result = run_in_process([f"--steps={steps}", f"--data_root={tmp_path / 'data'}"], bench.main)
+    assert_one_sentence(result, f"--steps={steps} leaves no step to time", "give --steps=11 or more.")
+    assert not (tmp_path / "data").exists()
+
+
+def test_bench_refuses_a_nanogpt_folder_that_is_not_a_clone_before_writing_into_it(tmp_path):
+    result = run_in_process([f"--nanogpt={tmp_path / 'missing'}", "--steps=11", f"--data_root={tmp_path / 'data'}"],
+                            bench.main)
+    assert_one_sentence(result, f"--nanogpt={tmp_path / 'missing'} is not a clone of karpathy/nanoGPT", "give ")
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "data").exists()
+
+
+@pytest.mark.parametrize("sizes", ["abc", "1,,16", "16,0", ""])
+def test_bench_eval_refuses_batch_sizes_that_are_not_positive_whole_numbers(run_dir, tmp_path, sizes):
+    result = run_in_process([f"--init_from={run_dir}", f"--data={write_hellaswag(tmp_path / 'h.jsonl', copies=1)}",
+                             "--limit=1", "--repeats=1", "--device=cpu", f"--batch_sizes={sizes}"], bench_eval.main)
+    assert_one_sentence(result, f"--batch_sizes={sizes} is not", "give ")
+
+
+# ----------------------------------------------------------------------------- checkpoint.py export-hf, debug.py
+
+
+def test_export_hf_refuses_an_empty_output_folder_before_loading_or_writing(run_dir):
+    pytest.importorskip("transformers")
+    result = run_in_process(["export-hf", str(run_dir), ""], checkpoint.main)  # in ROOT, where "" would land
+    assert_one_sentence(result, "give a new folder to export into.")
+    assert not any((ROOT / name).exists() for name in ("config.json", "model.safetensors", "vocab.json"))
+
+
+@pytest.mark.parametrize("top", [-1, 0])
+def test_compare_state_refuses_a_top_below_one(run_dir, top):
+    result = run_in_process(["compare-state", str(run_dir), str(run_dir), f"--top={top}"], debug.main)
+    assert_one_sentence(result, f"--top={top} lists no tensor", "give --top=1 or more.")
