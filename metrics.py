@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -189,21 +188,33 @@ class RowWriter:
 
     def __init__(self, sinks, spikes, log_interval, end_step):
         self.sinks, self.spikes, self.log_interval, self.end_step = sinks, spikes, log_interval, end_step
-        self.start_time, self.first_step = time.monotonic(), None
+        self.warm = False  # past the first step this process trains
+        self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on, and their time
         self.nonfinite = None
 
     def __call__(self, rows):
         for step, values in rows:
             if "train/loss" in values and self.spikes.is_spike(values["train/loss"]):
                 values["train/loss_spike"] = 1.0
-            if step > 0:  # step 0 holds the evaluations before training, nothing to time
-                self.first_step = step - 1 if self.first_step is None else self.first_step
-                elapsed, done = time.monotonic() - self.start_time, step - self.first_step
-                values["throughput/eta_sec"] = elapsed / max(1, done) * (self.end_step - step)
+            self.add_eta(step, values)
             if self.sinks:
                 self.sinks.write(step, values, print_line=step % self.log_interval == 0 or step == self.end_step
                                  or "train/loss_spike" in values or "val/loss" in values)
             self.nonfinite = self.nonfinite or nonfinite_message(step, values)
+
+    def add_eta(self, step, values):
+        """throughput/eta_sec: the mean step time so far x the steps left. It is measured on the step times
+        the rows carry, not on the clock: the rows of a collection window arrive together, long after
+        most of their steps ended. The first step this process trains is left out: it holds torch.compile
+        (27 s for GPT-2 on an H100, see train.py) and the allocator's warm-up, and would dominate."""
+        if "throughput/step_time_sec" not in values:  # step 0 holds the evaluations before training
+            return
+        if not self.warm:
+            self.warm = True
+            return
+        self.timed_steps += 1
+        self.timed_seconds += values["throughput/step_time_sec"]
+        values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -346,6 +357,18 @@ PLOTS = {  # file name -> metrics drawn in it
 }
 
 
+def run_labels(run_dirs):
+    """Each run's label: the shortest tail of its path that no other run's path ends with, so runs whose
+    folders share a name stay apart (ladders/adamw/2x32 and ladders/muon/2x32: adamw/2x32, muon/2x32)."""
+    paths = [os.path.abspath(d).strip(os.sep).split(os.sep) for d in run_dirs]
+    labels = []
+    for i, path in enumerate(paths):
+        others = paths[:i] + paths[i + 1:]
+        length = next((n for n in range(1, len(path)) if all(other[-n:] != path[-n:] for other in others)), len(path))
+        labels.append("/".join(path[-length:]))
+    return labels
+
+
 def plot_runs(run_dirs, out_dir):
     """One PNG per plot and x axis (step, tokens), every run overlaid. Returns the files written."""
     import matplotlib
@@ -353,14 +376,17 @@ def plot_runs(run_dirs, out_dir):
     matplotlib.use("Agg")  # no screen needed
     import matplotlib.pyplot as plt
 
-    runs = {os.path.basename(os.path.normpath(d)): read_jsonl(os.path.join(d, "metrics.jsonl")) for d in run_dirs}
+    # A list, not a dict by label: a run given twice is drawn twice rather than silently dropped.
+    runs = [(label, read_jsonl(os.path.join(d, "metrics.jsonl"))) for label, d in zip(run_labels(run_dirs), run_dirs)]
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"{out_dir} is a file, not a folder; give --out a folder (new or existing) for the PNGs.")
     os.makedirs(out_dir, exist_ok=True)
     written = []
     for plot_name, names in PLOTS.items():
         for x_axis in ("step", "tokens"):
             fig, ax = plt.subplots(figsize=(8, 5))
             drawn = 0
-            for run_name, rows in runs.items():
+            for run_name, rows in runs:
                 for name in names:
                     points = [(r[x_axis], r[name]) for r in rows if name in r and x_axis in r]
                     if points:
