@@ -161,6 +161,9 @@ def test_fit_predicts_a_tasks_accuracy_in_two_steps_and_says_when_it_sits_at_cha
     result = run_ladder("fit", path, "--task=copa", "--rounds=5")
     assert result.returncode == 0, result.stderr
     held = json.loads((tmp_path / "a" / "fit.json").read_text())["tasks"]["copa"]["held_out"]
+    # Every post-decay checkpoint of the held-out size (ladder_fit pairs them with a zip, which an empty
+    # or short side ends silently): the loop below then checks each prediction, never none.
+    assert [h["step"] for h in held] == [100, 200, 400]
     for h in held:
         assert h["predicted_loss"] == pytest.approx(h["measured_loss"], rel=1e-3)
         assert h["predicted_accuracy"] == pytest.approx(h["measured_accuracy"], abs=0.01)
