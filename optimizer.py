@@ -96,8 +96,10 @@ def set_lr(optimizer, lr, peak_lr):
 
 
 def lr_metrics(optimizer):
-    """optim/lr/<group>: the LR each group used this step."""
-    return {f"optim/lr/{group['name']}": group["lr"] for group in optimizer.param_groups}
+    """optim/lr/<group>: the LR each group used this step, read from the optimizer itself; optim/lr is the
+    main AdamW group's (the schedule's LR when the config in force is what the optimizer uses)."""
+    lrs = {f"optim/lr/{group['name']}": group["lr"] for group in optimizer.param_groups}
+    return {"optim/lr": lrs["optim/lr/adamw"], **lrs}
 
 
 def describe_optimizer(model, optim):

