@@ -22,10 +22,12 @@ import tempfile
 
 import numpy as np
 
+from config import UserError, run_command
 from data import ensure_dataset
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12)
+UNTIMED_STEPS = 10  # the first steps warm up caches and allocators: their times are left out
 
 
 def ours(steps, data_root, work):
@@ -34,14 +36,14 @@ def ours(steps, data_root, work):
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), f"--model.n_layer={s['n_layer']}",
                     f"--model.n_head={s['n_head']}", f"--model.n_embd={s['n_embd']}",
                     f"--model.block_size={s['block_size']}", f"--data.batch_size={s['batch_size']}",
-                    f"--train.total_batch_size={s['batch_size'] * s['block_size']}", f"--train.max_steps={steps}",
+                    f"--train.total_batch_size={s['batch_size'] * s['block_size']}", f"--train.hard_stop={steps}",
                     f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
                     "--eval.sample_interval=0", "--checkpoint.load=never", "--checkpoint.save_overwrite=true",
                     "--train.no_checkpoints=true", f"--log.interval={steps}"],
                    check=True, capture_output=True, text=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return statistics.median(r["throughput/step_time_sec"] for r in rows if r["step"] > 10) * 1000
+    return statistics.median(r["throughput/step_time_sec"] for r in rows if r["step"] > UNTIMED_STEPS) * 1000
 
 
 def nanogpt(steps, clone, data_root, work):
@@ -62,17 +64,33 @@ def nanogpt(steps, clone, data_root, work):
                              "--gradient_accumulation_steps=1", f"--max_iters={steps}", "--eval_interval=100000",
                              "--eval_iters=1", "--log_interval=1", f"--out_dir={os.path.join(work, 'nanogpt_out')}"],
                             cwd=clone, check=True, capture_output=True, text=True)
-    times = [float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", result.stdout) if int(i) > 10]
+    times = [float(t) for i, t in re.findall(r"iter (\d+): loss [\d.]+, time ([\d.]+)ms", result.stdout)
+             if int(i) > UNTIMED_STEPS]
     return statistics.median(times)
 
 
-def main():
+def check_args(args):
+    """Argument mistakes, each as one sentence, before any data is written or a trainer runs."""
+    if args.steps <= UNTIMED_STEPS:
+        raise UserError(f"--steps={args.steps} leaves no step to time (the first {UNTIMED_STEPS} are not timed); "
+                        f"give --steps={UNTIMED_STEPS + 1} or more.")
+    if args.repeats < 1:
+        raise UserError(f"--repeats={args.repeats} runs nothing; give --repeats=1 or more.")
+    # nanogpt() writes its data under the clone: a mistyped path must not become a new folder.
+    if args.nanogpt and not os.path.isfile(os.path.join(args.nanogpt, "train.py")):
+        raise UserError(f"--nanogpt={args.nanogpt} is not a clone of karpathy/nanoGPT (it has no train.py); give "
+                        f"the folder of `git clone https://github.com/karpathy/nanoGPT`.")
+
+
+def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=60, help="steps per run (the first 10 are not timed)")
+    parser.add_argument("--steps", type=int, default=60,
+                        help=f"steps per run (the first {UNTIMED_STEPS} are not timed)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each trainer, alternating")
     parser.add_argument("--nanogpt", help="a clone of karpathy/nanoGPT to time side by side")
     parser.add_argument("--data_root", default=os.path.join(ROOT, "data"), help="where shakespeare/ is (or goes)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    check_args(args)
     ensure_dataset(os.path.join(args.data_root, "shakespeare"))
     results = {"ours": [], "nanogpt": []}
     with tempfile.TemporaryDirectory() as work:
@@ -81,7 +99,7 @@ def main():
             if args.nanogpt:
                 results["nanogpt"].append(nanogpt(args.steps, args.nanogpt, args.data_root, work))
     shape = ", ".join(f"{k} {v}" for k, v in SHAPE.items())
-    print(f"shape: {shape}; median ms/step of each run, after step 10")
+    print(f"shape: {shape}; median ms/step of each run, after step {UNTIMED_STEPS}")
     for name, values in results.items():
         if values:
             print(f"{name:8} {' '.join(f'{v:.1f}' for v in values)}  -> median {statistics.median(values):.1f} ms")
@@ -90,4 +108,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    run_command(main, sys.argv[1:])

@@ -3,12 +3,13 @@
 OLMo-core provides these as callback classes registered with its trainer. Here they are functions:
 the loop in train.py says exactly when each one runs, and adding one takes five lines.
 
-- speed: `speed_metrics` (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), with the
-  GPU peak-FLOPs table MFU is measured against
+- speed: `StepClock` (step time between step ends, evaluation and checkpoint time apart), `speed_metrics`
+  (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), and the GPU peak-FLOPs table for MFU
 - stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy)
 - system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`
 """
 
+import contextlib
 import gc
 import json
 import math
@@ -18,6 +19,7 @@ import resource
 import socket
 import subprocess
 import sys
+import time
 from collections import deque
 from contextlib import nullcontext
 
@@ -48,17 +50,44 @@ def peak_flops_for_device(device, override=0.0):
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
 
 
+class StepClock:
+    """Step time measured between consecutive step ends (OLMo-core's speed monitor, torchtitan and nanoGPT
+    time steps the same way), so a run's step times add up to the loop's wall time: the host's waits for the
+    GPU (collecting metrics, once every log.metrics_collect_interval steps) count in the step after them.
+    Evaluation, checkpoint and sample time is measured apart (`aside`) and left out of the steps."""
+
+    def __init__(self, device):
+        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.last_end = time.perf_counter()
+        self.set_aside = {}  # kind -> seconds since the last step ended
+
+    def lap(self):
+        """At the end of a step: (its seconds, {kind: seconds set aside in its window})."""
+        now = time.perf_counter()
+        aside, self.set_aside = self.set_aside, {}
+        step_time, self.last_end = now - self.last_end - sum(aside.values()), now
+        return step_time, aside
+
+    @contextlib.contextmanager
+    def aside(self, kind):
+        """Time a block that is not training: the GPU finishes its work first, so none of it spills into a step."""
+        start = time.perf_counter()
+        yield
+        self.synchronize()  # one sync, only around evaluations, checkpoints and samples
+        self.set_aside[kind] = self.set_aside.get(kind, 0.0) + time.perf_counter() - start
+
+
 def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
                   world_size, peak_flops):
-    """Throughput of one step from host timings (on a GPU the host runs ahead between syncs, so single
-    steps are noisy, but they add up to the wall time of every window between syncs)."""
+    """Throughput of one step from its StepClock time (on a GPU the host runs ahead between syncs, so a
+    single step is noisy, but the steps of a window between syncs add up to its wall time)."""
     tokens_per_sec = tokens_per_step / step_time
     values = {
         "throughput/tokens_per_sec": tokens_per_sec,
         "throughput/sequences_per_sec": tokens_per_sec / block_size,
         "throughput/step_time_sec": step_time,
         "throughput/data_time_sec": data_time,
-        # OLMo's global_train_petaflops: training compute spent so far, all ranks together.
+        # OLMo's global_train_petaflops: training compute spent so far (trained tokens only), all ranks together.
         "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
     }
     if peak_flops:
@@ -121,15 +150,23 @@ def check_finite(step, values):
 
 
 def memory_metrics(device):
+    """Memory in GiB: on a GPU what PyTorch's allocator holds, on a CPU the process's resident set."""
     if torch.device(device).type == "cuda":
         gib = 2**30
         return {"system/gpu_memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
                 "system/gpu_memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
                 "system/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(device) / gib}
-    with open("/proc/self/statm") as f:  # Linux; resident pages are the second number
-        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"system/cpu_rss_gb": rss / 2**30, "system/cpu_rss_peak_gb": peak_kb / 2**20}
+    # ru_maxrss is in KiB on Linux and in bytes on macOS. The kernel updates this high-water mark lazily,
+    # so it can read below the current resident set a moment after memory grew: the peak is the larger.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    values = {}
+    if os.path.exists("/proc/self/statm"):  # Linux (macOS has no /proc): resident pages are the second number
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        values["system/cpu_rss_gb"] = rss / 2**30
+        peak = max(peak, rss)
+    values["system/cpu_rss_peak_gb"] = peak / 2**30
+    return values
 
 
 class GarbageCollector:

@@ -47,6 +47,7 @@ class MixtureLoader:
         self.batch_size, self.rank, self.world_size, self.device = batch_size, rank, world_size, device
         self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
         self.start_counts = [0] * len(self.names)  # the counts when this mixture began
+        self.skipped = [0] * len(self.names)  # of those, sequences passed over by train.steps_to_skip
         self.slot, self.plan, self.next_counts = 0, None, None
 
     def next_batch(self):
@@ -55,8 +56,11 @@ class MixtureLoader:
                              self.device)
 
     def skip_batches(self, n):
+        """train.steps_to_skip: move past n micro-batches (a whole step) unread; they are counted as skipped."""
+        before = list(self.counts)
         for _ in range(n):
             self._take_slots()
+        self.skipped = [s + after - b for s, after, b in zip(self.skipped, self.counts, before)]
 
     def _take_slots(self):
         """This rank's first slot in the current global batch (planned on its first micro-batch); moves on."""
@@ -69,17 +73,21 @@ class MixtureLoader:
         return first
 
     def metrics(self):
-        """data/<source>/sequences: sequences taken from each source so far (host numbers: no sync)."""
-        return {f"data/{name}/sequences": count for name, count in zip(self.names, self.counts)}
+        """data/<source>/sequences: sequences trained on from each source so far (host numbers: no sync)."""
+        return {f"data/{name}/sequences": count - skipped
+                for name, count, skipped in zip(self.names, self.counts, self.skipped)}
 
     def state_dict(self):
-        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts)}
+        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),
+                "skipped": list(self.skipped)}
 
     def load_state_dict(self, state):
         """Restore every source's position by name. A source new to this run starts at 0, and a changed
         mixture starts its accounting afresh from the restored positions."""
         saved = dict(zip(state.get("mix", []), state.get("counts", [])))
         self.counts = [saved.get(name, 0) for name in self.names]
+        skipped = dict(zip(state.get("mix", []), state.get("skipped", [])))
+        self.skipped = [skipped.get(name, 0) for name in self.names]
         same_mix = state.get("mix") == self.names
         self.start_counts = list(state["start_counts"]) if same_mix else list(self.counts)
         self.slot = 0

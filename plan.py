@@ -61,13 +61,19 @@ class Plan:
     ephemeral: Every  # only the newest is kept
     traces: Every  # debug.trace_steps: fixed steps only
     metrics: Every  # log.metrics_collect_interval: one sync and one collective each time
+    grad_norms: Every  # log.grad_norms_interval: per-layer gradient norms
     no_checkpoints: bool
     skipped: tuple = ()  # train.steps_to_skip as (start, end) ranges of steps whose data is read but not trained on
 
     def skips_data(self, step):
         return in_ranges(step, self.skipped)
 
-    def due(self, step, last=False):
+    def due(self, step, last=False, stop=False):
+        """What runs after `step`; `last` at the run's end. On an early stop (signal, CANCEL, time limit) only
+        the checkpoint: a scheduler's grace period is short, and an evaluation could eat it."""
+        if stop and not last:
+            checkpoint = None if self.no_checkpoints else "permanent"
+            return Due(checkpoint=checkpoint, collect=True)
         checkpoint = self.checkpoint_kind(step, last)
         return Due(val=self.val.due(step, last), tasks=self.tasks.due(step, last), checkpoint=checkpoint,
                    sample=self.samples.due(step, last), collect=self.metrics.due(step, last) or bool(checkpoint))
@@ -106,6 +112,9 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params, has_tasks
     if stage2_step is not None and stage2_step >= max_steps:
         raise ConfigError(f"stage2.start={cfg.stage2.start} is step {stage2_step}, not before the run's end at "
                           f"step {max_steps}; start stage 2 earlier or train longer.")
+    if cfg.optim.warmup_steps > max_steps:
+        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run ({max_steps} steps), so "
+                          f"the LR would never reach its peak; lower optim.warmup_steps or train longer.")
     e, c = cfg.eval, cfg.checkpoint
     if e.tasks and not (e.tasks_interval or e.fixed_steps):  # here, not in config.py: the ladder sets fixed_steps
         raise ConfigError(f"eval.tasks={','.join(e.tasks)} would never run: set eval.tasks_interval (every N steps "
@@ -121,5 +130,5 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params, has_tasks
         checkpoints=Every(c.interval),
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
         ephemeral=Every(c.ephemeral_interval), traces=Every(0, tuple(cfg.debug.trace_steps)),
-        metrics=Every(cfg.log.metrics_collect_interval),
+        metrics=Every(cfg.log.metrics_collect_interval), grad_norms=Every(cfg.log.grad_norms_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))

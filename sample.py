@@ -163,15 +163,15 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     return sorted(finished, key=lambda pair: -pair[1])[:beam_size]
 
 
-def check_device(device):
+def check_device(device, key="--device"):
     """Raise one sentence unless `device` names a device this machine has (cpu, cuda or cuda:N): checked
-    before a model loads, where torch would stop with a traceback."""
+    before a model loads, where torch would stop with a traceback. `key` names the setting in the sentence."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"--device={device} is not a device; give cpu, cuda or cuda:N.")
+        raise UserError(f"{key}={device} is not a device; give cpu, cuda or cuda:N.")
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device={device} but this torch sees no CUDA GPU; give --device=cpu.")
+        raise UserError(f"{key}={device} but this torch sees no CUDA GPU; give {key}=cpu.")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"--device={device} but this machine has {torch.cuda.device_count()} GPU(s), numbered from 0; "
+        raise UserError(f"{key}={device} but this machine has {torch.cuda.device_count()} GPU(s), numbered from 0; "
                         f"give one of them.")
 
 

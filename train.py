@@ -1,7 +1,7 @@
 """Train a GPT. This file is the table of contents of the whole trainer: read it top to bottom.
 
     python train.py                                      # Shakespeare on a laptop CPU (config/shakespeare.py)
-    python train.py config/gpt2.py --train.max_steps=100 # any config file, with dotted overrides
+    python train.py config/gpt2.py --train.hard_stop=100 # any config file, with dotted overrides
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
@@ -30,16 +30,16 @@ import hellaswag_eval
 import metrics
 import run_dir
 import tasks
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, check_finite, make_profiler,
+from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
                        memory_metrics, peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
-from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint, read_trainer_state
-from config import config_to_dict, get, parse_args, parse_duration, parse_mix, run_command
+from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint
+from config import check_torch, config_to_dict, get, parse_args, parse_duration, parse_mix, run_command
 from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
 from mixture import MixtureLoader
 from model import GPT, choose_loss_path, loss_slices
 from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
 from plan import Plan, make_plan
-from sample import generate_text
+from sample import check_device, generate_text
 from schedule import build_schedule, plot_schedule
 from stage2 import Stages, stage2_loss
 from stopping import SignalFlag, Stopper
@@ -75,6 +75,24 @@ def rank0_first(work, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return work() if rank != 0 else result
+
+
+def rank0_decides(decide, rank, world_size, group):
+    """Rank 0 runs `decide` (reading the run folder, verifying checksums: once, not once per rank) and tells
+    the others; when it refuses, rank 0 says why and the other ranks stop quietly."""
+    result = [None, False]
+    if rank == 0:
+        try:
+            result = [decide(), False]
+        except BaseException:
+            if world_size > 1:
+                dist.broadcast_object_list([None, True], src=0, group=group)
+            raise
+    if world_size > 1:
+        dist.broadcast_object_list(result, src=0, group=group)
+    if result[1]:
+        sys.exit(2)  # rank 0 printed the reason
+    return result[0]
 
 
 def is_compiled(cfg, device_type):
@@ -156,10 +174,10 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
     if dist.is_initialized():
         dist.all_reduce(sums, op=dist.ReduceOp.AVG)  # on device: no host sync
     step_metrics = dict(zip(names, sums))
+    if layer_norms:  # before clipping, as train/grad_norm is
+        step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if layer_norms:
-        step_metrics.update(per_layer_grad_norms(raw_model))
     # nan_policy=skip must know now, which costs one host-device sync per step.
     if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
         step_metrics = {"train/skipped_nonfinite_step": 1.0}
@@ -305,9 +323,16 @@ def build_run(cfg, stack):
         cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
     # bf16 autocast: matmuls in bfloat16, weights and optimizer state stay float32 (no loss scaling needed).
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
+
+    # ---- the run folder: lock it and decide where the run starts. Every refusal happens here, before
+    # anything is written (run_dir.py); the folder changes only once the start is loaded (take_folder).
+    out_dir, ck = cfg.train.out_dir, cfg.checkpoint
+    if is_master:
+        stack.enter_context(run_dir.RunLock(out_dir))  # a second training into out_dir stops here
+    run_dir.check_shared_folder(out_dir, rank, world_size, cpu_group)  # every node sees what rank 0 writes
+    start = rank0_decides(lambda: run_dir.choose_start(out_dir, ck, config_to_dict(cfg)), rank, world_size, cpu_group)
 
     # ---- data (built-in datasets are prepared on first use; every shard is checked when opened)
     stage_loaders, val_loaders = build_loaders(cfg, rank, world_size, device)
@@ -318,11 +343,13 @@ def build_run(cfg, stack):
                                     rank, world_size)
 
     # ---- model, optimizer, the plan and the schedule (total_batch_size = micro-batches x ranks x accumulation)
+    torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     raw_model = GPT(cfg.model).to(device)
+    torch.manual_seed(cfg.train.seed + rank)  # from here on each rank draws its own dropout masks
     compiled = is_compiled(cfg, device_type)
     raw_model.loss_path = choose_loss_path(cfg.train.loss_path, device_type, compiled)
     model = torch.compile(raw_model) if compiled else raw_model
-    if world_size > 1:
+    if world_size > 1:  # DDP broadcasts rank 0's weights and all-reduces the gradients
         model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
     optimizer = build_optimizer(raw_model, cfg.optim, device_type)
     plan = make_plan(cfg, world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
@@ -330,19 +357,10 @@ def build_run(cfg, stack):
     schedule = build_schedule(cfg.optim, plan.max_steps)
     sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
 
-    # ---- the run folder: lock it, then resume its checkpoint or claim it for a fresh start
-    out_dir, ck = cfg.train.out_dir, cfg.checkpoint
-    rewound = ""
-    if is_master:
-        stack.enter_context(run_dir.RunLock(out_dir))  # a second training into out_dir stops here
-        rewound = run_dir.rewind(out_dir, ck.resume_step) if ck.resume_step else ""
-    run_dir.check_shared_folder(out_dir, rank, world_size, cpu_group)  # every node sees what rank 0 writes
-    path, resumed, note = run_dir.choose_start(out_dir, ck, config_to_dict(cfg))
-    if resumed:  # before anything is loaded: a checkpoint of another run would not even load
-        run_dir.check_identity(out_dir, read_trainer_state(path)["config"], config_to_dict(cfg))
-    saved = load_checkpoint(path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
-                            rank=rank, world_size=world_size, load_optim=resumed or ck.load_optim,
-                            load_trainer_state=resumed or ck.load_trainer_state) if path else None
+    # ---- the start: load it (the optimizer keeps this config's settings), then take the folder
+    saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
+                            rank=rank, world_size=world_size, load_optim=start.resumed or ck.load_optim,
+                            load_trainer_state=start.resumed or ck.load_trainer_state) if start.path else None
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, out_dir, device)
     state = TrainState(best_val_loss=torch.tensor(float("inf"), device=device), data=stage_loaders[0][1].state_dict())
     if saved:
@@ -351,19 +369,15 @@ def build_run(cfg, stack):
         stages.resume_at(state.step, state.data)  # the data position is global: any world size works
     replaced = []  # files of a run this one replaces (save_overwrite), deleted after our first checkpoint
     if is_master:
-        if resumed:
-            run_dir.accept_resume(out_dir, saved["config"], config_to_dict(cfg), state.step)
-        else:
-            replaced = run_dir.claim_for_fresh_start(out_dir, config_to_dict(cfg), ck.save_overwrite)
-        run_dir.remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
-        metrics.truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=state.step)  # those steps run again
+        replaced, lines = run_dir.take_folder(out_dir, start, saved["config"] if start.resumed else None,
+                                              config_to_dict(cfg), state.step, ck.save_overwrite, ck.rewind_number)
         save_environment(out_dir, world_size)
         print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
                            sequences_per_epoch=stage_loaders[0][1].num_sequences))
         mixes = ("data: " + shares_text(stage_loaders[0][0]) + (f"; stage 2 after step {plan.stage2_step}: "
                  f"{shares_text(stage_loaders[-1][0])}" if plan.stage2_step else "")) if cfg.data.mix or cfg.stage2.start else ""
-        for line in filter(None, [rewound, f"resumed from {path} at step {state.step}" if path else "", mixes, note,
-                                  run_dir.remove_stale_cancel(out_dir)]):
+        resumed_line = f"resumed from {start.path} at step {state.step}" if start.path else ""
+        for line in filter(None, [resumed_line, mixes, *start.notes, *lines]):
             print(line)
     if world_size > 1:
         dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
@@ -383,7 +397,7 @@ def build_run(cfg, stack):
     return Run(cfg=cfg, rank=rank, world_size=world_size, device=device, is_master=is_master, autocast=autocast,
                raw_model=raw_model, model=model, compiled=compiled, optimizer=optimizer, plan=plan,
                schedule=schedule, stages=stages, val_loaders=val_loaders, task_examples=task_examples, state=state,
-               resumed=resumed, sample_generator=sample_generator, recorder=recorder, writer=writer,
+               resumed=start.resumed, sample_generator=sample_generator, recorder=recorder, writer=writer,
                checkpointer=checkpointer, stopper=stopper,
                gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
                profiler=stack.enter_context(make_profiler(cfg.log.profile and is_master, out_dir, rank,
@@ -413,14 +427,25 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}")
 
 
-def compile_time(run, step, step_start):
-    """The first step of a compiled model waits for torch.compile: one sync, once, to time it."""
-    if run.device.startswith("cuda"):
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - step_start
+def compile_time(run, step, seconds):
+    """The first step of a compiled model waits for torch.compile: its StepClock time, compiling included."""
     if run.is_master:
         print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
     return {"throughput/compile_time_sec": seconds}
+
+
+def count_nonfinite_skips(state, step_metrics, in_a_row, limit):
+    """train.nan_policy=skip: count the skipped steps (state.nonfinite_skipped, checkpointed) and stop with a
+    sentence after `limit` in a row: a loss that stays non-finite will not recover by itself. Returns the
+    steps skipped in a row so far. (The flag is a host number: skip mode syncs every step anyway.)"""
+    if "train/skipped_nonfinite_step" not in step_metrics:
+        return 0
+    state.nonfinite_skipped += 1
+    if limit and in_a_row + 1 >= limit:
+        raise NonFiniteLoss(f"the loss or gradient was non-finite at {in_a_row + 1} steps in a row up to step "
+                            f"{state.step} (train.nan_policy=skip), so the weights are no longer trained; resume from "
+                            f"the last checkpoint with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
+    return in_a_row + 1
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -443,41 +468,49 @@ def train(cfg):
                   f"train.max_steps to train longer).")
         compiling = run.compiled and state.step < plan.end_step
         if compiling and run.is_master:
-            print("torch.compile: the first step compiles the model first (27 s for GPT-2 on an H100)", flush=True)
+            print("torch.compile: the first step compiles the model first", flush=True)
+        clock, nonfinite_in_a_row = StepClock(run.device), 0
         while state.step < plan.end_step:
             n = state.step + 1  # the step being taken, as logged
             mix, loader, stage2 = run.stages.at(n)  # stage2: None, or stage 2's frozen reference and KL weight
-            lr = run.schedule.lr_at(n)
-            set_lr(run.optimizer, lr, cfg.optim.lr)  # every group follows the schedule from its own peak
+            set_lr(run.optimizer, run.schedule.lr_at(n), cfg.optim.lr)  # every group follows the schedule from its own peak
             if plan.traces.due(n) and run.is_master:  # every module's inputs and outputs, saved
-                debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n, cfg.debug.trace_sequences)
-            step_start = time.perf_counter()
-            if plan.skips_data(n):
-                step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
-            else:
+                with clock.aside("trace"):
+                    debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n,
+                                        cfg.debug.trace_sequences)
+            trained = not plan.skips_data(n)
+            if trained:
                 step_metrics, data_time = train_step(
                     run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast, grad_clip=cfg.optim.grad_clip,
-                    nan_policy=cfg.train.nan_policy, stage2=stage2,
-                    layer_norms=bool(cfg.log.grad_norms_interval) and n % cfg.log.grad_norms_interval == 0)
-            state.advance(plan.tokens_per_step, loader)  # state.step == n from here on
+                    nan_policy=cfg.train.nan_policy, stage2=stage2, layer_norms=plan.grad_norms.due(n))
+            else:
+                step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
+            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == n; only trained tokens count
+            step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
             if compiling:
-                recorder.record_all(compile_time(run, n, step_start))
+                recorder.record_all(compile_time(run, n, step_time))
                 compiling = False
             recorder.record_all(step_metrics)
-            recorder.record_all(speed_metrics(
-                step_time=time.perf_counter() - step_start, data_time=data_time, tokens_per_step=plan.tokens_per_step,
-                block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
-                world_size=run.world_size, peak_flops=run.peak_flops))
-            recorder.record_all({"optim/lr": lr, **lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
+            if trained:  # a skipped step trained nothing: no throughput to report
+                recorder.record_all(speed_metrics(
+                    step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
+                    block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
+                    world_size=run.world_size, peak_flops=run.peak_flops))
+            recorder.record_all({f"throughput/{kind}_time_sec": seconds for kind, seconds in aside.items()})
+            recorder.record_all({**lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
+            nonfinite_in_a_row = count_nonfinite_skips(state, step_metrics, nonfinite_in_a_row, cfg.train.nan_skip_limit)
+            recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
-            # fails cannot lose the training done, and NaN weights are caught before anything reads them.
+            # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
+            # stop (a scheduler's grace period is short) only the checkpoint runs.
             stop = run.stopper.poll(n)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
-            due = plan.due(n, last=n == plan.end_step or bool(stop))
+            due = plan.due(n, last=n == plan.end_step, stop=bool(stop))
             if due.output and cfg.train.nan_policy == "stop":
                 check_finite(n, step_metrics)  # one host sync, and only when something reads the weights
             if due.evals:
-                scores = evaluate(run, due, mix)
+                with clock.aside("eval"):
+                    scores = evaluate(run, due, mix)
                 recorder.record_all(scores)
                 state.keep_best(scores.get("val/loss"))
             run.gc.step(n)
@@ -487,13 +520,18 @@ def train(cfg):
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
                 raise NonFiniteLoss(run.writer.nonfinite)
             if due.checkpoint:
-                run.save(due.checkpoint)
+                with clock.aside("checkpoint"):
+                    run.save(due.checkpoint)
             if due.sample and run.is_master:
-                write_samples(run, n)
+                with clock.aside("sample"):
+                    write_samples(run, n)
             run.profiler.step()
             if stop:
                 run.end_early(stop)
                 break
+        if state.nonfinite_skipped and run.is_master:
+            print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss or gradient "
+                  f"(train.nan_policy=skip); see train/skipped_nonfinite_step in metrics.jsonl.", flush=True)
         recorder.wait()  # the last metrics, when they are written on a thread
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -538,6 +576,9 @@ def dry_run(cfg):
           f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
           + (f", periods {list(schedule.periods)} ending at steps {schedule.period_ends()}, decays "
              f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
+    if schedule.kind in ("wsd", "wsds") and 1 in schedule.decay_steps and schedule.min_lr == 0:
+        print("warning: a decay of one step trains that step at LR 0, so the checkpoint after the decay equals the "
+              "one before it; set optim.decay_steps to 2 or more, or optim.min_lr above 0.")
     for line in describe_optimizer(raw_model, cfg.optim):
         print(f"optimizer: {line}")
     print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
@@ -569,8 +610,11 @@ def collective_failure(error):
 
 def main(argv):
     # Every user mistake in the config fails here, before any file is touched.
+    check_torch(torch.__version__)
     cfg = parse_args([a for a in argv if a != "--dry_run"])
     tasks.check_names(cfg.eval.tasks, "eval.tasks")  # the names tasks.py defines
+    if cfg.train.device != "auto":
+        check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
         check_source(cfg.stage2.reference, "stage2.reference")
     if "--dry_run" in argv:

@@ -8,7 +8,7 @@ from plan import Every, make_plan
 
 def plan_of(*overrides, world_size=1, tokens_per_epoch=10_000, non_embedding=1000):
     cfg = parse_args(["--model.block_size=32", "--data.batch_size=4", "--train.total_batch_size=256",
-                      "--train.max_steps=20", *overrides])
+                      "--train.max_steps=20", "--optim.warmup_steps=5", *overrides])
     return make_plan(cfg, world_size, tokens_per_epoch, non_embedding)
 
 
@@ -69,3 +69,19 @@ def test_the_stage2_boundary_is_a_fixed_checkpoint_and_switches_turn_things_off(
 def test_skipped_data_steps_are_the_plans_to_say():
     plan = plan_of("--train.steps_to_skip=3-5,10-11")
     assert [s for s in range(1, 21) if plan.skips_data(s)] == [3, 4, 10]
+
+
+def test_a_warmup_longer_than_the_run_is_refused():
+    with pytest.raises(ConfigError, match="optim.warmup_steps=21 is longer than the run"):
+        plan_of("--optim.warmup_steps=21")
+    assert plan_of("--optim.warmup_steps=20").max_steps == 20  # the last step reaches the peak
+
+
+def test_an_early_stop_saves_a_checkpoint_first_and_evaluates_nothing():
+    plan = plan_of("--eval.interval=5", "--eval.sample_interval=5", "--checkpoint.interval=5")
+    assert plan.due(5).val and plan.due(5).sample  # what step 5 runs when nothing stops the run
+    stopped = plan.due(5, stop=True)
+    assert stopped.checkpoint == "permanent" and stopped.collect
+    assert not (stopped.val or stopped.tasks or stopped.sample)
+    assert plan.due(20, last=True, stop=True).val  # a stop at the run's last step is just the end
+    assert plan_of("--train.no_checkpoints=true").due(7, stop=True).checkpoint is None

@@ -319,7 +319,7 @@ def test_15_the_tied_embedding_is_saved_once_and_old_checkpoints_still_load(data
     from checkpoint import load_model
 
     out = tmp_path / "run"
-    run_train(args(data_root, out, "--train.max_steps=1"))
+    run_train(args(data_root, out, "--train.max_steps=1", "--optim.warmup_steps=1"))
     state = torch.load(out / "step1" / "model.pt", weights_only=True)
     assert "lm_head.weight" not in state
     embedding_bytes = 50304 * 32 * 4
