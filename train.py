@@ -613,6 +613,9 @@ def main(argv):
     check_torch(torch.__version__)
     cfg = parse_args([a for a in argv if a != "--dry_run"])
     tasks.check_names(cfg.eval.tasks, "eval.tasks")  # the names tasks.py defines
+    for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
+                 *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
+        dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
     if cfg.train.device != "auto":
         check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now

@@ -22,7 +22,7 @@ ON_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torc
 def run_dir(data_root, tmp_path_factory):
     """A run folder with one checkpoint of a tiny model, for every command here to load."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=1"])
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=1", "--optim.warmup_steps=1"])
     return out
 
 
