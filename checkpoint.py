@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, config_from_dict, keys_with_role, run_command
-from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_hf_folder
+from hf import OPENAI_MODELS, check_export_target, export_hf, gpt2_shape, import_hf, is_gpt2_source, is_hf_folder
 from model import GPT
 
 MARKER = "COMPLETE"
@@ -272,6 +272,8 @@ def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
     if own:
         ignored = f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own checkpoint"
         return own, True, ignored if load_path else ""
+    if load_path and is_gpt2_source(load_path):  # fine-tuning GPT-2: its weights, at step 0
+        return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
     if load_path:
         if load == "if_available" and not (is_complete_checkpoint(load_path) or find_checkpoints(load_path)):
             return None, False, f"warning: checkpoint.load_path={load_path} holds no checkpoint; starting from scratch"
@@ -419,6 +421,9 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
     uninterrupted run, as they must: there is no such run to match)."""
     device = next(model.parameters()).device
+    if is_gpt2_source(path):
+        load_gpt2_weights(model, path)
+        return None
     trainer = read_trainer_state(path)
     check_model_shape(trainer["config"]["model"], dataclasses.asdict(model.config), path)
     saved_optimizer = trainer["config"]["optim"].get("name", "adamw")
@@ -437,6 +442,30 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
         print(f"note: {path} was saved by {len(rng)} rank(s) and this run has {world_size}; the data position "
               f"carries over exactly, but only ranks 0..{min(len(rng), world_size) - 1} get their saved RNG state.")
     return trainer
+
+
+def load_gpt2_weights(model, source):
+    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (take_gpt2_shape):
+    the position embeddings are cropped to a shorter model.block_size, as nanoGPT's crop_block_size."""
+    state = import_hf(source).state_dict()
+    block_size = model.config.block_size
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size]
+    model.load_state_dict(state)
+
+
+def take_gpt2_shape(source, model_config, key="checkpoint.load_path"):
+    """Fine-tuning GPT-2: the model's shape comes from the source, set into `model_config`. A field the config
+    set to another value is refused, naming it; model.block_size may shrink (never grow)."""
+    default = dataclasses.asdict(type(model_config)())
+    for name, value in gpt2_shape(source).items():
+        mine = getattr(model_config, name)
+        if mine == default[name]:
+            setattr(model_config, name, value)
+        elif mine != value and not (name == "block_size" and mine < value):
+            grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
+            raise CheckpointError(f"{key}={source} is a GPT-2 with model.{name}={value}, and this run sets "
+                                  f"model.{name}={mine}{grow}; remove that setting, as config/finetune_shakespeare.py "
+                                  f"does: the shape comes from the weights.")
 
 
 def check_source(source, key="--init_from"):

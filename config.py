@@ -421,6 +421,9 @@ def closest_key(cfg, key):
 
 # Keys of earlier versions, and what replaced them: a config that still sets one is refused with this.
 RENAMED = {
+    "init_from": "train.py starts from weights with checkpoint.load_path (as nanoGPT's init_from): gpt2, "
+                 "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. "
+                 "--checkpoint.load_path=gpt2",
     "eval.hellaswag_interval": "HellaSwag is one of the tasks now: set eval.tasks=hellaswag and eval.tasks_interval",
     "eval.hellaswag_limit": "HellaSwag is one of the tasks now: set eval.tasks_limit",
     "eval.hellaswag_data": "HellaSwag is one of the tasks now: set eval.tasks_data_dir (a save_to_disk folder), or "
@@ -514,6 +517,8 @@ def load_config_file(cfg, path):
             continue
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
+        if name in RENAMED:
+            raise unknown_key_error(cfg, name, str(path))
         raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
                           f"{closest_key(cfg, name)}")
     for key in all_keys(cfg):

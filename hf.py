@@ -94,6 +94,25 @@ def import_hf(source):
     return model
 
 
+def is_gpt2_source(source):
+    """An OpenAI GPT-2 name or a local Hugging Face folder: weights to start from, not a checkpoint of ours."""
+    return bool(source) and (source in OPENAI_MODELS or is_hf_folder(source))
+
+
+def gpt2_shape(source):
+    """The model fields of a GPT-2 source, from its config.json alone (for a name, the hub's: downloaded once,
+    then read from the Hugging Face cache)."""
+    transformers = require_transformers()
+    try:
+        c = transformers.GPT2Config.from_pretrained(source)
+    except OSError as error:
+        raise WeightsError(f"could not read the config of {source!r} from the Hugging Face hub or disk "
+                           f"({error.__class__.__name__}); when offline, give a local folder written by "
+                           f"save_pretrained.") from None
+    return {"block_size": c.n_positions, "vocab_size": c.vocab_size, "n_layer": c.n_layer, "n_head": c.n_head,
+            "n_embd": c.n_embd, "bias": True}
+
+
 def check_weights_match_config(source, hf_model, info):
     """A WeightsError naming what of config.json disagrees with the weights, when loading reported
     tensors the config asks for and the weights lack, tensors it has no place for, or other sizes."""

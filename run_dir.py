@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from checkpoint import (STEP_DIR, CheckpointError, check_model_shape, choose_checkpoint, find_checkpoints,
                         read_trainer_state, verify_checkpoint)
+from hf import is_gpt2_source
 from metrics import truncate_jsonl
 from config import Config, as_override, config_to_dict, keys_with_role, parse_duration, parse_mix
 
@@ -161,7 +162,7 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
         check_identity(out_dir, read_trainer_state(path)["config"], run_config)
     else:
         check_fresh_start(out_dir, run_config, c.save_overwrite)
-        if path:
+        if path and not is_gpt2_source(path):  # (a GPT-2's shape was taken into the config: take_gpt2_shape)
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
     return Start(path, resuming, rewind_to, rewind_folder, [n for n in (rewind_note, note) if n])
 

@@ -32,9 +32,10 @@ import run_dir
 import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
                        memory_metrics, peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
-from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint
+from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint, take_gpt2_shape
 from config import check_torch, config_to_dict, get, parse_args, parse_duration, parse_mix, run_command
 from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
+from hf import is_gpt2_source
 from mixture import MixtureLoader
 from model import GPT, choose_loss_path, loss_slices
 from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
@@ -620,6 +621,9 @@ def main(argv):
         check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
         check_source(cfg.stage2.reference, "stage2.reference")
+    if is_gpt2_source(cfg.checkpoint.load_path):  # fine-tuning GPT-2: the model's shape comes from its weights
+        check_source(cfg.checkpoint.load_path, "checkpoint.load_path")
+        take_gpt2_shape(cfg.checkpoint.load_path, cfg.model)
     if "--dry_run" in argv:
         return dry_run(cfg)
     train(cfg)
