@@ -7,22 +7,34 @@
 Parts, in order (each prints its own lines; the output ends with the summary table):
   tests       `pytest tests/test_gpu.py`: the CUDA paths give the right numbers before anything is timed
   ours        train.py config/gpt2.py (GPT-2 124M, 64 x 1,024 tokens per micro-step, 524,288 per step, bf16)
-              on the Shakespeare tokens, eager and compiled, for each loss path: compile time, median
-              tokens/s after warm-up, MFU, peak memory
+              on the Shakespeare tokens, eager and compiled, for each loss path: tokens/s and MFU by the
+              stopwatch below, peak memory, first step (compile) time
   muon        the compiled run again with optim.name=muon, and its tokens/s against AdamW's
   nanogpt     build-nanogpt's train_gpt2.py at the same settings, eager and compiled (a temporary copy with
-              its evaluation, HellaSwag and sampling switched off and its step count lowered; nothing else)
+              its evaluation, HellaSwag and sampling switched off and its step count lowered; nothing else),
+              timed by the same stopwatch
   hellaswag   HellaSwag examples/s of the scorer at batch 64 against the plain loop (bench_eval.py)
   checkpoint  how long the loop stalls for one save of the 124M model, async and sync
   loss        the output layer + cross-entropy alone at GPT-2's micro-batch (65,536 rows x 768 -> 50,304),
               forward and backward in bf16 (last, in this process): each loss path's median time, peak memory and error against a
               float32 reference (also liger-kernel's and cut-cross-entropy's fused kernels if importable)
 
+One stopwatch times both trainers, whatever either prints. Each trainer runs `--steps` optimizer steps
+(`--eager_steps` eager) of 524,288 tokens in a process of its own, started by `timed_command`: before the
+trainer's file runs, a global optimizer-step hook counts torch.optim.AdamW's steps (both trainers step one
+AdamW once per optimizer step; the Muon that optim.name=muon steps beside it is not counted). Right after
+AdamW step number `--warmup` (W) and after the run's last step (S), it waits for the GPU
+(torch.cuda.synchronize()) and reads time.perf_counter(). The window so runs from the end of step W to
+the end of step S and holds S - W whole steps: each one's forward, backward and update, and whatever the
+loop does between two updates (its logging; ours collects its metrics every step, one sync per step, as
+build-nanogpt's print syncs every step). Compiling and warm-up (steps 1 to W) and whatever follows step
+S are outside it. Tokens/s = (S - W) x 524,288 / those seconds, and MFU from it, computed the same way for
+both; peak memory is torch.cuda.max_memory_allocated() at the last reading. Beside them, each trainer's
+own median tokens/s over steps W+1 to S and its first step's time, as it prints them, labelled so.
+
 MFU counts 6N + 12·L·d·T FLOPs per token (PaLM, appendix B; `GPT.flops_per_token`) for both trainers
-against the GPU's dense bf16 peak (callbacks.PEAK_BF16_FLOPS). Tokens/s is the median over the steps
-after `--warmup`; ours reads train.py's `throughput/tokens_per_sec` with metrics collected every step
-(one sync per step, as build-nanogpt syncs every step). build-nanogpt is MIT-licensed; its copy lives in
-../shared/anchors/build-nanogpt (or --anchor), and runs from a temporary folder.
+against the GPU's dense bf16 peak (callbacks.PEAK_BF16_FLOPS). build-nanogpt is MIT-licensed; its copy
+lives in ../shared/anchors/build-nanogpt (or --anchor), and runs from a temporary folder.
 """
 
 import argparse
@@ -40,6 +52,7 @@ import time
 ROOT = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(ROOT, ".bench")  # what --prepare writes; git ignores it
 PARTS = ("tests", "ours", "muon", "nanogpt", "hellaswag", "checkpoint", "loss")
+TOKENS_PER_STEP = 524288  # 2**19, config/gpt2.py's and build-nanogpt's total_batch_size (GPT-3's 125M)
 TIKTOKEN_URLS = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
                  "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
 table = []  # (what, figure) rows of the summary
@@ -180,42 +193,128 @@ def cold_cache_env(folder):
             "TRITON_CACHE_DIR": os.path.join(folder, "triton_cache")}
 
 
+# ----------------------------------------------------------------------------- the stopwatch (both trainers)
+
+def timed_command(script, args, first_step, last_step, record, tokens_per_step=TOKENS_PER_STEP):
+    """The command line that runs `python script args` with the stopwatch inside its process (`run_timed`):
+    it writes the seconds from the end of AdamW step `first_step` to the end of step `last_step` to the
+    file `record`."""
+    assert 0 < first_step < last_step, "the window needs a warm-up step before it and a step in it"
+    spec = json.dumps({"first_step": first_step, "last_step": last_step, "tokens_per_step": tokens_per_step,
+                       "record": record})
+    start = (f"import sys; sys.path.insert(0, {ROOT!r}); import bench_gpu; "
+             "bench_gpu.run_timed(sys.argv[1], sys.argv[2:])")
+    return [sys.executable, "-c", start, spec, script, *args]
+
+
+def run_timed(spec, argv):
+    """In the trainer's process: run the file argv[0] as `python argv...` would, with torch.optim.AdamW's
+    steps counted by a global post-step hook. After step `first_step` and step `last_step` the hook waits
+    for the GPU and reads the clock; at the last one it writes one JSON line to `record`: first_step,
+    last_step, seconds, tokens ((last_step - first_step) x tokens_per_step) and peak_gib (CUDA's peak
+    allocated memory; None on a CPU)."""
+    import runpy
+
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    spec = json.loads(spec)
+    first_step, last_step = spec["first_step"], spec["last_step"]
+    steps, readings = 0, {}
+
+    def after_step(optimizer, args, kwargs):
+        nonlocal steps
+        if not isinstance(optimizer, torch.optim.AdamW):  # optim.name=muon steps Muon, then AdamW: one step
+            return
+        steps += 1
+        if steps not in (first_step, last_step):
+            return
+        cuda = torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.synchronize()  # the host runs ahead of the GPU: the step ends when the GPU's work does
+        readings[steps] = time.perf_counter()
+        if steps == last_step:
+            with open(spec["record"], "w") as f:
+                f.write(json.dumps({"first_step": first_step, "last_step": last_step,
+                                    "seconds": readings[last_step] - readings[first_step],
+                                    "tokens": (last_step - first_step) * spec["tokens_per_step"],
+                                    "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}) + "\n")
+
+    register_optimizer_step_post_hook(after_step)
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))  # where `python script` looks first (was ROOT)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def read_stopwatch(record):
+    """The stopwatch's reading, or None when the run ended before its last timed step."""
+    if not os.path.exists(record):
+        return None
+    with open(record) as f:
+        return json.loads(f.read())
+
+
+def report_speed(name, timing, printed, first_step, wall, note=""):
+    """One row, the same for both trainers: tokens/s and MFU from the stopwatch; the trainer's own median
+    tokens/s over the same steps and its first step's time beside them, as it prints them."""
+    tokens_per_sec = timing["tokens"] / timing["seconds"]
+    peak, _ = peak_flops()
+    memory = f"{timing['peak_gib']:.1f} GiB" if timing["peak_gib"] is not None else "?"
+    report(name, f"{tokens_per_sec:,.0f} tok/s, MFU {flops_per_token() * tokens_per_sec / peak:.1%} (stopwatch, steps "
+                 f"{timing['first_step'] + 1}-{timing['last_step']}: {timing['seconds']:.2f} s), peak {memory}; "
+                 f"as the trainer prints it: " + (f"{printed:,.0f} tok/s" if printed else "? tok/s")
+                 + (f", first step {first_step:.0f} s" if first_step else "") + f"{note}; wall {wall:.0f} s")
+    return tokens_per_sec
+
+
+def report_failure(name, result, last_step):
+    """A run that failed, or ended before the stopwatch's last step: its output's end, and one row."""
+    print(result.stdout[-2000:], result.stderr[-4000:], flush=True)
+    report(name, f"failed (exit {result.returncode})" if result.returncode else
+           f"failed (no stopwatch reading: the run ended before step {last_step})")
+
+
 def ours(steps, warmup, compile_, loss_path, extra=(), label=None):
-    """train.py config/gpt2.py on the Shakespeare tokens; returns the run's metrics rows."""
+    """train.py config/gpt2.py on the Shakespeare tokens for `steps` steps, timed by the stopwatch from the
+    end of step `warmup` to the end of the last; returns (tokens/s, train.py's output)."""
+    name = label or f"ours, {'compiled' if compile_ == 'true' else 'eager'}, loss {loss_path}"
     with tempfile.TemporaryDirectory() as out:
-        args = [sys.executable, os.path.join(ROOT, "train.py"), "config/gpt2.py", "--data.dataset=shakespeare",
-                f"--data.data_root={os.path.join(BENCH, 'data')}", f"--train.max_steps={steps}",
+        # hard_stop, not max_steps: the run stops after `steps` on config/gpt2.py's own schedule (a max_steps
+        # shorter than its 715 warmup steps is refused); the LR does not change the speed.
+        args = ["config/gpt2.py", "--data.dataset=shakespeare", f"--data.data_root={os.path.join(BENCH, 'data')}",
+                f"--train.total_batch_size={TOKENS_PER_STEP}", f"--train.hard_stop={steps}",
                 f"--train.out_dir={out}", f"--train.compile={compile_}", f"--train.loss_path={loss_path}",
                 "--train.no_evals=true", "--eval.tasks=", "--eval.tasks_interval=0", "--checkpoint.load=never",
                 "--log.interval=1", "--log.metrics_collect_interval=1", *extra]
         if "--train.no_checkpoints=false" not in extra:
             args.append("--train.no_checkpoints=true")
+        record = os.path.join(out, "stopwatch.json")
         start = time.monotonic()
-        result = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, env=cold_cache_env(out))
+        result = subprocess.run(timed_command(os.path.join(ROOT, "train.py"), args, warmup, steps, record), cwd=ROOT,
+                                capture_output=True, text=True, env=cold_cache_env(out))
         wall = time.monotonic() - start
-        if result.returncode:
-            print(result.stdout[-2000:], result.stderr[-4000:], flush=True)
-            report(label or f"ours {compile_} {loss_path}", f"failed (exit {result.returncode})")
+        timing = read_stopwatch(record)
+        if result.returncode or not timing:
+            report_failure(name, result, steps)
             return None, result.stdout
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
-    name = label or f"ours, {'compiled' if compile_ == 'true' else 'eager'}, loss {loss_path}"
-    timed = [r["throughput/tokens_per_sec"] for r in rows if r["step"] > warmup and "throughput/tokens_per_sec" in r]
-    tokens_per_sec = statistics.median(timed)
-    peak, gpu = peak_flops()
+    printed = [r["throughput/tokens_per_sec"] for r in rows
+               if warmup < r["step"] <= steps and "throughput/tokens_per_sec" in r]
     compile_time = next((r["throughput/compile_time_sec"] for r in rows if "throughput/compile_time_sec" in r), None)
-    memory = max(r.get("system/gpu_memory_peak_gb", 0) for r in rows)
     chosen = re.search(r"output layer \+ loss: ([^\n]+)", result.stdout)
-    report(name, f"{tokens_per_sec:,.0f} tok/s, MFU {flops_per_token() * tokens_per_sec / peak:.1%}, "
-                 f"peak {memory:.1f} GiB" + (f", first step {compile_time:.0f} s" if compile_time else "")
-                 + f", loss path: {chosen.group(1) if chosen else '?'}, wall {wall:.0f} s")
+    tokens_per_sec = report_speed(name, timing, statistics.median(printed) if printed else None, compile_time, wall,
+                                  note=f"; loss path: {chosen.group(1) if chosen else '?'}")
     return tokens_per_sec, result.stdout
 
 
 def nanogpt(steps, warmup, compile_, anchor):
-    """build-nanogpt's train_gpt2.py in a temporary folder: its shards are ours (same uint16 format)."""
+    """build-nanogpt's train_gpt2.py in a temporary folder (its shards are ours: the same uint16 format) for
+    `steps` steps, timed by the same stopwatch as `ours`; returns tokens/s."""
+    name = f"build-nanogpt, {'compiled' if compile_ else 'eager'}"
     with tempfile.TemporaryDirectory() as work:
         source = open(os.path.join(anchor, "train_gpt2.py")).read()
+        assert f"total_batch_size = {TOKENS_PER_STEP}" in source, "build-nanogpt's step is no longer 524,288 tokens"
         edits = [  # the only lines changed: length, compile switch, evaluation/HellaSwag/sampling off
             ("max_steps = 19073", f"max_steps = {steps}"),
             ("use_compile = False", f"use_compile = {compile_}"),
@@ -226,32 +325,29 @@ def nanogpt(steps, warmup, compile_, anchor):
         for old, new in edits:
             assert source.count(old) == 1, f"build-nanogpt's train_gpt2.py changed: no single {old!r}"
             source = source.replace(old, new)
-        with open(os.path.join(work, "train_gpt2.py"), "w") as f:
+        script = os.path.join(work, "train_gpt2.py")
+        with open(script, "w") as f:
             f.write(source)
         shutil.copy(os.path.join(anchor, "hellaswag.py"), work)
         os.symlink(os.path.join(BENCH, "data", "shakespeare"), os.path.join(work, "edu_fineweb10B"))
         env = cold_cache_env(work)
         if os.path.isdir(os.path.join(BENCH, "tiktoken")):
             env["TIKTOKEN_CACHE_DIR"] = os.path.join(BENCH, "tiktoken")
-        wrapper = ("import atexit, runpy, torch; atexit.register(lambda: print(f'PEAK_GIB "
-                   "{torch.cuda.max_memory_allocated() / 2**30:.2f}')); runpy.run_path('train_gpt2.py', run_name='__main__')")
+        record = os.path.join(work, "stopwatch.json")
         start = time.monotonic()
-        result = subprocess.run([sys.executable, "-c", wrapper], cwd=work, capture_output=True, text=True, env=env)
+        result = subprocess.run(timed_command(script, [], warmup, steps, record), cwd=work, capture_output=True,
+                                text=True, env=env)
         wall = time.monotonic() - start
-    name = f"build-nanogpt, {'compiled' if compile_ else 'eager'}"
-    if result.returncode:
-        print(result.stdout[-2000:], result.stderr[-4000:], flush=True)
-        report(name, f"failed (exit {result.returncode})")
+        timing = read_stopwatch(record)
+    if result.returncode or not timing:
+        report_failure(name, result, steps)
         return None
-    steps_seen = [(int(s), float(dt), float(t)) for s, dt, t in
-                  re.findall(r"step\s+(\d+) \| .*dt: ([\d.]+)ms \| tok/sec: ([\d.]+)", result.stdout)]
-    tokens_per_sec = statistics.median(t for s, _, t in steps_seen if s + 1 > warmup)
-    peak, _ = peak_flops()
-    memory = re.search(r"PEAK_GIB ([\d.]+)", result.stdout)
-    report(name, f"{tokens_per_sec:,.0f} tok/s, MFU {flops_per_token() * tokens_per_sec / peak:.1%}, "
-                 f"peak {memory.group(1) if memory else '?'} GiB, first step {steps_seen[0][1] / 1000:.0f} s, "
-                 f"wall {wall:.0f} s")
-    return tokens_per_sec
+    # Its own print: "step 0 | ... | dt: ...ms | tok/sec: ..."; its step s (from 0) is optimizer step s + 1.
+    printed = [(int(s) + 1, float(dt), float(t)) for s, dt, t in
+               re.findall(r"step\s+(\d+) \| .*dt: ([\d.]+)ms \| tok/sec: ([\d.]+)", result.stdout)]
+    timed = [t for step, _, t in printed if warmup < step <= steps]
+    first_step = next((dt / 1000 for step, dt, _ in printed if step == 1), None)
+    return report_speed(name, timing, statistics.median(timed) if timed else None, first_step, wall)
 
 
 def hellaswag():
@@ -265,7 +361,7 @@ def hellaswag():
 
 def checkpoint_stall():
     for mode in ("true", "false"):
-        _, stdout = ours(3, 0, "false", "auto", ("--train.no_checkpoints=false", "--checkpoint.interval=2",
+        _, stdout = ours(3, 1, "false", "auto", ("--train.no_checkpoints=false", "--checkpoint.interval=2",
                                                  f"--checkpoint.async_save={mode}"),
                          label=f"(checkpoint run, async={mode})")
         stalls = re.findall(r"checkpoint step(\d+) .*stalled ([\d.]+) s", stdout or "")
@@ -277,13 +373,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prepare", action="store_true", help="write .bench/ (needs the project's packages)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
-    parser.add_argument("--steps", type=int, default=16, help="steps of each compiled training run")
-    parser.add_argument("--eager_steps", type=int, default=8, help="steps of each eager training run")
-    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the median")
+    parser.add_argument("--steps", type=int, default=16,
+                        help="optimizer steps of each compiled training run; the stopwatch stops after the last")
+    parser.add_argument("--eager_steps", type=int, default=8, help="the same for each eager training run")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="steps before the stopwatch starts (compiling, warm-up): it times steps warmup+1 "
+                             "to the last")
     parser.add_argument("--loss_paths", default="chunked,full", help="train.loss_path values for `ours`")
     parser.add_argument("--anchor", default=os.path.join(ROOT, "..", "shared", "anchors", "build-nanogpt"),
                         help="folder with build-nanogpt's train_gpt2.py and hellaswag.py")
     args = parser.parse_args()
+    if not 0 < args.warmup < min(args.steps, args.eager_steps):
+        parser.error("--warmup must be at least 1 and below --steps and --eager_steps (the stopwatch starts after "
+                     "step --warmup and stops after the last step)")
     if args.prepare:
         return prepare(args.anchor)
     anchor = args.anchor if os.path.isdir(args.anchor) else os.path.join(BENCH, "build-nanogpt")
@@ -318,9 +420,11 @@ def main():
         loss_paths()
     best_ours = max((v for k, v in results.items() if k.startswith("ours compiled") and v), default=None)
     if best_ours and results.get("nanogpt compiled"):
-        report("ours / build-nanogpt, compiled", f"{best_ours / results['nanogpt compiled']:.2f}x")
+        report("ours / build-nanogpt, compiled", f"{best_ours / results['nanogpt compiled']:.2f}x (tokens/s by the "
+                                                 f"one stopwatch, steps {args.warmup + 1}-{args.steps})")
     if results.get("ours eager") and results.get("nanogpt eager"):
-        report("ours / build-nanogpt, eager", f"{results['ours eager'] / results['nanogpt eager']:.2f}x")
+        report("ours / build-nanogpt, eager", f"{results['ours eager'] / results['nanogpt eager']:.2f}x (tokens/s by "
+                                              f"the one stopwatch, steps {args.warmup + 1}-{args.eager_steps})")
     width = max(len(what) for what, _ in table) if table else 0
     print("\nsummary\n" + "\n".join(f"{what:<{width}}  {figure}" for what, figure in table))
 
