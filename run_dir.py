@@ -156,8 +156,9 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
     if resuming and c.save_overwrite and identity(read_trainer_state(path)["config"]) != identity(run_config):
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
-        note = "\n".join(filter(None, [note, f"note: replacing the different run in {out_dir} "
-                                              f"(checkpoint.save_overwrite); its checkpoints go once this run has one"]))
+        replacing = (f"note: replacing the different run in {out_dir} (checkpoint.save_overwrite); its checkpoints "
+                     f"go once this run has one")
+        note = "\n".join(filter(None, [note, replacing]))
     if resuming:
         check_identity(out_dir, read_trainer_state(path)["config"], run_config)
     else:

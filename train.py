@@ -470,11 +470,11 @@ def train(cfg):
         compiling = run.compiled and state.step < plan.end_step
         if compiling and run.is_master:
             print("torch.compile: the first step compiles the model first", flush=True)
-        clock, nonfinite_in_a_row = StepClock(run.device), 0
+        clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
         while state.step < plan.end_step:
             n = state.step + 1  # the step being taken, as logged
             mix, loader, stage2 = run.stages.at(n)  # stage2: None, or stage 2's frozen reference and KL weight
-            set_lr(run.optimizer, run.schedule.lr_at(n), cfg.optim.lr)  # every group follows the schedule from its own peak
+            set_lr(run.optimizer, run.schedule.lr_at(n), cfg.optim.lr)  # each group follows it from its own peak
             if plan.traces.due(n) and run.is_master:  # every module's inputs and outputs, saved
                 with clock.aside("trace"):
                     debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n,
@@ -499,7 +499,7 @@ def train(cfg):
                     world_size=run.world_size, peak_flops=run.peak_flops))
             recorder.record_all({f"throughput/{kind}_time_sec": seconds for kind, seconds in aside.items()})
             recorder.record_all({**lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
-            nonfinite_in_a_row = count_nonfinite_skips(state, step_metrics, nonfinite_in_a_row, cfg.train.nan_skip_limit)
+            in_a_row = count_nonfinite_skips(state, step_metrics, in_a_row, cfg.train.nan_skip_limit)
             recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that

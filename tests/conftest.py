@@ -100,6 +100,17 @@ def run_in_process(args, main=None):
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+def assert_one_sentence(result, *phrases):
+    """Exit status 1, no traceback, and stderr is one `error: ...` sentence holding each of `phrases`."""
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "Traceback" not in output, output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), result.stderr
+    for phrase in phrases:
+        assert phrase in lines[0], lines[0]
+
+
 def run_ladder(*args):
     """`python ladder.py ARGS` as a user runs it: in this process for the commands that train nothing (a
     new process's start-up would be most of their time), else in a process of its own."""

@@ -11,7 +11,7 @@ import checkpoint
 import debug
 import hellaswag_eval
 import sample
-from conftest import ROOT, TINY, run_in_process, run_train
+from conftest import ROOT, TINY, assert_one_sentence, run_in_process, run_train
 from hellaswag_fixture import write_hellaswag
 from tokenizer import EOT_TOKEN, get_tokenizer
 
@@ -22,19 +22,9 @@ ON_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torc
 def run_dir(data_root, tmp_path_factory):
     """A run folder with one checkpoint of a tiny model, for every command here to load."""
     out = tmp_path_factory.mktemp("cli") / "run"
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=1", "--optim.warmup_steps=1"])
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=1",
+                      "--optim.warmup_steps=1"])
     return out
-
-
-def assert_one_sentence(result, *phrases):
-    """Exit status 1, no traceback, and stderr is one `error: ...` sentence holding each of `phrases`."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
 
 
 # ----------------------------------------------------------------------------- --device

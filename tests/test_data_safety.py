@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import data
-from conftest import TINY, run_in_process, run_train
+from conftest import TINY, assert_one_sentence, run_in_process, run_train
 
 
 def snapshot(root):
@@ -29,17 +29,6 @@ def snapshot(root):
             else:
                 seen[os.path.relpath(path, root)] = "folder"
     return seen
-
-
-def assert_one_sentence(result, *phrases):
-    """Exit status 1, no traceback, and stderr is one `error: ...` sentence holding each of `phrases`."""
-    output = result.stdout + result.stderr
-    assert result.returncode == 1, output
-    assert "Traceback" not in output, output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and lines[0].endswith("."), result.stderr
-    for phrase in phrases:
-        assert phrase in lines[0], lines[0]
 
 
 def run_data(*args):

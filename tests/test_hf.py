@@ -53,7 +53,8 @@ def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
 
 
 def test_export_refuses_a_folder_that_is_not_empty(data_root, tmp_path):
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1", "--optim.warmup_steps=1"])
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1",
+                      "--optim.warmup_steps=1"])
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "keep.txt").write_text("mine")
     result = subprocess.run([sys.executable, "checkpoint.py", "export-hf", str(tmp_path / "run"),
@@ -121,7 +122,8 @@ def test_hf_ness_needs_a_model_type_beside_weights(hf_folder):
 
 def test_a_run_folder_whose_config_json_is_cut_off_still_loads(data_root, tmp_path):
     run = tmp_path / "run"
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={run}", "--train.max_steps=1", "--optim.warmup_steps=1"])
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={run}", "--train.max_steps=1",
+                      "--optim.warmup_steps=1"])
     before = load_model(str(run), "cpu")
     assert not hf.is_hf_folder(str(run))  # its config.json holds the run's settings, and no model_type
     config = (run / "config.json").read_text()

