@@ -70,10 +70,13 @@ class StepClock:
 
     @contextlib.contextmanager
     def aside(self, kind):
-        """Time a block that is not training: the GPU finishes its work first, so none of it spills into a step."""
+        """Time a block that is not training. The GPU finishes the step's queued work before the clock starts and
+        the block's own work before it stops, so neither spills into the other (two syncs, only around
+        evaluations, checkpoints, samples and traces)."""
+        self.synchronize()
         start = time.perf_counter()
         yield
-        self.synchronize()  # one sync, only around evaluations, checkpoints and samples
+        self.synchronize()
         self.set_aside[kind] = self.set_aside.get(kind, 0.0) + time.perf_counter() - start
 
 

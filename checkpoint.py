@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, config_from_dict, keys_with_role, run_command
-from hf import OPENAI_MODELS, check_export_target, export_hf, gpt2_shape, import_hf, is_gpt2_source, is_hf_folder
+from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_gpt2_source, is_hf_folder
 from model import GPT
 
 MARKER = "COMPLETE"
@@ -314,7 +314,9 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, saved):
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"])
+        # .get: checkpoints written before the count existed (2026-11-23) resume with 0 skipped so far
+        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"],
+                   saved.get("nonfinite_skipped", 0))
 
 
 def read_trainer_state(path):
@@ -445,7 +447,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
 
 
 def load_gpt2_weights(model, source):
-    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (take_gpt2_shape):
+    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (take_model_shape):
     the position embeddings are cropped to a shorter model.block_size, as nanoGPT's crop_block_size."""
     state = import_hf(source).state_dict()
     block_size = model.config.block_size
@@ -453,19 +455,27 @@ def load_gpt2_weights(model, source):
     model.load_state_dict(state)
 
 
-def take_gpt2_shape(source, model_config, key="checkpoint.load_path"):
-    """Fine-tuning GPT-2: the model's shape comes from the source, set into `model_config`. A field the config
-    set to another value is refused, naming it; model.block_size may shrink (never grow)."""
+def take_model_shape(shape, model_config, source, what, default_config=False, key="checkpoint.load_path"):
+    """Fine-tuning GPT-2: the model's shape comes from `shape` (the source's, or the fine-tune's own checkpoint's),
+    set into `model_config`. A field the config set to another value is refused, naming it; model.block_size
+    may shrink (never grow). A value at its dataclass default counts as unset."""
     default = dataclasses.asdict(type(model_config)())
-    for name, value in gpt2_shape(source).items():
-        mine = getattr(model_config, name)
+    for name in SHAPE_FIELDS:
+        value, mine = shape[name], getattr(model_config, name)
         if mine == default[name]:
             setattr(model_config, name, value)
         elif mine != value and not (name == "block_size" and mine < value):
             grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
-            raise CheckpointError(f"{key}={source} is a GPT-2 with model.{name}={value}, and this run sets "
-                                  f"model.{name}={mine}{grow}; remove that setting, as config/finetune_shakespeare.py "
-                                  f"does: the shape comes from the weights.")
+            where = " in config/shakespeare.py, the default config file," if default_config else ""
+            raise CheckpointError(f"{key}={source} is {what} with model.{name}={value}, and this run sets "
+                                  f"model.{name}={mine}{where}{grow}; the shape comes from the weights, so leave it "
+                                  f"out, as `python train.py config/finetune_shakespeare.py --{key}={source}` does.")
+
+
+def newest_checkpoint(run_dir):
+    """The newest complete checkpoint folder of `run_dir` (its checksums are verified when it is chosen), or None."""
+    found = find_checkpoints(run_dir)
+    return found[-1][1] if found else None
 
 
 def check_source(source, key="--init_from"):

@@ -266,6 +266,15 @@ RANGES = [
 ]
 
 
+def check_warmup(warmup_steps, max_steps):
+    """A warmup longer than the run: the LR would never reach its peak. (train.hard_stop stops a run early on
+    its full schedule, for a benchmark or a smoke test.)"""
+    if warmup_steps > max_steps:
+        raise ConfigError(f"optim.warmup_steps={warmup_steps} is longer than the run ({max_steps} steps), so the LR "
+                          f"would never reach its peak; lower optim.warmup_steps, train longer, or stop early with "
+                          f"train.hard_stop.")
+
+
 def validate(cfg, ranges=()):
     """Every check that needs no data and no run folder: word choices, ranges (RANGES and `ranges`, the
     same form: ladder.py's for its own section), formats."""
@@ -419,11 +428,14 @@ def closest_key(cfg, key):
     return f"; did you mean {match[0]}?" if match else "; `python train.py --help` lists every key."
 
 
+# nanoGPT's names for what a setting here does: a config that uses one is told which.
+NANOGPT_KEYS = {
+    "init_from": "train.py starts from weights with checkpoint.load_path (nanoGPT's init_from): gpt2, "
+                 "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. `python "
+                 "train.py config/finetune_shakespeare.py --checkpoint.load_path=gpt2`",
+}
 # Keys of earlier versions, and what replaced them: a config that still sets one is refused with this.
 RENAMED = {
-    "init_from": "train.py starts from weights with checkpoint.load_path (as nanoGPT's init_from): gpt2, "
-                 "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. "
-                 "--checkpoint.load_path=gpt2",
     "eval.hellaswag_interval": "HellaSwag is one of the tasks now: set eval.tasks=hellaswag and eval.tasks_interval",
     "eval.hellaswag_limit": "HellaSwag is one of the tasks now: set eval.tasks_limit",
     "eval.hellaswag_data": "HellaSwag is one of the tasks now: set eval.tasks_data_dir (a save_to_disk folder), or "
@@ -433,6 +445,8 @@ RENAMED = {
 
 
 def unknown_key_error(cfg, key, where):
+    if key in NANOGPT_KEYS:
+        return ConfigError(f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}.")
     if key in RENAMED:
         return ConfigError(f"{where}: {key} is gone; {RENAMED[key]}.")
     return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
@@ -517,7 +531,7 @@ def load_config_file(cfg, path):
             continue
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
-        if name in RENAMED:
+        if name in NANOGPT_KEYS:
             raise unknown_key_error(cfg, name, str(path))
         raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
                           f"{closest_key(cfg, name)}")

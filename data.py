@@ -168,6 +168,9 @@ def replace_folder(out_dir, write):
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     new = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".new-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(new, 0o777 & ~umask)  # mkdtemp makes it private (0700); a dataset folder is an ordinary one
     try:
         write(new)
         check_replaceable(out_dir)  # checked again right before the swap: a file may have landed there meanwhile

@@ -181,6 +181,9 @@ class MetricRecorder:
 # ----------------------------------------------------------------------------- what happens to collected rows
 
 
+PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")
+
+
 class RowWriter:
     """Collected rows, on the main thread or the bookkeeping thread: flag loss spikes, add the ETA,
     write the sinks (rank 0). It never raises (it may run on the worker thread): the first non-finite
@@ -203,17 +206,20 @@ class RowWriter:
             self.nonfinite = self.nonfinite or nonfinite_message(step, values)
 
     def add_eta(self, step, values):
-        """throughput/eta_sec: the mean step time so far x the steps left. It is measured on the step times
-        the rows carry, not on the clock: the rows of a collection window arrive together, long after
-        most of their steps ended. The first step this process trains is left out: it holds torch.compile
-        (27 s for GPT-2 on an H100, see train.py) and the allocator's warm-up, and would dominate."""
-        if "throughput/step_time_sec" not in values:  # step 0 holds the evaluations before training
+        """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
+        evaluations, checkpoints, samples) x the steps left. It is measured on the times the rows carry, not on
+        the clock: the rows of a collection window arrive together, long after most of their steps ended.
+        The first step this process trains is left out: it holds torch.compile and the allocator's warm-up."""
+        if "throughput/step_time_sec" not in values:  # step 0 (evaluations before training), a skipped step
             return
         if not self.warm:
             self.warm = True
             return
         self.timed_steps += 1
-        self.timed_seconds += values["throughput/step_time_sec"]
+        # The step's window: its step time and the eval/checkpoint/sample/trace time set aside in it (the data
+        # and compile times are parts of the step time).
+        self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
+                                  and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
         values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
 
 

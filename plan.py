@@ -14,7 +14,7 @@ exception is the final checkpoint: it is always written (a run that stops must b
 
 from dataclasses import dataclass
 
-from config import ConfigError, duration_to_steps, in_ranges, parse_step_ranges
+from config import ConfigError, check_warmup, duration_to_steps, in_ranges, parse_step_ranges
 
 
 @dataclass(frozen=True)
@@ -112,9 +112,7 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params, has_tasks
     if stage2_step is not None and stage2_step >= max_steps:
         raise ConfigError(f"stage2.start={cfg.stage2.start} is step {stage2_step}, not before the run's end at "
                           f"step {max_steps}; start stage 2 earlier or train longer.")
-    if cfg.optim.warmup_steps > max_steps:
-        raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} is longer than the run ({max_steps} steps), so "
-                          f"the LR would never reach its peak; lower optim.warmup_steps or train longer.")
+    check_warmup(cfg.optim.warmup_steps, max_steps)
     e, c = cfg.eval, cfg.checkpoint
     if e.tasks and not (e.tasks_interval or e.fixed_steps):  # here, not in config.py: the ladder sets fixed_steps
         raise ConfigError(f"eval.tasks={','.join(e.tasks)} would never run: set eval.tasks_interval (every N steps "

@@ -32,7 +32,9 @@ from metrics import truncate_jsonl
 from config import Config, as_override, config_to_dict, keys_with_role, parse_duration, parse_mix
 
 LOCK = ".lock"
-RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt")  # a run's record besides checkpoints
+# A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
+RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl",
+                "config_changes.jsonl")
 # What makes two runs the same run: the fields config.py declares `identity` (a checkpoint cannot be
 # resumed correctly under other values).
 IDENTITY = keys_with_role("identity")

@@ -32,10 +32,12 @@ import run_dir
 import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
                        memory_metrics, peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
-from checkpoint import Checkpointer, TrainState, capture_state, check_source, load_checkpoint, take_gpt2_shape
-from config import check_torch, config_to_dict, get, parse_args, parse_duration, parse_mix, run_command
+from checkpoint import (Checkpointer, TrainState, capture_state, check_source, load_checkpoint, newest_checkpoint,
+                        read_trainer_state, take_model_shape)
+from config import (check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration, parse_mix,
+                    run_command)
 from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
-from hf import is_gpt2_source
+from hf import gpt2_shape, is_gpt2_source
 from mixture import MixtureLoader
 from model import GPT, choose_loss_path, loss_slices
 from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
@@ -435,17 +437,12 @@ def compile_time(run, step, seconds):
     return {"throughput/compile_time_sec": seconds}
 
 
-def count_nonfinite_skips(state, step_metrics, in_a_row, limit):
-    """train.nan_policy=skip: count the skipped steps (state.nonfinite_skipped, checkpointed) and stop with a
-    sentence after `limit` in a row: a loss that stays non-finite will not recover by itself. Returns the
-    steps skipped in a row so far. (The flag is a host number: skip mode syncs every step anyway.)"""
+def count_nonfinite_skips(state, step_metrics, in_a_row):
+    """train.nan_policy=skip: count the steps skipped for a non-finite loss or gradient (state.nonfinite_skipped,
+    checkpointed); returns how many in a row so far. (The flag is a host number: skip mode syncs every step.)"""
     if "train/skipped_nonfinite_step" not in step_metrics:
         return 0
     state.nonfinite_skipped += 1
-    if limit and in_a_row + 1 >= limit:
-        raise NonFiniteLoss(f"the loss or gradient was non-finite at {in_a_row + 1} steps in a row up to step "
-                            f"{state.step} (train.nan_policy=skip), so the weights are no longer trained; resume from "
-                            f"the last checkpoint with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
     return in_a_row + 1
 
 
@@ -479,28 +476,33 @@ def train(cfg):
                 with clock.aside("trace"):
                     debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n,
                                         cfg.debug.trace_sequences)
-            trained = not plan.skips_data(n)
-            if trained:
+            if plan.skips_data(n):
+                step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
+            else:
                 step_metrics, data_time = train_step(
                     run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast, grad_clip=cfg.optim.grad_clip,
                     nan_policy=cfg.train.nan_policy, stage2=stage2, layer_norms=plan.grad_norms.due(n))
-            else:
-                step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
-            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == n; only trained tokens count
+            # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
+            trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
+            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == n
+            if compiling:
+                clock.synchronize()  # once: the compiled first step, GPU work included
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
             if compiling:
                 recorder.record_all(compile_time(run, n, step_time))
                 compiling = False
             recorder.record_all(step_metrics)
-            if trained:  # a skipped step trained nothing: no throughput to report
+            if trained:
                 recorder.record_all(speed_metrics(
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
                     block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
                     world_size=run.world_size, peak_flops=run.peak_flops))
             recorder.record_all({f"throughput/{kind}_time_sec": seconds for kind, seconds in aside.items()})
             recorder.record_all({**lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
-            in_a_row = count_nonfinite_skips(state, step_metrics, in_a_row, cfg.train.nan_skip_limit)
-            recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
+            if cfg.train.nan_policy == "skip":
+                in_a_row = count_nonfinite_skips(state, step_metrics, in_a_row)
+                recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
+            give_up = bool(cfg.train.nan_skip_limit) and in_a_row >= cfg.train.nan_skip_limit
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
             # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
@@ -517,9 +519,15 @@ def train(cfg):
             run.gc.step(n)
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
-            recorder.finish_step(n, collect=due.collect, wait=bool(due.checkpoint))  # metrics.jsonl: every step saved
+            # metrics.jsonl holds every step before a checkpoint is saved, and before a stop for non-finite steps
+            recorder.finish_step(n, collect=due.collect or give_up, wait=bool(due.checkpoint) or give_up)
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
                 raise NonFiniteLoss(run.writer.nonfinite)
+            if give_up:  # its rows are written: the steps that led here are on record
+                raise NonFiniteLoss(
+                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {n} "
+                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
+                    f"with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -609,21 +617,40 @@ def collective_failure(error):
     return None
 
 
+def take_start_shape(cfg, default_config):
+    """checkpoint.load_path, checked before anything is written: a GPT-2 gives the model its shape (fine-tuning),
+    and a path that is neither a folder nor a GPT-2 name is one sentence (a typo would train from scratch).
+    A run that already has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's,
+    and the source is not needed any more (a deleted folder, a hub name offline)."""
+    ck = cfg.checkpoint
+    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
+    saved = read_trainer_state(own)["config"] if own else None
+    if saved and saved["checkpoint"].get("load_path") == ck.load_path:
+        take_model_shape(saved["model"], cfg.model, ck.load_path, "the run's own checkpoint", default_config)
+    elif is_gpt2_source(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+        take_model_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
+    elif not os.path.isdir(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+
+
 def main(argv):
     # Every user mistake in the config fails here, before any file is touched.
     check_torch(torch.__version__)
-    cfg = parse_args([a for a in argv if a != "--dry_run"])
+    args = [a for a in argv if a != "--dry_run"]
+    cfg = parse_args(args)
     tasks.check_names(cfg.eval.tasks, "eval.tasks")  # the names tasks.py defines
     for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
                  *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
         dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
     if cfg.train.device != "auto":
         check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
+    if not cfg.train.max_duration:  # (a duration in tokens or epochs is checked by make_plan, once data is read)
+        check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
         check_source(cfg.stage2.reference, "stage2.reference")
-    if is_gpt2_source(cfg.checkpoint.load_path):  # fine-tuning GPT-2: the model's shape comes from its weights
-        check_source(cfg.checkpoint.load_path, "checkpoint.load_path")
-        take_gpt2_shape(cfg.checkpoint.load_path, cfg.model)
+    if cfg.checkpoint.load_path:
+        take_start_shape(cfg, default_config=not args or args[0].startswith("--"))
     if "--dry_run" in argv:
         return dry_run(cfg)
     train(cfg)

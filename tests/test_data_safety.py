@@ -173,3 +173,15 @@ def test_a_val_fraction_inside_the_range_leaves_a_train_shard(essays, tmp_path):
     assert result.returncode == 0, result.stderr
     train = np.concatenate([np.load(p) for p in sorted((tmp_path / "out").glob("train_*.npy"))])
     assert len(train) >= 1
+
+
+def test_a_users_empty_folder_keeps_its_permissions_when_a_dataset_is_prepared_into_it(tmp_path):
+    (tmp_path / "in.txt").write_text("To be, or not to be: that is the question. " * 200)
+    target = tmp_path / "mine"
+    target.mkdir(mode=0o755)
+    os.chmod(target, 0o755)
+    result = run_in_process(["text", str(tmp_path / "in.txt"), "--out_dir", str(target)], data.main)
+    assert result.returncode == 0, result.stderr
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(target).st_mode & 0o777 == 0o777 & ~umask  # an ordinary folder, not mkdtemp's private 0700

@@ -61,10 +61,17 @@ def test_a_shape_the_weights_do_not_have_is_one_sentence_and_nothing_is_written(
         assert not (tmp_path / "run").exists()
 
 
-def test_resuming_a_fine_tune_is_exact(data_root, gpt2_folder, tmp_path):
+def test_resuming_a_fine_tune_is_exact_and_needs_the_source_no_more(data_root, gpt2_folder, tmp_path):
     run_train(finetune(data_root, tmp_path / "whole", gpt2_folder))
-    run_train(finetune(data_root, tmp_path / "halves", gpt2_folder, "--train.hard_stop=3"))
-    resumed = run_train(finetune(data_root, tmp_path / "halves", gpt2_folder))
+    source = tmp_path / "gpt2-tiny"  # a copy, deleted before the resume (as a hub name offline, not cached)
+    source.mkdir()
+    for name in os.listdir(gpt2_folder):
+        (source / name).write_bytes((gpt2_folder / name).read_bytes())
+    run_train(finetune(data_root, tmp_path / "halves", source, "--train.hard_stop=3"))
+    for name in os.listdir(source):
+        os.remove(source / name)
+    os.rmdir(source)
+    resumed = run_train(finetune(data_root, tmp_path / "halves", source))
     assert "resumed from" in resumed.stdout and "is ignored because" in resumed.stdout
     losses = [[r["train/loss"] for r in read_metrics(tmp_path / run) if r["step"] > 0] for run in ("whole", "halves")]
     assert len(losses[0]) == 6 and losses[0] == losses[1]
@@ -110,3 +117,9 @@ def test_a_gpt2_name_goes_through_the_hub_download_path(data_root, gpt2_folder, 
     local = run_train(finetune(data_root, tmp_path / "local", gpt2_folder, "--train.max_steps=1"))
     assert local.returncode == 0
     assert first == [r for r in read_metrics(tmp_path / "local") if r["step"] == 0][0]["val/loss"]
+
+
+def test_the_default_config_files_shape_is_named_as_the_reason_for_a_refusal(gpt2_folder, tmp_path):
+    result = run_in_process([f"--checkpoint.load_path={gpt2_folder}", f"--train.out_dir={tmp_path / 'run'}"])
+    assert result.returncode == 1 and "in config/shakespeare.py, the default config file" in result.stderr
+    assert "python train.py config/finetune_shakespeare.py" in result.stderr and not (tmp_path / "run").exists()

@@ -107,9 +107,12 @@ def test_a_run_whose_steps_all_fail_under_nan_policy_skip_stops_with_a_sentence(
                             "--train.nan_policy=skip", "--train.nan_skip_limit=3",
                             "--log.metrics_collect_interval=1"), check=False)
     assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "non-finite at 3 steps in a row" in result.stderr
+    stop = int(re.search(r"non-finite at 3 steps in a row up to step (\d+)", result.stderr).group(1))
     rows = read_metrics(tmp_path / "run")
-    assert rows[-1]["train/nonfinite_steps_skipped"] == 2 and rows[-1]["step"] < 30  # counted, then stopped
+    assert rows[-1]["step"] == stop < 30 and rows[-1]["train/nonfinite_steps_skipped"] == 3  # on record, then stopped
+    skipped = [r for r in rows if "train/skipped_nonfinite_step" in r]
+    assert len(skipped) == 3 and all("throughput/tokens_per_sec" not in r for r in skipped)
+    assert len({r["tokens"] for r in rows[-4:]}) == 1  # a skipped step trained no tokens
     assert find_checkpoints(tmp_path / "run") == []
 
 
@@ -259,3 +262,42 @@ def test_the_compile_notice_says_what_it_measured_not_a_constant():
     import train
 
     assert not re.search(r"\d+ s for GPT-2", inspect.getsource(train))
+
+
+def test_a_checkpoint_written_before_the_skip_count_existed_still_resumes(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=4", "--train.hard_stop=2"))
+    trainer = torch.load(out / "step2" / "trainer.pt", weights_only=True)
+    del trainer["nonfinite_skipped"]  # as the previous version wrote it
+    torch.save(trainer, out / "step2" / "trainer.pt")
+    marker = json.loads((out / "step2" / "COMPLETE").read_text())
+    marker["files"]["trainer.pt"] = __import__("checkpoint").sha256_file(out / "step2" / "trainer.pt")
+    (out / "step2" / "COMPLETE").write_text(json.dumps(marker))
+    resumed = run_train(args(data_root, out, "--train.max_steps=4"))
+    assert "resumed from" in resumed.stdout and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+
+
+def test_a_run_that_replaces_another_starts_without_its_rewind_and_change_logs(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2"))
+    run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.resume_step=2"))
+    assert (out / "rewinds.jsonl").exists()
+    run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--train.seed=7",
+                   "--checkpoint.save_overwrite=true"))
+    assert not (out / "rewinds.jsonl").exists()
+    again = run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--train.seed=7",
+                           "--checkpoint.resume_step=2"))
+    assert "rewound to step 2: checkpoints 4" in again.stdout  # the new run's first rewind is not skipped
+
+
+def test_a_warmup_longer_than_the_run_is_refused_before_data_is_prepared(tmp_path):
+    result = run_in_process(["--train.max_steps=60", "--optim.warmup_steps=1000", f"--data.data_root={tmp_path / 'd'}",
+                             f"--train.out_dir={tmp_path / 'run'}"])
+    assert result.returncode == 1 and "optim.warmup_steps=1000 is longer than the run (60 steps)" in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_load_path_that_is_neither_a_folder_nor_a_gpt2_name_is_one_sentence(data_root, tmp_path):
+    result = run_train(args(data_root, tmp_path / "run", "--checkpoint.load_path=gpt2-small"), check=False)
+    assert result.returncode == 1 and "checkpoint.load_path=gpt2-small is not a folder nor one of gpt2" in result.stderr
+    assert not (tmp_path / "run").exists()
