@@ -26,7 +26,7 @@ def losses(out):
 
 @pytest.mark.parametrize("setting, message", [
     ("--stage2.reference=/no/such/run", "stage2.reference=/no/such/run is not a folder nor one of gpt2"),
-    ("--checkpoint.load_path=/no/such/run", "checkpoint.load_path: no complete checkpoint at /no/such/run"),
+    ("--checkpoint.load_path=/no/such/run", "checkpoint.load_path=/no/such/run is not a folder nor one of gpt2"),
 ])
 def test_2_every_source_a_run_needs_later_is_checked_before_anything_is_written(data_root, tmp_path, setting, message):
     stage2 = ["--stage2.start=4steps"] if "stage2" in setting else ["--checkpoint.load=always"]
