@@ -156,16 +156,18 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
         verify_checkpoint(path)
     else:
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
-    if resuming and c.save_overwrite and identity(read_trainer_state(path)["config"]) != identity(run_config):
+    saved = read_trainer_state(path)["config"] if resuming else None
+    # save_overwrite replaces a different run, but never one being rewound (that would do both): refused below
+    if resuming and c.save_overwrite and not rewind_to and identity(saved) != identity(run_config):
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
         replacing = (f"note: replacing the different run in {out_dir} (checkpoint.save_overwrite); its checkpoints "
                      f"go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
     if resuming:
-        check_identity(out_dir, read_trainer_state(path)["config"], run_config)
+        check_identity(out_dir, saved, run_config)
     else:
         check_fresh_start(out_dir, run_config, c.save_overwrite)
-        if path and not is_gpt2_source(path):  # (a GPT-2's shape was taken into the config: take_gpt2_shape)
+        if path and not is_gpt2_source(path):  # (a GPT-2's shape was taken into the config: take_model_shape)
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
     return Start(path, resuming, rewind_to, rewind_folder, [n for n in (rewind_note, note) if n])
 
