@@ -128,6 +128,9 @@ def test_a_refused_rewind_moves_nothing_and_a_cut_short_one_is_finished_in_place
     refused = run_train(common + ["--checkpoint.resume_step=2", "--train.seed=7"], check=False)
     assert refused.returncode == 1 and "train.seed" in refused.stderr
     assert snapshot(out) == before and not (out / "rewinds.jsonl").exists()
+    both = run_train(common + ["--checkpoint.resume_step=2", "--train.seed=7", "--checkpoint.save_overwrite=true"],
+                     check=False)  # rewind this run and replace it by another: refused, not both
+    assert both.returncode == 1 and "train.seed" in both.stderr and snapshot(out) == before
     # A kill -9 after the first move of a rewind: step6 already aside, step4 not yet.
     partial = out / "rewound" / "20260101-000000_to_step2.partial"
     partial.mkdir(parents=True)
