@@ -312,8 +312,12 @@ def plan_rewind(out_dir, step, number):
                         if name.endswith(f"_to_step{step}.partial"))
     if not unfinished and not any(s > step for s in found):
         return 0, "", ""
-    name = unfinished[-1] if unfinished else f"{time.strftime('%Y%m%d-%H%M%S')}_to_step{step}.partial"
-    return step, os.path.join(aside, name), ""
+    if unfinished:
+        return step, os.path.join(aside, unfinished[-1]), ""
+    stamp, n = time.strftime('%Y%m%d-%H%M%S'), 1  # two rewinds in one second (or an older run's) get their own folder
+    while os.path.exists(os.path.join(aside, f"{stamp}{'' if n == 1 else f'-{n}'}_to_step{step}")):
+        n += 1
+    return step, os.path.join(aside, f"{stamp}{'' if n == 1 else f'-{n}'}_to_step{step}.partial"), ""
 
 
 def rewind(out_dir, step, folder, number):

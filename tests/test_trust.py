@@ -280,7 +280,9 @@ def test_a_checkpoint_written_before_the_skip_count_existed_still_resumes(data_r
     assert "resumed from" in resumed.stdout and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
-def test_a_run_that_replaces_another_starts_without_its_rewind_and_change_logs(data_root, tmp_path):
+def test_a_run_that_replaces_another_starts_without_its_rewind_and_change_logs(data_root, tmp_path, monkeypatch):
+    import run_dir
+    monkeypatch.setattr(run_dir.time, "strftime", lambda *a: "20260101-000000")  # both rewinds in one second
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2"))
     run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.resume_step=2"))
@@ -291,6 +293,7 @@ def test_a_run_that_replaces_another_starts_without_its_rewind_and_change_logs(d
     again = run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--train.seed=7",
                            "--checkpoint.resume_step=2"))
     assert "rewound to step 2: checkpoints 4" in again.stdout  # the new run's first rewind is not skipped
+    assert sorted(os.listdir(out / "rewound")) == ["20260101-000000-2_to_step2", "20260101-000000_to_step2"]
 
 
 def test_a_warmup_longer_than_the_run_is_refused_before_data_is_prepared(tmp_path):
