@@ -40,7 +40,7 @@ def plain_loop(model, examples, device):
             tokens[i, : len(row)] = torch.tensor(row)
             mask[i, start : len(row)] = 1
         tokens, mask = tokens.to(device), mask.to(device)
-        logits, _ = model(tokens[:, :-1])  # rows are at most block_size + 1 long; the last token is only a target
+        logits = model(tokens[:, :-1])  # rows are at most block_size + 1 long; the last token is only a target
         losses = F.cross_entropy(logits[:, :, :GPT2_VOCAB_SIZE].flatten(0, 1).float(), tokens[:, 1:].flatten(),
                                  reduction="none").view(len(ex.rows), -1)
         summed = (losses * mask[:, 1:]).sum(1)

@@ -120,7 +120,7 @@ def loss_paths():
     import torch
     from torch.nn import functional as F
 
-    from model import chunked_cross_entropy, loss_slices
+    from cross_entropy import chunked_cross_entropy, loss_slices
 
     rows, width, vocab = 64 * 1024, 768, 50304
     generator = torch.Generator("cuda").manual_seed(0)

@@ -106,6 +106,7 @@ class TrainConfig:
     device: str = applied("auto")  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
     compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
+    model_module: str = identity("model")  # the module whose GPT class is trained: model (model.py) or a .py file of your own, e.g. the course's capstone
     loss_path: Literal["auto", "chunked", "full"] = applied("auto")  # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
     seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
     out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
@@ -308,6 +309,10 @@ def validate(cfg, ranges=()):
     if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: tasks.py)
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; name the tasks "
                           f"to run, e.g. --eval.tasks=hellaswag,arc_easy.")
+    module = cfg.train.model_module
+    if module != "model" and not (module.endswith(".py") and os.path.isfile(module)):
+        raise ConfigError(f"train.model_module={module!r} is neither model nor an existing .py file; give the path of "
+                          f"the file that defines your GPT class.")
     for key in ("train.max_duration", "train.hard_stop", "stage2.start"):
         if get(cfg, key):
             parse_duration(get(cfg, key), key)

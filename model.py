@@ -1,10 +1,9 @@
-"""The GPT-2 model: configuration, architecture, the output layer + loss, parameter and FLOP counts.
+"""GPT-2: its configuration, attention, MLP, block and the GPT itself, then parameter and FLOP counts.
 
 This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
-blocks, learned position embeddings, a GELU(tanh) MLP and a language-model head that shares its
-weights with the token embedding. `train.py` builds a `GPT` from a `GPTConfig` (optimizer.py builds
-its optimizer) and calls `forward` for the loss; sampling (sample.py, with its KV cache) and
-evaluation call `forward` for the logits.
+blocks, learned position embeddings, a GELU(tanh) MLP and an output layer that shares its weights
+with the token embedding. `model(idx)` gives the logits, `model(idx, targets)` the loss: train.py
+calls the second, sampling and evaluation the first. The loss itself is in cross_entropy.py.
 """
 
 from dataclasses import dataclass, field
@@ -13,115 +12,24 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-# Each field's role on resume (config.py explains the roles): the shape is what the run *is*.
+import cross_entropy
+
+# Each field's role when a run resumes (config.py explains roles): the model's shape is what the run *is*.
 SHAPE = {"role": "identity", "ladder": False}
 SHAPE_BY_LADDER = {"role": "identity", "ladder": True}  # ladder.py derives these from the model size
+APPLIED = {"role": "applied", "ladder": False}
 
 
 @dataclass(slots=True)
 class GPTConfig:
     block_size: int = field(default=1024, metadata=SHAPE)  # longest sequence the model reads (GPT-2: 1024)
-    # GPT-2's 50,257 tokens (tokenizer.GPT2_VOCAB_SIZE) padded to a multiple of 64, because matrix
-    # multiplies on GPUs run faster on such shapes; the extra rows never win a sample.
-    vocab_size: int = field(default=50304, metadata=SHAPE)  # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64 for speed
+    # GPT-2's 50,257 tokens padded to a multiple of 64: matrix multiplies on GPUs run faster on such shapes.
+    vocab_size: int = field(default=50304, metadata=SHAPE)  # output vocabulary size
     n_layer: int = field(default=12, metadata=SHAPE_BY_LADDER)  # number of transformer blocks
     n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)  # attention heads per block; must divide n_embd
     n_embd: int = field(default=768, metadata=SHAPE_BY_LADDER)  # width of the residual stream
-    dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False})  # dropout probability; 0 for pretraining, try 0.1 when fine-tuning
+    dropout: float = field(default=0.0, metadata=APPLIED)  # dropout probability; 0 to pretrain, 0.1 to fine-tune
     bias: bool = field(default=True, metadata=SHAPE)  # biases in Linear and LayerNorm layers, as in GPT-2
-
-
-# How many logits the fused loss computes at once, by device type. CPU: 2**22 float32 values (16 MB),
-# e.g. 83 rows of GPT-2's 50,304-wide vocabulary; slices this small stay under glibc's largest mmap
-# threshold (32 MB), so each slice reuses the memory of the previous one (measured: docs/measurements.md).
-# CUDA: 2**29 values (2 GiB of float32 logits), so a GPT-2 micro-batch of 64 x 1,024 tokens is 7 slices
-# of ~10,700 rows: each slice's matmul fills the GPU, and torch.compile unrolls only 7 of them.
-LOSS_SLICE_VALUES = {"cpu": 2**22, "cuda": 2**29}
-
-
-def loss_slice_rows(device_type, vocab_size):
-    """Rows of hidden states per slice of the fused loss on this kind of device."""
-    return max(1, LOSS_SLICE_VALUES.get(device_type, LOSS_SLICE_VALUES["cpu"]) // vocab_size)
-
-
-def choose_loss_path(setting, device_type, compiled):
-    """train.loss_path resolved: "chunked" or "full" (see GPT.forward). "auto" picks what was measured
-    fastest (docs/measurements.md): under torch.compile on CUDA, "full" (inductor fuses the softmax and
-    the loss into few passes over bf16 logits; GPT-2 124M on an H100: 559k tokens/s against 537k chunked,
-    for 3 GiB more memory); everywhere else "chunked" (eager CUDA: the same speed without the 37 GiB of
-    float32 logits and their gradient; CPU: 1.5x faster than the full logits)."""
-    if setting != "auto":
-        return setting
-    return "full" if device_type == "cuda" and compiled else "chunked"
-
-
-def loss_slices(rows, vocab_size, device_type):
-    """Slices per micro-step: the number of loop iterations torch.compile unrolls into the graph."""
-    return -(-rows // loss_slice_rows(device_type, vocab_size))
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """The output layer and the mean cross-entropy in one step, a slice of rows at a time.
-
-    `F.cross_entropy(hidden @ weight.T, targets)` writes a (tokens x vocabulary) float32 tensor, reads
-    it for the softmax, and writes its gradient again in the backward pass: for the classroom model
-    that is 206 MB per step, for GPT-2 (124M) at 64 x 1,024 tokens 13 GB. Here each slice of rows
-    computes its logits, its loss, and at once its gradients (softmax minus one-hot, divided by the
-    number of scored tokens), then is thrown away; the backward pass only scales the stored gradients.
-    The same sums as the full computation (tested to float tolerance, float32 and bf16 autocast),
-    padded vocabulary rows included: they are rows of the tied embedding and get their true gradient.
-    Targets of -1 are not scored (`ignore_index=-1`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, need_grad):
-        device_type = hidden.device.type
-        # Under autocast the matmuls run in its dtype, as the unfused nn.Linear would; sums stay float32.
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        scored = targets != -1
-        n_scored = scored.sum()
-        with torch.autocast(device_type, enabled=False):
-            w = weight.to(dtype)
-            loss_sum = torch.zeros((), device=hidden.device)
-            grad_hidden = torch.empty_like(hidden) if need_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
-            for start in range(0, hidden.size(0), chunk_rows):
-                h, t = hidden[start:start + chunk_rows].to(dtype), targets[start:start + chunk_rows]
-                s, safe_t = scored[start:start + chunk_rows], t.clamp(min=0)
-                logits = (h @ w.t()).float()
-                target_logit = logits.gather(1, safe_t[:, None])
-                # log-sum-exp with one exp pass, kept for the gradient: exp(logits - max) / its sum is the softmax.
-                top = logits.amax(dim=1, keepdim=True)
-                exp = logits.sub_(top).exp_()
-                total = exp.sum(dim=1, keepdim=True)
-                loss_sum += ((total.log() + top - target_logit).squeeze(1) * s).sum()
-                if need_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n_scored
-                    weight_of_row = s[:, None] / n_scored
-                    g = exp.mul_(weight_of_row / total)
-                    g.scatter_add_(1, safe_t[:, None], -weight_of_row)
-                    g = g.to(dtype)
-                    grad_hidden[start:start + chunk_rows] = g @ w
-                    if dtype == torch.float32:
-                        grad_weight.addmm_(g.t(), h)
-                    else:
-                        grad_weight += (g.t() @ h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss_sum / n_scored
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None, None
-
-
-def chunked_cross_entropy(hidden, weight, targets):
-    """Mean cross-entropy of `hidden @ weight.T` against `targets` (-1: not scored), never holding the
-    full logits. hidden: (tokens, n_embd); weight: (vocabulary, n_embd); targets: (tokens,)."""
-    # Whether a backward pass can follow is decided here: inside forward() grad mode is always off, and
-    # ctx.needs_input_grad is True for a parameter even under torch.no_grad(). Without this, every
-    # validation pass would also compute the gradients (twice the output layer's work, for nothing).
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)),
-                                     need_grad)
 
 
 class CausalSelfAttention(nn.Module):
@@ -191,7 +99,7 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
+    def __init__(self, config: GPTConfig, loss_path="chunked"):
         super().__init__()
         self.config = config
         self.transformer = nn.ModuleDict(
@@ -206,7 +114,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
         self.transformer.wte.weight = self.lm_head.weight
-        self.loss_path = "chunked"  # how forward computes the training loss: "chunked" or "full" (see forward)
+        self.loss_path = loss_path  # how forward computes the loss: "chunked" or "full" (cross_entropy.py)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -222,23 +130,14 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets=None, kv_cache=None, return_logits=None):
-        """(logits, loss). Without `targets`: the logits of every position, loss None. With `targets`:
-        the mean cross-entropy where targets are not -1, and logits None: through the fused chunked loss
-        (`loss_path = "chunked"`, the default: the full logits are never built), or through the full
-        logits and F.cross_entropy (`"full"`, what nanoGPT does). `return_logits=True` asks for both,
-        computed the full way. train.py sets `loss_path` from train.loss_path."""
-        B, T = idx.size()
+    def forward(self, idx, targets=None, kv_cache=None):
+        """The logits (B, T, vocabulary) without `targets`; the mean cross-entropy loss with them.
+        Targets of -1 are not scored. With targets the loss goes through `self.loss_path` (cross_entropy.py):
+        "chunked" never builds the full logits, "full" is nanoGPT's logits-then-F.cross_entropy."""
         x = self.hidden_states(idx, kv_cache)
-        if targets is not None and not return_logits and self.loss_path == "chunked":
-            return None, chunked_cross_entropy(x.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
-        logits = self.lm_head(x)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(
-                logits.view(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1
-            )
-        return (logits if return_logits or targets is None else None), loss
+        if targets is None:
+            return self.lm_head(x)
+        return cross_entropy.next_token_loss(x, self.lm_head.weight, targets, self.loss_path)
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
         """The final layer-normed hidden state of every position, before the output layer. The
@@ -272,3 +171,21 @@ class GPT(nn.Module):
         c = self.config
         n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def gpt_class(module="model"):
+    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own
+    (the course's capstone trains a student's GPT this way; it takes the same GPTConfig)."""
+    if module == "model":
+        return GPT
+    import importlib.util
+    import os
+    if not module.endswith(".py") or not os.path.isfile(module):
+        raise ValueError(f"train.model_module={module!r} is neither model nor a .py file; give the path of the file "
+                         f"that defines your GPT class.")
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module))[0], module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    if not hasattr(loaded, "GPT"):
+        raise ValueError(f"{module} defines no class GPT; name your model class GPT.")
+    return loaded.GPT

@@ -82,7 +82,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
             # The context is full: start a fresh cache over the last block_size - 1 tokens.
             kv_cache = KVCache(model.config.n_layer)
             new = idx[:, -(model.config.block_size - 1) :]
-        logits, _ = model(new, kv_cache=kv_cache)
+        logits = model(new, kv_cache=kv_cache)
         logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p)
         if temperature == 0:
             next_token = logits.argmax(dim=-1, keepdim=True)
@@ -136,7 +136,7 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     device = next(model.parameters()).device
     assert len(prompt_tokens) + max_new_tokens <= model.config.block_size, "prompt + new tokens > block_size"
     cache = KVCache(model.config.n_layer)
-    logits, _ = model(torch.tensor([prompt_tokens], device=device), kv_cache=cache)
+    logits = model(torch.tensor([prompt_tokens], device=device), kv_cache=cache)
     beams = torch.tensor([prompt_tokens], device=device)  # (live beams, T)
     scores = torch.zeros(1, device=device)  # total log-probability of each live beam
     finished = []
@@ -158,7 +158,7 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
             # Log-probabilities only fall as a beam grows, so a live beam below the best finished one is lost.
             if len(beams) == 0 or scores.max().item() <= best_finished and len(finished) >= beam_size:
                 break
-        logits, _ = model(token[:, None], kv_cache=cache)
+        logits = model(token[:, None], kv_cache=cache)
     finished += [(row.tolist(), s.item()) for row, s in zip(beams, scores)]
     return sorted(finished, key=lambda pair: -pair[1])[:beam_size]
 

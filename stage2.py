@@ -22,6 +22,7 @@ import os
 import torch
 from torch.nn import functional as F
 
+import cross_entropy
 from checkpoint import load_model
 from tokenizer import GPT2_VOCAB_SIZE
 
@@ -35,12 +36,22 @@ def full_kl(logits, reference_logits, targets):
     return (per_token * scored).sum() / scored.sum()
 
 
-def stage2_loss(ce, logits, x, y, reference, beta, estimator):
-    """(objective, kl, reference_loss) for one micro-batch of stage 2."""
-    with torch.no_grad():
-        reference_logits, reference_loss = reference(x, y, return_logits=estimator == "full")
-    kl = ce - reference_loss if estimator == "nll_diff" else full_kl(logits, reference_logits, y)
-    return ce + beta * kl, kl, reference_loss
+def stage2_loss(model, x, y, reference, beta, estimator):
+    """(objective, cross-entropy, kl, reference_loss) for one micro-batch of stage 2. The exact KL
+    ("full") needs both models' logits; "nll_diff" needs only their losses, so the logits are never built."""
+    if estimator == "full":
+        logits = model(x)
+        ce = cross_entropy.from_logits(logits, y)
+        with torch.no_grad():
+            reference_logits = reference(x)
+        reference_loss = cross_entropy.from_logits(reference_logits, y)
+        kl = full_kl(logits, reference_logits, y)
+    else:
+        ce = model(x, y)
+        with torch.no_grad():
+            reference_loss = reference(x, y)
+        kl = ce - reference_loss
+    return ce + beta * kl, ce, kl, reference_loss
 
 
 def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside):

@@ -39,7 +39,8 @@ from config import (check_torch, check_warmup, config_to_dict, get, parse_args, 
 from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
 from hf import gpt2_shape, is_gpt2_source
 from mixture import MixtureLoader
-from model import GPT, choose_loss_path, loss_slices
+from cross_entropy import choose_loss_path, loss_slices
+from model import GPT, gpt_class
 from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
 from plan import Plan, make_plan
 from sample import check_device, generate_text
@@ -164,12 +165,8 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         # micro-step would send the same amount of data grad_accum_steps times.
         last_micro_step = micro_step == grad_accum_steps - 1
         with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
-            # Full logits only where stage 2's exact KL needs them; otherwise the fused loss never builds them.
-            logits, loss = model(x, y, return_logits=bool(stage2) and stage2[2] == "full")
-            parts = [loss]
-            if stage2:
-                objective, kl, reference_loss = stage2_loss(loss, logits, x, y, *stage2)
-                parts, loss = [objective, loss, kl, reference_loss], objective
+            parts = stage2_loss(model, x, y, *stage2) if stage2 else [model(x, y)]
+            loss = parts[0]
         # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
         # summed gradients the mean over the whole batch, as if it were one big forward pass.
         (loss / grad_accum_steps).backward()
@@ -211,7 +208,7 @@ def validation_loss(model, loader, steps, autocast):
     for _ in range(steps):
         x, y = loader.next_batch()
         with autocast:
-            _, loss = model(x, y)
+            loss = model(x, y)
         total += loss.float()
     model.train()
     total /= steps
@@ -347,10 +344,10 @@ def build_run(cfg, stack):
 
     # ---- model, optimizer, the plan and the schedule (total_batch_size = micro-batches x ranks x accumulation)
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
-    raw_model = GPT(cfg.model).to(device)
-    torch.manual_seed(cfg.train.seed + rank)  # from here on each rank draws its own dropout masks
     compiled = is_compiled(cfg, device_type)
-    raw_model.loss_path = choose_loss_path(cfg.train.loss_path, device_type, compiled)
+    loss_path = choose_loss_path(cfg.train.loss_path, device_type, compiled)
+    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(device)
+    torch.manual_seed(cfg.train.seed + rank)  # from here on each rank draws its own dropout masks
     model = torch.compile(raw_model) if compiled else raw_model
     if world_size > 1:  # DDP broadcasts rank 0's weights and all-reduces the gradients
         model = DDP(model, device_ids=[device] if device_type == "cuda" else None)

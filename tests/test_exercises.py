@@ -72,7 +72,7 @@ def cosine_without_the_step_offset(schedule, n):  # progress from n - W, not n -
 def summed_not_averaged(model, micro_batches):
     total = torch.zeros(())
     for x, y in micro_batches:
-        _, loss = model(x, y)
+        loss = model(x, y)
         loss.backward()
         total += loss.detach() / len(micro_batches)
     return total
@@ -81,7 +81,7 @@ def summed_not_averaged(model, micro_batches):
 def loss_with_its_graph(model, micro_batches):
     total = 0
     for x, y in micro_batches:
-        _, loss = model(x, y)
+        loss = model(x, y)
         (loss / len(micro_batches)).backward()
         total = total + loss / len(micro_batches)
     return total

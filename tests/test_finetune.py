@@ -88,7 +88,7 @@ def test_the_fine_tuned_export_gives_our_checkpoints_logits(data_root, gpt2_fold
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.allclose(ours(x)[0], theirs(x).logits, atol=1e-5)
+        assert torch.allclose(ours(x), theirs(x).logits, atol=1e-5)
 
 
 def test_init_from_on_train_py_says_to_use_checkpoint_load_path(tmp_path):

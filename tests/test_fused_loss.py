@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import model
-from model import GPT, GPTConfig, chunked_cross_entropy
+import cross_entropy
+from cross_entropy import chunked_cross_entropy
+from model import GPT, GPTConfig
 from tokenizer import GPT2_VOCAB_SIZE
 
 
@@ -26,7 +27,7 @@ def loss_and_grads(fn, hidden, weight, targets, autocast_dtype):
 @pytest.mark.parametrize("autocast_dtype, tolerance", [(None, 1e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("chunk_values", [7 * 1000, 10**9])  # many slices with a ragged last one; one slice
 def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tolerance, chunk_values):
-    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", chunk_values)
+    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", chunk_values)
     torch.manual_seed(0)
     hidden, weight = torch.randn(50, 16), torch.randn(1000, 16) * 0.5
     targets = torch.randint(0, 1000, (50,))
@@ -65,10 +66,10 @@ def test_padded_vocabulary_rows_get_their_true_gradient():
     y = torch.randint(0, GPT2_VOCAB_SIZE, (2, 16))
     y[0, :5] = -1
     grads = []
-    for return_logits in (False, True):
+    for path in ("chunked", "full"):
         torch.manual_seed(0)
-        net = GPT(config)
-        _, loss = net(x, y, return_logits=return_logits)
+        net = GPT(config, loss_path=path)
+        loss = net(x, y)
         loss.backward()
         grads.append({name: p.grad for name, p in net.named_parameters()})
     fused, full = grads
@@ -82,14 +83,14 @@ def test_padded_vocabulary_rows_get_their_true_gradient():
 def test_training_forward_builds_no_logits_and_eval_paths_still_get_them():
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
-    logits, loss = net(x, x)
-    assert logits is None and loss.ndim == 0
-    logits, loss = net(x)
-    assert logits.shape == (2, 8, net.config.vocab_size) and loss is None
-    logits, loss = net(x, x, return_logits=True)
-    assert logits.shape == (2, 8, net.config.vocab_size)
+    outputs = []
+    net.lm_head.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    loss = net(x, x)
+    assert loss.ndim == 0 and outputs == []  # the chunked loss never runs the output layer as a whole
+    logits = net(x)
+    assert logits.shape == (2, 8, net.config.vocab_size) and len(outputs) == 1
     with torch.no_grad():  # validation: the loss alone, and no gradient work
-        assert torch.allclose(net(x, x)[1], loss, rtol=1e-5)
+        assert torch.allclose(net(x, x), loss, rtol=1e-5)
 
 
 def test_torch_compile_traces_the_fused_loss_without_graph_breaks():
@@ -116,8 +117,8 @@ def test_gpt2_config_is_a_handful_of_loss_slices_per_micro_step_on_cuda():
     """torchrun --nproc-per-node=8 train.py config/gpt2.py: each rank's micro-step is 64 x 1,024 rows,
     cut into 7 slices on CUDA (the laptop's 16 MB slices would be 790, each too thin for a GPU)."""
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
-    assert model.loss_slices(rows, vocab, "cuda") == 7
-    assert model.loss_slices(rows, vocab, "cpu") == 790
+    assert cross_entropy.loss_slices(rows, vocab, "cuda") == 7
+    assert cross_entropy.loss_slices(rows, vocab, "cpu") == 790
 
 
 class Traced(Exception):
@@ -146,7 +147,7 @@ def traced_graph_nodes(net, batch_size):
 def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monkeypatch):
     """The graph holds one copy of the slice loop's body per slice: at config/gpt2.py's micro-batch
     with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 790 times, ~26,000)."""
-    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", model.LOSS_SLICE_VALUES["cuda"])  # CUDA slicing, traced on CPU
+    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", cross_entropy.LOSS_SLICE_VALUES["cuda"])  # CUDA slicing, traced on CPU
     torch.manual_seed(0)
     net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
@@ -154,15 +155,16 @@ def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monke
     gpt2 = traced_graph_nodes(net, rows // net.config.block_size)  # 65,536 rows: 7 slices
     per_slice = (gpt2 - one_slice) / 6
     assert gpt2 < 400 and per_slice < 50
-    net.loss_path = "full"
+    torch.manual_seed(0)
+    net = GPT(GPTConfig(n_layer=1), loss_path="full")
     assert traced_graph_nodes(net, rows // net.config.block_size) < one_slice  # no loop at all
 
 
 @pytest.mark.parametrize("device_type, compiled, expected", [
     ("cpu", False, "chunked"), ("cpu", True, "chunked"), ("cuda", False, "chunked"), ("cuda", True, "full")])
 def test_auto_loss_path_is_the_one_measured_fastest(device_type, compiled, expected):
-    assert model.choose_loss_path("auto", device_type, compiled) == expected
-    assert model.choose_loss_path("chunked", device_type, compiled) == "chunked"
+    assert cross_entropy.choose_loss_path("auto", device_type, compiled) == expected
+    assert cross_entropy.choose_loss_path("chunked", device_type, compiled) == "chunked"
 
 
 def test_full_and_chunked_paths_train_the_same_model():
@@ -171,11 +173,10 @@ def test_full_and_chunked_paths_train_the_same_model():
     results = []
     for path in ("chunked", "full"):
         torch.manual_seed(0)
-        net = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
-        net.loss_path = path
-        logits, loss = net(x, y)
+        net = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), loss_path=path)
+        loss = net(x, y)
         loss.backward()
-        assert logits is None  # neither path hands training the logits
+        assert loss.ndim == 0  # neither path hands training the logits
         results.append((loss.detach(), [p.grad for p in net.parameters()]))
     assert torch.allclose(results[0][0], results[1][0], rtol=1e-5)
     for a, b in zip(results[0][1], results[1][1]):
@@ -215,7 +216,7 @@ def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeyp
     monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
     net = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
-    net(x, x)[1].backward()
+    net(x, x).backward()
     assert calls == [(None, True), (None, True)]
 
 

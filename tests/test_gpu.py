@@ -9,11 +9,12 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag_eval
-import model
 from config import OptimConfig
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
-from model import GPT, GPTConfig, chunked_cross_entropy
+import cross_entropy
+from cross_entropy import chunked_cross_entropy
+from model import GPT, GPTConfig
 from optimizer import build_optimizer
 from sample import generate_text
 
@@ -28,9 +29,9 @@ def shards(request):
     return prepared if (prepared / "shakespeare").is_dir() else request.getfixturevalue("data_root")
 
 
-def small_model(seed=0):
+def small_model(loss_path="chunked", seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64)).cuda()
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64), loss_path).cuda()
 
 
 def batches(steps, seed=1):
@@ -44,7 +45,7 @@ def train_losses(net, data, bf16):
     losses = []
     for batch in data:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
-            _, loss = net(batch[:, :-1], batch[:, 1:])
+            loss = net(batch[:, :-1], batch[:, 1:])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -55,11 +56,9 @@ def train_losses(net, data, bf16):
 @pytest.mark.parametrize("loss_path", ["chunked", "full"])
 def test_bf16_compiled_training_falls_and_agrees_with_float32_eager(loss_path):
     data = batches(8)
-    reference = small_model()
-    reference.loss_path = loss_path
+    reference = small_model(loss_path)
     eager = train_losses(reference, data, bf16=False)
-    fast = small_model()
-    fast.loss_path = loss_path
+    fast = small_model(loss_path)
     compiled = train_losses(torch.compile(fast), data, bf16=True)
     assert compiled[-1] < compiled[0] - 0.5  # it learns
     for a, b in zip(compiled, eager):
@@ -68,7 +67,7 @@ def test_bf16_compiled_training_falls_and_agrees_with_float32_eager(loss_path):
 
 @pytest.mark.parametrize("slice_values", [7 * 50304, 2**29])  # many slices with a ragged last one; the CUDA default
 def test_every_loss_path_gives_cross_entropys_loss_and_gradients_on_cuda(monkeypatch, slice_values):
-    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cuda", slice_values)
+    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cuda", slice_values)
     torch.manual_seed(0)
     hidden = torch.randn(3000, 64, device="cuda")
     weight = torch.randn(50304, 64, device="cuda") * 0.05

@@ -20,7 +20,7 @@ def brute_force(model, example):
         context, ending_tokens = enc.encode(example["ctx"]), enc.encode(" " + ending)
         tokens = (context + ending_tokens)[-(model.config.block_size + 1):]
         n = min(len(ending_tokens), len(tokens) - 1)
-        logits, _ = model(torch.tensor([tokens[:-1]]))
+        logits = model(torch.tensor([tokens[:-1]]))
         losses = F.cross_entropy(logits[0, -n:, :50257], torch.tensor(tokens[-n:]), reduction="none")
         sums.append(losses.sum().item())
         means.append(losses.mean().item())

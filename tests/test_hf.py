@@ -31,7 +31,7 @@ def test_imported_hf_weights_give_the_same_logits(hf_folder):
     assert ours.config.vocab_size == 50257 and ours.config.block_size == 64
     x = torch.randint(0, 50257, (2, 40))
     with torch.no_grad():
-        assert torch.allclose(ours(x)[0], reference(x).logits, atol=1e-5)
+        assert torch.allclose(ours(x), reference(x).logits, atol=1e-5)
 
 
 def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
@@ -43,13 +43,13 @@ def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
     assert theirs.config.vocab_size == 50257  # the padded rows are dropped
     x = torch.randint(0, 50257, (2, 32))
     with torch.no_grad():
-        assert torch.allclose(ours(x)[0][..., :50257], theirs(x).logits, atol=1e-5)
+        assert torch.allclose(ours(x)[..., :50257], theirs(x).logits, atol=1e-5)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     text = "ROMEO:\nBut soft, what light through yonder window breaks?"
     assert tokenizer(text)["input_ids"] == get_tokenizer().encode(text)
     again = load_model(str(tmp_path / "export"), "cpu")  # and back in through --init_from
     with torch.no_grad():
-        assert torch.allclose(again(x)[0], theirs(x).logits, atol=1e-5)
+        assert torch.allclose(again(x), theirs(x).logits, atol=1e-5)
 
 
 def test_export_refuses_a_folder_that_is_not_empty(data_root, tmp_path):

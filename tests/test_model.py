@@ -19,9 +19,9 @@ def test_model_overfits_a_tiny_batch():
     x = torch.randint(0, 1000, (2, 16))
     y = torch.randint(0, 1000, (2, 16))
     optimizer = build_optimizer(model, OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
-    _, first = model(x, y)
+    first = model(x, y)
     for _ in range(150):
-        _, loss = model(x, y)
+        loss = model(x, y)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -34,11 +34,11 @@ def test_targets_of_minus_one_are_ignored_by_the_loss():
     model = GPT(tiny_config())
     x = torch.randint(0, 1000, (1, 8))
     y = torch.randint(0, 1000, (1, 8))
-    _, full = model(x, y)
+    full = model(x, y)
     masked = y.clone()
     masked[0, 4:] = -1
-    _, partial = model(x, masked)
-    logits, _ = model(x)
+    partial = model(x, masked)
+    logits = model(x)
     expected = torch.nn.functional.cross_entropy(logits[0, :4], y[0, :4])
     assert torch.allclose(partial, expected) and not torch.allclose(partial, full)
 
@@ -105,7 +105,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
     cached = generate(model, idx, 10, temperature=0)
     slow = idx
     for _ in range(10):
-        logits, _ = model(slow)
+        logits = model(slow)
         slow = torch.cat([slow, filter_logits(logits[:, -1]).argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(cached, slow)
 

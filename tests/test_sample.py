@@ -17,7 +17,7 @@ def small_vocab_model(vocab=4, seed=0):
 
 def sequence_log_prob(model, prompt, continuation):
     tokens = torch.tensor([prompt + continuation])
-    logits, _ = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1])
     log_probs = F.log_softmax(logits[0, len(prompt) - 1:], dim=-1)
     return sum(log_probs[i, t].item() for i, t in enumerate(continuation))
 

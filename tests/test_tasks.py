@@ -81,7 +81,7 @@ def brute_force(model, example):
     """Per choice, the summed log-probability of its continuation: one full forward pass per choice."""
     sums = []
     for row, start in zip(example.rows, example.starts):
-        logits, _ = model(torch.tensor([row[:-1]]))
+        logits = model(torch.tensor([row[:-1]]))
         log_probs = logits[0, :, :50257].float().log_softmax(-1)
         sums.append(sum(log_probs[j - 1, row[j]].item() for j in range(start, len(row))))
     return sums
