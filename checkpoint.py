@@ -387,9 +387,9 @@ def check_model_shape(saved_model_config, model_config, path):
 
 
 def load_model_state(model, path, device):
-    """model.pt into `model`; checkpoints store the tied output layer once (older ones twice)."""
+    """model.pt into `model`. The tied output layer is stored once, as the token embedding: it is put back."""
     state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
-    state.setdefault("lm_head.weight", state["transformer.wte.weight"])
+    state["lm_head.weight"] = state["transformer.wte.weight"]
     model.load_state_dict(state)
 
 

