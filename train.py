@@ -5,9 +5,10 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-The story: `main` reads and checks the config; `build_run` sets up the processes (DDP from torchrun's
-environment), data, model and optimizer, resolves the run's `Plan` (plan.py), and takes the run folder
-(lock it, resume its checkpoint or claim it for a fresh start); `train` is the loop. Each step: the
+The story: `main` reads and checks the config; `build_run` sets up the run part by part: the processes
+(DDP from torchrun's environment), where the run starts (run_dir.py decides, refusing before anything is
+written), the data, the model and optimizer, the `Plan` (plan.py), then loads the start and takes the run
+folder; `train` is the loop. Each step: the
 learning rate, one `train_step` (forward and backward over the micro-steps, clip, optimizer step), the
 metrics, and then what the plan says is due, in a fixed order. Every feature lives in a small module
 and is called from a visible line here.
