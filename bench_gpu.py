@@ -1,6 +1,6 @@
 """The GPU measurement command: is `torchrun ... train.py config/gpt2.py` fast on this GPU?
 
-    python bench_gpu.py --prepare     # once, where the packages are: data, tokenizer files, build-nanogpt copy -> .bench/
+    python bench_gpu.py --prepare     # once, where the packages are: data, tokenizer, build-nanogpt -> .bench/
     python bench_gpu.py               # on the GPU: every part below, about 8 minutes on one H100
     python bench_gpu.py --parts=loss,ours --steps=20
 
@@ -16,8 +16,9 @@ Parts, in order (each prints its own lines; the output ends with the summary tab
   hellaswag   HellaSwag examples/s of the scorer at batch 64 against the plain loop (bench_eval.py)
   checkpoint  how long the loop stalls for one save of the 124M model, async and sync
   loss        the output layer + cross-entropy alone at GPT-2's micro-batch (65,536 rows x 768 -> 50,304),
-              forward and backward in bf16 (last, in this process): each loss path's median time, peak memory and error against a
-              float32 reference (also liger-kernel's and cut-cross-entropy's fused kernels if importable)
+              forward and backward in bf16 (last, in this process): each loss path's median time, peak
+              memory and error against a float32 reference (also liger-kernel's and cut-cross-entropy's fused
+              kernels if importable)
 
 One stopwatch times both trainers, whatever either prints. Each trainer runs `--steps` optimizer steps
 (`--eager_steps` eager) of 524,288 tokens in a process of its own, started by `timed_command`: before the
@@ -159,7 +160,9 @@ def loss_paths():
     for name, fn in candidates.items():
         try:
             result = run(fn)
-            errors = [(torch.linalg.norm(a.float() - b) / torch.linalg.norm(b)).item() for a, b in zip(result, reference)]
+            errors = [
+                (torch.linalg.norm(a.float() - b) / torch.linalg.norm(b)).item() for a, b in zip(result, reference)
+            ]
             del result
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()

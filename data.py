@@ -403,7 +403,10 @@ def dataset_dir(data_root, name):
 
 def dataset_ready(data_dir):
     """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in ("shakespeare", "python")
+    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in (
+        "shakespeare",
+        "python",
+    )
 
 
 def ensure_dataset(data_dir):

@@ -57,8 +57,8 @@ class DebugError(UserError):
 
 
 def make_deterministic():
-    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (1.42x
-    the step time of GPT-2 on an H100: docs/measurements.md); an op with no deterministic version raises an error naming it instead of running."""
+    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (docs/measurements.md);
+    an op with no deterministic version raises an error naming it instead of running."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
@@ -213,7 +213,9 @@ def compare_calls(calls_a, calls_b, atol, rtol):
                      bool(whys) or largest > atol + rtol * scale, whys[0] if whys else ""))
     if len(calls_a) != len(calls_b):
         extra = max(calls_a, calls_b, key=len)[len(rows)]
-        rows.append((extra["name"], float("inf"), float("inf"), True, f"{len(calls_a)} and {len(calls_b)} module calls"))
+        rows.append(
+            (extra["name"], float("inf"), float("inf"), True, f"{len(calls_a)} and {len(calls_b)} module calls")
+        )
     return rows
 
 
@@ -234,15 +236,21 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
     for s in steps:
         a, b = traces_a[s], traces_b[s]
         same_tokens = all(torch.equal(x, y) for x, y in zip(a[0]["inputs"], b[0]["inputs"]))
-        print(f"step {s}: {len(a)} module calls" + ("" if same_tokens else "; the input tokens differ (different data)"))
+        print(
+            f"step {s}: {len(a)} module calls" + ("" if same_tokens else "; the input tokens differ (different data)")
+        )
         print(f"  {'module':40s} {'max abs diff':>14s} {'max rel diff':>14s}")
         for name, largest, relative, parted, why in compare_calls(a, b, atol, rtol):
-            print(f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}"
-                  f"{f'  ({why})' if why else ''}")
+            print(
+                f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}"
+                f"{f'  ({why})' if why else ''}"
+            )
             if parted and first is None:
                 first = (s, name, why)
     if first:
-        print(f"the runs first part at step {first[0]} in {first[1]} ({first[2] or f'beyond atol={atol}, rtol={rtol}'})")
+        print(
+            f"the runs first part at step {first[0]} in {first[1]} ({first[2] or f'beyond atol={atol}, rtol={rtol}'})"
+        )
     else:
         print(f"no module parts beyond atol={atol}, rtol={rtol} at step(s) {', '.join(map(str, steps))}")
     return first[:2] if first else None
@@ -318,7 +326,9 @@ def main_thread_frames(dump):
                for block in dump.split("\n\n")]
     threads = [frames for frames in threads if frames]
     frames = next((t for t in threads if t[-1].endswith("in <module>")), threads[0] if threads else [])
-    return [(f'"{HERE}{os.sep}' in f, f.replace('File "', "").replace('", line ', ":").split(os.sep)[-1]) for f in frames]
+    return [
+        (f'"{HERE}{os.sep}' in f, f.replace('File "', "").replace('", line ', ":").split(os.sep)[-1]) for f in frames
+    ]
 
 
 def where(frames):

@@ -63,8 +63,10 @@ def load_examples(data_path):
             except (ValueError, KeyError, IndexError, TypeError):
                 valid = False
             if not valid:
-                raise HellaSwagError(f"line {number} of {data_path} is not a HellaSwag example (JSON with ctx, "
-                                     f"exactly four endings and a label 0-3); give the file from the HellaSwag repository.") from None
+                raise HellaSwagError(
+                    f"line {number} of {data_path} is not a HellaSwag example (JSON with ctx, "
+                    f"exactly four endings and a label 0-3); give the file from the HellaSwag repository."
+                ) from None
             examples.append(example)
     return examples
 
@@ -214,8 +216,8 @@ def load_tasks(names, block_size, data_dir="", limit=0, hellaswag_file=""):
 
 
 def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, world_size=1):
-    """{task: {n, acc, acc_norm, acc_per_char, chance, loss, skipped}} plus "average" and "average_centered" (each task's
-    primary accuracy rescaled so chance is 0 and perfect is 1). Ranks score every world_size-th example
+    """{task: {n, acc, acc_norm, acc_per_char, chance, loss, skipped}} plus "average" and "average_centered"
+    (each task's primary accuracy rescaled so chance is 0 and perfect is 1). Ranks score every world_size-th example
     and the counts are summed; a task of several groups (MMLU's subjects) is the mean of its groups."""
     was_training = model.training
     model.eval()
@@ -239,7 +241,9 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Score a model on downstream tasks (HellaSwag by default).")
-    parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
+    parser.add_argument(
+        "--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder"
+    )
     parser.add_argument("--tasks", default="hellaswag", help=f"comma-separated, of: {', '.join(tasks.TASKS)}")
     parser.add_argument("--data", default="", help="HellaSwag's examples from this jsonl file instead")
     parser.add_argument("--data_dir", default="", help="a folder of the tasks' saved datasets (see tasks.py)")
@@ -253,7 +257,9 @@ def main(argv):
                              f"{args.limit}); give values in range.")
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
     if not names:
-        raise tasks.TaskDataError(f"--tasks={args.tasks!r} names no task; give one or more of {', '.join(tasks.TASKS)}.")
+        raise tasks.TaskDataError(
+            f"--tasks={args.tasks!r} names no task; give one or more of {', '.join(tasks.TASKS)}."
+        )
     tasks.check_names(names)  # before the model loads: a typo costs nothing
     check_device(args.device)
     if args.data:

@@ -67,7 +67,9 @@ def import_hf(source):
             raise WeightsError(f"{source}/config.json is missing or not valid JSON; write the folder again with "
                                f"save_pretrained.")
         if hf_config.get("model_type") != "gpt2":
-            raise WeightsError(f"{source} holds a {hf_config.get('model_type')} model, not a GPT-2; give a GPT-2 folder.")
+            raise WeightsError(
+                f"{source} holds a {hf_config.get('model_type')} model, not a GPT-2; give a GPT-2 folder."
+            )
     try:
         # Sizes that disagree with config.json come back in `info` instead of raising (or, in transformers 5,
         # of being silently initialized at random): check_weights_match_config words them.

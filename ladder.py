@@ -53,21 +53,28 @@ from run_dir import changed_fields  # noqa: E402
 class LadderSettings:
     name: str = "ladder"  # names the runs (<name>-<size>) and their W&B group
     dir: str = "out/ladder"  # each size trains into <dir>/<size>/; fit.json and fit.png are written here
-    sizes: list[str] = field(default_factory=lambda: ["1x32", "2x32", "4x32", "8x32"])  # size names (configurator/model.py)
+    # size names (configurator/model.py)
+    sizes: list[str] = field(default_factory=lambda: ["1x32", "2x32", "4x32", "8x32"])
     max_devices: int = 1  # devices a run may use (torchrun --nproc-per-node)
     device: str = "cpu"  # device type, for the micro-batch: cpu, H100, H200, A100-80GB, A100-40GB, ...
     chinchilla_multiple: float = 2.0  # train each size to this many Chinchilla durations: 0.5, 1, 2, 4, ...
-    tokens_per_param: float = 20.0  # one Chinchilla duration in tokens per non-embedding parameter (Hoffmann et al. 2022)
+    # one Chinchilla duration in tokens per non-embedding parameter (Hoffmann et al. 2022)
+    tokens_per_param: float = 20.0
     lr_multiplier: float = 1.0  # scales the run configurator's peak learning rate
     decay_fraction: float = 0.1  # each WSD-S period ends with a linear decay over this share of it
     seed: int = 42  # train.seed of every size (OLMo-core's ladder default)
-    val_tokens: int = 65536  # validation tokens per evaluation, the same first ones for every size (sets eval.val_steps)
+    # validation tokens per evaluation, the same first ones for every size (sets eval.val_steps)
+    val_tokens: int = 65536
     batch_tokens: int = 0  # one global batch for every size, in tokens; 0 = OLMo's rule from N (Porian et al. 2024)
-    duration_tokens: int = 0  # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration (tokens_per_param x N)
+    # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration (tokens_per_param x N)
+    duration_tokens: int = 0
     warmup_tokens: int = 0  # warmup of every size, in tokens; 0 = N tokens (OLMo)
-    fit_tasks: list[str] = field(default_factory=list)  # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in eval.tasks
-    optimizer: Literal["adamw", "muon"] = "adamw"  # optim.name of every size; muon takes the same LR rule (OLMo-core's muon ladder, Liu et al. 2025)
-    muon_batch_multiplier: float = 2.0  # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
+    # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in eval.tasks
+    fit_tasks: list[str] = field(default_factory=list)
+    # optim.name of every size; muon takes the same LR rule (OLMo-core's muon ladder, Liu et al. 2025)
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
+    muon_batch_multiplier: float = 2.0
 
 
 @dataclass(slots=True)
@@ -81,9 +88,12 @@ DERIVED = ladder_derived_keys()
 
 
 LADDER_RANGES = [  # checked with config.RANGES, in the same form
-    ("ladder.max_devices", lambda v: v >= 1, "at least 1"), ("ladder.sizes", lambda v: bool(v), "not empty"),
-    ("ladder.tokens_per_param", lambda v: v > 0, "greater than 0"), ("ladder.val_tokens", lambda v: v >= 1, "at least 1"),
-    ("ladder.lr_multiplier", lambda v: v > 0, "greater than 0"), ("ladder.decay_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("ladder.max_devices", lambda v: v >= 1, "at least 1"),
+    ("ladder.sizes", lambda v: bool(v), "not empty"),
+    ("ladder.tokens_per_param", lambda v: v > 0, "greater than 0"),
+    ("ladder.val_tokens", lambda v: v >= 1, "at least 1"),
+    ("ladder.lr_multiplier", lambda v: v > 0, "greater than 0"),
+    ("ladder.decay_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
     ("ladder.muon_batch_multiplier", lambda v: v > 0, "greater than 0"),
     *((f"ladder.{key}", lambda v: v >= 0, "0 or more") for key in ("batch_tokens", "duration_tokens", "warmup_tokens")),
 ]
@@ -196,24 +206,26 @@ def dry_run(cfg, plans, as_json):
                               "warmup_tokens": r.warmup_steps * b.batch_tokens, "duration_tokens": r.duration_tokens,
                               "max_steps": r.max_steps, "checkpoints": checkpoints}))
             continue
-        seq = cfg.model.block_size
+        seq, muon = cfg.model.block_size, cfg.ladder.optimizer == "muon"
         schedule = build_schedule(run_config(cfg, p).optim, r.max_steps)
         png = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png"),
                             [(step, name) for name, step in r.checkpoints[1:]])
-        print(f"size {p.size}:\n"
-              f"  parameters       {p.non_embedding_params:,} non-embedding, {p.params['with_output']:,} with the "
-              f"output layer, {p.params['total']:,} total\n"
-              f"  batch            target {p.target_batch_tokens:,} tokens; actual {b.batch_tokens:,} tokens "
-              f"= {b.batch_tokens // seq:,} sequences of {seq}\n"
-              f"  micro-batch      {b.micro_batch_tokens:,} tokens ({b.micro_batch_tokens // seq} sequences) per device\n"
-              f"  devices          {b.devices} of {cfg.ladder.max_devices} (at least {p.min_devices}); data-parallel "
-              f"size {b.dp_world_size}; {b.grad_accum_steps} accumulation step(s)\n"
-              f"  optimizer        {'Muon for the block matrices + AdamW' if cfg.ladder.optimizer == 'muon' else 'AdamW'}, "
-              f"peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
-              f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens ({r.warmup_steps} steps)\n"
-              f"  duration         {r.duration_tokens:,} tokens = {r.max_steps:,} steps; WSD-S periods {r.periods}\n"
-              f"  checkpoints      " + ", ".join(f"{c['name']} @ {c['step']}" for c in checkpoints) + "\n"
-              f"  LR schedule plot {png}")
+        print(
+            f"size {p.size}:\n"
+            f"  parameters       {p.non_embedding_params:,} non-embedding, {p.params['with_output']:,} with the "
+            f"output layer, {p.params['total']:,} total\n"
+            f"  batch            target {p.target_batch_tokens:,} tokens; actual {b.batch_tokens:,} tokens "
+            f"= {b.batch_tokens // seq:,} sequences of {seq}\n"
+            f"  micro-batch      {b.micro_batch_tokens:,} tokens ({b.micro_batch_tokens // seq} sequences) per device\n"
+            f"  devices          {b.devices} of {cfg.ladder.max_devices} (at least {p.min_devices}); data-parallel "
+            f"size {b.dp_world_size}; {b.grad_accum_steps} accumulation step(s)\n"
+            f"  optimizer        {'Muon for the block matrices + AdamW' if muon else 'AdamW'}, "
+            f"peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
+            f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens ({r.warmup_steps} steps)\n"
+            f"  duration         {r.duration_tokens:,} tokens = {r.max_steps:,} steps; WSD-S periods {r.periods}\n"
+            f"  checkpoints      " + ", ".join(f"{c['name']} @ {c['step']}" for c in checkpoints) + "\n"
+            f"  LR schedule plot {png}"
+        )
 
 
 def check_world_size(plan):
@@ -320,7 +332,9 @@ def run_all(cfg, plans, config_path, overrides):
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p.batch.devices}"]
         command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides, f"--size={p.size}"]
         eta = ladder_eta(timings, todo[len(timings):])
-        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): {' '.join(command[1:])}", flush=True)
+        print(
+            f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): {' '.join(command[1:])}", flush=True
+        )
         start = time.monotonic()
         code, signal_name = run_child(command)
         timings.append((p, time.monotonic() - start))
@@ -446,10 +460,13 @@ def main(argv):
     parser.add_argument("--task", help="fit: also predict this task's accuracy (two steps: Bhagia et al. 2024)")
     parser.add_argument("--rounds", type=int, default=200, help="fit, compare: bootstrap refits for the intervals")
     args, overrides = parser.parse_known_args(argv)
-    if len(args.config) != (2 if args.command == "compare" else 1):
-        raise UserError(f"{args.command} takes {'two ladder files (A, then B)' if args.command == 'compare' else 'one ladder file'}, "
-                        f"and {len(args.config)} were given; e.g. python ladder.py {args.command} "
-                        f"config/ladder_shakespeare.py{' config/ladder_shakespeare_muon.py' if args.command == 'compare' else ''}.")
+    compare = args.command == "compare"
+    if len(args.config) != (2 if compare else 1):
+        raise UserError(
+            f"{args.command} takes {'two ladder files (A, then B)' if compare else 'one ladder file'}, "
+            f"and {len(args.config)} were given; e.g. python ladder.py {args.command} "
+            f"config/ladder_shakespeare.py{' config/ladder_shakespeare_muon.py' if compare else ''}."
+        )
     if args.rounds < 0:
         raise UserError(f"--rounds={args.rounds} must be 0 or more; give the number of bootstrap refits.")
     if args.command == "compare":

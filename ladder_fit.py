@@ -67,8 +67,10 @@ def size_points(cfg, plan, metric="val/loss", names=("post-decay",)):
 def check_losses(size, points, metric):
     for tokens, value, step in points:
         if not (math.isfinite(value) and value > 0):
-            raise UserError(f"size {size} has {metric}={value} at step {step}, which no scaling law can fit; retrain "
-                            f"that size from an earlier checkpoint (checkpoint.resume_step) or drop it from ladder.sizes.")
+            raise UserError(
+                f"size {size} has {metric}={value} at step {step}, which no scaling law can fit; retrain "
+                f"that size from an earlier checkpoint (checkpoint.resume_step) or drop it from ladder.sizes."
+            )
 
 
 def finished_sizes(cfg, plans, metric="val/loss"):
@@ -202,8 +204,10 @@ def fit_task(cfg, finished, task, params):
 def describe_task(task, result):
     lines = [f"task {task} ({result['accuracy_metric']}), two steps:"]
     if result["step2"] is None:
-        lines.append(f"  its accuracy moves by {result['accuracy_spread']:.3f} across every checkpoint (chance level at "
-                     f"these sizes): there is no sigmoid to fit, so only the task loss is predicted")
+        lines.append(
+            f"  its accuracy moves by {result['accuracy_spread']:.3f} across every checkpoint (chance level at "
+            f"these sizes): there is no sigmoid to fit, so only the task loss is predicted"
+        )
     for h in result["held_out"]:
         line = (f"  {h['tokens']:>12,} tokens: task loss predicted {h['predicted_loss']:.4f}, measured "
                 f"{h['measured_loss']:.4f}")

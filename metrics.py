@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from callbacks import nonfinite_message
 from config import UserError, run_command
+from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
 MERGES = ("warn", "latest", "oldest", "mean", "sum", "max", "min")  # a metric recorded twice in a step
@@ -190,7 +191,8 @@ class RowWriter:
     train loss or gradient norm is kept in `nonfinite` as a sentence, and the loop stops on it."""
 
     def __init__(self, sinks, spikes, log_interval, end_step):
-        self.sinks, self.spikes, self.log_interval, self.end_step = sinks, spikes, log_interval, end_step
+        self.sinks, self.spikes, self.end_step = sinks, spikes, end_step
+        self.console = Every(log_interval, fixed=(0,))  # a console line every log.interval steps, step 0 and the last
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on, and their time
         self.nonfinite = None
@@ -201,7 +203,7 @@ class RowWriter:
                 values["train/loss_spike"] = 1.0
             self.add_eta(step, values)
             if self.sinks:
-                self.sinks.write(step, values, print_line=step % self.log_interval == 0 or step == self.end_step
+                self.sinks.write(step, values, print_line=self.console.due(step, last=step == self.end_step)
                                  or "train/loss_spike" in values or "val/loss" in values)
             self.nonfinite = self.nonfinite or nonfinite_message(step, values)
 
@@ -347,9 +349,16 @@ def start_wandb(out_dir, log_cfg, config_dict):
         run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
         with open(id_path, "w") as f:
             f.write(run_id)
-    return wandb.init(project=log_cfg.wandb_project, name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
-                      group=log_cfg.wandb_group or None, tags=log_cfg.wandb_tags or None, id=run_id,
-                      resume="allow", dir=out_dir, config=config_dict)
+    return wandb.init(
+        project=log_cfg.wandb_project,
+        name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
+        group=log_cfg.wandb_group or None,
+        tags=log_cfg.wandb_tags or None,
+        id=run_id,
+        resume="allow",
+        dir=out_dir,
+        config=config_dict,
+    )
 
 
 # ----------------------------------------------------------------------------- plots

@@ -23,8 +23,8 @@ APPLIED = {"role": "applied", "ladder": False}
 @dataclass(slots=True)
 class GPTConfig:
     block_size: int = field(default=1024, metadata=SHAPE)  # longest sequence the model reads (GPT-2: 1024)
-    # GPT-2's 50,257 tokens padded to a multiple of 64: matrix multiplies on GPUs run faster on such shapes.
-    vocab_size: int = field(default=50304, metadata=SHAPE)  # output vocabulary size
+    # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64, as GPU matmuls run faster on such shapes
+    vocab_size: int = field(default=50304, metadata=SHAPE)
     n_layer: int = field(default=12, metadata=SHAPE_BY_LADDER)  # number of transformer blocks
     n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)  # attention heads per block; must divide n_embd
     n_embd: int = field(default=768, metadata=SHAPE_BY_LADDER)  # width of the residual stream

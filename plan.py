@@ -34,7 +34,8 @@ class Due:
     tasks: bool = False  # downstream tasks (HellaSwag is one of them)
     checkpoint: str | None = None  # the kind of checkpoint to save: fixed, permanent, ephemeral, or None
     sample: bool = False  # text samples (rank 0)
-    collect: bool = False  # metrics to the host and the sinks (always before a checkpoint: metrics.jsonl is then complete)
+    # metrics to the host and the sinks (always before a checkpoint: metrics.jsonl is then complete)
+    collect: bool = False
 
     @property
     def evals(self):

@@ -192,7 +192,9 @@ def check_args(args):
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Generate text from a trained model or GPT-2.")
-    parser.add_argument("--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
+    parser.add_argument(
+        "--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder"
+    )
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=200)

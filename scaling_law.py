@@ -130,7 +130,9 @@ def optimal_tokens_per_param(params, n):
 
 def sigmoid(params, loss):
     """Accuracy at task loss `loss`: from `top` (low loss) down to `floor` (chance, high loss)."""
-    return params["floor"] + (params["top"] - params["floor"]) / (1 + math.exp(params["k"] * (loss - params["loss_mid"])))
+    return params["floor"] + (params["top"] - params["floor"]) / (
+        1 + math.exp(params["k"] * (loss - params["loss_mid"]))
+    )
 
 
 def fit_sigmoid(losses, accuracies, floor=None):

@@ -69,7 +69,11 @@ class Schedule:
                 if i == 0 and m <= self.warmup_steps:
                     return peak * m / self.warmup_steps
                 if m >= length - D:
-                    return self.min_lr + (peak - self.min_lr) * decay_shape(self.shape, (length - m) / D) if D else self.min_lr
+                    return (
+                        self.min_lr + (peak - self.min_lr) * decay_shape(self.shape, (length - m) / D)
+                        if D
+                        else self.min_lr
+                    )
                 return peak
             start += length
         return self.min_lr  # after the last period

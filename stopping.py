@@ -15,6 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from plan import Every
+
 REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0: keep training
 
 
@@ -50,12 +52,12 @@ class Stopper:
     every `check_interval` steps (one small collective) and at no other step."""
 
     def __init__(self, flag, out_dir, time_limit, check_interval, is_master, sinks=None, group=None):
-        self.flag, self.out_dir, self.time_limit, self.check_interval = flag, out_dir, time_limit, check_interval
+        self.flag, self.out_dir, self.time_limit, self.checks = flag, out_dir, time_limit, Every(check_interval)
         self.is_master, self.sinks, self.group = is_master, sinks, group
         self.start_time = time.monotonic()
 
     def poll(self, step):
-        if step % self.check_interval:
+        if not self.checks.due(step):
             return ""
         return agree_on_stop(local_stop_reason(self.flag, self.out_dir, self.start_time, self.time_limit,
                                                self.is_master, self.sinks), self.group)

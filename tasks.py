@@ -67,7 +67,9 @@ def winogrande(doc):
     # for both) is what is scored, so the option that makes it most likely wins.
     blank = doc["sentence"].index("_")
     rest = " " + doc["sentence"][blank + 1 :].strip()
-    return [(doc["sentence"][:blank] + option, rest) for option in (doc["option1"], doc["option2"])], int(doc["answer"]) - 1
+    return [(doc["sentence"][:blank] + option, rest) for option in (doc["option1"], doc["option2"])], int(
+        doc["answer"]
+    ) - 1
 
 
 def sciq(doc):

@@ -18,7 +18,8 @@ train.dtype = "bfloat16"
 train.compile = "true"
 eval.sample_interval = 0
 eval.tasks = ["hellaswag", "arc_easy"]  # scored at every named checkpoint (the ladder sets eval.fixed_steps)
-ladder.fit_tasks = ["hellaswag", "arc_easy"]  # `fit` predicts their accuracy at 12x768 in two steps (Bhagia et al. 2024)
+# `fit` predicts their accuracy at 12x768 in two steps (Bhagia et al. 2024)
+ladder.fit_tasks = ["hellaswag", "arc_easy"]
 log.interval = 10
 checkpoint.ephemeral_interval = 250  # lose at most 250 steps to a crash without a SIGTERM
 checkpoint.async_save = True

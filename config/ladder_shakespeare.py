@@ -8,7 +8,8 @@
 # in docs/ladder.md.
 ladder.name = "shakespeare"
 ladder.dir = "out/ladder_shakespeare"
-ladder.sizes = ["2x32", "2x64", "2x128", "2x256"]  # width doubling at depth 2: depth did not lower the loss at this scale (docs/ladder.md)
+# width doubling at depth 2: depth did not lower the loss at this scale (docs/ladder.md)
+ladder.sizes = ["2x32", "2x64", "2x128", "2x256"]
 ladder.max_devices = 1
 ladder.device = "cpu"
 ladder.batch_tokens = 512  # the same 8 sequences of 64 for every size: the same number of steps per token

@@ -126,7 +126,10 @@ def plan_run(n, batch_tokens, *, chinchilla_multiple, tokens_per_param, lr_multi
             raise ConfigError(f"the WSD-S period ending at {multiple}x{unit_name} is shorter than a step; raise "
                               f"ladder.tokens_per_param or ladder.duration_tokens, or drop the smallest sizes.")
         decay = round(decay_fraction * length)  # as schedule.build_schedule rounds it
-        checkpoints += [(f"{multiple:g}x{unit_name}-pre-decay", end - decay), (f"{multiple:g}x{unit_name}-post-decay", end)]
+        checkpoints += [
+            (f"{multiple:g}x{unit_name}-pre-decay", end - decay),
+            (f"{multiple:g}x{unit_name}-post-decay", end),
+        ]
         periods.append(length)
         start = end
     checkpoints = list(dict.fromkeys(checkpoints))  # a period too short to decay gives one step twice

@@ -53,7 +53,9 @@ def run_train(args, nproc=1, timeout=600, check=True, env=None, in_process=None)
         result = subprocess.run(cmd + [str(ROOT / "train.py")] + args, cwd=ROOT, capture_output=True,
                                 text=True, timeout=timeout, env=full_env)
     if check and result.returncode != 0:
-        raise AssertionError(f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+        raise AssertionError(
+            f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+        )
     return result
 
 

@@ -177,7 +177,9 @@ def test_a_different_run_in_out_dir_is_not_overwritten(data_root, tmp_path):
     fresh = run_train(args(data_root, out, "--train.max_steps=2", "--checkpoint.load=never"), check=False)
     assert fresh.returncode != 0 and "already holds another run" in fresh.stderr
     assert hashlib.sha256((out / "step2" / "model.pt").read_bytes()).hexdigest() == before
-    run_train(args(data_root, out, "--train.max_steps=2", "--checkpoint.load=never", "--checkpoint.save_overwrite=true"))
+    run_train(
+        args(data_root, out, "--train.max_steps=2", "--checkpoint.load=never", "--checkpoint.save_overwrite=true")
+    )
     assert [r["step"] for r in read_metrics(out)] == [1, 2]
 
 

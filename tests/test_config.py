@@ -49,7 +49,9 @@ def test_unknown_override_names_the_closest_key(tmp_path):
 
 def test_typo_in_config_file_names_line_and_closest_key(tmp_path):
     path = write(tmp_path, "model.n_layer = 2\noptim.weight_decy = 0.1\n")
-    with pytest.raises(ConfigError, match=r"cfg.py:2: unknown config key 'optim.weight_decy'; did you mean optim.weight_decay\?"):
+    with pytest.raises(
+        ConfigError, match=r"cfg.py:2: unknown config key 'optim.weight_decy'; did you mean optim.weight_decay\?"
+    ):
         parse_args([path])
 
 
@@ -79,7 +81,14 @@ def test_config_round_trips_through_json(tmp_path):
 
 def test_help_lists_every_field_with_default_and_comment():
     out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    for key in ["model.n_layer", "data.batch_size", "train.total_batch_size", "optim.lr", "eval.val_steps", "log.interval"]:
+    for key in [
+        "model.n_layer",
+        "data.batch_size",
+        "train.total_batch_size",
+        "optim.lr",
+        "eval.val_steps",
+        "log.interval",
+    ]:
         assert f"--{key}=" in out
     assert "--model.n_layer=12\n      number of transformer blocks" in out
 

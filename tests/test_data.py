@@ -53,8 +53,22 @@ def test_global_batch_is_the_same_for_any_rank_and_micro_batch_split(tmp_path):
     single = TokenLoader(d, "train", batch_size=4, block_size=8, shuffle=True, seed=0)
     one_rank = torch.cat([x for x, _ in batches(single, 2)])
     # Two ranks, one micro-step of 4 each; and 4 ranks x 1 micro-step of 2.
-    two_ranks = torch.cat([TokenLoader(d, "train", batch_size=4, block_size=8, rank=r, world_size=2, shuffle=True, seed=0).next_batch()[0] for r in range(2)])
-    four_ranks = torch.cat([TokenLoader(d, "train", batch_size=2, block_size=8, rank=r, world_size=4, shuffle=True, seed=0).next_batch()[0] for r in range(4)])
+    two_ranks = torch.cat(
+        [
+            TokenLoader(
+                d, "train", batch_size=4, block_size=8, rank=r, world_size=2, shuffle=True, seed=0
+            ).next_batch()[0]
+            for r in range(2)
+        ]
+    )
+    four_ranks = torch.cat(
+        [
+            TokenLoader(
+                d, "train", batch_size=2, block_size=8, rank=r, world_size=4, shuffle=True, seed=0
+            ).next_batch()[0]
+            for r in range(4)
+        ]
+    )
     assert torch.equal(one_rank, two_ranks) and torch.equal(one_rank, four_ranks)
 
 

@@ -76,7 +76,8 @@ def test_traces_hold_every_module_and_leave_training_unchanged(traced_runs):
     index = json.loads((traced_runs / "a" / "traces" / "step3" / "index.json").read_text())
     names = [call["name"] for call in index["calls"]]
     assert names[0] == "transformer.wte" and names[-1] == "model" and "transformer.h.1.mlp.c_fc" in names
-    assert index["calls"][0]["inputs"] == [[4, 32]] and index["calls"][0]["output"] == [[4, 32, 32]]  # first micro-batch
+    # first micro-batch
+    assert index["calls"][0]["inputs"] == [[4, 32]] and index["calls"][0]["output"] == [[4, 32, 32]]
     assert sorted(os.listdir(traced_runs / "a" / "traces")) == ["step1", "step3"]
     first = json.loads((traced_runs / "first" / "traces" / "step3" / "index.json").read_text())
     assert first["calls"][0]["inputs"] == [[1, 32]] and len(first["calls"]) == len(index["calls"])

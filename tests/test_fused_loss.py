@@ -147,7 +147,8 @@ def traced_graph_nodes(net, batch_size):
 def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monkeypatch):
     """The graph holds one copy of the slice loop's body per slice: at config/gpt2.py's micro-batch
     with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 790 times, ~26,000)."""
-    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", cross_entropy.LOSS_SLICE_VALUES["cuda"])  # CUDA slicing, traced on CPU
+    # CUDA slicing, traced on CPU
+    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", cross_entropy.LOSS_SLICE_VALUES["cuda"])
     torch.manual_seed(0)
     net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
@@ -225,6 +226,8 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
 
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append((device, non_blocking)) or self)
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append((device, non_blocking)) or self
+    )
     rows_to_batch([np.arange(9), np.arange(9)], "cuda:0")
     assert copies == ["pinned", ("cuda:0", True)]

@@ -108,3 +108,19 @@ def test_start_summary_and_console_eta(data_root, tmp_path):
     assert "run: 3 steps x 128 tokens = 384 tokens (0.0 per non-embedding parameter" in result.stdout
     assert "training FLOPs" in result.stdout
     assert "| eta 0:00:00" in result.stdout
+
+
+def test_no_line_of_the_project_is_over_120_characters():
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    files = tracked or [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".bench" not in p.parts]
+    long = [f"{name}:{number}" for name in files
+            for number, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 120]
+    assert long == [], f"lines over 120 characters: {long}"
+
+
+def test_help_prints_a_fields_comment_lines_above_it_and_its_trailing_comment():
+    from config import field_comments, TrainConfig
+    comments = field_comments(TrainConfig)
+    assert comments["nan_skip_limit"].startswith("nan_policy=skip: stop with a sentence after this many")
+    assert comments["nan_skip_limit"].endswith("0 = never")  # one sentence, from two comment lines above the field
+    assert comments["seed"] == "seeds model init, data order and sampling"  # a trailing comment alone

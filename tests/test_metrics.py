@@ -80,7 +80,12 @@ def test_collect_interval_logs_the_same_values_as_collecting_every_step(data_roo
 
 
 def test_async_bookkeeping_on_two_ranks_logs_the_same_values(data_root, tmp_path):
-    common = ["--train.max_steps=8", "--eval.interval=4", "--train.total_batch_size=256", "--log.metrics_collect_interval=3"]
+    common = [
+        "--train.max_steps=8",
+        "--eval.interval=4",
+        "--train.total_batch_size=256",
+        "--log.metrics_collect_interval=3",
+    ]
     run_train(base(data_root, tmp_path / "sync", *common))
     run_train(base(data_root, tmp_path / "async", *common, "--log.async_bookkeeping=true",
                    "--checkpoint.interval=5"), nproc=2)

@@ -91,8 +91,17 @@ def test_resuming_with_the_other_optimizer_is_refused_before_anything_is_loaded(
                                   f"--checkpoint.load_path={out}", "--train.max_steps=4", "--optim.name=muon"],
                           check=False)
     assert fine_tune.returncode == 1 and "set --checkpoint.load_optim=false" in fine_tune.stderr
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'new'}", f"--checkpoint.load_path={out}",
-                      "--train.max_steps=4", "--optim.name=muon", "--checkpoint.load_optim=false"])
+    run_train(
+        TINY
+        + [
+            f"--data.data_root={data_root}",
+            f"--train.out_dir={tmp_path / 'new'}",
+            f"--checkpoint.load_path={out}",
+            "--train.max_steps=4",
+            "--optim.name=muon",
+            "--checkpoint.load_optim=false",
+        ]
+    )
 
 
 def test_compare_state_names_both_optimizers_moments(data_root, tmp_path):

@@ -60,7 +60,9 @@ def test_an_early_stop_is_a_last_step_and_the_final_checkpoint_is_always_kept():
 def test_the_stage2_boundary_is_a_fixed_checkpoint_and_switches_turn_things_off():
     plan = plan_of("--stage2.start=6steps")
     assert plan.stage2_step == 6 and plan.due(6).checkpoint == "fixed"
-    off = plan_of("--train.no_evals=true", "--train.no_checkpoints=true", "--eval.interval=1", "--eval.sample_interval=1")
+    off = plan_of(
+        "--train.no_evals=true", "--train.no_checkpoints=true", "--eval.interval=1", "--eval.sample_interval=1"
+    )
     assert not any(off.due(s, last=True).output for s in range(1, 21))
     with pytest.raises(ConfigError, match="stage2.start=30steps is step 30, not before the run's end at step 20"):
         plan_of("--stage2.start=30steps")

@@ -153,7 +153,9 @@ def test_5_an_unreadable_marker_is_not_a_checkpoint_anywhere(data_root, tmp_path
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.keep_last=0"))
     (out / "step2" / "COMPLETE").write_text("{not json")
-    listed = subprocess.run([sys.executable, "checkpoint.py", "list", str(out)], cwd=ROOT, capture_output=True, text=True)
+    listed = subprocess.run(
+        [sys.executable, "checkpoint.py", "list", str(out)], cwd=ROOT, capture_output=True, text=True
+    )
     assert listed.returncode == 0 and "Traceback" not in listed.stderr and "unreadable COMPLETE" in listed.stderr
     assert "step4" in listed.stdout and "step2" not in listed.stdout
     run_train(args(data_root, out, "--train.max_steps=8", "--checkpoint.interval=2", "--checkpoint.keep_last=2"))
@@ -168,7 +170,9 @@ def test_6_preparing_data_again_replaces_the_whole_folder(tmp_path):
     assert len(list((tmp_path / "ds").glob("train_*.npy"))) > 3
     prepare_text(str(tmp_path / "fresh"), [str(small)], 2_000, 0.1, workers=1)
     prepare_text(str(tmp_path / "ds"), [str(small)], 2_000, 0.1, workers=1)
-    assert sorted(p.name for p in (tmp_path / "ds").glob("*.npy")) == sorted(p.name for p in (tmp_path / "fresh").glob("*.npy"))
+    assert sorted(p.name for p in (tmp_path / "ds").glob("*.npy")) == sorted(
+        p.name for p in (tmp_path / "fresh").glob("*.npy")
+    )
     assert [p.name for p in tmp_path.iterdir() if ".new-" in p.name] == []
 
 

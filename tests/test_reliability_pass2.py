@@ -120,8 +120,13 @@ def test_17_the_default_data_folder_is_the_projects_from_any_working_directory(t
 
 
 def test_18_the_flagships_plan_is_shown_before_its_data_is_downloaded(tmp_path):
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), "config/gpt2.py", f"--data.data_root={tmp_path}",
-                             "--dry_run"], cwd=ROOT, capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "8"})
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), "config/gpt2.py", f"--data.data_root={tmp_path}", "--dry_run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "WORLD_SIZE": "8"},
+    )
     assert result.returncode == 0, result.stderr
     assert "1 micro-step(s) x 8 rank(s) = 524,288 tokens per step" in result.stdout
     assert "python data.py fineweb-edu --name sample-10BT" in result.stdout
@@ -161,13 +166,30 @@ def test_nodes_that_do_not_share_the_run_folder_stop_before_reading_a_checkpoint
     """Two localhost "nodes", each given its own folder as node-local disks would be: both stop with
     the sentence instead of starting from different steps with different weights."""
     port = free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={rank}",
-         f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-backend=static", "--master-addr=127.0.0.1",
-         f"--master-port={port}", str(ROOT / "train.py"), *args(data_root, tmp_path / f"node{rank}", "--train.max_steps=2",
-                                                    "--train.total_batch_size=256")],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        for rank in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes=2",
+                "--nproc-per-node=1",
+                f"--node-rank={rank}",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-backend=static",
+                "--master-addr=127.0.0.1",
+                f"--master-port={port}",
+                str(ROOT / "train.py"),
+                *args(data_root, tmp_path / f"node{rank}", "--train.max_steps=2", "--train.total_batch_size=256"),
+            ],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for rank in (0, 1)
+    ]
     outputs = [node.communicate(timeout=300) for node in nodes]
     assert all(node.returncode != 0 for node in nodes)
     assert "rank(s) 1 on" in outputs[0][1] and "do not see the files rank 0 writes" in outputs[0][1]
@@ -179,10 +201,12 @@ def test_nodes_that_do_not_share_the_run_folder_stop_before_reading_a_checkpoint
 
 def tiny_ladder(tmp_path, data_root, duration=4096, extra=""):
     path = tmp_path / "tiny.py"
-    path.write_text(f'ladder.name = "tiny"\nladder.dir = "{tmp_path / "ladder"}"\nladder.sizes = ["1x32", "2x32", "2x64"]\n'
-                    f'ladder.batch_tokens = 256\nladder.duration_tokens = {duration}\nladder.warmup_tokens = 256\n'
-                    f'ladder.chinchilla_multiple = 1\nladder.val_tokens = 512\nmodel.block_size = 32\n'
-                    f'data.data_root = "{data_root}"\neval.sample_interval = 0\nlog.interval = 1\n{extra}')
+    path.write_text(
+        f'ladder.name = "tiny"\nladder.dir = "{tmp_path / "ladder"}"\nladder.sizes = ["1x32", "2x32", "2x64"]\n'
+        f'ladder.batch_tokens = 256\nladder.duration_tokens = {duration}\nladder.warmup_tokens = 256\n'
+        f'ladder.chinchilla_multiple = 1\nladder.val_tokens = 512\nmodel.block_size = 32\n'
+        f'data.data_root = "{data_root}"\neval.sample_interval = 0\nlog.interval = 1\n{extra}'
+    )
     return str(path)
 
 

@@ -90,7 +90,9 @@ def write_ladder(tmp_path, name, law, extra="", corrupt=None, finished=False, ta
             if task:
                 name_, task_law, curve = task
                 task_loss = scaling_law.predict(task_law, plan.non_embedding_params, max(tokens, 512))
-                values.update({f"eval/{name_}/loss": task_loss, f"eval/{name_}/acc": scaling_law.sigmoid(curve, task_loss)})
+                values.update(
+                    {f"eval/{name_}/loss": task_loss, f"eval/{name_}/acc": scaling_law.sigmoid(curve, task_loss)}
+                )
             (folder / f"metrics_step{step}.json").write_text(json.dumps(values))
         if finished:
             final = folder / f"step{plan.run.max_steps}"

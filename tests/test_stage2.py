@@ -79,7 +79,9 @@ def test_the_dry_run_shows_the_stage_boundary(mixture_root, tmp_path):
 
 
 def test_a_reference_from_another_source_is_used_as_given(mixture_root, tmp_path):
-    run_train(TINY + [f"--data.data_root={mixture_root}", f"--train.out_dir={tmp_path / 'other'}", "--train.max_steps=2"])
+    run_train(
+        TINY + [f"--data.data_root={mixture_root}", f"--train.out_dir={tmp_path / 'other'}", "--train.max_steps=2"]
+    )
     run_train(stage2_args(mixture_root, tmp_path / "snapshot", "--stage2.kl_beta=0.5"))
     run_train(stage2_args(mixture_root, tmp_path / "given", "--stage2.kl_beta=0.5",
                           f"--stage2.reference={tmp_path / 'other'}"))

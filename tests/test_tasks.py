@@ -241,10 +241,15 @@ def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
     assert [line.get("task") for line in lines] == ["copa", "arc_easy", None]
-    assert set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "loss", "skipped"} and lines[0]["n"] == 5
+    assert (
+        set(lines[0]) == {"task", "n", "acc", "acc_norm", "acc_per_char", "chance", "loss", "skipped"}
+        and lines[0]["n"] == 5
+    )
     assert set(lines[2]) == {"average", "average_centered"}
     typo = run_in_process([f"--init_from={tmp_path / 'run'}", "--tasks=copa,arc"], hellaswag_eval.main)
-    assert typo.returncode != 0 and typo.stderr.startswith("error: --tasks has unknown task(s) arc; choose from hellaswag,")
+    assert typo.returncode != 0 and typo.stderr.startswith(
+        "error: --tasks has unknown task(s) arc; choose from hellaswag,"
+    )
     # bench_eval.py, the speed figure docs/measurements.md reports: both scorers run and agree on every example
     bench = run_in_process([f"--init_from={tmp_path / 'run'}", "--limit=6", "--repeats=1", "--batch_sizes=1,4",
                             "--device=cpu"], bench_eval.main)
