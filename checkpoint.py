@@ -41,6 +41,7 @@ import torch.distributed as dist
 from config import UserError, config_from_dict, keys_with_role, run_command
 from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_gpt2_source, is_hf_folder
 from model import GPT
+import remote
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step(\d+)$")
@@ -219,13 +220,19 @@ def prune_checkpoints(run_dir, keep_last):
 class Checkpointer:
     """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
     `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
-    this run's first checkpoint is complete, so the folder never holds no checkpoint at all."""
+    this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
+    `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py)."""
 
-    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=()):
+    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None):
         self.out_dir, self.keep_last = out_dir, keep_last
         self.async_save, self.is_master = async_save, is_master
         self.replaced = list(replaced)
+        self.uploader = uploader
         self.thread, self.error = None, None
+
+    @property
+    def upload_failures(self):
+        return self.uploader.failures if self.uploader else 0
 
     def save(self, step, snapshot, kind):
         self.wait()  # the previous save must finish before the next one starts
@@ -246,6 +253,9 @@ class Checkpointer:
                     shutil.rmtree(path, ignore_errors=True)
             self.replaced = []
             prune_checkpoints(self.out_dir, self.keep_last)
+            if self.uploader:
+                records = [os.path.join(self.out_dir, name) for name in ("config.json", "metrics.jsonl")]
+                self.uploader.upload_checkpoint(written, also=records)
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
 
@@ -268,6 +278,8 @@ def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
     fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
+    if remote.is_url(load_path):
+        load_path = remote.local_copy(load_path, "checkpoint.load_path")  # downloaded once, into a cache
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
     if own:
         ignored = f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own checkpoint"
@@ -481,7 +493,10 @@ def newest_checkpoint(run_dir):
 def check_source(source, key="--init_from"):
     """Raise one sentence naming `key` unless `source` is a model that load_model can load: a run or
     checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder, or an OpenAI GPT-2 name
-    (then transformers must be installed). Returns the checkpoint folder, or None. Cheap: no weights read."""
+    (then transformers must be installed). Returns the checkpoint folder, or None. Cheap: no weights read,
+    except from a bucket (an s3:// or gs:// URL), whose checkpoint is downloaded once into a cache."""
+    if remote.is_url(source):
+        return remote.local_copy(source, key)
     if source in OPENAI_MODELS:
         import importlib.util
         if importlib.util.find_spec("transformers") is None:

@@ -250,6 +250,9 @@ class CheckpointConfig:
     # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise
     # it to rewind to the same step again
     rewind_number: int = free(1)
+    # an fsspec URL (s3://bucket/run1, gs://..., file:///...) every checkpoint is also uploaded to, in the
+    # background; a fresh node resumes from it into an empty out_dir (remote.py); empty = off
+    remote_folder: str = free("")
 
 
 @dataclass(slots=True)

@@ -27,7 +27,8 @@ import time
 from dataclasses import dataclass, field
 
 from checkpoint import (STEP_DIR, CheckpointError, check_model_shape, choose_checkpoint, find_checkpoints,
-                        read_trainer_state, verify_checkpoint)
+                         newest_valid_checkpoint, read_trainer_state, verify_checkpoint)
+import remote
 from hf import is_gpt2_source
 from metrics import truncate_jsonl
 from config import as_override, keys_with_role, parse_duration, parse_mix
@@ -133,6 +134,7 @@ class Start:
     resumed: bool = False  # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
     rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `take_folder`
     rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
+    fetched: bool = False  # `path` was downloaded from checkpoint.remote_folder; take_folder moves it into place
     notes: list = field(default_factory=list)  # what to print about it
 
 
@@ -172,14 +174,46 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
     that holds another run), so a refused command leaves the folder exactly as it was."""
     c = checkpoint_cfg
     rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number)
+    fetched = fetch_from_bucket(out_dir, c.remote_folder) if c.remote_folder and c.load != "never" else None
+    try:
+        start = decide(out_dir, c, run_config, rewind_to, fetched)
+    except BaseException:
+        if fetched:  # refused: the download goes, and the folder is as it was
+            shutil.rmtree(fetched, ignore_errors=True)
+        raise
+    start.rewind_folder, start.notes = rewind_folder, [n for n in (rewind_note, *start.notes) if n]
+    return start
+
+
+def fetch_from_bucket(out_dir, url):
+    """checkpoint.remote_folder: the bucket's newest complete checkpoint, downloaded and checked into
+    `step<N>.download` when out_dir has no valid checkpoint as new (a fresh node after a preemption); else None."""
+    try:
+        step = remote.newest_complete(url)
+    except Exception as error:  # each store raises its own kinds
+        raise remote.RemoteError(f"checkpoint.remote_folder={url} cannot be read: {remote.describe_failure(error)}; "
+                                 f"fix that, or leave it empty to resume from train.out_dir alone.") from None
+    own = newest_valid_checkpoint(out_dir)
+    if step is None or (own and int(STEP_DIR.match(os.path.basename(own)).group(1)) >= step):
+        return None
+    return remote.download(url, step, os.path.join(out_dir, f"step{step}.download"))
+
+
+def decide(out_dir, c, run_config, rewind_to, fetched):
+    """choose_start's decision, once the rewind is planned and the bucket's checkpoint fetched."""
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir))[rewind_to], True, ""
         verify_checkpoint(path)
+    elif fetched:
+        path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
     saved = read_trainer_state(path)["config"] if resuming else None
     # save_overwrite replaces a different run, but never one being rewound (that would do both): refused below
     if resuming and c.save_overwrite and not rewind_to and identity(saved) != identity(run_config):
+        if fetched:
+            shutil.rmtree(fetched, ignore_errors=True)
+            fetched = None
         path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
         replacing = (f"note: replacing the different run in {out_dir} (checkpoint.save_overwrite); its checkpoints "
                      f"go once this run has one")
@@ -190,13 +224,20 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
         check_fresh_start(out_dir, run_config, c.save_overwrite)
         if path and not is_gpt2_source(path):  # (a GPT-2's shape was taken into the config: take_model_shape)
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
-    return Start(path, resuming, rewind_to, rewind_folder, [n for n in (rewind_note, note) if n])
+    return Start(path, resuming, rewind_to, fetched=bool(fetched), notes=[note])
 
 
-def take_folder(out_dir, start, saved_config, run_config, step, save_overwrite, rewind_number):
+def take_folder(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
     """Rank 0, once the start is loaded: carry out what `choose_start` decided. Returns the old run's checkpoint
     folders to delete once this run's first checkpoint is complete, and the lines to print."""
-    lines = [rewind(out_dir, start.rewind_to, start.rewind_folder, rewind_number) if start.rewind_to else ""]
+    c, lines = checkpoint_cfg, []
+    if start.fetched:
+        lines.append(take_fetched(out_dir, start, c.remote_folder))
+    if start.rewind_to and c.remote_folder:  # the bucket first: a restart must not download what goes aside
+        remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+    if start.rewind_to:
+        lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
+    save_overwrite = c.save_overwrite
     replaced = []
     if start.resumed:
         accept_resume(out_dir, saved_config, run_config, step)
@@ -206,6 +247,22 @@ def take_folder(out_dir, start, saved_config, run_config, step, save_overwrite, 
     truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
     lines.append(remove_stale_cancel(out_dir))
     return replaced, [line for line in lines if line]
+
+
+def take_fetched(out_dir, start, url):
+    """The checkpoint downloaded from the bucket becomes the folder's own; so do the bucket's copies of the
+    run's config.json and metrics.jsonl where the folder has none (a fresh node)."""
+    final = start.path[: -len(".download")]
+    os.replace(start.path, final)
+    start.path = final
+    link = os.path.join(out_dir, "latest")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(final), link)
+    for name in ("config.json", "metrics.jsonl"):
+        if not os.path.exists(os.path.join(out_dir, name)):
+            remote.fetch_file(url, name, os.path.join(out_dir, name))
+    return f"downloaded {os.path.basename(final)} from {url} into {out_dir}"
 
 
 def check_identity(out_dir, saved_config, run_config):

