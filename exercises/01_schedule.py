@@ -31,6 +31,8 @@ def lr_at(schedule, n):
     D = schedule.decay_steps[0]
     if n < T - D:
         return peak
+    if D == 0:  # no decay steps: the last step drops straight to the floor
+        return floor
     x = max(0, T - n) / D
     if schedule.shape == "linear":
         s = x

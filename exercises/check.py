@@ -13,6 +13,7 @@ not written yet, or one that raises an error, is reported in one sentence naming
 import argparse
 import importlib.util
 import inspect
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -94,6 +95,10 @@ def main(argv):
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
     args = parser.parse_args(argv)
+    if args.data_root and not os.path.isdir(args.data_root):  # before anything is prepared or written there
+        print(f"error: --data_root={args.data_root} is not a folder; give the folder that holds shakespeare/ "
+              f"(or leave it out to use the project's data/).", file=sys.stderr)
+        return 1
     numbers = list(CHECKS) if args.exercise == "all" else [int(args.exercise)]
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
     results = []

@@ -49,6 +49,27 @@ def patched(owner, name, value):
         setattr(owner, name, original)
 
 
+# What makes the host wait for the device on a GPU: a tensor's value read into Python.
+HOST_SYNCS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__")
+
+
+@contextlib.contextmanager
+def host_syncs():
+    """Inside the block, each call that reads a tensor's value into Python (a host-device sync on a GPU) is
+    appended to the list this yields, by name. On a CPU nothing waits, so the check counts the calls."""
+    calls = []
+    with contextlib.ExitStack() as stack:
+        for name in HOST_SYNCS:
+            original = getattr(torch.Tensor, name)
+
+            def spy(self, *args, _name=name, _original=original, **kwargs):
+                calls.append(_name)
+                return _original(self, *args, **kwargs)
+
+            stack.enter_context(patched(torch.Tensor, name, spy))
+        yield calls
+
+
 # A training run of a few seconds on a laptop CPU (tests/conftest.py's TINY).
 TINY_RUN = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
             "--data.batch_size=4", "--train.total_batch_size=128", "--optim.warmup_steps=2",

@@ -7,6 +7,7 @@ laws and a synthetic ladder), 9 the optimizers' split (optimizer.py, then AdamW 
 tokens).
 """
 
+import functools
 import math
 import os
 import random
@@ -53,12 +54,14 @@ def check_resume(answers, data_root=""):
         return answers.trainer_state_to_dict(state)
 
     def rng_state(generator):  # capture_state calls it right after to_dict, for the same step
-        saved[saved["last"]].update(torch=torch.get_rng_state(), sample=generator.get_state())
+        saved[saved["last"]].update(torch=torch.get_rng_state(), sample=generator.get_state(),
+                                    python=random.getstate(), numpy=np.random.get_state())
         return answers.rng_state(generator)
 
     def set_rng_state(state, generator):
         answers.set_rng_state(state, generator)
-        restored.update(torch=torch.get_rng_state(), sample=generator.get_state())
+        restored.update(torch=torch.get_rng_state(), sample=generator.get_state(), python=random.getstate(),
+                        numpy=np.random.get_state())
 
     def from_dict(cls, data):
         state = answers.trainer_state_from_dict(data)
@@ -72,6 +75,7 @@ def check_resume(answers, data_root=""):
             patched(checkpoint, "set_rng_state", set_rng_state):
         run_training(common + [f"--train.out_dir={tmp}/split", "--train.hard_stop=4"])
         resume_error = None
+        random.random(), np.random.random()  # a resuming process's Python and NumPy generators are elsewhere
         try:
             resumed = run_training(common + [f"--train.out_dir={tmp}/split"])
         except Exception as error:  # noqa: BLE001 - what came back wrong explains it better; else raised below
@@ -92,6 +96,14 @@ def check_resume(answers, data_root=""):
         if "sample" in restored and not torch.equal(restored["sample"], at_stop["sample"]):
             raise ExerciseFailed("after resuming, the samples' generator is not where it was at step 4, so samples.txt "
                                  "would differ from a run that never stopped: save its get_state() and set it back.")
+        if "python" in restored and restored["python"] != at_stop["python"]:
+            raise ExerciseFailed("after resuming, Python's random generator is not where it was at step 4, so "
+                                 "anything drawing from `random` would draw other numbers: save random.getstate() "
+                                 "and set it back.")
+        if "numpy" in restored and not all(np.array_equal(a, b) for a, b in zip(restored["numpy"], at_stop["numpy"])):
+            raise ExerciseFailed("after resuming, NumPy's random generator is not where it was at step 4, so "
+                                 "anything drawing from np.random would draw other numbers: save "
+                                 "np.random.get_state() and set it back.")
         if resume_error is not None:
             raise resume_error
         full = run_training(common + [f"--train.out_dir={tmp}/full"])
@@ -110,10 +122,31 @@ def check_resume(answers, data_root=""):
 # ----------------------------------------------------------------------------- 7. a downstream task
 
 
+@functools.lru_cache(maxsize=None)
+def olmo_methods(class_name):
+    """{name: function} of a task class in ai2-olmo-eval's own tasks.py, read from its source (importing the
+    package needs torchmetrics): the check's reference is OLMo's code, so no copy of the answer lives here."""
+    import ast
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("olmo_eval").origin), "tasks.py")
+    tree = ast.parse(open(path).read())
+    cls = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name)
+    methods = {}
+    for node in cls.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("doc_to_"):
+            namespace = {}
+            exec(compile(ast.Module([node], type_ignores=[]), path, "exec"), namespace)
+            methods[node.name] = namespace[node.name]
+    return methods
+
+
 def olmo_rte(doc):
-    """OLMo's RTE prompt (olmo_eval/tasks.py, class RTE: doc_to_text, doc_to_continuations, doc_to_label)."""
-    context = doc["sentence1"] + "\nQuestion: " + doc["sentence2"] + " True or False?\nAnswer:"
-    return [(context, " True"), (context, " False")], doc["label"]
+    """OLMo's RTE example: ([(context, continuation), ...], label), by OLMo's class RTE itself."""
+    methods = olmo_methods("RTE")
+    context = methods["doc_to_text"](None, doc)
+    endings, label = methods["doc_to_continuations"](None, doc), methods["doc_to_label"](None, doc)
+    return [(context, ending) for ending in endings], label
 
 
 def first_difference(mine, want):
@@ -134,9 +167,9 @@ def check_task_fields(answers, task, root):
     if not os.path.isdir(os.path.join(root, task.folder, "validation")):
         raise ExerciseFailed(f"rte_task().folder is {task.folder!r}, but {root} has no such folder with a validation "
                              f"set in it: name the folder of RTE's copy there.")
-    if tuple(task.hub)[1:] != ("rte",):
+    if tuple(task.hub) not in (("nyu-mll/glue", "rte"), ("glue", "rte")):  # SuperGLUE's RTE is another set
         raise ExerciseFailed(f"rte_task().hub is {task.hub!r}: on the Hugging Face hub RTE is the config \"rte\" of "
-                             f"GLUE, so the pair is (\"nyu-mll/glue\", \"rte\").")
+                             f"GLUE, so the pair is (\"nyu-mll/glue\", \"rte\") (SuperGLUE's rte is another set).")
     if task.primary != "acc_per_char":
         raise ExerciseFailed(f"rte_task().primary is {task.primary!r}, but OLMo's RTE has metric_type \"len_norm\", "
                              f"which this project calls \"acc_per_char\" (as for piqa and hellaswag).")
@@ -196,16 +229,21 @@ def compare_law_readings(answers, law, n, d, loss):
     import scaling_law
 
     readings = [
-        ("predict_loss", f"N {n:.3g}, D {d:.3g}", answers.predict_loss(law, n, d), scaling_law.predict(law, n, d),
-         "scaling_law.predict", "check the formula in the module docstring"),
-        ("tokens_for_loss", f"N {n:.3g}, loss {loss:.5g}", answers.tokens_for_loss(law, n, loss),
+        ("predict_loss", f"N {n:.3g}, D {d:.3g}", lambda: answers.predict_loss(law, n, d),
+         scaling_law.predict(law, n, d), "scaling_law.predict", "check the formula in the module docstring"),
+        ("tokens_for_loss", f"N {n:.3g}, loss {loss:.5g}", lambda: answers.tokens_for_loss(law, n, loss),
          scaling_law.tokens_to_reach(law, n, loss), "scaling_law.tokens_to_reach",
          "solve the law for D; a loss at or below E + A / N^alpha is never reached (math.inf)"),
-        ("tokens_per_param_at_optimum", f"N {n:.3g}", answers.tokens_per_param_at_optimum(law, n),
+        ("tokens_per_param_at_optimum", f"N {n:.3g}", lambda: answers.tokens_per_param_at_optimum(law, n),
          scaling_law.optimal_tokens_per_param(law, n), "scaling_law.optimal_tokens_per_param",
          "solve alpha x A / N^alpha = beta x B / D^beta for D, then divide by N"),
     ]
-    for name, inputs, mine, want, source, advice in readings:
+    for name, inputs, answer, want, source, advice in readings:
+        try:
+            mine = answer()
+        except ArithmeticError as error:  # e.g. a division by the gap at the floor itself
+            raise ExerciseFailed(f"{name}({inputs}) raised {type(error).__name__} where {source} gives {want} for "
+                                 f"the law {law_text(law)}: {advice}.") from None
         if not is_close(mine, want, rel=1e-6):
             mine, want = shown(mine, want)
             raise ExerciseFailed(f"{name}({inputs}) is {mine} where {source} gives {want} for the law "
@@ -222,6 +260,9 @@ def check_scaling_law(answers):
         reachable = scaling_law.predict(law, n, 10 ** rng.uniform(8, 13))
         for loss in (reachable, floor - rng.uniform(0.001, 0.5)):
             compare_law_readings(answers, law, n, d, loss)
+    # A loss exactly at the floor E + A / N^alpha (2.0 + 5000 / 1e8^0.5 = 2.5, exact in floating point): with
+    # infinite data the loss only tends to it, so it is never reached.
+    compare_law_readings(answers, {"E": 2.0, "A": 5000.0, "alpha": 0.5, "B": 400.0, "beta": 0.3}, 1e8, 1e10, 2.5)
     # A synthetic ladder: three sizes, each trained to 10, 20 and 40 tokens per parameter, losses from a
     # known law with 0.2% noise, fitted as ladder.py fits (but from one start near the truth, to stay
     # fast: ladder.py searches a grid of 4,500 starts). The noise is seeded, so the figures below are

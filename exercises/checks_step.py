@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from config import OptimConfig
-from exercises.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown, tiny_gpt
+from exercises.checking import (ExerciseFailed, TINY_RUN, host_syncs, is_close, patched, run_training, shown,
+                                tiny_gpt)
 from model import GPT, CausalSelfAttention, GPTConfig
 
 # ----------------------------------------------------------------------------- 1. the schedule
@@ -38,13 +39,15 @@ def check_schedule(answers):
 
     rng = random.Random()  # fresh every time: an answer cannot be fitted to fixed inputs
     count = 0
-    for _ in range(60):
-        kind, total = rng.choice(["cosine", "wsd"]), rng.randint(10, 3000)
+    for i in range(60):
+        kind, total = ("wsd" if i == 0 else rng.choice(["cosine", "wsd"])), rng.randint(10, 3000)
         warmup = rng.randint(0, total // 4)
-        decay, shape = rng.randint(1, total - warmup), rng.choice(["linear", "cosine", "1-sqrt"])
+        # The first is a WSD schedule without decay steps (decay_steps=0 and decay_fraction=0 are allowed).
+        decay, shape = (0 if i == 0 else rng.randint(1, total - warmup)), rng.choice(["linear", "cosine", "1-sqrt"])
         peak = 10 ** rng.uniform(-4, -2)
         optim = OptimConfig(schedule=kind, lr=peak, min_lr=peak * rng.choice([0.0, 0.1, rng.random()]),
-                            warmup_steps=warmup, decay_steps=decay, decay_shape=shape)
+                            warmup_steps=warmup, decay_steps=decay, decay_fraction=0.1 if decay else 0.0,
+                            decay_shape=shape)
         schedule = build_schedule(optim, total)
         T, W, D = schedule.total_steps, schedule.warmup_steps, schedule.decay_steps[0]
         edges = {1, W, W + 1, W + 2, T - D - 1, T - D, T - D + 1, T - 1, T}
@@ -312,7 +315,12 @@ def check_metric(answers, data_root=""):
         before = {name: p.detach().clone() for name, p in raw_model.named_parameters()}
         result = original_train_step(model, optimizer, loader, *args, **kwargs)
         expected.append(update_ratio(raw_model, before))
-        answers.record_update_ratio(RecorderSpy(runs[-1].recorder, notes), raw_model, before)
+        with host_syncs() as syncs:
+            answers.record_update_ratio(RecorderSpy(runs[-1].recorder, notes), raw_model, before)
+        if syncs:
+            raise ExerciseFailed(f"your record_update_ratio calls .{syncs[0].strip('_')}() on a tensor, which makes "
+                                 f"the host wait for the device every step on a GPU: keep every sum on tensors "
+                                 f"(torch.stack, torch.linalg.vector_norm) and record the tensor itself.")
         return result
 
     with tempfile.TemporaryDirectory() as out, patched(train, "build_run", build_run), \

@@ -131,6 +131,28 @@ def set_rng_state_without_torch(state, generator):
     generator.set_state(state["sample"])
 
 
+def record_item_sums_then_a_tensor(recorder, model, weights_before):  # the right value, through the host
+    change = sum(((p.detach() - weights_before[n]) ** 2).sum().item() for n, p in model.named_parameters())
+    size = sum((w ** 2).sum().item() for w in weights_before.values())
+    recorder.record_metric("optim/update_ratio", torch.tensor((change / size) ** 0.5), reduce="mean")
+
+
+def rng_state_of_torch_only(generator):  # Python's and NumPy's generators forgotten
+    return {"torch": torch.get_rng_state(), "sample": generator.get_state()}
+
+
+def set_rng_state_of_torch_only(state, generator):
+    torch.set_rng_state(state["torch"])
+    generator.set_state(state["sample"])
+
+
+def tokens_for_loss_strictly_below(law, n, loss):  # `< 0` where `<= 0` is needed: the floor itself
+    rest = loss - law["E"] - law["A"] / n ** law["alpha"]
+    if rest < 0:
+        return math.inf
+    return (law["B"] / rest) ** (1 / law["beta"])
+
+
 def rte_without_the_space(doc):
     context = doc["sentence1"] + "\nQuestion: " + doc["sentence2"] + " True or False?\nAnswer:"
     return [(context, "True"), (context, "False")], doc["label"]
@@ -166,16 +188,22 @@ WRONG = [  # (exercise, the wrong function(s), words the sentence must hold)
     (4, {"mfu": lambda flops, tokens_per_sec, world_size, peak: flops * tokens_per_sec / peak}, "divide by world_size"),
     (5, {"record_update_ratio": record_a_python_float}, "record the tensor itself"),
     (5, {"record_update_ratio": record_summed_over_ranks}, "logs twice the ratio"),
+    (5, {"record_update_ratio": record_item_sums_then_a_tensor}, "calls .item() on a tensor"),
     (5, {"record_update_ratio": record_mean_of_ratios}, "at step 1 metrics.jsonl has optim/update_ratio"),
     (6, {"trainer_state_from_dict": from_dict_without_the_data_position}, "TrainState.data is {}"),
     (6, {"rng_state": rng_state_without_torch, "set_rng_state": set_rng_state_without_torch},
      "torch's random number generator"),
+    (6, {"rng_state": rng_state_of_torch_only, "set_rng_state": set_rng_state_of_torch_only},
+     "Python's random generator"),
     (7, {"rte": rte_without_the_space, "rte_task": lambda: tasks.Task("glue/rte", ("nyu-mll/glue", "rte"),
                                                                       rte_without_the_space, "acc_per_char")},
      "continuation of choice 0 is 'True' where OLMo's RTE format gives ' True'"),
+    (7, {"rte_task": lambda: tasks.Task("glue/rte", ("super_glue", "rte"), answers(7).rte, "acc_per_char")},
+     "SuperGLUE"),
     (7, {"rte_task": lambda: tasks.Task("glue/rte", ("nyu-mll/glue", "rte"), rte_without_the_space, "acc")},
      "which this project calls \"acc_per_char\""),
     (8, {"tokens_for_loss": tokens_for_loss_without_the_floor}, "is never reached (math.inf)"),
+    (8, {"tokens_for_loss": tokens_for_loss_strictly_below}, "ZeroDivisionError"),
     (8, {"tokens_per_param_at_optimum": optimum_without_alpha_and_beta}, "tokens_per_param_at_optimum(N"),
     (9, {"param_groups": embeddings_to_muon_too}, "transformer.wte.weight is in your 'muon' group"),
 ]
@@ -211,6 +239,14 @@ def test_an_error_in_a_students_function_is_one_sentence_naming_it_and_its_line(
         "'loss_of') at exercises/02_accumulation.py line 2.")
 
 
+def test_a_data_root_that_does_not_exist_is_one_sentence_and_creates_nothing(tmp_path):
+    missing = tmp_path / "missing"
+    result = subprocess.run([sys.executable, str(ROOT / "exercises" / "check.py"), "5", f"--data_root={missing}"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.startswith(f"error: --data_root={missing} is not a folder")
+    assert not missing.exists() and list(tmp_path.iterdir()) == []
+
+
 def digest(folder):
     return {path.relative_to(folder): hashlib.sha256(path.read_bytes()).hexdigest()
             for path in sorted(folder.rglob("*")) if path.is_file() and "__pycache__" not in path.parts}
@@ -223,6 +259,9 @@ def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(t
     assert digest(ROOT / "exercises") == before
     assert len(blanked) == len(CHECKS) and not (copy / "tests" / "test_exercises.py").exists()
     assert (copy / "train.py").read_bytes() == (ROOT / "train.py").read_bytes()
+    # No check ships an answer: exercise 7's RTE prompt is read from OLMo's own tasks.py, not written here.
+    shipped = "\n".join(p.read_text() for p in (copy / "exercises").glob("checks*.py"))
+    assert "True or False?" not in shipped
     for name in blanked:  # every answer function raises, naming its exercise; its docstring stays
         number = int(name.split("/")[1][:2])
         module = load_answers(copy / name)
