@@ -10,17 +10,23 @@ Check: python exercises/check.py 1
 import math
 
 
+# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
+HINTS = [
+    "Start from the project's own code: schedule.py, `Schedule.lr_at`; the module docstring states each schedule in "
+    'words.',
+    'lr_at: both rise linearly during warmup, peak x n / W for n <= W. Cosine then falls from the peak to the floor '
+    'along half a cosine wave; the project measures its progress from the end of warmup as (n - 1 - W) / (T - W), '
+    'so step W + 1 still has the peak. WSD holds the peak until step T - D, then decays over the last D steps: with '
+    'x = (T - n) / D going from 1 to 0, lr = floor + (peak - floor) x s(x), where s is schedule.decay_shape (s(x) = '
+    'x for "linear").',
+]
+
+
 def lr_at(schedule, n):
     """The learning rate of optimizer step n (1-based) under `schedule`, a schedule.Schedule whose
     `kind` is "cosine" or "wsd". Its fields: `lr` (the peak), `min_lr` (the floor), `total_steps` (T),
     `warmup_steps` (W), `decay_steps` (wsd: a tuple (D,)) and `shape` (wsd's decay shape: "linear",
     "cosine" or "1-sqrt").
-
-    Hint: both rise linearly during warmup, peak x n / W for n <= W. Cosine then falls from the peak to
-    the floor along half a cosine wave; the project measures its progress from the end of warmup as
-    (n - 1 - W) / (T - W), so step W + 1 still has the peak. WSD holds the peak until step T - D, then
-    decays over the last D steps: with x = (T - n) / D going from 1 to 0, lr = floor + (peak - floor)
-    x s(x), where s is schedule.decay_shape (s(x) = x for "linear").
     """
     T, W, peak, floor = schedule.total_steps, schedule.warmup_steps, schedule.lr, schedule.min_lr
     if n <= W:

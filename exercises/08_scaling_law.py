@@ -14,6 +14,19 @@ Check: python exercises/check.py 8
 import math
 
 
+# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
+HINTS = [
+    "Start from the project's own code: scaling_law.py, `fit_law`, `predict`, `tokens_to_reach`, "
+    '`optimal_tokens_per_param`; ladder.py, `fit` (ladder_fit.py: it fits the small sizes and checks the prediction '
+    'for the largest).',
+    'tokens_for_loss: solve predict_loss(law, n, D) = loss for D. With infinite data the loss only falls to E + A / '
+    'n^alpha: a loss at or below that is never reached.',
+    "tokens_per_param_at_optimum: at the optimum, moving compute from D to N gains nothing: the two terms' "
+    'derivatives balance, which works out to alpha x A / N^alpha = beta x B / D^beta (Hoffmann et al. 2022, eq. 4). '
+    'Solve it for D.',
+]
+
+
 def predict_loss(law, n, d):
     """The loss the law predicts for a model of `n` parameters trained on `d` tokens. `law` is a dict
     with keys E, A, alpha, B, beta, as scaling_law.fit_law returns it."""
@@ -23,9 +36,6 @@ def predict_loss(law, n, d):
 def tokens_for_loss(law, n, loss):
     """The training tokens D at which a model of `n` parameters reaches `loss`; math.inf when it never
     does, however long it trains.
-
-    Hint: solve predict_loss(law, n, D) = loss for D. With infinite data the loss only falls to
-    E + A / n^alpha: a loss at or below that is never reached.
     """
     gap = loss - law["E"] - law["A"] / n ** law["alpha"]
     if gap <= 0:
@@ -37,10 +47,6 @@ def tokens_per_param_at_optimum(law, n):
     """D / N for the compute-optimal run of a model of `n` parameters: of all (N, D) with the same
     compute C = 6 N D, the one with the lowest predicted loss has this N, and this many tokens per
     parameter.
-
-    Hint: at the optimum, moving compute from D to N gains nothing: the two terms' derivatives
-    balance, which works out to alpha x A / N^alpha = beta x B / D^beta (Hoffmann et al. 2022, eq. 4).
-    Solve it for D.
     """
     alpha, beta = law["alpha"], law["beta"]
     d = (beta * law["B"] * n ** alpha / (alpha * law["A"])) ** (1 / beta)

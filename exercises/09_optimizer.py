@@ -12,14 +12,21 @@ on the same tokens, one with AdamW and one with Muon, both built from your split
 """
 
 
+# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
+HINTS = [
+    "Start from the project's own code: optimizer.py, `param_groups` (the split) and `build_optimizer` (which "
+    'builds the two optimizers from it); the dry run prints the split (`python train.py --optim.name=muon '
+    '--dry_run`).',
+    'param_groups: model.parameters() lists each parameter once (the tied output layer is the token embedding); '
+    'p.dim() tells a matrix (2) from a vector (1); model.transformer.h holds the blocks, and model.transformer.wte '
+    'and wpe the two embeddings. Compare parameters by identity (`is`, or id()).',
+]
+
+
 def param_groups(model, optim):
     """{group name: [parameters]} for a model.GPT and the `optim` config section (config.OptimConfig):
     "decay" (AdamW with weight decay), "no_decay" (AdamW without) and, only when optim.name is "muon",
     "muon". Every parameter of the model in exactly one group.
-
-    Hint: model.parameters() lists each parameter once (the tied output layer is the token embedding);
-    p.dim() tells a matrix (2) from a vector (1); model.transformer.h holds the blocks, and
-    model.transformer.wte and wpe the two embeddings. Compare parameters by identity (`is`, or id()).
     """
     embeddings = {id(model.transformer.wte.weight), id(model.transformer.wpe.weight)}
     block_matrices = {id(p) for block in model.transformer.h for p in block.parameters() if p.dim() == 2}

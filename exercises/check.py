@@ -3,6 +3,8 @@
     python exercises/check.py 3                   # exercise 3: "passed" and exit status 0, or what differs and 1
     python exercises/check.py all                 # every exercise, in order, one line each
     python exercises/check.py 5 --data_root=DIR   # where the prepared Shakespeare data lives (default: data/)
+    python exercises/check.py 3 --hint            # the first hint; --hint=2 the next one, and so on
+    python exercises/check.py 3 --against=TEACHER # graded by the teacher's untouched copy of the project
 
 Your answers are the functions in exercises/NN_name.py (NN is the exercise's number). The check loads
 that file, runs its functions beside the project's code (checks_step.py for exercises 1-5,
@@ -24,18 +26,20 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the project's modules (train, model, ...), from any working directory
 
 from exercises.checking import ExerciseFailed  # noqa: E402 - needs the line above
+from exercises.checks_model import check_gpt  # noqa: E402
 from exercises.checks_run import check_optimizer, check_resume, check_scaling_law, check_task  # noqa: E402
 from exercises.checks_step import (check_accumulation, check_attention, check_metric, check_mfu,  # noqa: E402
                                    check_schedule)
 
 # The exercises in order: number -> its check. Exercise N's answers are in exercises/NN_*.py.
 CHECKS = {1: check_schedule, 2: check_accumulation, 3: check_attention, 4: check_mfu, 5: check_metric,
-          6: check_resume, 7: check_task, 8: check_scaling_law, 9: check_optimizer}
+          6: check_resume, 7: check_task, 8: check_scaling_law, 9: check_optimizer, 10: check_gpt}
+ANSWERS = HERE  # where the answer files are read from (--answers_from: the student's, graded by this copy)
 
 
 def answer_file(number):
     """exercises/NN_name.py for exercise `number`."""
-    return next(HERE.glob(f"{number:02d}_*.py"))
+    return next(ANSWERS.glob(f"{number:02d}_*.py"))
 
 
 def load_answers(path):
@@ -94,7 +98,22 @@ def main(argv):
     parser.add_argument("exercise", choices=[str(n) for n in CHECKS] + ["all"], help="the exercise's number, or all")
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
+    parser.add_argument("--hint", type=int, nargs="?", const=1, default=0,
+                        help="print hint number HINT (1 = the first) instead of checking")
+    parser.add_argument("--against", default="",
+                        help="a teacher's untouched copy of the project: its code and checks grade your answers")
+    parser.add_argument("--answers_from", default="", help=argparse.SUPPRESS)  # (what --against passes on)
     args = parser.parse_args(argv)
+    if args.hint:
+        if args.exercise == "all":
+            print("error: --hint takes one exercise's number, e.g. check.py 3 --hint.", file=sys.stderr)
+            return 1
+        return print_hint(int(args.exercise), args.hint)
+    if args.against:
+        return grade_against(args)
+    if args.answers_from:
+        global ANSWERS
+        ANSWERS = Path(args.answers_from).resolve()
     if args.data_root and not os.path.isdir(args.data_root):  # before anything is prepared or written there
         print(f"error: --data_root={args.data_root} is not a folder; give the folder that holds shakespeare/ "
               f"(or leave it out to use the project's data/).", file=sys.stderr)
@@ -107,6 +126,33 @@ def main(argv):
         print(line, flush=True)
         results.append(passed)
     return 0 if all(results) else 1
+
+
+def print_hint(number, level):
+    """Hint `level` of exercise `number` (its answer file's HINTS): where to look first, then how."""
+    hints = getattr(load_answers(answer_file(number).resolve()), "HINTS", [])
+    if not 1 <= level <= len(hints):
+        print(f"exercise {number} has {len(hints)} hint(s); ask for 1 to {len(hints)}.", file=sys.stderr)
+        return 1
+    more = f" (more: --hint={level + 1})" if level < len(hints) else " (the last one)"
+    print(f"exercise {number}, hint {level} of {len(hints)}{more}: {hints[level - 1]}")
+    return 0
+
+
+def grade_against(args):
+    """Run the teacher's copy's check.py on this copy's answers: the project code the check compares with,
+    and the check itself, come from the teacher's copy, so editing either here changes nothing."""
+    import subprocess
+
+    teacher = Path(args.against).resolve() / "exercises" / "check.py"
+    if not teacher.is_file():
+        print(f"error: --against={args.against} holds no exercises/check.py; give the folder of the teacher's "
+              f"untouched copy of the project.", file=sys.stderr)
+        return 1
+    command = [sys.executable, str(teacher), args.exercise, f"--answers_from={HERE}"]
+    if args.data_root:
+        command.append(f"--data_root={args.data_root}")
+    return subprocess.run(command).returncode
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ ones; the student's copy blanks every answer and leaves the project untouched.""
 
 import hashlib
 import inspect
+import json
 import math
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 import tasks
-from conftest import ROOT, TINY, read_metrics
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from exercises.check import CHECKS, answer_file, describe_error, load_answers
 from exercises.checking import ExerciseFailed
 from exercises.make_student_copy import make_student_copy
@@ -33,7 +34,10 @@ def answers(number, **wrong):
     module = load_answers(answer_file(number).resolve())
     functions = {name: value for name, value in vars(module).items() if inspect.isfunction(value)}
     assert set(wrong) <= set(functions), f"exercise {number} has no function {set(wrong) - set(functions)}"
-    return types.SimpleNamespace(**{**functions, **wrong})
+    for name, value in wrong.items():  # the capstone's classes call its functions through the module
+        setattr(module, name, value)
+    classes = {name: value for name, value in vars(module).items() if inspect.isclass(value)}
+    return types.SimpleNamespace(**{**classes, **functions, **wrong})
 
 
 def run_check(number, given, data_root):
@@ -41,6 +45,8 @@ def run_check(number, given, data_root):
     options = {"data_root": data_root} if "data_root" in inspect.signature(CHECKS[number]).parameters else {}
     if number == 9:
         options["steps"] = 2
+    if number == 10:
+        options["steps"] = 8
     return CHECKS[number](given, **options)
 
 
@@ -153,6 +159,26 @@ def tokens_for_loss_strictly_below(law, n, loss):  # `< 0` where `<= 0` is neede
     return (law["B"] / rest) ** (1 / law["beta"])
 
 
+def init_without_the_residual_scaling(module, n_layer):
+    if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, torch.nn.Linear) and module.bias is not None:
+        torch.nn.init.zeros_(module.bias)
+
+
+def block_without_the_residual(block, x):
+    return block.mlp(block.ln_2(block.attn(block.ln_1(x))))
+
+
+def loss_shifted_again(logits, targets):
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), targets[:, 1:].reshape(-1),
+                                             ignore_index=-1)
+
+
+def embeddings_not_tied(gpt):
+    pass
+
+
 def rte_without_the_space(doc):
     context = doc["sentence1"] + "\nQuestion: " + doc["sentence2"] + " True or False?\nAnswer:"
     return [(context, "True"), (context, "False")], doc["label"]
@@ -206,6 +232,10 @@ WRONG = [  # (exercise, the wrong function(s), words the sentence must hold)
     (8, {"tokens_for_loss": tokens_for_loss_strictly_below}, "ZeroDivisionError"),
     (8, {"tokens_per_param_at_optimum": optimum_without_alpha_and_beta}, "tokens_per_param_at_optimum(N"),
     (9, {"param_groups": embeddings_to_muon_too}, "transformer.wte.weight is in your 'muon' group"),
+    (10, {"init_weights": init_without_the_residual_scaling}, "scaled by 1/sqrt(2 x n_layer)"),
+    (10, {"block_forward": block_without_the_residual}, "add each sub-layer's output back to its input"),
+    (10, {"next_token_loss": loss_shifted_again}, "do not shift them again"),
+    (10, {"tie_weights": embeddings_not_tied}, "make them one Parameter"),
 ]
 
 
@@ -245,6 +275,39 @@ def test_a_data_root_that_does_not_exist_is_one_sentence_and_creates_nothing(tmp
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.startswith(f"error: --data_root={missing} is not a folder")
     assert not missing.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_the_trainer_trains_the_capstone_gpt_named_by_train_model_module(data_root, tmp_path):
+    """The switch a student uses: `--train.model_module=exercises/10_gpt.py` loads that file's GPT (no patching)."""
+    common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=3", "--eval.interval=0",
+                     "--train.loss_path=full", "--checkpoint.interval=3"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'model'}"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'yours'}", "--train.model_module=exercises/10_gpt.py"])
+    ours, theirs = read_metrics(tmp_path / "yours"), read_metrics(tmp_path / "model")
+    assert [r["train/loss"] for r in ours] == pytest.approx([r["train/loss"] for r in theirs], rel=1e-4)
+    assert json.loads((tmp_path / "yours" / "config.json").read_text())["train"]["model_module"] == \
+        "exercises/10_gpt.py"
+    bad = run_train(common + [f"--train.out_dir={tmp_path / 'bad'}", "--train.model_module=exercises/nope.py"],
+                    check=False)
+    assert_one_sentence(bad, "train.model_module='exercises/nope.py' is neither model nor an existing .py file")
+
+
+def test_hints_come_one_level_at_a_time_and_grading_uses_the_teachers_copy(tmp_path):
+    first = subprocess.run([sys.executable, "exercises/check.py", "3", "--hint"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert first.stdout.startswith("exercise 3, hint 1 of 2 (more: --hint=2): Start from the project's own code")
+    assert "masked_fill" not in first.stdout and "masked_fill" not in load_answers(
+        answer_file(3).resolve()).causal_self_attention.__doc__  # the docstring is no dictation
+    student = tmp_path / "student"
+    make_student_copy(student)
+    (student / "schedule.py").write_text("raise SystemExit('a student edited schedule.py')\n")
+    graded = subprocess.run([sys.executable, "exercises/check.py", "1", f"--against={ROOT}"], cwd=student,
+                            capture_output=True, text=True, timeout=120)
+    assert graded.returncode == 1 and graded.stdout.startswith("exercise 1 is not done yet: write lr_at")
+    (student / "exercises" / "01_schedule.py").write_bytes((ROOT / "exercises" / "01_schedule.py").read_bytes())
+    graded = subprocess.run([sys.executable, "exercises/check.py", "1", f"--against={ROOT}"], cwd=student,
+                            capture_output=True, text=True, timeout=120)
+    assert graded.returncode == 0 and graded.stdout.startswith("exercise 1 passed")
 
 
 def digest(folder):
