@@ -47,6 +47,8 @@ def run_check(number, given, data_root):
         options["steps"] = 2
     if number == 10:
         options["steps"] = 8
+    if number == 15:  # its check runs an answer file in two processes
+        return CHECKS[number](answer_file(15).resolve())
     return CHECKS[number](given, **options)
 
 
@@ -179,6 +181,33 @@ def embeddings_not_tied(gpt):
     pass
 
 
+def bpe_highest_rank_first(symbols, ranks):
+    parts = list(symbols)
+    while len(parts) > 1:
+        ranked = [(ranks[pair], i) for i, pair in enumerate(zip(parts, parts[1:])) if pair in ranks]
+        if not ranked:
+            break
+        _, i = max(ranked)
+        parts[i:i + 2] = [parts[i] + parts[i + 1]]
+    return parts
+
+
+def adamw_with_l2_decay(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
+    grad = grad + weight_decay * param  # Adam with L2: the decay goes through the moments
+    exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denominator = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    param.addcdiv_(exp_avg, denominator, value=-lr / (1 - beta1 ** step))
+
+
+def clip_each_tensor(parameters, max_norm):
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    for grad in grads:
+        grad.mul_((max_norm / (grad.norm() + 1e-6)).clamp(max=1.0))
+    return total
+
+
 def rte_without_the_space(doc):
     context = doc["sentence1"] + "\nQuestion: " + doc["sentence2"] + " True or False?\nAnswer:"
     return [(context, "True"), (context, "False")], doc["label"]
@@ -236,6 +265,11 @@ WRONG = [  # (exercise, the wrong function(s), words the sentence must hold)
     (10, {"block_forward": block_without_the_residual}, "add each sub-layer's output back to its input"),
     (10, {"next_token_loss": loss_shifted_again}, "do not shift them again"),
     (10, {"tie_weights": embeddings_not_tied}, "make them one Parameter"),
+    (11, {"bpe_merge": bpe_highest_rank_first}, "merge the adjacent pair with the lowest rank first"),
+    (12, {"adamw_update": adamw_with_l2_decay}, "the weight decay is decoupled"),
+    (13, {"clip_gradients": clip_each_tensor}, "one factor for all"),
+    (14, {"rank_sequences": lambda position, rank, world_size, size: list(range(position, position + size))},
+     "offset them by the rank"),
 ]
 
 
@@ -308,6 +342,18 @@ def test_hints_come_one_level_at_a_time_and_grading_uses_the_teachers_copy(tmp_p
     graded = subprocess.run([sys.executable, "exercises/check.py", "1", f"--against={ROOT}"], cwd=student,
                             capture_output=True, text=True, timeout=120)
     assert graded.returncode == 0 and graded.stdout.startswith("exercise 1 passed")
+
+
+@pytest.mark.parametrize("body,words", [
+    ("    for p in model.parameters():\n        dist.all_reduce(p.grad)\n",
+     "divide the summed gradients by world_size"),
+    ("    pass\n", "the ranks ended with different weights"),
+])
+def test_exercise_15_runs_a_wrong_averaging_under_torchrun_and_says_what_is_missing(tmp_path, body, words):
+    path = tmp_path / "15_ddp.py"
+    path.write_text(f"import torch.distributed as dist\n\n\ndef average_gradients(model, world_size):\n{body}")
+    with pytest.raises(ExerciseFailed, match=words):
+        CHECKS[15](path)
 
 
 def digest(folder):
