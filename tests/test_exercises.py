@@ -344,10 +344,9 @@ def test_hints_come_one_level_at_a_time_and_grading_uses_the_teachers_copy(tmp_p
     assert graded.returncode == 0 and graded.stdout.startswith("exercise 1 passed")
 
 
-@pytest.mark.parametrize("body,words", [
+@pytest.mark.parametrize("body,words", [  # (each runs torchrun: one wrong answer, to keep the suite short)
     ("    for p in model.parameters():\n        dist.all_reduce(p.grad)\n",
      "divide the summed gradients by world_size"),
-    ("    pass\n", "the ranks ended with different weights"),
 ])
 def test_exercise_15_runs_a_wrong_averaging_under_torchrun_and_says_what_is_missing(tmp_path, body, words):
     path = tmp_path / "15_ddp.py"

@@ -1,0 +1,44 @@
+"""The capstone's expected loss curve (docs/exercises.md shows it): model.py's GPT and exercise 10's, both
+trained by train.py on the same seed and data, as exercise 10's check trains them.
+
+    python exercises/plot_capstone.py [OUT.png] [--steps=60]
+"""
+
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from exercises.checking import TINY_RUN, run_training  # noqa: E402
+from exercises.checks_model import CAPSTONE  # noqa: E402
+
+
+def main(argv):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = next((a for a in argv if not a.startswith("--")), "docs/capstone_loss.png")
+    steps = int(next((a.split("=")[1] for a in argv if a.startswith("--steps=")), "60"))
+    common = TINY_RUN + [f"--train.max_steps={steps}", "--eval.interval=0", "--train.no_checkpoints=true",
+                         "--train.loss_path=full"]
+    with tempfile.TemporaryDirectory() as folder:
+        curves = {"model.py": run_training(common + [f"--train.out_dir={folder}/model"]),
+                  "exercise 10 (train.model_module)": run_training(
+                      common + [f"--train.out_dir={folder}/yours", f"--train.model_module={CAPSTONE}"])}
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for (name, rows), style in zip(curves.items(), ("-", "--")):
+        ax.plot([r["step"] for r in rows], [r["train/loss"] for r in rows], style, label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("train/loss")
+    ax.set_title("exercise 10 against model.py (2 layers x 32 wide)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    last = {name: rows[-1]["train/loss"] for name, rows in curves.items()}
+    print(f"wrote {out}; loss at step {steps}: " + ", ".join(f"{n} {v:.4f}" for n, v in last.items()))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
