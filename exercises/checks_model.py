@@ -86,13 +86,18 @@ def check_parts(answers, rng):
         raise ExerciseFailed(f"next_token_loss is {got} where F.cross_entropy gives {want}: {advice}.")
 
 
-def check_gpt(answers, data_root="", steps=20, shape=()):
-    """The capstone: every part, then your GPT trained by train.py against model.py's."""
+QUICK_START = Path(__file__).resolve().parent.parent / "config" / "shakespeare.py"
+
+
+def check_gpt(answers, data_root="", steps=20, quick_start=True):
+    """The capstone: every part, then your GPT trained by train.py against model.py's, at the quick start's
+    shape (config/shakespeare.py: 4 layers x 128 wide) or, with quick_start=False, a tiny one (tests)."""
     import train
 
     check_parts(answers, random.Random())
-    common = TINY_RUN + [f"--data.data_root={data_root}", f"--train.max_steps={steps}", "--eval.interval=0",
-                         "--train.no_checkpoints=true", "--train.loss_path=full", *shape]
+    shape = [str(QUICK_START), "--optim.warmup_steps=2", "--eval.sample_interval=0"] if quick_start else TINY_RUN
+    common = shape + [f"--data.data_root={data_root}", f"--train.max_steps={steps}", "--eval.interval=0",
+                      "--train.no_checkpoints=true", "--train.loss_path=full"]
     original = train.gpt_class
     with tempfile.TemporaryDirectory() as out, \
             patched(train, "gpt_class", lambda module: answers.GPT if module != "model" else original(module)):
@@ -105,6 +110,7 @@ def check_gpt(answers, data_root="", steps=20, shape=()):
             raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {b['step']} is {got} where model.py's "
                                  f"is {expected} on the same seed and data: every part matched alone, so look at how "
                                  f"GPT assembles them (the order of modules decides the initial weights).")
-    return (f"every part matches model.py, and train.py trained your GPT for {steps} steps with model.py's loss "
-            f"curve: {want[0]['train/loss']:.4f} at step 1, {want[-1]['train/loss']:.4f} at step {steps} "
+    where = "the quick start's shape" if quick_start else "a tiny shape"
+    return (f"every part matches model.py, and train.py trained your GPT at {where} for {steps} steps with model.py's "
+            f"loss curve: {want[0]['train/loss']:.4f} at step 1, {want[-1]['train/loss']:.4f} at step {steps} "
             f"(yours: {mine[-1]['train/loss']:.4f}).")

@@ -46,7 +46,7 @@ def run_check(number, given, data_root):
     if number == 9:
         options["steps"] = 2
     if number == 10:
-        options["steps"] = 8
+        options.update(steps=8, quick_start=False)
     if number == 15:  # its check runs an answer file in two processes
         return CHECKS[number](answer_file(15).resolve())
     return CHECKS[number](given, **options)
