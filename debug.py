@@ -1,13 +1,11 @@
 """When a run goes wrong: where two runs part, how two checkpoints differ, where a hung job waits.
 
-In the loop (train.py calls these):
+In the loop (train.py calls these; every rank also registers a stack dump, callbacks.register_stack_dump):
 - `trace_forward` (debug.trace_steps): at the chosen steps, rank 0 runs the step's first micro-batch
   through the model once more with forward hooks on every submodule, and saves each module's inputs
   and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
   `module_outputs_save_steps`). The extra forward uses the weights of that step (before its update),
   runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay nothing.
-- `register_stack_dump`: every rank writes its pid and start time to `<out_dir>/stacks/rank<r>.pid` and,
-  on SIGUSR1, the stacks of all its threads to `rank<r>.txt` (Python's faulthandler, safe inside a hang).
 - `make_deterministic` (train.deterministic): deterministic kernels, for hunting divergences.
 
 From the command line:
@@ -28,7 +26,6 @@ stands out.
 """
 
 import argparse
-import faulthandler
 import json
 import os
 import shutil
@@ -39,13 +36,14 @@ import time
 
 import torch
 
+import callbacks
+from callbacks import STACKS
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
 from model import GPT
 from optimizer import build_optimizer
 
-TRACES, STACKS = "traces", "stacks"
-PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
+TRACES = "traces"
 HERE = os.path.dirname(os.path.abspath(__file__))  # this project's folder: its frames are the telling ones
 
 
@@ -105,45 +103,6 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
               "output": [list(t.shape) for t in c["output"]]} for c in calls]
     with open(os.path.join(folder, "index.json"), "w") as f:
         json.dump({"step": step, "calls": index}, f, indent=1)
-
-
-def process_start_time(pid):
-    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
-    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
-    try:
-        with open(os.path.join(PROC, str(pid), "stat")) as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def register_stack_dump(out_dir, rank):
-    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
-    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
-    not exist (Windows)."""
-    if not hasattr(signal, "SIGUSR1"):
-        return lambda: None
-    folder = os.path.join(out_dir, STACKS)
-    os.makedirs(folder, exist_ok=True)
-    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
-    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
-    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
-    start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
-    with open(pid_path, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
-    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
-    stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
-    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
-
-    def undo():
-        faulthandler.unregister(signal.SIGUSR1)
-        stacks_file.close()
-        if os.path.exists(pid_path):
-            os.remove(pid_path)
-
-    return undo
 
 
 # ----------------------------------------------------------------------------- compare-traces
@@ -362,10 +321,10 @@ def verified_rank(path, here):
         return None, f"{path} is unreadable ({type(error).__name__}); not signalled"
     if host != here:
         return info, ""
-    if not os.path.isdir(PROC):
-        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {PROC}; not signalled "
-                      f"(use `py-spy dump --pid {pid}` if it is)")
-    started = process_start_time(pid)
+    if not os.path.isdir(callbacks.PROC):
+        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {callbacks.PROC}; not "
+                      f"signalled (use `py-spy dump --pid {pid}` if it is)")
+    started = callbacks.process_start_time(pid)
     if started is None:
         return info, f"rank {rank}: stale pid file, pid {pid} has ended; not signalled"
     if started != info.get("start_time"):  # None: a file from before start times were recorded

@@ -5,9 +5,13 @@ folder written by `GPT2LMHeadModel.save_pretrained`, mapped into our `GPT`. Expo
 folder that `GPT2LMHeadModel.from_pretrained` and `GPT2TokenizerFast.from_pretrained` load.
 
 HF's GPT-2 stores its linear layers as `Conv1D`, whose weight is the transpose of `nn.Linear`'s; that
-is the only difference in layout. `transformers` is optional: only these two paths need it.
+is the only difference in layout. Both ways go by weight name, so a fork of model.py maps where GPT-2 can hold
+it: an untied output layer exports as GPT-2 with `tie_word_embeddings=False`, a model without a position table
+(NoPE) as GPT-2 with all-zero position embeddings (the same logits), and a weight GPT-2 has no place for is
+refused in one sentence. `transformers` is optional: only these paths need it.
 """
 
+import dataclasses
 import importlib.resources
 import json
 import os
@@ -15,8 +19,8 @@ import re
 import shutil
 
 from config import UserError
+from data import EOT_TOKEN, GPT2_VOCAB_SIZE
 from model import GPT, GPTConfig
-from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -156,16 +160,26 @@ def export_hf(model, out_dir):
     c = model.config
     if not c.bias:
         raise WeightsError("Hugging Face GPT-2 always has biases; this model was trained with model.bias=False.")
+    ours = model.state_dict()
+    tied = ours["lm_head.weight"].data_ptr() == ours.get("transformer.wte.weight", ours["lm_head.weight"]).data_ptr()
     hf_config = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=True)
+                                        bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=tied)
+    layout = transformers.GPT2LMHeadModel(hf_config).state_dict()
+    no_place = [key for key in ours if key not in layout]
+    if no_place:
+        raise WeightsError(f"this model has weights a Hugging Face GPT-2 has no place for ({', '.join(no_place[:3])}"
+                           f"{' ...' if len(no_place) > 3 else ''}); export-hf writes GPT-2's layout, so teach "
+                           f"hf.export_hf where they go, or keep the checkpoint as it is.")
     hf_model = transformers.GPT2LMHeadModel(hf_config)
     hf_state = hf_model.state_dict()
-    for key, value in model.state_dict().items():
+    for key, value in ours.items():
         if key in ("transformer.wte.weight", "lm_head.weight"):
             value = value[:GPT2_VOCAB_SIZE]  # drop the rows that only pad the vocabulary
         hf_state[key].copy_(value.t() if key.endswith(CONV1D_SUFFIXES) else value)
+    if "transformer.wpe.weight" not in ours:  # no position table (NoPE): GPT-2 adding zeros computes the same
+        hf_state["transformer.wpe.weight"].zero_()
     os.makedirs(out_dir, exist_ok=True)
     hf_model.save_pretrained(out_dir)
     # GPT-2's tokenizer files under the names HF expects (vocab.json = encoder.json, merges.txt = vocab.bpe).
@@ -176,3 +190,41 @@ def export_hf(model, out_dir):
     # and tokenizer_config.json, so AutoTokenizer finds everything.
     transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
     print(f"wrote a Hugging Face GPT-2 model to {out_dir}")
+
+
+# ----------------------------------------------------------------------------- fine-tuning: GPT-2's weights as a start
+
+
+def load_gpt2_weights(model, source):
+    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (use_source_shape):
+    the position embeddings are cropped to a shorter model.block_size, as nanoGPT's crop_block_size. A fork
+    without a place for one of GPT-2's weights (no position table, say) is one sentence."""
+    state = import_hf(source).state_dict()
+    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: model.config.block_size]
+    ours = model.state_dict()
+    unplaced = [key for key in state if key not in ours] + [key for key in ours if key not in state]
+    if unplaced:
+        raise WeightsError(f"GPT-2's weights and this model's differ at {unplaced[0]} (one side has it, the other has "
+                           f"not), so {source} cannot be loaded into it; fine-tune model.py's GPT-2, or train this "
+                           f"model from scratch.")
+    model.load_state_dict(state)
+
+
+SHAPE_FIELDS = [f.name for f in dataclasses.fields(GPTConfig) if f.metadata["role"] == "identity"]
+
+
+def use_source_shape(shape, model_config, source, what, default_config=False, key="checkpoint.load_path"):
+    """Fine-tuning GPT-2: the model's shape comes from `shape` (the source's, or the fine-tune's own checkpoint's),
+    set into `model_config`. A field the config set to another value is refused, naming it; model.block_size
+    may shrink (never grow). A value at its dataclass default counts as unset."""
+    default = dataclasses.asdict(type(model_config)())
+    for name in SHAPE_FIELDS:
+        value, mine = shape[name], getattr(model_config, name)
+        if mine == default[name]:
+            setattr(model_config, name, value)
+        elif mine != value and not (name == "block_size" and mine < value):
+            grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
+            where = " in config/shakespeare.py, the default config file," if default_config else ""
+            raise WeightsError(f"{key}={source} is {what} with model.{name}={value}, and this run sets "
+                               f"model.{name}={mine}{where}{grow}; the shape comes from the weights, so leave it "
+                               f"out, as `python train.py config/finetune_shakespeare.py --{key}={source}` does.")

@@ -10,7 +10,7 @@ to the small ones and check what it predicts for the largest (OLMo-core's ModelL
     python ladder.py fit         config/ladder_shakespeare.py                           # L(N, D), held-out check
     python ladder.py compare     config/ladder_shakespeare.py config/ladder_shakespeare_muon.py  # A against B
 
-fit and compare live in ladder_fit.py.
+fit and compare live in tools/ladder_fit.py.
 
 A ladder config file sets the `ladder` section and any training field every run shares (data, block
 size, evaluation, logging), with the same syntax and `--section.field=value` overrides as train.py.
@@ -33,48 +33,58 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-# Before numpy loads (torch loads it): the fit (ladder_fit.py) makes thousands of tiny numpy/scipy
+# Before numpy loads (torch loads it): the fit (tools/ladder_fit.py) makes thousands of tiny numpy/scipy
 # calls, which OpenBLAS threads slow down tenfold on a busy machine (measured on 2 busy cores: 56 s a
 # fit, 6 s with one thread).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import tasks  # noqa: E402 - after the line above
-from checkpoint import is_complete_checkpoint  # noqa: E402
+from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
 from config import (Config, ConfigError, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
-                    ladder_derived_keys, parse_args, run_command, sections, validate)
+                    ladder_derived_keys, parse_args, run_command, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, model_config, param_counts, shape_of)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
-import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
+from hellaswag_eval import check_names  # noqa: E402
+from tools import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
 from run_dir import changed_fields  # noqa: E402
+
+
+def ladder_setting(default, check=None):
+    """A field of the ladder section: no resume role (a ladder is not resumed, its sizes are), a range check."""
+    return setting(None, default, check)
 
 
 @dataclass(slots=True)
 class LadderSettings:
-    name: str = "ladder"  # names the runs (<name>-<size>) and their W&B group
-    dir: str = "out/ladder"  # each size trains into <dir>/<size>/; fit.json and fit.png are written here
+    name: str = ladder_setting("ladder")  # names the runs (<name>-<size>) and their W&B group
+    # each size trains into <dir>/<size>/; fit.json and fit.png are written here
+    dir: str = ladder_setting("out/ladder")
     # size names (configurator/model.py)
-    sizes: list[str] = field(default_factory=lambda: ["1x32", "2x32", "4x32", "8x32"])
-    max_devices: int = 1  # devices a run may use (torchrun --nproc-per-node)
-    device: str = "cpu"  # device type, for the micro-batch: cpu, H100, H200, A100-80GB, A100-40GB, ...
-    chinchilla_multiple: float = 2.0  # train each size to this many Chinchilla durations: 0.5, 1, 2, 4, ...
+    sizes: list[str] = ladder_setting(["1x32", "2x32", "4x32", "8x32"], "not empty")
+    max_devices: int = ladder_setting(1, "at least 1")  # devices a run may use (torchrun --nproc-per-node)
+    # device type, for the micro-batch: cpu, H100, H200, A100-80GB, A100-40GB, ...
+    device: str = ladder_setting("cpu")
+    # train each size to this many Chinchilla durations: 0.5, 1, 2, 4, ...
+    chinchilla_multiple: float = ladder_setting(2.0)
     # one Chinchilla duration in tokens per non-embedding parameter (Hoffmann et al. 2022)
-    tokens_per_param: float = 20.0
-    lr_multiplier: float = 1.0  # scales the run configurator's peak learning rate
-    decay_fraction: float = 0.1  # each WSD-S period ends with a linear decay over this share of it
-    seed: int = 42  # train.seed of every size (OLMo-core's ladder default)
+    tokens_per_param: float = ladder_setting(20.0, "greater than 0")
+    lr_multiplier: float = ladder_setting(1.0, "greater than 0")  # scales the run configurator's peak learning rate
+    # each WSD-S period ends with a linear decay over this share of it
+    decay_fraction: float = ladder_setting(0.1, "in [0, 1)")
+    seed: int = ladder_setting(42)  # train.seed of every size (OLMo-core's ladder default)
     # validation tokens per evaluation, the same first ones for every size (sets eval.val_steps)
-    val_tokens: int = 65536
-    batch_tokens: int = 0  # one global batch for every size, in tokens; 0 = OLMo's rule from N (Porian et al. 2024)
+    val_tokens: int = ladder_setting(65536, "at least 1")
+    # one global batch for every size, in tokens; 0 = OLMo's rule from N (Porian et al. 2024)
+    batch_tokens: int = ladder_setting(0, "0 or more")
     # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration (tokens_per_param x N)
-    duration_tokens: int = 0
-    warmup_tokens: int = 0  # warmup of every size, in tokens; 0 = N tokens (OLMo)
+    duration_tokens: int = ladder_setting(0, "0 or more")
+    warmup_tokens: int = ladder_setting(0, "0 or more")  # warmup of every size, in tokens; 0 = N tokens (OLMo)
     # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in eval.tasks
-    fit_tasks: list[str] = field(default_factory=list)
+    fit_tasks: list[str] = ladder_setting([])
     # optim.name of every size; muon takes the same LR rule (OLMo-core's muon ladder, Liu et al. 2025)
-    optimizer: Literal["adamw", "muon"] = "adamw"
+    optimizer: Literal["adamw", "muon"] = ladder_setting("adamw")
     # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
-    muon_batch_multiplier: float = 2.0
+    muon_batch_multiplier: float = ladder_setting(2.0, "greater than 0")
 
 
 @dataclass(slots=True)
@@ -87,22 +97,10 @@ class LadderConfig(Config):
 DERIVED = ladder_derived_keys()
 
 
-LADDER_RANGES = [  # checked with config.RANGES, in the same form
-    ("ladder.max_devices", lambda v: v >= 1, "at least 1"),
-    ("ladder.sizes", lambda v: bool(v), "not empty"),
-    ("ladder.tokens_per_param", lambda v: v > 0, "greater than 0"),
-    ("ladder.val_tokens", lambda v: v >= 1, "at least 1"),
-    ("ladder.lr_multiplier", lambda v: v > 0, "greater than 0"),
-    ("ladder.decay_fraction", lambda v: 0 <= v < 1, "in [0, 1)"),
-    ("ladder.muon_batch_multiplier", lambda v: v > 0, "greater than 0"),
-    *((f"ladder.{key}", lambda v: v >= 0, "0 or more") for key in ("batch_tokens", "duration_tokens", "warmup_tokens")),
-]
-
-
 def read_config(path, overrides):
     """The checked LadderConfig of a ladder file plus overrides; every mistake is one sentence."""
-    cfg = parse_args([path, *overrides], LadderConfig(), LADDER_RANGES)
-    tasks.check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does: the names tasks.py defines
+    cfg = parse_args([path, *overrides], LadderConfig())
+    check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does: the names hellaswag_eval.py defines
     default = Config()
     for key in DERIVED:
         if get(cfg, key) != get(default, key):
@@ -192,7 +190,7 @@ def run_config(cfg, plan):
 
 
 def dry_run(cfg, plans, as_json):
-    from schedule import build_schedule, plot_schedule
+    from optimizer import build_schedule, plot_schedule
 
     for p in plans:
         b, r = p.batch, p.run
@@ -476,7 +474,7 @@ def main(argv):
         return ladder_fit.compare(*ladders, args.params, args.rounds)
     cfg = read_config(args.config[0], overrides)
     if args.task:
-        tasks.check_names([args.task], "--task")
+        check_names([args.task], "--task")
         if args.task not in cfg.eval.tasks:
             raise UserError(f"--task={args.task} is not among eval.tasks of {args.config[0]}, so the ladder has no "
                             f"scores for it; add it to eval.tasks and train the sizes.")

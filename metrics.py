@@ -1,17 +1,17 @@
 """Metrics: recorded on the device every step, reduced across ranks and written out in batches.
 
-The loop calls `recorder.record_metric("train/loss", loss)` with tensors that stay on the device, so
+The loop calls `recorder.record_all({"train/loss": loss, ...})` with tensors that stay on the device, so
 recording costs no host-device sync. Every `log.metrics_collect_interval` steps `collect()` reduces
 all pending values of all ranks in one collective and copies them to the host in one transfer (as
 OLMo-core's metrics_collect_interval); with `log.async_bookkeeping` that happens on a background
-thread over a CPU (gloo) group, as OLMo's async bookkeeping. The rows then go to `Sinks`: the console (rank 0),
-`<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps.
+thread over a CPU (gloo) group, as OLMo's async bookkeeping. `RowWriter` then writes the rows to `Sinks`
+(`<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps) and hands
+back their console lines, which the loop prints (rank 0; with async bookkeeping its thread prints them).
 Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
 
     python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
 """
 
-import argparse
 import json
 import os
 import sys
@@ -85,12 +85,17 @@ class MetricRecorder:
     def finish_step(self, step, collect, wait=False):
         """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to
         `on_rows`; with `wait` too, return only once they are handled (metrics.jsonl then holds every step
-        up to this one: the loop asks for that before a checkpoint)."""
+        up to this one: the loop asks for that before a checkpoint). Returns what `on_rows` returned for
+        rows handled here (the console lines), or [] (nothing collected, or async bookkeeping)."""
         self.end_step(step)
-        if collect:
-            self.collect_then(self.on_rows)
-            if wait:
-                self.wait()
+        if not collect:
+            return []
+        if self.worker is None:
+            return self.on_rows(self.collect())
+        self.collect_in_background(self.on_rows)
+        if wait:
+            self.wait()
+        return []
 
     def collect(self):
         """Reduce every pending metric over ranks: one collective, one copy to the host.
@@ -99,14 +104,13 @@ class MetricRecorder:
         if packed is None:
             return []
         labels, values, kinds = packed
-        return self._rows(labels, self._reduce(values, kinds, group=None).tolist())
+        if self.world_size > 1:  # one rank has nothing to combine
+            values = self._reduce(values, kinds, group=None)
+        return self._rows(labels, values.tolist())
 
-    def collect_then(self, handle_rows):
-        """collect() and pass the rows to handle_rows: right away, or with async bookkeeping on the
-        worker thread while training goes on. Errors of the previous batch are raised here."""
-        if self.worker is None:
-            handle_rows(self.collect())
-            return
+    def collect_in_background(self, handle_rows):
+        """Async bookkeeping: collect() on the worker thread while training goes on, then handle_rows(rows)
+        there. Errors of the previous batch are raised here."""
         self.wait()
         packed = self._pack()
         if packed is None:
@@ -120,7 +124,8 @@ class MetricRecorder:
         def finish():
             if copied is not None:
                 copied.synchronize()
-            handle_rows(self._rows(labels, self._reduce(host_values, kinds, self.group).tolist()))
+            values = self._reduce(host_values, kinds, self.group) if self.world_size > 1 else host_values
+            handle_rows(self._rows(labels, values.tolist()))
 
         self.in_flight = self.worker.submit(finish)
 
@@ -158,17 +163,15 @@ class MetricRecorder:
         device = values.device
         squared = torch.tensor([k == "l2_norm" for k in kinds], device=device)
         values = torch.where(squared, values * values, values)
-        if self.world_size > 1:
-            gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
-            dist.all_gather_into_tensor(gathered, values, group=group)
-            gathered = gathered.view(self.world_size, -1)
-            is_max = torch.tensor([k == "max" for k in kinds], device=device)
-            is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
-            is_rank0 = torch.tensor([k is None for k in kinds], device=device)
-            summed = gathered.sum(0)
-            values = torch.where(is_max, gathered.max(0).values,
-                                 torch.where(is_mean, summed / self.world_size, summed))
-            values = torch.where(is_rank0, gathered[0], values)
+        gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
+        dist.all_gather_into_tensor(gathered, values, group=group)
+        gathered = gathered.view(self.world_size, -1)
+        is_max = torch.tensor([k == "max" for k in kinds], device=device)
+        is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
+        is_rank0 = torch.tensor([k is None for k in kinds], device=device)
+        summed = gathered.sum(0)
+        values = torch.where(is_max, gathered.max(0).values, torch.where(is_mean, summed / self.world_size, summed))
+        values = torch.where(is_rank0, gathered[0], values)
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
 
     @staticmethod
@@ -187,25 +190,34 @@ PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")
 
 class RowWriter:
     """Collected rows, on the main thread or the bookkeeping thread: flag loss spikes, add the ETA,
-    write the sinks (rank 0). It never raises (it may run on the worker thread): the first non-finite
+    write the sinks (rank 0), and return the console lines of the rows that get one (every log.interval
+    steps, step 0, the last step, a spike, an evaluation). With `prints` (async bookkeeping: no loop waits
+    for them) it prints them itself. It never raises (it may run on the worker thread): the first non-finite
     train loss or gradient norm is kept in `nonfinite` as a sentence, and the loop stops on it."""
 
-    def __init__(self, sinks, spikes, log_interval, end_step):
-        self.sinks, self.spikes, self.end_step = sinks, spikes, end_step
+    def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
+        self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints
         self.console = Every(log_interval, fixed=(0,))  # a console line every log.interval steps, step 0 and the last
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on, and their time
         self.nonfinite = None
 
     def __call__(self, rows):
+        lines = []
         for step, values in rows:
             if "train/loss" in values and self.spikes.is_spike(values["train/loss"]):
                 values["train/loss_spike"] = 1.0
             self.add_eta(step, values)
             if self.sinks:
-                self.sinks.write(step, values, print_line=self.console.due(step, last=step == self.end_step)
-                                 or "train/loss_spike" in values or "val/loss" in values)
+                self.sinks.write(step, values)
+                if (self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
+                        or "val/loss" in values):
+                    lines.append(console_line(step, values))
             self.nonfinite = self.nonfinite or nonfinite_message(step, values)
+        if self.prints:
+            for line in lines:
+                print(line, flush=True)
+        return lines
 
     def add_eta(self, step, values):
         """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
@@ -248,11 +260,6 @@ def console_line(step, values):
             else:
                 parts.append(f"{label} {value:,.0f}" if name == "throughput/tokens_per_sec" else f"{label} {value:.4g}")
     return " | ".join(parts)
-
-
-def append_jsonl(path, step, values):
-    with open(path, "a") as f:
-        f.write(json.dumps({"step": step, **values}) + "\n")
 
 
 def read_jsonl(path):
@@ -313,16 +320,15 @@ class Sinks:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
-    def write(self, step, values, print_line):
+    def write(self, step, values):
         for name in values:
             if name == "tokens" or name.endswith("/sequences"):
                 values[name] = int(values[name])  # counts, exact in float64
-        if print_line:
-            print(console_line(step, values), flush=True)
         if self.failed:
             return
         try:
-            append_jsonl(self.jsonl_path, step, values)
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
             if any(name.startswith(("val/", "eval/")) for name in values):
                 # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
                 tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
@@ -361,75 +367,11 @@ def start_wandb(out_dir, log_cfg, config_dict):
     )
 
 
-# ----------------------------------------------------------------------------- plots
-
-PLOTS = {  # file name -> metrics drawn in it
-    "loss": ["train/loss", "val/loss"],
-    "hellaswag": ["eval/hellaswag/acc_norm", "eval/hellaswag/acc"],
-    "tasks": ["eval/average", "eval/average_centered"],
-    "lr": ["optim/lr"],
-    "throughput": ["throughput/tokens_per_sec"],
-}
-
-
-def run_labels(run_dirs):
-    """Each run's label: the shortest tail of its path that no other run's path ends with, so runs whose
-    folders share a name stay apart (ladders/adamw/2x32 and ladders/muon/2x32: adamw/2x32, muon/2x32)."""
-    paths = [os.path.abspath(d).strip(os.sep).split(os.sep) for d in run_dirs]
-    labels = []
-    for i, path in enumerate(paths):
-        others = paths[:i] + paths[i + 1:]
-        length = next((n for n in range(1, len(path)) if all(other[-n:] != path[-n:] for other in others)), len(path))
-        labels.append("/".join(path[-length:]))
-    return labels
-
-
-def plot_runs(run_dirs, out_dir):
-    """One PNG per plot and x axis (step, tokens), every run overlaid. Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no screen needed
-    import matplotlib.pyplot as plt
-
-    # A list, not a dict by label: a run given twice is drawn twice rather than silently dropped.
-    runs = [(label, read_jsonl(os.path.join(d, "metrics.jsonl"))) for label, d in zip(run_labels(run_dirs), run_dirs)]
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"{out_dir} is a file, not a folder; give --out a folder (new or existing) for the PNGs.")
-    os.makedirs(out_dir, exist_ok=True)
-    written = []
-    for plot_name, names in PLOTS.items():
-        for x_axis in ("step", "tokens"):
-            fig, ax = plt.subplots(figsize=(8, 5))
-            drawn = 0
-            for run_name, rows in runs:
-                for name in names:
-                    points = [(r[x_axis], r[name]) for r in rows if name in r and x_axis in r]
-                    if points:
-                        ax.plot(*zip(*points), label=f"{run_name} {name}", marker="." if len(points) < 50 else None)
-                        drawn += 1
-            if drawn:
-                ax.set_xlabel(x_axis)
-                ax.set_title(plot_name)
-                ax.grid(alpha=0.3)
-                ax.legend()
-                path = os.path.join(out_dir, f"{plot_name}_vs_{x_axis}.png")
-                fig.savefig(path, dpi=100, bbox_inches="tight")
-                written.append(path)
-            plt.close(fig)
-    return written
-
-
 def main(argv):
-    parser = argparse.ArgumentParser(description="Plot the metrics of one or more runs.")
-    parser.add_argument("command", choices=["plot"])
-    parser.add_argument("run_dirs", nargs="+", help="run folders holding metrics.jsonl")
-    parser.add_argument("--out", help="where to write the PNGs (default: <first run>/plots)")
-    args = parser.parse_args(argv)
-    missing = [d for d in args.run_dirs if not os.path.exists(os.path.join(d, "metrics.jsonl"))]
-    if missing:
-        sys.exit(f"error: {missing[0]} has no metrics.jsonl; give the train.out_dir of a run.")
-    for path in plot_runs(args.run_dirs, args.out or os.path.join(args.run_dirs[0], "plots")):
-        print(path)
+    """`python metrics.py plot RUN_DIR ...` (tools/plot_metrics.py draws them)."""
+    from tools.plot_metrics import main as plot
+
+    return plot(argv)
 
 
 if __name__ == "__main__":

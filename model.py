@@ -3,7 +3,12 @@
 This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
 blocks, learned position embeddings, a GELU(tanh) MLP and an output layer that shares its weights
 with the token embedding. `model(idx)` gives the logits, `model(idx, targets)` the loss: train.py
-calls the second, sampling and evaluation the first. The loss itself is in cross_entropy.py.
+calls the second, sampling and evaluation the first.
+
+What only the model knows stays here, so a fork edits this file alone: which parameters are embeddings,
+matrices or gains (`param_groups`, which the optimizer groups by), its blocks (per-layer metrics), its size
+and FLOPs. The rest of the trainer names no layer. At the bottom: the chunked loss, the same cross-entropy
+computed a slice of rows at a time (`train.loss_path`), which `forward` calls as one visible branch.
 """
 
 from dataclasses import dataclass, field
@@ -12,12 +17,10 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-import cross_entropy
-
-# Each field's role when a run resumes (config.py explains roles): the model's shape is what the run *is*.
-SHAPE = {"role": "identity", "ladder": False}
-SHAPE_BY_LADDER = {"role": "identity", "ladder": True}  # ladder.py derives these from the model size
-APPLIED = {"role": "applied", "ladder": False}
+# Beside each field, as config.py's settings say it: its role when a run resumes (config.py explains roles; the
+# model's shape is what the run *is*), whether ladder.py derives it from the model size, and its range check.
+SHAPE = {"role": "identity", "ladder": False, "check": "at least 1"}
+SHAPE_BY_LADDER = {**SHAPE, "ladder": True}
 
 
 @dataclass(slots=True)
@@ -28,8 +31,10 @@ class GPTConfig:
     n_layer: int = field(default=12, metadata=SHAPE_BY_LADDER)  # number of transformer blocks
     n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)  # attention heads per block; must divide n_embd
     n_embd: int = field(default=768, metadata=SHAPE_BY_LADDER)  # width of the residual stream
-    dropout: float = field(default=0.0, metadata=APPLIED)  # dropout probability; 0 to pretrain, 0.1 to fine-tune
-    bias: bool = field(default=True, metadata=SHAPE)  # biases in Linear and LayerNorm layers, as in GPT-2
+    # dropout probability; 0 to pretrain, 0.1 to fine-tune
+    dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False, "check": "in [0, 1)"})
+    # biases in Linear and LayerNorm layers, as in GPT-2
+    bias: bool = field(default=True, metadata={"role": "identity", "ladder": False})
 
 
 class CausalSelfAttention(nn.Module):
@@ -114,7 +119,7 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
         self.transformer.wte.weight = self.lm_head.weight
-        self.loss_path = loss_path  # how forward computes the loss: "chunked" or "full" (cross_entropy.py)
+        self.loss_path = loss_path  # how forward computes the loss: "chunked" (below) or "full" (F.cross_entropy)
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -131,13 +136,15 @@ class GPT(nn.Module):
             torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def forward(self, idx, targets=None, kv_cache=None):
-        """The logits (B, T, vocabulary) without `targets`; the mean cross-entropy loss with them.
-        Targets of -1 are not scored. With targets the loss goes through `self.loss_path` (cross_entropy.py):
-        "chunked" never builds the full logits, "full" is nanoGPT's logits-then-F.cross_entropy."""
+        """The logits (B, T, vocabulary) without `targets`; with them, the mean cross-entropy of the next token
+        (the loader shifted the targets by one; targets of -1 are not scored)."""
         x = self.hidden_states(idx, kv_cache)
         if targets is None:
             return self.lm_head(x)
-        return cross_entropy.next_token_loss(x, self.lm_head.weight, targets, self.loss_path)
+        if self.loss_path == "chunked":  # the same loss a slice of rows at a time, never all the logits (below)
+            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
+        logits = self.lm_head(x)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
         """The final layer-normed hidden state of every position, before the output layer. The
@@ -154,28 +161,54 @@ class GPT(nn.Module):
             x = block(x, kv_cache, attn_mask)
         return self.transformer.ln_f(x)
 
+    # ------------------------------------------------------------------ what the trainer asks the model
+
+    @property
+    def blocks(self):
+        """The transformer blocks, in order (per-layer metrics are read from each)."""
+        return self.transformer.h
+
+    def param_groups(self):
+        """Every parameter once, by what it is; optimizer.py decides from this which ones decay and which
+        go to Muon (nanoGPT's `configure_optimizers` decides here too):
+          embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
+          output     an output layer with weights of its own (untied)
+          matrix     the other weights of two or more dimensions: the matmuls of the blocks
+          vector     biases and LayerNorm gains
+        Each list is in the model's own parameter order."""
+        modules = dict(self.named_modules())
+        groups = {"embedding": [], "output": [], "matrix": [], "vector": []}
+        for name, p in self.named_parameters():  # a tied weight comes once, under its first name
+            owner = modules[name.rpartition(".")[0]]
+            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if owner is self.lm_head
+                    else "matrix" if p.dim() >= 2 else "vector")
+            groups[kind].append(p)
+        return groups
+
     def num_params(self, non_embedding=False):
-        """Parameter count. Non-embedding (Kaplan et al. 2020) leaves out token and position
-        embeddings; it is the N in scaling laws, Chinchilla's 20 tokens per parameter and the ladder."""
-        n = sum(p.numel() for p in self.parameters())  # the tied lm_head is counted once
-        if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
-        return n
+        """Parameter count, a tied weight once. Non-embedding (Kaplan et al. 2020) leaves out the lookup
+        tables (token and position embeddings); it is the N in scaling laws, Chinchilla's 20 tokens per
+        parameter and the ladder. An untied output layer is a matmul, and counts."""
+        groups = self.param_groups()
+        kinds = [kind for kind in groups if not (non_embedding and kind == "embedding")]
+        return sum(p.numel() for kind in kinds for p in groups[kind])
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
 
         6N counts the forward (2N) and backward (4N) matrix multiplies, with N the non-embedding
-        parameters plus the output layer (the embedding lookup is free, the lm_head matmul is not).
+        parameters plus a tied output layer (the embedding lookup is free, the output matmul is not).
         12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
         c = self.config
-        n = self.num_params(non_embedding=True) + c.n_embd * c.vocab_size
+        tied = any(p is self.lm_head.weight for p in self.param_groups()["embedding"])
+        n = self.num_params(non_embedding=True) + (self.lm_head.weight.numel() if tied else 0)
         return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
 
 
 def gpt_class(module="model"):
     """The GPT class that train.model_module names: this file's, or the one in a .py file of your own
-    (the course's capstone trains a student's GPT this way; it takes the same GPTConfig)."""
+    (the course's capstone trains a student's GPT this way). It takes the same GPTConfig and answers what
+    the trainer asks a model (WHAT_THE_TRAINER_ASKS), so the rest of the trainer names no layer of it."""
     if module == "model":
         return GPT
     import importlib.util
@@ -188,4 +221,104 @@ def gpt_class(module="model"):
     spec.loader.exec_module(loaded)
     if not hasattr(loaded, "GPT"):
         raise ValueError(f"{module} defines no class GPT; name your model class GPT.")
+    missing = [name for name in WHAT_THE_TRAINER_ASKS if not hasattr(loaded.GPT, name)]
+    if missing:
+        raise ValueError(f"{module}'s GPT has no {', '.join(missing)}, which the trainer asks every model; give it "
+                         f"model.py's (e.g. `param_groups = model.GPT.param_groups`).")
     return loaded.GPT
+
+
+WHAT_THE_TRAINER_ASKS = ("forward", "blocks", "param_groups", "num_params", "flops_per_token")
+
+
+# ----------------------------------------------------------------------------- the chunked loss
+# The same mean cross-entropy as `F.cross_entropy(lm_head(x), targets)`, computed a slice of rows at a time,
+# gradients included, so the (tokens x vocabulary) logits are never held at once: on a CPU that is faster, on
+# a GPU it saves their memory. `train.loss_path` chooses; both are tested to float tolerance.
+
+# How many logits the chunked loss computes at once, by device type (why these sizes: docs/measurements.md).
+# CPU: 16 MB of float32, small enough that each slice reuses the memory of the one before. CUDA: 2 GiB, so
+# a GPT-2 micro-batch is a handful of slices, each big enough to fill the GPU.
+LOSS_SLICE_VALUES = {"cpu": 2**22, "cuda": 2**29}
+
+
+def loss_slice_rows(device_type, vocab_size):
+    """Rows of hidden states per slice of the fused loss on this kind of device."""
+    return max(1, LOSS_SLICE_VALUES.get(device_type, LOSS_SLICE_VALUES["cpu"]) // vocab_size)
+
+
+def choose_loss_path(setting, device_type, compiled):
+    """train.loss_path resolved to "chunked" or "full". "auto" picks the one measured fastest
+    (docs/measurements.md): "full" under torch.compile on CUDA, where inductor fuses the softmax into the
+    loss; "chunked" everywhere else, where it is as fast or faster and never holds the full logits."""
+    if setting != "auto":
+        return setting
+    return "full" if device_type == "cuda" and compiled else "chunked"
+
+
+def loss_slices(rows, vocab_size, device_type):
+    """Slices per micro-step: the number of loop iterations torch.compile unrolls into the graph."""
+    return -(-rows // loss_slice_rows(device_type, vocab_size))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """The output layer and the mean cross-entropy in one step, a slice of rows at a time.
+
+    `F.cross_entropy(hidden @ weight.T, targets)` writes a (tokens x vocabulary) float32 tensor, reads
+    it for the softmax, and writes its gradient again in the backward pass. Here each slice of rows
+    computes its logits, its loss, and at once its gradients (softmax minus one-hot, divided by the
+    number of scored tokens), then is thrown away; the backward pass only scales the stored gradients.
+    The same sums as the full computation (tested to float tolerance, float32 and bf16 autocast),
+    padded vocabulary rows included: they are rows of the tied embedding and get their true gradient.
+    Targets of -1 are not scored (`ignore_index=-1`)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_rows, need_grad):
+        device_type = hidden.device.type
+        # Under autocast the matmuls run in its dtype, as the unfused nn.Linear would; sums stay float32.
+        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+        scored = targets != -1
+        n_scored = scored.sum()
+        with torch.autocast(device_type, enabled=False):
+            w = weight.to(dtype)
+            loss_sum = torch.zeros((), device=hidden.device)
+            grad_hidden = torch.empty_like(hidden) if need_grad else None
+            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+            for start in range(0, hidden.size(0), chunk_rows):
+                h, t = hidden[start:start + chunk_rows].to(dtype), targets[start:start + chunk_rows]
+                s, safe_t = scored[start:start + chunk_rows], t.clamp(min=0)
+                logits = (h @ w.t()).float()
+                target_logit = logits.gather(1, safe_t[:, None])
+                # log-sum-exp with one exp pass, kept for the gradient: exp(logits - max) / its sum is the softmax.
+                top = logits.amax(dim=1, keepdim=True)
+                exp = logits.sub_(top).exp_()
+                total = exp.sum(dim=1, keepdim=True)
+                loss_sum += ((total.log() + top - target_logit).squeeze(1) * s).sum()
+                if need_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n_scored
+                    weight_of_row = s[:, None] / n_scored
+                    g = exp.mul_(weight_of_row / total)
+                    g.scatter_add_(1, safe_t[:, None], -weight_of_row)
+                    g = g.to(dtype)
+                    grad_hidden[start:start + chunk_rows] = g @ w
+                    if dtype == torch.float32:
+                        grad_weight.addmm_(g.t(), h)
+                    else:
+                        grad_weight += (g.t() @ h).float()
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss_sum / n_scored
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None, None
+
+
+def chunked_cross_entropy(hidden, weight, targets):
+    """Mean cross-entropy of `hidden @ weight.T` against `targets` (-1: not scored), never holding the
+    full logits. hidden: (tokens, n_embd); weight: (vocabulary, n_embd); targets: (tokens,)."""
+    # Whether a backward pass can follow is decided here: inside forward() grad mode is always off, and
+    # ctx.needs_input_grad is True for a parameter even under torch.no_grad(). Without this, every
+    # validation pass would also compute the gradients (twice the output layer's work, for nothing).
+    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)),
+                                     need_grad)

@@ -94,7 +94,7 @@ class Plan:
                 if self.checkpoint_kind(s, last=s == self.end_step)]
 
 
-def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params, has_tasks=True):
+def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
     """The Plan of a run; a batch that does not divide, or a stage 2 that never begins, is one sentence."""
     t = cfg.train
     tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
@@ -124,7 +124,7 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params, has_tasks
         grad_accum_steps=t.total_batch_size // tokens_per_micro_step, tokens_per_step=t.total_batch_size,
         max_steps=max_steps, end_step=end_step, stage2_step=stage2_step,
         val=Every(e.interval, tuple(e.fixed_steps)) if evals else never,
-        tasks=Every(e.tasks_interval, tuple(e.fixed_steps)) if evals and has_tasks and e.tasks else never,
+        tasks=Every(e.tasks_interval, tuple(e.fixed_steps)) if evals and e.tasks else never,
         samples=Every(e.sample_interval) if evals else never,
         checkpoints=Every(c.interval),
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),

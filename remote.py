@@ -166,7 +166,7 @@ def fetch_file(url, name, path):
     return True
 
 
-def local_copy(url, key="--init_from"):
+def local_copy(url, key):
     """A local folder holding the checkpoint `url` names (a run folder: its newest complete checkpoint; or
     .../step<N>), downloaded once into a cache (NANOGPT_REMOTE_CACHE, default ~/.cache/nanogpt-lab/remote)."""
     fs, root = filesystem(url, key)

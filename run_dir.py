@@ -3,14 +3,14 @@
 At start-up, before the loop writes anything, and in this order:
 
 1. `decide_start`: where the run starts, decided before anything changes. Rank 0 takes the `RunLock` (one
-   training per folder; a lock left by a crashed run is taken over with a note), every rank checks that it
-   sees the folder, and rank 0's `choose_start` decides and tells the other ranks: this run's newest
-   checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
+   training per folder; a lock left by a crashed run is removed with a note), every rank checks that it
+   sees the folder, and rank 0 works out the `Start` (`start_on_rank0`) and tells the other ranks: this
+   run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
    `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
-   declares them), a load_path of another model shape, a folder that holds another run (unless
-   `checkpoint.save_overwrite`), a rewind to a step that has no checkpoint. A refused command leaves the
-   folder exactly as it was.
-2. `take_folder` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
+   declares them), a checkpoint whose weights do not fit the model (its code changed), a load_path of another
+   model shape, a folder that holds another run (unless `checkpoint.save_overwrite`), a rewind to a step that
+   has no checkpoint. A refused command leaves the folder exactly as it was.
+2. `carry_out_start` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
    aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
    config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
    first checkpoint is complete (see `Checkpointer`); the `step<N>.partial` folders a crashed save of ours
@@ -26,12 +26,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from checkpoint import (STEP_DIR, CheckpointError, check_model_shape, choose_checkpoint, find_checkpoints,
-                         newest_valid_checkpoint, read_trainer_state, verify_checkpoint)
-import remote
-from hf import is_gpt2_source
-from metrics import truncate_jsonl
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, find_checkpoints,
+                        find_start_checkpoint, newest_valid_checkpoint, read_trainer_state, verify_checkpoint)
 from config import as_override, keys_with_role, parse_duration, parse_mix
+from metrics import truncate_jsonl
 
 LOCK = ".lock"
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
@@ -129,34 +127,35 @@ def changed_fields(old, new):
 
 @dataclass
 class Start:
-    """Where a run starts, decided before anything in the run folder changes (`choose_start`)."""
+    """Where a run starts, decided before anything in the run folder changes (`decide_start`)."""
     path: str | None = None  # the checkpoint to load; None: from scratch
     resumed: bool = False  # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
-    rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `take_folder`
+    rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `carry_out_start`
     rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
-    fetched: bool = False  # `path` was downloaded from checkpoint.remote_folder; take_folder moves it into place
+    fetched: bool = False  # `path` was downloaded from checkpoint.remote_folder; carry_out_start moves it in place
     notes: list = field(default_factory=list)  # what to print about it
 
 
-def decide_start(out_dir, checkpoint_cfg, run_config, rank, world_size, group, stack):
+def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, group, stack):
     """Where this run starts, decided before anything in the folder changes: rank 0 locks the folder (for as
-    long as `stack` is open), every rank checks it sees the folder rank 0 writes, and rank 0 decides
-    (`choose_start`) and tells the others. A refusal is one sentence on rank 0; the other ranks stop quietly."""
+    long as `stack` is open), every rank checks it sees the folder rank 0 writes, and rank 0 works out the
+    Start (`start_on_rank0`; `model` is the one the run trains, whose weights a checkpoint must fit) and tells
+    the others. A refusal is one sentence on rank 0; the other ranks stop quietly."""
     if rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, rank, world_size, group)
-    return rank0_decides(lambda: choose_start(out_dir, checkpoint_cfg, run_config), rank, world_size, group)
+    return from_rank0(lambda: start_on_rank0(out_dir, checkpoint_cfg, run_config, model), rank, world_size, group)
 
 
-def rank0_decides(decide, rank, world_size, group):
-    """Rank 0 runs `decide` (reading the run folder, verifying checksums: once, not once per rank) and tells
-    the others; when it refuses, rank 0 says why and the other ranks stop quietly."""
+def from_rank0(work, rank, world_size, group):
+    """Rank 0 runs `work` (reading the run folder, verifying checksums: once, not once per rank) and sends its
+    result to the others; when it raises, rank 0 says why and the other ranks stop quietly."""
     import torch.distributed as dist
 
     result = [None, False]
     if rank == 0:
         try:
-            result = [decide(), False]
+            result = [work(), False]
         except BaseException:
             if world_size > 1:
                 dist.broadcast_object_list([None, True], src=0, group=group)
@@ -168,15 +167,16 @@ def rank0_decides(decide, rank, world_size, group):
     return result[0]
 
 
-def choose_start(out_dir, checkpoint_cfg, run_config):
+def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every
-    check is here (the rewind's step, the run's identity, the model shape of checkpoint.load_path, a folder
-    that holds another run), so a refused command leaves the folder exactly as it was."""
+    check is here (the rewind's step, the run's identity, whether the checkpoint's weights fit `model`, the model
+    shape of checkpoint.load_path, a folder that holds another run), so a refused command leaves the folder
+    exactly as it was."""
     c = checkpoint_cfg
     rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number)
     fetched = fetch_from_bucket(out_dir, c.remote_folder) if c.remote_folder and c.load != "never" else None
     try:
-        start = decide(out_dir, c, run_config, rewind_to, fetched)
+        start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
     except BaseException:
         if fetched:  # refused: the download goes, and the folder is as it was
             shutil.rmtree(fetched, ignore_errors=True)
@@ -188,6 +188,8 @@ def choose_start(out_dir, checkpoint_cfg, run_config):
 def fetch_from_bucket(out_dir, url):
     """checkpoint.remote_folder: the bucket's newest complete checkpoint, downloaded and checked into
     `step<N>.download` when out_dir has no valid checkpoint as new (a fresh node after a preemption); else None."""
+    import remote
+
     try:
         step = remote.newest_complete(url)
     except Exception as error:  # each store raises its own kinds
@@ -199,41 +201,47 @@ def fetch_from_bucket(out_dir, url):
     return remote.download(url, step, os.path.join(out_dir, f"step{step}.download"))
 
 
-def decide(out_dir, c, run_config, rewind_to, fetched):
-    """choose_start's decision, once the rewind is planned and the bucket's checkpoint fetched."""
+def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
+    """The Start, once the rewind is planned and the bucket's checkpoint fetched, with every check made."""
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir))[rewind_to], True, ""
         verify_checkpoint(path)
     elif fetched:
         path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
-        path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path)
+        path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
     saved = read_trainer_state(path)["config"] if resuming else None
     # save_overwrite replaces a different run, but never one being rewound (that would do both): refused below
     if resuming and c.save_overwrite and not rewind_to and identity(saved) != identity(run_config):
         if fetched:
             shutil.rmtree(fetched, ignore_errors=True)
             fetched = None
-        path, resuming, note = choose_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
+        path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
         replacing = (f"note: replacing the different run in {out_dir} (checkpoint.save_overwrite); its checkpoints "
                      f"go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
+    ours = path and os.path.exists(os.path.join(path, MARKER))  # else GPT-2's weights (hf.py checks those)
     if resuming:
         check_identity(out_dir, saved, run_config)
+        check_weights_fit(path, model, f"train it in a new train.out_dir, or replace the run in {out_dir} with "
+                                       f"--checkpoint.load=never --checkpoint.save_overwrite=true.")
     else:
         check_fresh_start(out_dir, run_config, c.save_overwrite)
-        if path and not is_gpt2_source(path):  # (a GPT-2's shape was taken into the config: take_model_shape)
+        if ours:
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
+            check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, or leave it "
+                                           "empty to train from scratch.")
     return Start(path, resuming, rewind_to, fetched=bool(fetched), notes=[note])
 
 
-def take_folder(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
-    """Rank 0, once the start is loaded: carry out what `choose_start` decided. Returns the old run's checkpoint
-    folders to delete once this run's first checkpoint is complete, and the lines to print."""
+def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
+    """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
+    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print."""
     c, lines = checkpoint_cfg, []
     if start.fetched:
-        lines.append(take_fetched(out_dir, start, c.remote_folder))
+        lines.append(install_download(out_dir, start, c.remote_folder))
     if start.rewind_to and c.remote_folder:  # the bucket first: a restart must not download what goes aside
+        import remote
         remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
     if start.rewind_to:
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
@@ -249,9 +257,11 @@ def take_folder(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
     return replaced, [line for line in lines if line]
 
 
-def take_fetched(out_dir, start, url):
+def install_download(out_dir, start, url):
     """The checkpoint downloaded from the bucket becomes the folder's own; so do the bucket's copies of the
     run's config.json and metrics.jsonl where the folder has none (a fresh node)."""
+    import remote
+
     final = start.path[: -len(".download")]
     os.replace(start.path, final)
     start.path = final
@@ -266,7 +276,7 @@ def take_fetched(out_dir, start, url):
 
 
 def check_identity(out_dir, saved_config, run_config):
-    """Every rank, before a checkpoint is loaded: refuse a resume whose identity changed."""
+    """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 
 from checkpoint import load_model
 from config import UserError, run_command
-from tokenizer import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
+from data import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
 
 
 class KVCache:
@@ -206,7 +206,7 @@ def main(argv):
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     check_args(args)
-    model = load_model(args.init_from, args.device)
+    model = load_model(args.init_from, args.device, "--init_from")
     tokens = encode_prompt(args.prompt)
     if len(tokens) >= model.config.block_size:
         raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most {model.config.block_size}; "

@@ -5,7 +5,7 @@
 This is the JAX trainer's `KLDivergenceTrainer` for continued pretraining and domain adaptation: stage
 2 minimises CE + beta x KL(policy || reference), so the model learns the new data while being pulled
 toward what it already knew (it forgets less). The reference is a frozen snapshot of the model at the
-first step of stage 2 (or `stage2.reference`, any --init_from source). It runs in eval mode under
+first step of stage 2 (or `stage2.reference`: a run or checkpoint folder, or GPT-2). It runs in eval mode under
 no_grad and draws no random numbers, so beta = 0 trains exactly as a run that only switches data.
 
 - `nll_diff` (default, the JAX trainer's estimate): KL ~ CE(policy) - CE(reference) on the same batch,
@@ -13,7 +13,8 @@ no_grad and draws no random numbers, so beta = 0 trains exactly as a run that on
 - `full`: the exact token-level KL over GPT-2's 50,257 real tokens, from both models' logits.
 
 The loop saves a `fixed` checkpoint at the stage boundary; a run resumed inside stage 2 rebuilds the
-reference from it (the same weights the snapshot had), so resuming is exact.
+reference from it (the same weights the snapshot had), so resuming is exact. `train.Stages` is the one place
+that crosses into stage 2: it imports this file then, and hands the loop stage 2's objective.
 """
 
 import copy
@@ -22,9 +23,8 @@ import os
 import torch
 from torch.nn import functional as F
 
-import cross_entropy
 from checkpoint import load_model
-from tokenizer import GPT2_VOCAB_SIZE
+from data import GPT2_VOCAB_SIZE
 
 
 def full_kl(logits, reference_logits, targets):
@@ -41,10 +41,11 @@ def stage2_loss(model, x, y, reference, beta, estimator):
     ("full") needs both models' logits; "nll_diff" needs only their losses, so the logits are never built."""
     if estimator == "full":
         logits = model(x)
-        ce = cross_entropy.from_logits(logits, y)
+        ce = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1), ignore_index=-1)
         with torch.no_grad():
             reference_logits = reference(x)
-        reference_loss = cross_entropy.from_logits(reference_logits, y)
+        reference_loss = F.cross_entropy(reference_logits.reshape(-1, reference_logits.size(-1)).float(),
+                                         y.reshape(-1), ignore_index=-1)
         kl = full_kl(logits, reference_logits, y)
     else:
         ce = model(x, y)
@@ -64,42 +65,10 @@ def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_
         if stage2_cfg.reference:
             reference = load_model(stage2_cfg.reference, device, key="stage2.reference")
         elif resuming_inside:
-            reference = load_model(os.path.join(out_dir, f"step{start_step}"), device)
+            reference = load_model(os.path.join(out_dir, f"step{start_step}"), device, "stage 2's boundary checkpoint")
         else:
             reference = copy.deepcopy(raw_model)
     reference.eval()
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
-
-
-class Stages:
-    """The training data, and stage 2's frozen reference, in use at each step: the one place that
-    crosses into stage 2, whether the run gets there or resumes inside it.
-
-    `loaders` are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the
-    number of steps completed when stage 2 begins (None: one stage)."""
-
-    def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
-        self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
-        self.raw_model, self.out_dir, self.device = raw_model, out_dir, device
-        self.reference = None
-        self.resumed_inside = False  # set by resume_at: the reference comes back from the boundary checkpoint
-
-    def resume_at(self, steps_completed, data_state):
-        """A resumed run: the data position goes to the loader that saved it."""
-        saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
-        self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
-        self.resumed_inside = saved_by == 1
-
-    def at(self, step):
-        """(mixture, loader, stage2) for step `step` (1-based, the step being taken); stage2 is None in
-        stage 1, else (reference, kl_beta, kl_estimator), what train.train_step adds the KL term with."""
-        if self.stage2_step is None or step <= self.stage2_step:
-            return (*self.loaders[0], None)
-        if self.reference is None:  # the first step of stage 2 in this process
-            if len(self.loaders) > 1 and not self.resumed_inside:  # sources both stages read continue where they were
-                self.loaders[1][1].load_state_dict(self.loaders[0][1].state_dict())
-            self.reference = make_reference(self.cfg, self.raw_model, self.out_dir, self.stage2_step, self.device,
-                                            resuming_inside=self.resumed_inside)
-        return (*self.loaders[-1], (self.reference, self.cfg.kl_beta, self.cfg.kl_estimator))

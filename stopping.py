@@ -90,8 +90,6 @@ def agree_on_stop(reason, group=None):
 def describe_stop(reason, flag, out_dir):
     if reason == "signal":
         return f"stopped by {flag.received or 'a signal on another rank'}"
-    if reason == "cancel file":
-        # The file has done its job; leaving it would cancel the resumed run at once.
-        os.remove(os.path.join(out_dir, "CANCEL"))
+    if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
         return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
     return "stopped at the time limit (train.time_limit)"

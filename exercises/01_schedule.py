@@ -2,7 +2,7 @@
 
 Goal: write the learning rate of optimizer step n for the cosine and the WSD (warmup-stable-decay)
 schedules. The loop sets it before every step: `lr = run.schedule.lr_at(n)` in train.py's `train`.
-In the project: schedule.py, `Schedule.lr_at`; the module docstring states each schedule in words.
+In the project: optimizer.py, `Schedule.lr_at`; the comment above it states each schedule in words.
 Check: python exercises/check.py 1
 (your `lr_at` against the project's on random schedules, at their boundaries and at random steps)
 """
@@ -12,18 +12,18 @@ import math
 
 # Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
 HINTS = [
-    "Start from the project's own code: schedule.py, `Schedule.lr_at`; the module docstring states each schedule in "
+    "Start from the project's own code: optimizer.py, `Schedule.lr_at`; the comment above it states each schedule in "
     'words.',
     'lr_at: both rise linearly during warmup, peak x n / W for n <= W. Cosine then falls from the peak to the floor '
     'along half a cosine wave; the project measures its progress from the end of warmup as (n - 1 - W) / (T - W), '
     'so step W + 1 still has the peak. WSD holds the peak until step T - D, then decays over the last D steps: with '
-    'x = (T - n) / D going from 1 to 0, lr = floor + (peak - floor) x s(x), where s is schedule.decay_shape (s(x) = '
+    'x = (T - n) / D going from 1 to 0, lr = floor + (peak - floor) x s(x), where s is optimizer.decay_shape (s(x) = '
     'x for "linear").',
 ]
 
 
 def lr_at(schedule, n):
-    """The learning rate of optimizer step n (1-based) under `schedule`, a schedule.Schedule whose
+    """The learning rate of optimizer step n (1-based) under `schedule`, an optimizer.Schedule whose
     `kind` is "cosine" or "wsd". Its fields: `lr` (the peak), `min_lr` (the floor), `total_steps` (T),
     `warmup_steps` (W), `decay_steps` (wsd: a tuple (D,)) and `shape` (wsd's decay shape: "linear",
     "cosine" or "1-sqrt").

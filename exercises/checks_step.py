@@ -1,7 +1,7 @@
 """The checks of exercises 1 to 5: one training step, from its learning rate to the metrics it logs.
 
 Each compares the student's answers with the project's code (checking.py says how a check works):
-1 the schedule (schedule.py), 2 gradient accumulation (train.py's train_step), 3 the causal mask
+1 the schedule (optimizer.py), 2 gradient accumulation (train.py's train_step), 3 the causal mask
 (model.py's CausalSelfAttention), 4 FLOPs and MFU (model.py, callbacks.py), 5 a new metric through
 the real loop (metrics.py's MetricRecorder).
 """
@@ -35,7 +35,7 @@ def schedule_phase(schedule, n):
 
 
 def check_schedule(answers):
-    from schedule import build_schedule
+    from optimizer import build_schedule
 
     rng = random.Random()  # fresh every time: an answer cannot be fitted to fixed inputs
     count = 0

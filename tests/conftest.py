@@ -28,7 +28,7 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
     """The real built-in Shakespeare dataset, prepared once for the whole session."""
-    from data import prepare_shakespeare
+    from tools.prepare_data import prepare_shakespeare
 
     root = tmp_path_factory.mktemp("data")
     prepare_shakespeare(str(root / "shakespeare"))

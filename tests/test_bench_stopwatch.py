@@ -4,7 +4,7 @@ of optimizer step W to the end of step S, counting AdamW's steps, inside the tra
 import os
 import subprocess
 
-import bench_gpu
+from tools import bench_gpu
 from conftest import ROOT, TINY, read_metrics
 
 # A stand-in trainer: it steps a Muon and an AdamW once each per step, as train.py's optim.name=muon does

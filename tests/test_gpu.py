@@ -12,9 +12,8 @@ import hellaswag_eval
 from config import OptimConfig
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
-import cross_entropy
-from cross_entropy import chunked_cross_entropy
-from model import GPT, GPTConfig
+import model
+from model import GPT, GPTConfig, chunked_cross_entropy
 from optimizer import build_optimizer
 from sample import generate_text
 
@@ -67,7 +66,7 @@ def test_bf16_compiled_training_falls_and_agrees_with_float32_eager(loss_path):
 
 @pytest.mark.parametrize("slice_values", [7 * 50304, 2**29])  # many slices with a ragged last one; the CUDA default
 def test_every_loss_path_gives_cross_entropys_loss_and_gradients_on_cuda(monkeypatch, slice_values):
-    monkeypatch.setitem(cross_entropy.LOSS_SLICE_VALUES, "cuda", slice_values)
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cuda", slice_values)
     torch.manual_seed(0)
     hidden = torch.randn(3000, 64, device="cuda")
     weight = torch.randn(50304, 64, device="cuda") * 0.05

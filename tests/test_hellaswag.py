@@ -9,7 +9,7 @@ from torch.nn import functional as F
 import hellaswag_eval
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
-from tokenizer import get_tokenizer
+from data import get_tokenizer
 
 
 def brute_force(model, example):
@@ -117,5 +117,5 @@ def test_old_hellaswag_settings_are_refused_with_the_new_field(tmp_path):
 def test_a_file_that_is_not_hellaswag_is_reported_with_its_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0}) + "\n{not json\n")
-    with pytest.raises(hellaswag_eval.HellaSwagError, match="line 2 of .*bad.jsonl is not a HellaSwag example"):
+    with pytest.raises(hellaswag_eval.TaskDataError, match="line 2 of .*bad.jsonl is not a HellaSwag example"):
         hellaswag_eval.load_examples(str(path))

@@ -13,7 +13,7 @@ import hf  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from config import UserError  # noqa: E402
 from conftest import ROOT, TINY, run_train  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from data import get_tokenizer  # noqa: E402
 
 
 @pytest.fixture
@@ -27,7 +27,7 @@ def hf_folder(tmp_path):
 
 def test_imported_hf_weights_give_the_same_logits(hf_folder):
     path, reference = hf_folder
-    ours = load_model(str(path), "cpu")  # --init_from=<local HF folder>
+    ours = load_model(str(path), "cpu", "--init_from")  # --init_from=<local HF folder>
     assert ours.config.vocab_size == 50257 and ours.config.block_size == 64
     x = torch.randint(0, 50257, (2, 40))
     with torch.no_grad():
@@ -38,7 +38,7 @@ def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=2"])
     subprocess.run([sys.executable, "checkpoint.py", "export-hf", str(tmp_path / "run"), str(tmp_path / "export")],
                    cwd=ROOT, check=True, capture_output=True)
-    ours = load_model(str(tmp_path / "run"), "cpu")
+    ours = load_model(str(tmp_path / "run"), "cpu", "--init_from")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
     assert theirs.config.vocab_size == 50257  # the padded rows are dropped
     x = torch.randint(0, 50257, (2, 32))
@@ -47,7 +47,7 @@ def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
     text = "ROMEO:\nBut soft, what light through yonder window breaks?"
     assert tokenizer(text)["input_ids"] == get_tokenizer().encode(text)
-    again = load_model(str(tmp_path / "export"), "cpu")  # and back in through --init_from
+    again = load_model(str(tmp_path / "export"), "cpu", "--init_from")  # and back in through --init_from
     with torch.no_grad():
         assert torch.allclose(again(x), theirs(x).logits, atol=1e-5)
 
@@ -68,7 +68,7 @@ def test_without_transformers_hf_sources_fail_with_one_sentence(monkeypatch):
     with pytest.raises(hf.WeightsError, match="needs the transformers package; install it with"):
         hf.import_hf("gpt2")
     with pytest.raises(UserError, match="transformers"):  # checkpoint.py may say so before hf.py is reached
-        load_model("gpt2", "cpu")
+        load_model("gpt2", "cpu", "--init_from")
 
 
 def edit_config(folder, **changes):
@@ -88,7 +88,7 @@ def test_a_config_json_that_disagrees_with_its_weights_is_one_sentence(hf_folder
     path, _ = hf_folder
     edit_config(path, **changes)
     with pytest.raises(hf.WeightsError) as caught:
-        load_model(str(path), "cpu")
+        load_model(str(path), "cpu", "--init_from")
     assert str(caught.value).startswith(str(path)) and message in str(caught.value)
     assert str(caught.value).endswith("save_pretrained.") or str(caught.value).endswith("download it again.")
 
@@ -98,10 +98,10 @@ def test_a_cut_off_weights_file_or_another_model_is_one_sentence(hf_folder):
     weights = path / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])
     with pytest.raises(hf.WeightsError, match=r"is not a loadable GPT-2 \(SafetensorError: .*; write it again"):
-        load_model(str(path), "cpu")
+        load_model(str(path), "cpu", "--init_from")
     edit_config(path, model_type="llama")
     with pytest.raises(hf.WeightsError, match="holds a llama model, not a GPT-2; give a GPT-2 folder"):
-        load_model(str(path), "cpu")
+        load_model(str(path), "cpu", "--init_from")
 
 
 @pytest.mark.parametrize("config_json", ['{"model_type": "gp', "", "\x00\xff binary", "[1, 2]", '"gpt2"'])
@@ -124,9 +124,9 @@ def test_a_run_folder_whose_config_json_is_cut_off_still_loads(data_root, tmp_pa
     run = tmp_path / "run"
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={run}", "--train.max_steps=1",
                       "--optim.warmup_steps=1"])
-    before = load_model(str(run), "cpu")
+    before = load_model(str(run), "cpu", "--init_from")
     assert not hf.is_hf_folder(str(run))  # its config.json holds the run's settings, and no model_type
     config = (run / "config.json").read_text()
     (run / "config.json").write_text(config[: len(config) // 2])  # cut off (a full disk, a killed copy)
-    after = load_model(str(run), "cpu")  # from the checkpoint, which holds its own copy of the settings
+    after = load_model(str(run), "cpu", "--init_from")  # from the checkpoint, which holds its own copy of the settings
     assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))

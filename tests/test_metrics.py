@@ -123,7 +123,7 @@ def test_monitors_write_their_metrics_snapshots_environment_and_profile(data_roo
 
 
 def test_extra_validation_sets_are_evaluated_at_interval_and_fixed_steps(data_root, tmp_path):
-    from data import prepare_text
+    from tools.prepare_data import prepare_text
 
     (tmp_path / "poem.txt").write_text("Shall I compare thee to a summer's day?\n" * 400)
     prepare_text(str(tmp_path / "root" / "sonnets"), [str(tmp_path / "poem.txt")], 10_000, 0.5, workers=1)

@@ -12,6 +12,7 @@ from conftest import run_in_process
 import callbacks
 import metrics
 from callbacks import LossSpikeDetector
+from tools import plot_metrics
 
 
 def eta_rows(step_times, collect_interval, async_bookkeeping):
@@ -105,9 +106,9 @@ def test_plot_refuses_an_existing_file_as_out_in_one_sentence(tmp_path):
 
 
 def test_run_labels_are_the_shortest_path_tails_that_tell_runs_apart():
-    assert metrics.run_labels(["a/x/run", "b/x/run", "c/y/run", "solo"]) == ["a/x/run", "b/x/run", "y/run", "solo"]
-    assert metrics.run_labels(["ladders/adamw/2x32", "ladders/muon/2x32/"]) == ["adamw/2x32", "muon/2x32"]
-    assert metrics.run_labels(["runs/one"]) == ["one"]
+    assert plot_metrics.run_labels(["a/x/run", "b/x/run", "c/y/run", "solo"]) == ["a/x/run", "b/x/run", "y/run", "solo"]
+    assert plot_metrics.run_labels(["ladders/adamw/2x32", "ladders/muon/2x32/"]) == ["adamw/2x32", "muon/2x32"]
+    assert plot_metrics.run_labels(["runs/one"]) == ["one"]
 
 
 def test_plot_draws_every_run_when_folders_share_a_name(tmp_path, monkeypatch):

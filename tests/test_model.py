@@ -6,7 +6,7 @@ from config import OptimConfig
 from model import GPT, GPTConfig
 from optimizer import build_optimizer
 from sample import filter_logits, generate
-from tokenizer import GPT2_VOCAB_SIZE
+from data import GPT2_VOCAB_SIZE
 
 
 def tiny_config(**overrides):

@@ -15,7 +15,8 @@ import torch
 from checkpoint import find_checkpoints
 from config import ConfigError, parse_args
 from conftest import ROOT, TINY, read_metrics, run_train
-from data import DataError, TokenLoader, prepare_text, write_shard
+from data import DataError, TokenLoader
+from tools.prepare_data import prepare_text, write_shard
 
 
 def args(data_root, out, *extra):
@@ -125,7 +126,8 @@ sys.path.insert(0, {root!r})
 import train
 def broken(*args, **kwargs):
     raise RuntimeError("sampling broke")
-train.generate_text = broken
+import sample
+sample.generate_text = broken
 train.main({argv!r})
 """
 
@@ -299,7 +301,7 @@ def test_14_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
 
     path = tmp_path / "h.jsonl"
     path.write_text(json.dumps(line) + "\n")
-    with pytest.raises(hellaswag_eval.HellaSwagError, match="line 1 of .* exactly four endings and a label 0-3"):
+    with pytest.raises(hellaswag_eval.TaskDataError, match="line 1 of .* exactly four endings and a label 0-3"):
         hellaswag_eval.load_examples(str(path))
 
 
@@ -328,10 +330,10 @@ def test_15_the_tied_embedding_is_saved_once_and_old_checkpoints_still_load(data
     assert "lm_head.weight" not in state
     embedding_bytes = 50304 * 32 * 4
     assert (out / "step1" / "model.pt").stat().st_size < 1.1 * embedding_bytes
-    model = load_model(str(out), "cpu")
+    model = load_model(str(out), "cpu", "--init_from")
     old_style = {**state, "lm_head.weight": state["transformer.wte.weight"].clone()}  # as older checkpoints were
     torch.save(old_style, out / "step1" / "model.pt")
     (out / "step1" / "COMPLETE").write_text(json.dumps({"step": 1, "kind": "permanent", "files": {}}))
-    reloaded = load_model(str(out / "step1"), "cpu")
+    reloaded = load_model(str(out / "step1"), "cpu", "--init_from")
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     assert reloaded.lm_head.weight.data_ptr() == reloaded.transformer.wte.weight.data_ptr()  # still tied

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-import scaling_law
+from tools import scaling_law
 from conftest import run_ladder
 
 TRUTH = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}
@@ -111,7 +111,10 @@ def test_fit_reports_intervals_and_predicts_a_held_out_size_drawn_from_the_law(t
     fit = json.loads((tmp_path / "a" / "fit.json").read_text())
     assert fit["fitted_sizes"] == ["1x32", "2x32", "2x64"] and fit["n_counts"] == "non_embedding"
     assert all(abs(h["relative_error"]) < 1e-3 for h in fit["holdout"])
-    assert all(h["interval"][0] <= h["predicted"] <= h["interval"][1] for h in fit["holdout"])
+    # Points exactly on the law: the bootstrap's interval is a few 1e-11 wide, and rounding may put the prediction
+    # a hair outside it; it must bracket the prediction to within 1e-9 of the value.
+    assert all(h["interval"][0] - 1e-9 * h["predicted"] <= h["predicted"] <= h["interval"][1] + 1e-9 * h["predicted"]
+               for h in fit["holdout"])
     assert set(fit["intervals"]) == {"E", "A", "alpha", "B", "beta"}
     assert set(fit["max_holdout_error_by_params"]) == {"non_embedding", "with_output", "total"}
     assert "held out, size 4x64" in result.stdout and "largest held-out error by what N counts" in result.stdout

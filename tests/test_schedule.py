@@ -10,7 +10,7 @@ import pytest
 
 from config import Config, ConfigError, OptimConfig, parse_args
 from conftest import ROOT, TINY, read_metrics, run_train
-from schedule import build_schedule
+from optimizer import build_schedule
 
 
 def lrs(total_steps, **optim):

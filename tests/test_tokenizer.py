@@ -1,4 +1,4 @@
-from tokenizer import EOT_TOKEN, get_tokenizer
+from data import EOT_TOKEN, get_tokenizer
 
 
 def test_tokenizer_matches_known_gpt2_token_ids():

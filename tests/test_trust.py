@@ -20,7 +20,7 @@ import metrics
 from checkpoint import find_checkpoints
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 from config import TORCH_FLOOR, ConfigError, UserError, check_torch, parse_args, run_command
-from schedule import build_schedule
+from optimizer import build_schedule
 
 
 def args(data_root, out, *extra):
@@ -265,19 +265,6 @@ def test_the_compile_notice_says_what_it_measured_not_a_constant():
     import train
 
     assert not re.search(r"\d+ s for GPT-2", inspect.getsource(train))
-
-
-def test_a_checkpoint_written_before_the_skip_count_existed_still_resumes(data_root, tmp_path):
-    out = tmp_path / "run"
-    run_train(args(data_root, out, "--train.max_steps=4", "--train.hard_stop=2"))
-    trainer = torch.load(out / "step2" / "trainer.pt", weights_only=True)
-    del trainer["nonfinite_skipped"]  # as the previous version wrote it
-    torch.save(trainer, out / "step2" / "trainer.pt")
-    marker = json.loads((out / "step2" / "COMPLETE").read_text())
-    marker["files"]["trainer.pt"] = __import__("checkpoint").sha256_file(out / "step2" / "trainer.pt")
-    (out / "step2" / "COMPLETE").write_text(json.dumps(marker))
-    resumed = run_train(args(data_root, out, "--train.max_steps=4"))
-    assert "resumed from" in resumed.stdout and [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
 
 
 def test_a_run_that_replaces_another_starts_without_its_rewind_and_change_logs(data_root, tmp_path, monkeypatch):

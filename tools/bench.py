@@ -1,7 +1,7 @@
 """Per-step time of the training step, ours and (optionally) nanoGPT's, side by side on one machine.
 
-    python bench.py                                  # this trainer at the classroom shape
-    python bench.py --nanogpt=/tmp/nanoGPT --repeats=3   # alternating with a clone of karpathy/nanoGPT
+    python tools/bench.py                                  # this trainer at the classroom shape
+    python tools/bench.py --nanogpt=/tmp/nanoGPT --repeats=3   # alternating with a clone of karpathy/nanoGPT
 
 Both trainers run as a user runs them (`python train.py ...`) at the same shape: 4 layers, 128 wide,
 4 heads, block 64, 12 sequences per step, biases, no dropout, float32, no torch.compile, on the
@@ -22,10 +22,12 @@ import tempfile
 
 import numpy as np
 
-from config import UserError, run_command
-from data import ensure_dataset
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
+sys.path.insert(0, ROOT)  # `python tools/bench.py` imports the project's modules
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+from config import UserError, run_command  # noqa: E402 - after the line above
+from data import ensure_dataset  # noqa: E402
+
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12)
 UNTIMED_STEPS = 10  # the first steps warm up caches and allocators: their times are left out
 

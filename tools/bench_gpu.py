@@ -81,8 +81,8 @@ def prepare(anchor):
     for name, url in TIKTOKEN_URLS.items():  # tiktoken names a cached file by the SHA-1 of its URL
         shutil.copy(str(files / name), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
     shutil.copytree(anchor, os.path.join(BENCH, "build-nanogpt"), dirs_exist_ok=True)
-    import tasks
-    rows = tasks.load_docs("hellaswag", limit=1000)
+    import hellaswag_eval
+    rows = hellaswag_eval.load_docs("hellaswag", limit=1000)
     with open(os.path.join(BENCH, "hellaswag.jsonl"), "w") as f:
         for doc, _ in rows:
             f.write(json.dumps({"ctx": doc["ctx"], "endings": doc["endings"], "label": int(doc["label"])}) + "\n")
@@ -121,7 +121,7 @@ def loss_paths():
     import torch
     from torch.nn import functional as F
 
-    from cross_entropy import chunked_cross_entropy, loss_slices
+    from model import chunked_cross_entropy, loss_slices
 
     rows, width, vocab = 64 * 1024, 768, 50304
     generator = torch.Generator("cuda").manual_seed(0)

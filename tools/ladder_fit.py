@@ -10,8 +10,8 @@ import json
 import math
 import os
 
-import scaling_law
-import tasks
+from hellaswag_eval import TASKS
+from tools import scaling_law
 from checkpoint import is_complete_checkpoint
 from config import UserError
 from configurator.model import PARAMS
@@ -171,7 +171,7 @@ def fit_task(cfg, finished, task, params):
     the task loss (eval/<task>/loss: the correct answer's loss per character) of the fitted sizes'
     post-decay checkpoints; step two, a sigmoid from task loss to accuracy fitted on every evaluated
     checkpoint of those sizes; chained at the held-out size's post-decay checkpoints."""
-    metric, accuracy = f"eval/{task}/loss", f"eval/{task}/{tasks.TASKS[task].primary}"
+    metric, accuracy = f"eval/{task}/loss", f"eval/{task}/{TASKS[task].primary}"
     held_out, fitted = finished[-1], finished[:-1]
     loss_points = []
     for p, _ in finished:

@@ -25,7 +25,7 @@ from checkpoint import load_model
 from config import UserError, run_command
 from model import GPT, GPTConfig
 from sample import check_device
-from tokenizer import GPT2_VOCAB_SIZE
+from data import GPT2_VOCAB_SIZE
 
 
 @torch.no_grad()
@@ -92,7 +92,8 @@ def main(argv):
                         f"{args.repeats}); give values in range.")
     check_device(args.device)
     torch.manual_seed(0)
-    model = load_model(args.init_from, args.device) if args.init_from else GPT(GPTConfig()).to(args.device)
+    model = (load_model(args.init_from, args.device, "--init_from") if args.init_from
+             else GPT(GPTConfig()).to(args.device))
     model.eval()
     if args.data:
         examples = [hellaswag_eval.encode_example(ex, model.config.block_size)
