@@ -174,7 +174,7 @@ class OptimConfig:
     lr: float = applied(6e-4, "greater than 0", ladder=True)
     # learning rate at the end of the decay (10% of lr, Chinchilla)
     min_lr: float = applied(6e-5, "0 or more", ladder=True)
-    # LR schedule (schedule.py)
+    # LR schedule (optimizer.py, its last section)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
     # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
     warmup_steps: int = applied(715, "0 or more", ladder=True)
@@ -352,7 +352,7 @@ def validate(cfg):
     if not cfg.stage2.start and (cfg.stage2.mix or cfg.stage2.kl_beta or cfg.stage2.reference):
         raise ConfigError("stage2.mix, stage2.kl_beta and stage2.reference need stage2.start (when stage 2 begins, "
                           "e.g. --stage2.start=3000steps); set it.")
-    if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: tasks.py)
+    if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: hellaswag_eval.py)
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; name the tasks "
                           f"to run, e.g. --eval.tasks=hellaswag,arc_easy.")
     module = cfg.train.model_module

@@ -6,10 +6,10 @@ lists the checkpoints a size will keep from it: one rule for everything periodic
 
 The cadence rule, the same for validation, tasks, samples, checkpoints, traces and collecting metrics: a thing is due
 every `interval` steps and at the run's last step, and at its fixed steps; an interval of 0 means
-"at its fixed steps only" (none: never). The last step is the end of the run or an early stop
-(signal, CANCEL, time limit), so the final evaluation and checkpoint reuse the periodic code. The one
-exception is the final checkpoint: it is always written (a run that stops must be resumable), unless
-`train.no_checkpoints`.
+"at its fixed steps only" (none: never). The last step is the end of the run, so the final evaluation and
+checkpoint reuse the periodic code; an early stop (signal, CANCEL, time limit) runs only the checkpoint, since a
+scheduler's grace period is short. The final checkpoint is always written (a run that stops must be resumable),
+unless `train.no_checkpoints`.
 """
 
 from dataclasses import dataclass

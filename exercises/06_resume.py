@@ -5,7 +5,7 @@ that a run stopped at step 4 and resumed trains steps 5 to 8 with bit-identical 
 never stopped. Weights and optimizer state are not enough: the loop's counters, where the data
 loader was, and the random number generators (dropout draws from them) must come back too.
 In the project: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, `set_rng_state`,
-`capture_state`; train.py's `Run.save` and `build_run` (where a resume restores them).
+`capture_state`; train.py's `Run.save` and `load_start` (where a resume restores them).
 Check: python exercises/check.py 6
 (three short real runs in this process, with dropout on: one of 8 steps, and one stopped after step 4
 then resumed, all using your four functions; the losses of steps 5 to 8 must be identical)
@@ -22,7 +22,7 @@ from checkpoint import TrainState
 # Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
 HINTS = [
     "Start from the project's own code: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, "
-    "`set_rng_state`, `capture_state`; train.py's `Run.save` and `build_run` (where a resume restores them).",
+    "`set_rng_state`, `capture_state`; train.py's `Run.save` and `load_start` (where a resume restores them).",
     "trainer_state_to_dict: read TrainState's fields and their comments; each is there because a resume needs it.",
     "rng_state: torch.get_rng_state(), generator.get_state(), random.getstate(), np.random.get_state(); NumPy's "
     'holds a uint32 array, which weights_only loading refuses: store it as a torch tensor of int64.',

@@ -4,7 +4,7 @@ Goal: two processes each take half of a batch, compute their loss and its gradie
 take the same optimizer step as one process that saw the whole batch. DistributedDataParallel does it by
 averaging the gradients over the ranks (an all-reduce) during backward. Write that averaging by hand;
 the check runs it for real under `torchrun --nproc-per-node=2` on gloo, the CPU backend.
-In the project: train.py wraps the model in DDP (`build_model`) and all-reduces only on the last
+In the project: train.py wraps the model in DDP (`wrap_model`) and all-reduces only on the last
 micro-step (`train_step`, model.no_sync()).
 Check: python exercises/check.py 15
 (torchrun runs 2 processes with your function; their step must equal one process that accumulates the

@@ -1,7 +1,7 @@
 """HellaSwag examples per second: our scorer against a plain one-example-at-a-time loop, same model.
 
-    python bench_eval.py                       # GPT-2 124M's shape (random weights), 200 real examples
-    python bench_eval.py --init_from=gpt2 --limit=1000 --device=cuda --batch_sizes=1,16,64
+    python tools/bench_eval.py                 # GPT-2 124M's shape (random weights), 200 real examples
+    python tools/bench_eval.py --init_from=gpt2 --limit=1000 --device=cuda --batch_sizes=1,16,64
 
 The plain loop is build-nanogpt's `hellaswag.py` approach: for each example, its four rows padded to
 the longest, one forward pass computing the logits of every position, cross-entropy, masked sums.
@@ -17,15 +17,20 @@ import statistics
 import sys
 import time
 
+import os
+
 import torch
 from torch.nn import functional as F
 
-import hellaswag_eval
-from checkpoint import load_model
-from config import UserError, run_command
-from model import GPT, GPTConfig
-from sample import check_device
-from data import GPT2_VOCAB_SIZE
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
+sys.path.insert(0, ROOT)  # `python tools/bench_eval.py` imports the project's modules
+
+import hellaswag_eval  # noqa: E402 - after the line above
+from checkpoint import load_model  # noqa: E402
+from config import UserError, run_command  # noqa: E402
+from data import GPT2_VOCAB_SIZE  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+from sample import check_device  # noqa: E402
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """The GPU measurement command: is `torchrun ... train.py config/gpt2.py` fast on this GPU?
 
-    python bench_gpu.py --prepare     # once, where the packages are: data, tokenizer, build-nanogpt -> .bench/
-    python bench_gpu.py               # on the GPU: every part below, about 8 minutes on one H100
-    python bench_gpu.py --parts=loss,ours --steps=20
+    python tools/bench_gpu.py --prepare     # once, where the packages are: data, tokenizer, build-nanogpt -> .bench/
+    python tools/bench_gpu.py               # on the GPU: every part below, about 8 minutes on one H100
+    python tools/bench_gpu.py --parts=loss,ours --steps=20
 
 Parts, in order (each prints its own lines; the output ends with the summary table):
   tests       `pytest tests/test_gpu.py`: the CUDA paths give the right numbers before anything is timed
@@ -50,7 +50,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
+sys.path.insert(0, ROOT)  # `python tools/bench_gpu.py` imports the project's modules
 BENCH = os.path.join(ROOT, ".bench")  # what --prepare writes; git ignores it
 PARTS = ("tests", "ours", "muon", "nanogpt", "hellaswag", "checkpoint", "loss")
 TOKENS_PER_STEP = 524288  # 2**19, config/gpt2.py's and build-nanogpt's total_batch_size (GPT-3's 125M)
@@ -205,7 +206,7 @@ def timed_command(script, args, first_step, last_step, record, tokens_per_step=T
     assert 0 < first_step < last_step, "the window needs a warm-up step before it and a step in it"
     spec = json.dumps({"first_step": first_step, "last_step": last_step, "tokens_per_step": tokens_per_step,
                        "record": record})
-    start = (f"import sys; sys.path.insert(0, {ROOT!r}); import bench_gpu; "
+    start = (f"import sys; sys.path.insert(0, {ROOT!r}); from tools import bench_gpu; "
              "bench_gpu.run_timed(sys.argv[1], sys.argv[2:])")
     return [sys.executable, "-c", start, spec, script, *args]
 
@@ -354,7 +355,7 @@ def nanogpt(steps, warmup, compile_, anchor):
 
 
 def hellaswag():
-    result = subprocess.run([sys.executable, "bench_eval.py", f"--data={os.path.join(BENCH, 'hellaswag.jsonl')}",
+    result = subprocess.run([sys.executable, "tools/bench_eval.py", f"--data={os.path.join(BENCH, 'hellaswag.jsonl')}",
                              "--limit=1000", "--repeats=2", "--batch_sizes=64", "--device=cuda"], cwd=ROOT,
                             capture_output=True, text=True)
     print(result.stdout[-2000:], result.stderr[-2000:], flush=True)
