@@ -144,7 +144,8 @@ def nonfinite_message(step, values):
     for name in ("train/loss", "train/grad_norm"):
         if name in values and not math.isfinite(values[name]):
             return (f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it; resume from "
-                    f"the last checkpoint with a lower optim.lr, or set train.nan_policy=skip to skip such steps.")
+                    f"the last checkpoint (or, with none yet, start again) with a lower optim.lr, or set "
+                    f"train.nan_policy=skip to skip such steps.")
     return None
 
 

@@ -197,10 +197,10 @@ def write_checkpoint(out_dir, step, snapshot, kind):
     return final
 
 
-def prune_checkpoints(run_dir, keep_last):
+def prune_checkpoints(run_dir, keep_last, keep=()):
     """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; only the
     `keep_last` newest permanent ones are kept (0 keeps all); `fixed` ones are always kept; the
-    newest complete checkpoint is never deleted."""
+    newest complete checkpoint is never deleted, nor one in `keep` (still waiting for its upload)."""
     found = find_checkpoints(run_dir)
     if not found:
         return
@@ -211,7 +211,7 @@ def prune_checkpoints(run_dir, keep_last):
     if keep_last > 0:
         doomed += permanent[:-keep_last]
     for path in doomed:
-        if path != newest:
+        if path != newest and path not in keep:
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -219,7 +219,8 @@ class Checkpointer:
     """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
     `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
     this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
-    `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py)."""
+    `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py), and
+    local retention keeps it until its upload has ended."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None):
         self.out_dir, self.keep_last = out_dir, keep_last
@@ -227,10 +228,20 @@ class Checkpointer:
         self.replaced = list(replaced)
         self.uploader = uploader
         self.thread, self.error = None, None
+        self.pruning = threading.Lock()  # retention runs on the save thread and, after each upload, the upload thread
+        if uploader:
+            uploader.on_done = self.prune
 
-    @property
-    def upload_failures(self):
-        return self.uploader.failures if self.uploader else 0
+    def upload_metrics(self):
+        """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec (how long the
+        oldest checkpoint still waiting for its upload has waited): rank 0 uploads, the other ranks say 0."""
+        uploader = self.uploader
+        return {"checkpoint/upload_failures": uploader.failures if uploader else 0,
+                "checkpoint/upload_lag_sec": uploader.lag() if uploader else 0.0}
+
+    def prune(self):
+        with self.pruning:
+            prune_checkpoints(self.out_dir, self.keep_last, keep=self.uploader.waiting() if self.uploader else ())
 
     def save(self, step, snapshot, kind):
         self.wait()  # the previous save must finish before the next one starts
@@ -250,10 +261,9 @@ class Checkpointer:
                 if os.path.abspath(path) != os.path.abspath(written):
                     shutil.rmtree(path, ignore_errors=True)
             self.replaced = []
-            prune_checkpoints(self.out_dir, self.keep_last)
             if self.uploader:
-                records = [os.path.join(self.out_dir, name) for name in ("config.json", "metrics.jsonl")]
-                self.uploader.upload_checkpoint(written, also=records)
+                self.uploader.upload_checkpoint(written, step, kind)
+            self.prune()
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
 
@@ -272,8 +282,9 @@ class Checkpointer:
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a
     warning or note to print at start (or ""). `load`: if_available resumes from out_dir when it holds a checkpoint,
-    else starts from load_path if that holds one, else from scratch; always requires one; never starts
-    fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
+    else starts from load_path (which must hold weights: a load_path that holds none is one sentence, never a
+    silent start from scratch), else from scratch; always requires one; never starts fresh. As in OLMo-core,
+    out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
@@ -281,17 +292,15 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
         load_path = remote.local_copy(load_path, "checkpoint.load_path")
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
     if own:
-        ignored = f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own checkpoint"
+        source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
+        changed = f" (this run started from checkpoint.load_path={source})" if source and source != load_path else ""
+        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
+                   f"checkpoint{changed}")
         return own, True, ignored if load_path else ""
     if load_path and not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2(load_path):  # fine-tuning GPT-2
         return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
     if load_path:
-        if load == "if_available" and not (is_complete_checkpoint(load_path) or find_checkpoints(load_path)):
-            return None, False, f"warning: checkpoint.load_path={load_path} holds no checkpoint; starting from scratch"
-        try:
-            return resolve_checkpoint(load_path), False, ""
-        except CheckpointError as error:
-            raise CheckpointError(f"checkpoint.load_path: {error}") from None
+        return check_source(load_path, "checkpoint.load_path"), False, ""
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
                               f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
@@ -311,6 +320,8 @@ class TrainState:
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
     data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
+    # {dataset name: data.fingerprint}: what the run trains on, by content (a resume on other data is refused)
+    data_fingerprint: dict = field(default_factory=dict)
 
     def advance(self, tokens, loader):
         self.step, self.tokens, self.data = self.step + 1, self.tokens + tokens, loader.state_dict()
@@ -321,11 +332,12 @@ class TrainState:
 
     def to_dict(self):
         return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data,
-                "nonfinite_skipped": self.nonfinite_skipped}
+                "nonfinite_skipped": self.nonfinite_skipped, "data_fingerprint": self.data_fingerprint}
 
     @classmethod
     def from_dict(cls, saved):
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"])
+        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"],
+                   saved["data_fingerprint"])
 
 
 def read_trainer_state(path):
@@ -532,6 +544,10 @@ def check_source(source, key):
         if any(os.path.exists(os.path.join(source, name)) for name in ("model.safetensors", "pytorch_model.bin")):
             raise CheckpointError(f"{key}={source} holds Hugging Face weights but no readable config.json with a "
                                   f"model_type; save the model again with save_pretrained.") from None
+        if os.path.exists(os.path.join(source, "config.json")) and not find_checkpoints(source):
+            raise CheckpointError(f"{key}={source} holds a config.json but no weights (no checkpoint of this trainer, "
+                                  f"no model.safetensors or pytorch_model.bin); give a folder that holds weights.") \
+                from None
         raise CheckpointError(f"{key}: {error}") from None
 
 
@@ -580,7 +596,7 @@ def main(argv):
     else:
         from hf import check_export_target, export_hf
         check_export_target(args.out_dir)  # before the (slow) load
-        export_hf(load_model(args.checkpoint, "cpu", "export-hf"), args.out_dir)
+        export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT"), args.out_dir)
 
 
 if __name__ == "__main__":

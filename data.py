@@ -19,6 +19,7 @@ datasets at fixed shares (`data.mix`).
 
 import functools
 import glob
+import hashlib
 import importlib.resources
 import os
 import sys
@@ -77,6 +78,9 @@ def dataset_dir(data_root, name):
     if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
         raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
                         f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
+    if data_root and os.path.exists(data_root) and not os.path.isdir(data_root):
+        raise DataError(f"data.data_root={data_root} is a file, not a folder; give the folder that holds (or will "
+                        f"hold) the prepared datasets.")
     return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
@@ -100,6 +104,20 @@ def ensure_dataset(data_dir):
         prepare_builtin(name, data_dir)
         return
     raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
+
+
+def fingerprint(data_dir):
+    """What a prepared dataset is, by content rather than by its folder's name: a hash of its shards' names and
+    sizes and of the first and last 64 KiB of each. Cheap (no full read), and different for other text."""
+    digest = hashlib.sha256()
+    for path in shard_paths(data_dir, "train") + shard_paths(data_dir, "val"):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+            f.seek(max(0, size - (1 << 16)))
+            tail = f.read()
+        digest.update(f"{os.path.basename(path)}:{size}:".encode() + head + tail)
+    return digest.hexdigest()[:16]
 
 
 def prepare_hint(data_dir):

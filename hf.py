@@ -62,18 +62,35 @@ def is_hf_folder(path):
     return config is not None and "model_type" in config
 
 
+# What model.py computes, as GPT-2's config.json says it; a folder that asks for anything else would load
+# without an error and give other logits (a ReLU MLP, another LayerNorm epsilon), so it is refused.
+WHAT_MODEL_PY_COMPUTES = {"activation_function": ("gelu_new", "gelu_pytorch_tanh"), "layer_norm_epsilon": (1e-5,),
+                          "scale_attn_weights": (True,), "scale_attn_by_inverse_layer_idx": (False,),
+                          "reorder_and_upcast_attn": (False,), "add_cross_attention": (False,)}
+
+
+def check_gpt2_config(source, hf_config):
+    """One sentence unless the config.json of a local folder is a GPT-2 that model.py computes exactly."""
+    if hf_config is None:
+        raise WeightsError(f"{source}/config.json is missing or not valid JSON; write the folder again with "
+                           f"save_pretrained.")
+    if hf_config.get("model_type") != "gpt2":
+        raise WeightsError(f"{source} holds a {hf_config.get('model_type')} model, not a GPT-2; give a GPT-2 folder.")
+    for name, allowed in WHAT_MODEL_PY_COMPUTES.items():
+        if name in hf_config and hf_config[name] not in allowed:
+            raise WeightsError(f"{source}/config.json sets {name}={hf_config[name]!r}, which model.py does not compute "
+                               f"(it computes {allowed[0]!r}), so its logits would be wrong; give a GPT-2 with "
+                               f"GPT-2's settings.")
+    if hf_config.get("n_inner") not in (None, 4 * hf_config.get("n_embd", 0)):
+        raise WeightsError(f"{source}/config.json sets n_inner={hf_config['n_inner']}, and model.py's MLP is 4 x "
+                           f"n_embd wide; give a GPT-2 with GPT-2's settings.")
+
+
 def import_hf(source):
     """Our GPT with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder."""
     transformers = require_transformers()
     if os.path.isdir(source):
-        hf_config = read_json(os.path.join(source, "config.json"))
-        if hf_config is None:
-            raise WeightsError(f"{source}/config.json is missing or not valid JSON; write the folder again with "
-                               f"save_pretrained.")
-        if hf_config.get("model_type") != "gpt2":
-            raise WeightsError(
-                f"{source} holds a {hf_config.get('model_type')} model, not a GPT-2; give a GPT-2 folder."
-            )
+        check_gpt2_config(source, read_json(os.path.join(source, "config.json")))
     try:
         # Sizes that disagree with config.json come back in `info` instead of raising (or, in transformers 5,
         # of being silently initialized at random): check_weights_match_config words them.
@@ -109,6 +126,8 @@ def gpt2_shape(source):
     """The model fields of a GPT-2 source, from its config.json alone (for a name, the hub's: downloaded once,
     then read from the Hugging Face cache)."""
     transformers = require_transformers()
+    if os.path.isdir(source):
+        check_gpt2_config(source, read_json(os.path.join(source, "config.json")))
     try:
         c = transformers.GPT2Config.from_pretrained(source)
     except OSError as error:

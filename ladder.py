@@ -104,7 +104,8 @@ def read_config(path, overrides):
     default = Config()
     for key in DERIVED:
         if get(cfg, key) != get(default, key):
-            raise ConfigError(f"{path} sets {key}, which the ladder derives from the model size; remove it "
+            where = "the command line" if any(o.startswith(f"--{key}=") for o in overrides) else path
+            raise ConfigError(f"{where} sets {key}, which the ladder derives from the model size; remove it "
                               f"(ladder.lr_multiplier, ladder.decay_fraction and ladder.seed are the knobs).")
     L = cfg.ladder
     repeated = sorted({size for size in L.sizes if L.sizes.count(size) > 1})

@@ -15,6 +15,7 @@ Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, 
 import json
 import os
 import sys
+import threading
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -197,12 +198,27 @@ class RowWriter:
 
     def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
         self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints
+        self.writing = threading.Lock()  # rows come from the bookkeeping thread, late values from the loop
+        self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest value
         self.console = Every(log_interval, fixed=(0,))  # a console line every log.interval steps, step 0 and the last
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on, and their time
         self.nonfinite = None
 
     def __call__(self, rows):
+        with self.writing:
+            return self._write(rows)
+
+    def late(self, step, values):
+        """Values measured after step `step`'s row was written (the time its checkpoint took, uploads that failed
+        after the last row): written as a row of that step, which readers merge into it (read_jsonl). Rank 0."""
+        if self.sinks:
+            with self.writing:
+                self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
+                self.sinks.write(step, dict(values))
+                self.logged.update(values)
+
+    def _write(self, rows):
         lines = []
         for step, values in rows:
             if "train/loss" in values and self.spikes.is_spike(values["train/loss"]):
@@ -214,6 +230,8 @@ class RowWriter:
                         or "val/loss" in values):
                     lines.append(console_line(step, values))
             self.nonfinite = self.nonfinite or nonfinite_message(step, values)
+            self.last_step = step
+            self.logged.update(values)
         if self.prints:
             for line in lines:
                 print(line, flush=True)
@@ -263,23 +281,36 @@ def console_line(step, values):
 
 
 def read_jsonl(path):
-    """The rows of a metrics.jsonl. A last line cut off (a crash or a full disk during an append) is
-    dropped with a warning; a damaged line anywhere else is an error."""
+    """The rows of a metrics.jsonl, one per step: a late row of a step (RowWriter.late) is merged into its row.
+    A last line cut off (a crash or a full disk during an append) is dropped with a warning; a damaged line
+    anywhere else is an error."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = [line for line in f.read().split("\n")]
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+    except (IsADirectoryError, UnicodeDecodeError) as error:
+        raise SinkError(f"{path} is not a metrics.jsonl ({type(error).__name__}); give the train.out_dir of a "
+                        f"run.") from None
     rows = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError:
             if any(rest.strip() for rest in lines[number:]):
                 raise SinkError(f"line {number} of {path} is not JSON; repair or remove that line.") from None
             warnings.warn(f"dropping the cut-off last line of {path} (the run that wrote it was interrupted)")
-    return rows
+            continue
+        if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
+            raise SinkError(f"line {number} of {path} is not a metrics row (a JSON object with a step); give the "
+                            f"metrics.jsonl a run wrote.")
+        rows.append(row)
+    merged = {}
+    for row in rows:
+        merged.setdefault(row["step"], {}).update(row)
+    return list(merged.values())
 
 
 def truncate_jsonl(path, after_step):

@@ -25,7 +25,6 @@ GOOGLE_APPLICATION_CREDENTIALS), as every tool of that store reads them.
 import hashlib
 import json
 import os
-import queue
 import shutil
 import sys
 import threading
@@ -51,9 +50,12 @@ def is_url(path):
 
 
 def filesystem(url, key="checkpoint.remote_folder"):
-    """(fsspec filesystem, path inside it) of `url`; one sentence if its scheme's package is missing."""
+    """(fsspec filesystem, path inside it) of `url`; one sentence if it is no URL or its scheme's package is missing."""
     import fsspec
 
+    if not is_url(url):
+        raise RemoteError(f"{key}={url} is not a URL; give one such as s3://bucket/run1, gs://bucket/run1 or "
+                          f"file:///shared/run1.")
     scheme = url.split("://", 1)[0]
     try:
         fs, path = fsspec.core.url_to_fs(url, **(S3_OPTIONS if PACKAGES.get(scheme) == "s3fs" else {}))
@@ -69,26 +71,36 @@ def filesystem(url, key="checkpoint.remote_folder"):
 def describe_failure(error):
     """What went wrong with a store, in words a user can act on."""
     text = f"{type(error).__name__}: {error}"
+    local = getattr(error, "filename", None)
+    if isinstance(error, FileNotFoundError) and isinstance(local, str) and os.path.isabs(local):
+        return f"the local file {local} is gone (deleted before its upload ended)"
     if "NoCredentials" in text or "Unable to locate credentials" in text:
         return "no credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the store's own)"
     if any(word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden",
                                      "PermissionError", "403")):
         return f"the credentials were refused ({text[:200]})"
-    if "NoSuchBucket" in text or isinstance(error, FileNotFoundError):
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or isinstance(error, FileNotFoundError):
         return "the bucket does not exist (create it first)"
     if any(word in text for word in ("connect", "Connect", "resolve", "Name or service", "timed out", "Timeout")):
         return f"the endpoint cannot be reached ({text[:200]})"
     return text[:300]
 
 
-def check(url, key="checkpoint.remote_folder"):
+def check(url, out_dir=None, key="checkpoint.remote_folder"):
     """Before anything is written: one sentence unless the run can write in `url` (package, credentials,
-    bucket, endpoint). A probe object is written and deleted, since only a write proves write access."""
+    bucket, endpoint). A probe object is written and deleted, since only a write proves write access. A local
+    folder (file://) that is `out_dir`, lies inside it or holds it is refused: uploads would replace the run
+    folder's own files, markers included."""
     fs, root = filesystem(url, key)
-    if url.startswith("file://"):
-        os.makedirs(root, exist_ok=True)
+    if url.startswith("file://") and out_dir:
+        folder, run = os.path.realpath(root), os.path.realpath(out_dir)
+        if os.path.commonpath([folder, run]) in (folder, run):
+            raise RemoteError(f"{key}={url} is train.out_dir={out_dir} or shares its folder tree, and the uploads "
+                              f"would overwrite the run folder's own files; give a remote folder outside {run}.")
     probe = f"{root}/.write_check_{uuid.uuid4().hex}"
     try:
+        if url.startswith("file://"):
+            fs.makedirs(root, exist_ok=True)
         fs.pipe_file(probe, b"ok")
         fs.rm_file(probe)
     except Exception as error:  # each store raises its own kinds
@@ -111,20 +123,33 @@ def sha256_file(path):
 # ----------------------------------------------------------------------------- reading the bucket
 
 
-def complete_checkpoints(fs, root):
-    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable."""
+def read_marker(fs, path):
+    """The COMPLETE marker at `path`, or None when it is missing or damaged (not a dict of files): such a step is
+    never used, as checkpoint.read_marker treats a local one."""
+    try:
+        marker = json.loads(fs.cat_file(path))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+
+
+def step_folders(fs, root):
+    """The step numbers of the bucket's step<N> folders, complete or not ([] when the folder does not exist)."""
     fs.invalidate_cache()  # listings are cached per filesystem; the bucket may have changed since
-    found = {}
     try:
         names = [entry.rstrip("/").rsplit("/", 1)[-1] for entry in fs.ls(root, detail=False)]
     except FileNotFoundError:
-        return found
-    for name in names:
-        if name.startswith("step") and name[4:].isdigit():
-            try:
-                found[int(name[4:])] = json.loads(fs.cat_file(f"{root}/{name}/{MARKER}"))
-            except (FileNotFoundError, ValueError):
-                pass  # no marker (an upload cut short) or an unreadable one: not a checkpoint
+        return []
+    return sorted(int(name[4:]) for name in names if name.startswith("step") and name[4:].isdigit())
+
+
+def complete_checkpoints(fs, root):
+    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable."""
+    found = {}
+    for step in step_folders(fs, root):
+        marker = read_marker(fs, f"{root}/step{step}/{MARKER}")
+        if marker is not None:  # else an upload cut short, or a damaged marker: not a checkpoint
+            found[step] = marker
     return found
 
 
@@ -135,24 +160,59 @@ def newest_complete(url):
     return max(found) if found else None
 
 
-def download(url, step, folder):
-    """Download checkpoint `step` of `url` into `folder` (created; a `.partial` name first, so a kill never
-    leaves a folder that looks whole) and check every file against its marker's checksum. Returns `folder`."""
+def read_run(url):
+    """(the config of the run in the bucket, or None; its complete checkpoint steps). The config is the bucket's
+    config.json, or when that is missing the one saved in its newest checkpoint's trainer.pt."""
+    import io
+
+    import torch
+
     fs, root = filesystem(url)
-    marker = json.loads(fs.cat_file(f"{root}/step{step}/{MARKER}"))
+    steps = sorted(complete_checkpoints(fs, root))
+    try:
+        config = json.loads(fs.cat_file(f"{root}/config.json"))
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        config = None
+    if not isinstance(config, dict) and steps:
+        try:
+            trainer = torch.load(io.BytesIO(fs.cat_file(f"{root}/step{steps[-1]}/trainer.pt")), map_location="cpu",
+                                 weights_only=True)
+            config = trainer["config"]
+        except Exception:  # noqa: BLE001 - a damaged trainer.pt: the run's identity is unknown
+            config = None
+    return (config if isinstance(config, dict) else None), steps
+
+
+def download(url, step, folder, key="checkpoint.remote_folder"):
+    """Download checkpoint `step` of `url` into `folder` (a `.partial` name first, so a kill never leaves a folder
+    that looks whole) and check every file against its marker's checksum. Returns `folder`. A damaged checkpoint
+    (a marker that is no list of files, a file missing or not matching) is one sentence, and nothing is left."""
+    fs, root = filesystem(url, key)
+    where = f"{url.rstrip('/')}/step{step}"
     partial = f"{folder}.partial"
     for leftover in (partial, folder):  # what a download cut short left behind
         shutil.rmtree(leftover, ignore_errors=True)
-    os.makedirs(partial)
-    for name, expected in marker["files"].items():
-        fs.get_file(f"{root}/step{step}/{name}", os.path.join(partial, name))
-        if sha256_file(os.path.join(partial, name)) != expected:
-            shutil.rmtree(partial, ignore_errors=True)
-            raise RemoteError(f"{url}/step{step}/{name} does not match its checksum (a corrupt upload); delete "
-                              f"that step from the bucket to fall back to the one before.")
-    with open(os.path.join(partial, MARKER), "w") as f:
-        json.dump(marker, f, indent=1)  # the marker last, as checkpoint.py writes it
-    os.replace(partial, folder)
+    try:
+        marker = read_marker(fs, f"{root}/step{step}/{MARKER}")
+        if marker is None:
+            raise RemoteError(f"{where} has a missing or damaged {MARKER} marker, so it is not a checkpoint; give "
+                              f"another step, or delete that step from the bucket.")
+        os.makedirs(partial)
+        for name, expected in marker["files"].items():
+            try:
+                fs.get_file(f"{root}/step{step}/{name}", os.path.join(partial, name))
+            except FileNotFoundError:
+                raise RemoteError(f"{where}/{name} is listed in its marker but missing (a damaged upload); delete "
+                                  f"that step from the bucket to fall back to the one before.") from None
+            if sha256_file(os.path.join(partial, name)) != expected:
+                raise RemoteError(f"{where}/{name} does not match its checksum (a corrupt upload); delete that step "
+                                  f"from the bucket to fall back to the one before.")
+        with open(os.path.join(partial, MARKER), "w") as f:
+            json.dump(marker, f, indent=1)  # the marker last, as checkpoint.py writes it
+        os.replace(partial, folder)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     return folder
 
 
@@ -171,6 +231,13 @@ def local_copy(url, key):
     .../step<N>), downloaded once into a cache (NANOGPT_REMOTE_CACHE, default ~/.cache/nanogpt-lab/remote)."""
     fs, root = filesystem(url, key)
     base, last = root.rsplit("/", 1) if "/" in root else ("", root)
+    try:
+        exists = fs.exists(root)
+    except Exception as error:  # each store raises its own kinds
+        raise RemoteError(f"{key}={url} cannot be read: {describe_failure(error)}; fix that, or give a local "
+                          f"folder.") from None
+    if not exists:
+        raise RemoteError(f"{key}={url} does not exist; give a run folder or step<N> folder in the bucket.")
     if last.startswith("step") and last[4:].isdigit():
         run_url, step = url.rstrip("/").rsplit("/", 1)[0], int(last[4:])
     else:
@@ -183,7 +250,7 @@ def local_copy(url, key):
     folder = os.path.join(cache, hashlib.sha256(run_url.rstrip("/").encode()).hexdigest()[:16], f"step{step}")
     if not os.path.exists(os.path.join(folder, MARKER)):
         os.makedirs(os.path.dirname(folder), exist_ok=True)
-        download(run_url, step, folder)
+        download(run_url, step, folder, key)
     return folder
 
 
@@ -203,59 +270,119 @@ def doomed_steps(kinds, keep_last):
 
 
 class Uploader:
-    """Rank 0's background uploads to `url`, one at a time in order, each retried. `upload_checkpoint`
-    only queues (the loop never waits for the store); `failures` counts uploads that failed every attempt."""
+    """Rank 0's background uploads to `url`, one at a time in order, each tried three times. `upload_checkpoint`
+    only queues (the loop never waits for the store). A checkpoint stays in train.out_dir while it waits
+    (`waiting`: local retention passes over it; `on_done` runs local retention once it has gone up), and one that
+    a newer queued checkpoint makes pointless (bucket retention would delete it at once) is not uploaded at all.
+    `failures` counts uploads that failed every attempt; `lag()` is how long the oldest waiting one has waited.
+    `replaced`: the steps of another run this one replaces in the bucket (checkpoint.save_overwrite), made
+    invisible before this run's first checkpoint is marked complete and deleted after it: never a mix."""
 
-    def __init__(self, url, keep_last):
-        self.url, self.keep_last = url, keep_last
+    def __init__(self, url, keep_last, records=lambda: (), replaced=()):
+        self.url, self.keep_last, self.records = url, keep_last, records
         self.fs, self.root = filesystem(url)
-        self.jobs = queue.Queue()
+        self.replaced = list(replaced)
+        self.pending = []  # [(step, kind, folder, queued at)], in order; the first is the one being uploaded
+        self.changed = threading.Condition()
+        self.closing = False
         self.failures = 0
+        self.on_done = lambda: None
         self.thread = threading.Thread(target=self._work, name="checkpoint-upload", daemon=True)
         self.thread.start()
 
-    def upload_checkpoint(self, folder, also=()):
-        """Queue checkpoint `folder` (files, then COMPLETE), then the files `also` (config.json, metrics.jsonl)
+    def upload_checkpoint(self, folder, step, kind):
+        """Queue checkpoint `folder` (files, then COMPLETE), then the run's records (config.json, metrics.jsonl, ...)
         beside the checkpoints, then retention in the bucket."""
-        self.jobs.put((f"checkpoint {os.path.basename(folder)}", lambda: self._checkpoint(folder, also)))
+        with self.changed:
+            self.pending.append((step, kind, folder, time.monotonic()))
+            self.changed.notify_all()
 
-    def _checkpoint(self, folder, also):
-        remote = f"{self.root}/{os.path.basename(folder)}"
+    def waiting(self):
+        """The local checkpoint folders queued or being uploaded: local retention keeps them."""
+        with self.changed:
+            return {folder for _, _, folder, _ in self.pending}
+
+    def lag(self):
+        """Seconds the oldest checkpoint still waiting for its upload has waited (0: the bucket is up to date)."""
+        with self.changed:
+            return time.monotonic() - self.pending[0][3] if self.pending else 0.0
+
+    def wait_idle(self):
+        """Until every queued upload has ended (tests, and a run's end)."""
+        with self.changed:
+            self.changed.wait_for(lambda: not self.pending)
+
+    def _superseded(self, step, kind):
+        """Whether a newer queued checkpoint makes this one's upload pointless: bucket retention would delete an
+        ephemeral one, or a permanent one with keep_last newer permanent ones, as soon as those are up."""
+        newer = [k for s, k, _, _ in self.pending if s > step]
+        if kind == "ephemeral":
+            return bool(newer)
+        return kind == "permanent" and self.keep_last > 0 and newer.count("permanent") >= self.keep_last
+
+    def _checkpoint(self, step, folder):
+        remote = f"{self.root}/step{step}"
         if self.fs.exists(f"{remote}/{MARKER}"):
             self.fs.rm_file(f"{remote}/{MARKER}")  # a step being replaced is incomplete until all is new
         names = sorted(os.listdir(folder))
-        for name in [n for n in names if n != MARKER] + [MARKER]:
+        for name in [n for n in names if n != MARKER]:
             self.fs.put_file(os.path.join(folder, name), f"{remote}/{name}")
-        for path in also:
+        for old in self.replaced:  # another run's steps go invisible before this run's first is complete
+            if self.fs.exists(f"{self.root}/step{old}/{MARKER}"):
+                self.fs.rm_file(f"{self.root}/step{old}/{MARKER}")
+        self.fs.put_file(os.path.join(folder, MARKER), f"{remote}/{MARKER}")
+        for path in self.records():
             if os.path.exists(path):
                 self.fs.put_file(path, f"{self.root}/{os.path.basename(path)}")
+        for old in self.replaced:
+            if old != step:
+                self.fs.rm(f"{self.root}/step{old}", recursive=True)
+        self.replaced = []
         found = complete_checkpoints(self.fs, self.root)
-        for step in doomed_steps({s: marker.get("kind") for s, marker in found.items()}, self.keep_last):
-            self.fs.rm(f"{self.root}/step{step}", recursive=True)
+        for doomed in doomed_steps({s: marker.get("kind") for s, marker in found.items()}, self.keep_last):
+            self.fs.rm(f"{self.root}/step{doomed}", recursive=True)
+        for cut in set(step_folders(self.fs, self.root)) - set(found):  # uploads a kill or a failure cut short
+            self.fs.rm(f"{self.root}/step{cut}", recursive=True)
+
+    def _upload(self, step, folder):
+        for attempt, pause in enumerate((*RETRIES, None)):
+            try:
+                self._checkpoint(step, folder)
+                return
+            except Exception as error:  # each store raises its own kinds; the run must go on
+                if pause is None:
+                    self.failures += 1
+                    print(f"warning: uploading checkpoint step{step} to {self.url} failed {attempt + 1} times "
+                          f"({describe_failure(error)}); training goes on, and the checkpoint is in "
+                          f"train.out_dir.", file=sys.stderr, flush=True)
+                    try:  # what reached the bucket of this step is not a checkpoint: it goes
+                        if not self.fs.exists(f"{self.root}/step{step}/{MARKER}"):
+                            self.fs.rm(f"{self.root}/step{step}", recursive=True)
+                    except Exception:  # noqa: BLE001 - the store is still unreachable: the next upload cleans up
+                        pass
+                else:
+                    time.sleep(pause)
 
     def _work(self):
         while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            what, work = job
-            for attempt, pause in enumerate((*RETRIES, None)):
-                try:
-                    work()
-                    break
-                except Exception as error:  # each store raises its own kinds; the run must go on
-                    if pause is None:
-                        self.failures += 1
-                        print(f"warning: uploading {what} to {self.url} failed {attempt + 1} times "
-                              f"({describe_failure(error)}); training goes on, and the checkpoint is in "
-                              f"train.out_dir.", file=sys.stderr, flush=True)
-                    else:
-                        time.sleep(pause)
-            self.jobs.task_done()
+            with self.changed:
+                self.changed.wait_for(lambda: self.pending or self.closing)
+                if not self.pending:
+                    return
+                step, kind, folder, _ = self.pending[0]
+                skip = self._superseded(step, kind)
+            if not skip:
+                self._upload(step, folder)
+            with self.changed:
+                self.pending.pop(0)
+                self.changed.notify_all()
+            self.on_done()
 
     def close(self, timeout=600.0):
         """Wait (at most `timeout` seconds) for the queued uploads, then stop the thread."""
-        self.jobs.put(None)
+        with self.changed:
+            self.closing = True
+            self.changed.notify_all()
         self.thread.join(timeout)
         if self.thread.is_alive():
             print(f"warning: uploads to {self.url} still running after {timeout:.0f} s at exit; the bucket may lack "

@@ -8,8 +8,9 @@ At start-up, before the loop writes anything, and in this order:
    run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
    `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
    declares them), a checkpoint whose weights do not fit the model (its code changed), a load_path of another
-   model shape, a folder that holds another run (unless `checkpoint.save_overwrite`), a rewind to a step that
-   has no checkpoint. A refused command leaves the folder exactly as it was.
+   model shape, a folder or a bucket (`checkpoint.remote_folder`) that holds another run (unless
+   `checkpoint.save_overwrite`, which replaces that run whole), a rewind to a step that has no checkpoint. A
+   refused command leaves the folder and the bucket exactly as they were.
 2. `carry_out_start` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
    aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
    config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
@@ -35,6 +36,15 @@ LOCK = ".lock"
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl",
                 "config_changes.jsonl")
+
+
+def run_records(out_dir):
+    """The run's record beside its checkpoints, which checkpoint.remote_folder mirrors after each upload: config,
+    metrics and their per-evaluation snapshots, samples, the environment, the change and rewind logs, the W&B id."""
+    snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
+    return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
+
+
 # What makes two runs the same run: the fields config.py declares `identity` (a checkpoint cannot be
 # resumed correctly under other values).
 IDENTITY = keys_with_role("identity")
@@ -106,6 +116,8 @@ def identity(config_dict):
     """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
     stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture."""
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
+    if str(values["train.model_module"]).endswith(".py"):  # one file, by a relative path or an absolute one
+        values["train.model_module"] = os.path.realpath(values["train.model_module"])
     for key in ("data.mix", "stage2.mix"):
         if values[key]:
             values[key] = [(name, round(share, 12)) for name, share in parse_mix(values[key], key)]
@@ -132,7 +144,8 @@ class Start:
     resumed: bool = False  # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
     rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `carry_out_start`
     rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
-    fetched: bool = False  # `path` was downloaded from checkpoint.remote_folder; carry_out_start moves it in place
+    fetched: str = ""  # a step<N>.download folder from checkpoint.remote_folder; carry_out_start moves it in place
+    replace_bucket: list = field(default_factory=list)  # another run's steps in the bucket, replaced by this run
     notes: list = field(default_factory=list)  # what to print about it
 
 
@@ -170,13 +183,27 @@ def from_rank0(work, rank, world_size, group):
 def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every
     check is here (the rewind's step, the run's identity, whether the checkpoint's weights fit `model`, the model
-    shape of checkpoint.load_path, a folder that holds another run), so a refused command leaves the folder
-    exactly as it was."""
+    shape of checkpoint.load_path, a folder or a bucket that holds another run), so a refused command leaves the
+    folder and the bucket exactly as they were."""
     c = checkpoint_cfg
-    rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number)
-    fetched = fetch_from_bucket(out_dir, c.remote_folder) if c.remote_folder and c.load != "never" else None
+    bucket_steps, same_run = [], True
+    if c.remote_folder:
+        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite)
+    rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
+    fetched = None
+    if bucket_steps and same_run and c.load != "never":
+        fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
+        if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
+            if not c.save_overwrite:
+                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints (steps "
+                                      f"{', '.join(map(str, bucket_steps[-3:]))}) and this run starts afresh, which "
+                                      f"would mix two runs there; resume them (checkpoint.load=if_available), give "
+                                      f"another remote folder, or pass --checkpoint.save_overwrite=true.")
+            start.replace_bucket = bucket_steps
+            start.notes.append(f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its "
+                               f"checkpoints go once this run's first is uploaded")
     except BaseException:
         if fetched:  # refused: the download goes, and the folder is as it was
             shutil.rmtree(fetched, ignore_errors=True)
@@ -185,26 +212,57 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     return start
 
 
-def fetch_from_bucket(out_dir, url):
-    """checkpoint.remote_folder: the bucket's newest complete checkpoint, downloaded and checked into
-    `step<N>.download` when out_dir has no valid checkpoint as new (a fresh node after a preemption); else None."""
+def read_bucket(url, run_config, save_overwrite):
+    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
+    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite."""
     import remote
 
     try:
-        step = remote.newest_complete(url)
+        saved, steps = remote.read_run(url)
+    except remote.RemoteError:
+        raise
     except Exception as error:  # each store raises its own kinds
         raise remote.RemoteError(f"checkpoint.remote_folder={url} cannot be read: {remote.describe_failure(error)}; "
                                  f"fix that, or leave it empty to resume from train.out_dir alone.") from None
+    if saved is None and not steps:
+        return steps, True
+    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
+    if difference and not save_overwrite:
+        key, old, new = difference
+        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
+                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
+                              f"to replace that run there.")
+    return steps, not difference
+
+
+def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
+    """checkpoint.remote_folder: the checkpoint to resume from, downloaded and checked into `step<N>.download`,
+    or None. Without a rewind: the bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a
+    preemption); a damaged one is passed over, with a warning, for the one before. With a rewind to a step only
+    the bucket has: that step."""
+    import remote
+
     own = newest_valid_checkpoint(out_dir)
-    if step is None or (own and int(STEP_DIR.match(os.path.basename(own)).group(1)) >= step):
-        return None
-    return remote.download(url, step, os.path.join(out_dir, f"step{step}.download"))
+    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
+    local = {s for s, _ in find_checkpoints(out_dir)}
+    if rewind_to:
+        candidates = [] if rewind_to in local else [rewind_to]
+    else:
+        candidates = [s for s in reversed(bucket_steps) if s > own_step]
+    for step in candidates:
+        try:
+            return remote.download(url, step, os.path.join(out_dir, f"step{step}.download"))
+        except remote.RemoteError as error:
+            if rewind_to or step == candidates[-1]:
+                raise
+            print(f"warning: {error} Falling back to the checkpoint before it.", file=sys.stderr, flush=True)
+    return None
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     """The Start, once the rewind is planned and the bucket's checkpoint fetched, with every check made."""
     if rewind_to:
-        path, resuming, note = dict(find_checkpoints(out_dir))[rewind_to], True, ""
+        path, resuming, note = dict(find_checkpoints(out_dir)).get(rewind_to, fetched), True, ""
         verify_checkpoint(path)
     elif fetched:
         path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
@@ -217,8 +275,8 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
             shutil.rmtree(fetched, ignore_errors=True)
             fetched = None
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
-        replacing = (f"note: replacing the different run in {out_dir} (checkpoint.save_overwrite); its checkpoints "
-                     f"go once this run has one")
+        replacing = (f"note: replacing the different run in train.out_dir={out_dir} (checkpoint.save_overwrite); its "
+                     f"checkpoints go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
     ours = path and os.path.exists(os.path.join(path, MARKER))  # else GPT-2's weights (hf.py checks those)
     if resuming:
@@ -231,7 +289,7 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
             check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, or leave it "
                                            "empty to train from scratch.")
-    return Start(path, resuming, rewind_to, fetched=bool(fetched), notes=[note])
+    return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note])
 
 
 def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
@@ -262,8 +320,8 @@ def install_download(out_dir, start, url):
     run's config.json and metrics.jsonl where the folder has none (a fresh node)."""
     import remote
 
-    final = start.path[: -len(".download")]
-    os.replace(start.path, final)
+    final = os.path.join(out_dir, re.fullmatch(r"(step\d+)\.download", os.path.basename(start.fetched)).group(1))
+    os.replace(start.fetched, final)
     start.path = final
     link = os.path.join(out_dir, "latest")
     if os.path.lexists(link):
@@ -275,17 +333,26 @@ def install_download(out_dir, start, url):
     return f"downloaded {os.path.basename(final)} from {url} into {out_dir}"
 
 
-def check_identity(out_dir, saved_config, run_config):
-    """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
+def identity_difference(saved_config, run_config):
+    """None when the two configs are one run (their identity fields agree); else (key, saved value, this run's)
+    of the first identity field that differs."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:
         if saved_identity[key] != run_identity[key]:
-            old, new = changes[key]
-            raise CheckpointError(
-                f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
-                f"correctly; set {as_override(key, old)} to resume it, or start fresh in another train.out_dir (or "
-                f"pass --checkpoint.save_overwrite=true to replace it).")
+            return (key, *changes.get(key, (saved_identity[key], run_identity[key])))
+    return None
+
+
+def check_identity(out_dir, saved_config, run_config):
+    """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
+    difference = identity_difference(saved_config, run_config)
+    if difference:
+        key, old, new = difference
+        raise CheckpointError(
+            f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
+            f"correctly; set {as_override(key, old)} to resume it, or start fresh in another train.out_dir (or "
+            f"pass --checkpoint.save_overwrite=true to replace it).")
 
 
 def accept_resume(out_dir, saved_config, run_config, step):
@@ -379,17 +446,20 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
                               f"filesystem (an NFS or Lustre path, not a node-local disk); set train.out_dir to one.")
 
 
-def plan_rewind(out_dir, step, number):
+def plan_rewind(out_dir, step, number, bucket_steps=()):
     """checkpoint.resume_step: (step to rewind to or 0, the folder the newer checkpoints go to, a note). Reads only.
+    `bucket_steps`: the complete checkpoints of checkpoint.remote_folder, which the rewind covers too (a step only the
+    bucket has is downloaded to rewind to; newer ones there move aside in the bucket).
     A rewind is done once per (step, checkpoint.rewind_number), as rewinds.jsonl records it: the same command
     again (a preempted job that restarts) resumes as usual; a higher rewind_number rewinds to the step again.
     A rewind that a kill cut short left its `.partial` folder: it is finished there, not started anew."""
     if not step:
         return 0, "", ""
-    found = dict(find_checkpoints(out_dir))
+    found = set(dict(find_checkpoints(out_dir))) | set(bucket_steps)
     if step not in found:
         have = ", ".join(map(str, sorted(found))) or "none"
-        raise CheckpointError(f"checkpoint.resume_step={step} but {out_dir} has no complete checkpoint at step {step} "
+        where = f"{out_dir} (and its remote folder)" if bucket_steps else out_dir
+        raise CheckpointError(f"checkpoint.resume_step={step} but {where} has no complete checkpoint at step {step} "
                               f"(it has: {have}); pick one of those.")
     log_path = os.path.join(out_dir, "rewinds.jsonl")
     done = [json.loads(line) for line in open(log_path) if line.strip()] if os.path.exists(log_path) else []

@@ -32,11 +32,11 @@ import run_dir
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
                        memory_metrics, peak_flops_for_device, per_layer_grad_norms, register_stack_dump,
                        save_environment, speed_metrics)
-from checkpoint import (MARKER, Checkpointer, TrainState, capture_state, check_source, load_checkpoint,
-                        newest_checkpoint, read_trainer_state)
+from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source,
+                        load_checkpoint, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration,
                     parse_mix, run_command)
-from data import MixtureLoader, TokenLoader, dataset_dir, dataset_ready, ensure_dataset, prepare_hint
+from data import MixtureLoader, TokenLoader, dataset_dir, dataset_ready, ensure_dataset, fingerprint, prepare_hint
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, describe_optimizer, lr_metrics, plot_schedule, set_lr
 from plan import Plan, make_plan
@@ -68,7 +68,7 @@ def main(argv):
         check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
         import remote
-        remote.check(cfg.checkpoint.remote_folder)
+        remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
         check_source(cfg.stage2.reference, "stage2.reference")
     if cfg.checkpoint.load_path:
@@ -111,7 +111,8 @@ def train(cfg):
                 clock.synchronize()  # once: the compiled first step, GPU work included
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
             recorder.record_all({**step_metrics, **lr_metrics(run.optimizer), "tokens": state.tokens,
-                                 **loader.metrics(), **{f"throughput/{kind}_time_sec": s for kind, s in aside.items()}})
+                                 **loader.metrics(), **{f"throughput/{kind}_time_sec": s for kind, s in aside.items()
+                                                        if kind != "checkpoint"}})  # (a checkpoint's: its own step's)
             if trained:
                 recorder.record_all(speed_metrics(
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
@@ -141,8 +142,8 @@ def train(cfg):
             run.gc.step(step)
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
-                if cfg.checkpoint.remote_folder:  # uploads that failed every attempt so far (rank 0 uploads)
-                    recorder.record_all({"checkpoint/upload_failures": run.checkpointer.upload_failures}, reduce="max")
+                if cfg.checkpoint.remote_folder:  # the bucket's uploads (rank 0 uploads; every rank records them)
+                    recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
             # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
             # non-finite steps) and come back as the console lines to print (rank 0).
             collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
@@ -154,7 +155,8 @@ def train(cfg):
                 raise NonFiniteLoss(
                     f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "
                     f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"with a lower optim.lr (train.nan_skip_limit sets how many in a row).")
+                    f"(or, with none yet, start again) with a lower optim.lr (train.nan_skip_limit sets how many in a "
+                    f"row).")
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -355,10 +357,12 @@ class Run:
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
         self.checkpointer.save(self.state.step, snapshot, kind)
+        stalled = time.perf_counter() - stall_start
         if self.is_master and self.state.step > 0:
             how = "async" if self.cfg.checkpoint.async_save else "sync"
-            stalled = time.perf_counter() - stall_start
             print(f"checkpoint step{self.state.step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
+            # The step's row is written before its checkpoint (a resume finds every row): the time comes after it.
+            self.writer.late(self.state.step, {"throughput/checkpoint_time_sec": stalled})
 
     def end_early(self, reason):
         """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
@@ -392,7 +396,7 @@ def build_run(cfg, stack):
     sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
     state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
-    recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, stack)
+    recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
     return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
                is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
                compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
@@ -473,6 +477,10 @@ def build_model(cfg, procs):
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
     raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
     torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
+    if raw_model.config != cfg.model or len(raw_model.blocks) != cfg.model.n_layer:  # a model file that ignores it
+        raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT built {len(raw_model.blocks)} blocks "
+                          f"from a config other than the run's model section (model.n_layer={cfg.model.n_layer}); "
+                          f"build the model from the GPTConfig it is given, so that its checkpoints load again.")
     return raw_model
 
 
@@ -578,6 +586,8 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
     ck, out_dir = cfg.checkpoint, cfg.train.out_dir
     state = TrainState(best_val_loss=torch.tensor(float("inf"), device=procs.device),
                        data=stages.loaders[0][1].state_dict())
+    names = [name for loaders in stages.loaders for name, _ in loaders[0]]
+    fingerprints = {name: fingerprint(dataset_dir(cfg.data.data_root, name)) for name in dict.fromkeys(names)}
     load_optim = start.resumed or ck.load_optim
     saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
                             rank=procs.rank, world_size=procs.world_size, load_optim=load_optim,
@@ -586,6 +596,8 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
         state = TrainState.from_dict(saved)
         state.best_val_loss = state.best_val_loss.to(procs.device)
         stages.resume_at(state.step, state.data)  # the data position is global: any world size works
+        check_start_step(cfg, start, state, plan, fingerprints)
+    state.data_fingerprint = fingerprints
     replaced = []
     if procs.world_size > 1:
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
@@ -605,6 +617,20 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
     return state, replaced
 
 
+def check_start_step(cfg, start, state, plan, fingerprints):
+    """Before the run folder changes: a resume must read the data it trained on (the same content, whatever
+    data.data_root now says), and a start from another run's trainer state must leave steps to train."""
+    changed = [name for name, print_ in fingerprints.items() if state.data_fingerprint.get(name, print_) != print_]
+    if start.resumed and changed:
+        raise CheckpointError(f"the dataset {changed[0]} under data.data_root={cfg.data.data_root or '(data/)'} is not "
+                              f"the one this run trained on (its content differs); point data.data_root at the run's "
+                              f"data, or train on this data in a new train.out_dir.")
+    if not start.resumed and state.step >= plan.end_step:
+        raise CheckpointError(f"checkpoint.load_path={start.path} is at step {state.step}, and this run ends at step "
+                              f"{plan.end_step}, so nothing would train; raise train.max_steps, or pass "
+                              f"--checkpoint.load_trainer_state=false to train from its weights from step 0.")
+
+
 def started_from(start, saved, load_optim, step):
     """What was loaded, as it happened: a resume of this run, or weights (and optimizer or trainer state) from
     elsewhere (checkpoint.load_path), or nothing (from scratch: "")."""
@@ -617,8 +643,9 @@ def started_from(start, saved, load_optim, step):
     return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 
-def beside_the_loop(cfg, procs, plan, replaced, stack):
-    """What runs beside the loop: the metric recorder and its writer, the checkpointer and the stopper."""
+def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
+    """What runs beside the loop: the metric recorder and its writer, the checkpointer (and its uploads) and the
+    stopper. `replaced` / `replaced_in_bucket`: another run's checkpoints this one replaces (save_overwrite)."""
     out_dir = cfg.train.out_dir
     sinks = stack.enter_context(metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg))) if procs.is_master else None
     writer = metrics.RowWriter(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.log.interval,
@@ -631,7 +658,10 @@ def beside_the_loop(cfg, procs, plan, replaced, stack):
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
         import remote
-        uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last)
+        uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last,
+                                   records=lambda: run_dir.run_records(out_dir), replaced=replaced_in_bucket)
+        stack.callback(lambda: writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
+                       if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0) else None)
         stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
                                 replaced=replaced, uploader=uploader)
@@ -740,8 +770,13 @@ def use_load_path_shape(cfg, default_config):
     ck = cfg.checkpoint
     own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
     saved = read_trainer_state(own)["config"] if own else None
-    if saved and saved["checkpoint"].get("load_path") == ck.load_path:
-        use_source_shape(saved["model"], cfg.model, ck.load_path, "the run's own checkpoint", default_config)
+    if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
+        import remote
+        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
+        saved = bucket_config if bucket_steps else None
+    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
+        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
+                         default_config)
     elif is_gpt2_source(ck.load_path):
         check_source(ck.load_path, "checkpoint.load_path")
         use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)

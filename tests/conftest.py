@@ -125,8 +125,10 @@ def run_ladder(*args):
 
 
 def read_metrics(out_dir):
-    path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """metrics.jsonl's rows, one per step (a late row of a step, such as its checkpoint's time, merged in)."""
+    from metrics import read_jsonl
+
+    return read_jsonl(Path(out_dir) / "metrics.jsonl")
 
 
 @pytest.fixture(scope="session")

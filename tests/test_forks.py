@@ -52,7 +52,10 @@ def run(project, *args, check=True):
 
 
 def metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The run's rows, one per step (a late row of a step, such as its checkpoint's time, merged in)."""
+    from metrics import read_jsonl
+
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def weights(checkpoint):

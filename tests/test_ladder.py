@@ -149,8 +149,10 @@ def test_ladder_file_may_not_set_what_the_ladder_derives(tmp_path, data_root):
     with open(path, "a") as f:
         f.write("optim.lr = 1e-3\n")
     result = ladder("dry-run", path, check=False)
-    assert result.returncode != 0 and "sets optim.lr, which the ladder derives" in result.stderr
+    assert result.returncode != 0 and f"{path} sets optim.lr, which the ladder derives" in result.stderr
     assert "Traceback" not in result.stderr
+    on_the_command_line = ladder("dry-run", micro_ladder_file(tmp_path, data_root), "--optim.beta2=0.9", check=False)
+    assert "error: the command line sets optim.beta2, which the ladder derives" in on_the_command_line.stderr
 
 
 def test_run_refuses_a_world_size_other_than_planned(tmp_path, data_root):

@@ -16,7 +16,7 @@ import hellaswag_eval
 import hf
 import metrics
 from config import ConfigError, parse_args
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 
 
 def top_level_imports(path):
@@ -84,12 +84,22 @@ def test_a_config_file_may_write_hard_stop_as_a_number(tmp_path):
     assert parse_args([str(path)]).train.hard_stop == "500"
 
 
-def test_load_path_without_a_checkpoint_starts_from_scratch_with_a_warning(data_root, tmp_path):
-    (tmp_path / "empty").mkdir()
+@pytest.mark.parametrize("folder", ["empty", "no weights", "no config", "bad json"])
+def test_a_load_path_that_holds_no_weights_is_refused_not_trained_from_scratch(data_root, tmp_path, folder):
+    """The user asked for weights: an empty folder or a broken Hugging Face folder is one sentence (it used to warn
+    and train a random GPT-2 to the end)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    if folder == "no weights":
+        (source / "config.json").write_text('{"model_type": "gpt2"}')
+    elif folder in ("no config", "bad json"):
+        (source / "model.safetensors").write_bytes(b"weights")
+        if folder == "bad json":
+            (source / "config.json").write_text("{not json")
     result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
-                               "--train.max_steps=2", f"--checkpoint.load_path={tmp_path / 'empty'}"])
-    assert "holds no checkpoint; starting from scratch" in result.stdout
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+                               "--train.max_steps=2", f"--checkpoint.load_path={source}"], check=False)
+    assert_one_sentence(result, f"checkpoint.load_path")
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_load_path_ignored_for_the_runs_own_checkpoint_is_said_once(data_root, tmp_path):

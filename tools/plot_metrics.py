@@ -79,7 +79,11 @@ def main(argv):
     args = parser.parse_args(argv)
     missing = [d for d in args.run_dirs if not os.path.exists(os.path.join(d, "metrics.jsonl"))]
     if missing:
-        sys.exit(f"error: {missing[0]} has no metrics.jsonl; give the train.out_dir of a run.")
+        raise UserError(f"{missing[0]} has no metrics.jsonl; give the train.out_dir of a run.")
+    empty = [d for d in args.run_dirs if not read_jsonl(os.path.join(d, "metrics.jsonl"))]
+    if empty:
+        raise UserError(f"{empty[0]}/metrics.jsonl holds no rows yet, so there is nothing to plot; plot the run once "
+                        f"it has logged a step.")
     for path in plot_runs(args.run_dirs, args.out or os.path.join(args.run_dirs[0], "plots")):
         print(path)
 
