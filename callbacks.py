@@ -5,9 +5,10 @@ the loop in train.py says exactly when each one runs, and adding one takes five 
 
 - speed: `StepClock` (step time between step ends, evaluation and checkpoint time apart), `speed_metrics`
   (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), and the GPU peak-FLOPs table for MFU
-- stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy)
+- stability: `per_layer_grad_norms`, `activation_stats` (OLMo-core's GAP monitor: activations and parameters),
+  `LossSpikeDetector`, `check_finite` (train.nan_policy)
 - system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`, `register_stack_dump` (what
-  `python debug.py stacks RUN` reads)
+  `python debug.py stacks RUN` reads), `Notifier` (a webhook told when the run starts and ends)
 """
 
 import contextlib
@@ -119,6 +120,46 @@ def per_layer_grad_norms(raw_model):
     for i, block in enumerate(raw_model.blocks):
         norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
     return norms
+
+
+@torch.no_grad()
+def activation_stats(raw_model, loader, autocast):
+    """log.activations_interval: each block's output on the step's first micro-batch (activations/layerNN/rms, mean,
+    max_abs), from forward hooks on one extra forward pass in eval mode (no dropout, no random numbers drawn: the
+    training is unchanged), and each layer's parameter norm (params/layerNN/norm, params/embedding/norm). The
+    batch is read and put back; every value stays on the device (no sync)."""
+    position = loader.state_dict()
+    x, _ = loader.next_batch()
+    loader.load_state_dict(position)
+    stats = {}
+
+    def record(i):
+        def hook(module, inputs, output):
+            out = output.detach().float()
+            name = f"activations/layer{i:02d}"
+            stats.update({f"{name}/rms": out.pow(2).mean().sqrt(), f"{name}/mean": out.mean(),
+                          f"{name}/max_abs": out.abs().amax()})
+        return hook
+
+    hooks = [block.register_forward_hook(record(i)) for i, block in enumerate(raw_model.blocks)]
+    was_training = raw_model.training
+    raw_model.eval()
+    try:
+        with autocast:
+            raw_model(x)
+    finally:
+        raw_model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    stats["params/embedding/norm"] = param_norm(raw_model.param_groups()["embedding"])
+    for i, block in enumerate(raw_model.blocks):
+        stats[f"params/layer{i:02d}/norm"] = param_norm(block.parameters())
+    return stats
+
+
+def param_norm(params):
+    """The norm of `params` taken together, on the device."""
+    return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in params]))
 
 
 class LossSpikeDetector:
@@ -286,3 +327,37 @@ def register_stack_dump(out_dir, rank):
             os.remove(pid_path)
 
     return undo
+
+
+class Notifier:
+    """log.slack_webhook, or the SLACK_WEBHOOK_URL environment variable (OLMo's Slack notifier): a short JSON message
+    ({"text": ...}, Slack's incoming-webhook format) when the run starts, and when it finishes, is stopped early
+    (a signal, CANCEL, the time limit) or fails. Rank 0 posts. A post that fails is a warning, never the run's end.
+    A context manager: entered as the loop is about to start; on leaving, it posts `outcome`, or the error."""
+
+    def __init__(self, url, name, is_master):
+        self.url = (url or os.environ.get("SLACK_WEBHOOK_URL", "")) if is_master else ""
+        self.name, self.outcome = name, "ended"
+
+    def post(self, text):
+        if not self.url:
+            return
+        import urllib.request
+
+        request = urllib.request.Request(self.url, data=json.dumps({"text": f"{self.name}: {text}"}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=10).close()
+        except Exception as error:  # noqa: BLE001 - a notification is never worth the run
+            print(f"warning: the run notifier could not post to its webhook ({type(error).__name__}: {error}); "
+                  f"training goes on.", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self.post("started")
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        if error is None:
+            self.post(self.outcome)
+        else:
+            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}")

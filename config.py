@@ -141,7 +141,7 @@ class TrainConfig:
     # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
     max_duration: str = applied("", ladder=True)
     # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
-    # LR schedule; empty = off
+    # LR schedule; empty = off; 0 trains nothing and saves what was loaded (with checkpoint.fixed_steps=[0])
     hard_stop: str = free("")
     # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
     time_limit: float = free(0.0, "0 or more")
@@ -156,7 +156,9 @@ class TrainConfig:
     loss_spike_threshold: float = free(1.0, "0 or more")
     # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     gc_interval: int = free(1000, "0 or more")
-    no_checkpoints: bool = free(False)  # save no checkpoint at all, not even the last (benchmarks; OLMo-core's switch)
+    # save no checkpoint at all, not even the last, and load none: neither the folder's own nor checkpoint.load_path
+    # (benchmarks; OLMo-core's switch)
+    no_checkpoints: bool = free(False)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
     dist_timeout: float = free(1800.0, "greater than 0")
@@ -247,7 +249,17 @@ class LogConfig:
     interval: int = free(10, "at least 1")  # steps between console lines
     # steps between collecting metrics to the host (one sync and one collective each)
     metrics_collect_interval: int = free(10, "at least 1")
-    async_bookkeeping: bool = free(False)  # reduce and write metrics on a background thread over a gloo group
+    # reduce and write metrics on a background thread over a gloo group; auto: on where a gloo group exists (more than
+    # one rank), as OLMo-core's default
+    async_bookkeeping: Literal["auto", "true", "false"] = free("auto")
+    # seconds after which collecting metrics or waiting for a checkpoint warns that it is slow (OLMo-core's 30)
+    bookkeeping_soft_timeout: float = free(30.0, "greater than 0")
+    # steps between each block's activation statistics and each layer's parameter norm (activations/..., params/...),
+    # from one extra forward pass of the step's first micro-batch; 0 = off
+    activations_interval: int = free(0, "0 or more")
+    # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
+    # SLACK_WEBHOOK_URL environment variable, or no messages
+    slack_webhook: str = free("")
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
     wandb_project: str = free("nanogpt-lab")  # W&B project
@@ -265,10 +277,14 @@ class CheckpointConfig:
     interval: int = free(1000, "0 or more", ladder=True)  # steps between permanent checkpoints; 0 = only the final one
     keep_last: int = free(3, "0 or more")  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
     # steps between ephemeral checkpoints (only the newest is kept); 0 = off
-    ephemeral_interval: int = free(0, "0 or more")
+    ephemeral_interval: int = free(0, "0 or more", ladder=True)
+    # an ephemeral checkpoint is skipped when a fixed or permanent one was saved fewer than this many steps before it
+    # (OLMo-core's ephemeral_cooldown; its ladder: 250); 0 = off
+    ephemeral_cooldown: int = free(0, "0 or more", ladder=True)
     # steps whose checkpoints are always kept (0: the untrained model)
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
-    async_save: bool = free(False)  # copy state to CPU in the step, write it on a background thread
+    # copy state to CPU in the step, write it on a background thread
+    async_save: bool = free(False, ladder=True)
     # if_available: resume from out_dir when it has a checkpoint
     load: Literal["if_available", "always", "never"] = free("if_available")
     load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
@@ -376,7 +392,12 @@ CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal ~20 to
 def parse_duration(text, key="train.max_duration"):
     """'5000steps', '2e9tokens', '3epochs', '1chinchilla' or a bare number of steps -> (amount, unit)."""
     match = DURATION.match(str(text).lower())
-    if not match or not 0 < float(match.group(1)) < math.inf:
+    try:
+        amount = float(match.group(1)) if match else -1.0
+    except ValueError:  # 1.2.3
+        amount = -1.0
+    zero_allowed = key == "train.hard_stop"  # a hard stop at 0: train nothing, save what was loaded
+    if not (0 < amount < math.inf or (zero_allowed and amount == 0)):
         raise ConfigError(f"{key}={text!r} is not a duration; write e.g. 5000steps, 2e9tokens, 3epochs or 1chinchilla.")
     return float(match.group(1)), match.group(2) or "steps"
 

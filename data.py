@@ -193,10 +193,11 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def metrics(self):
-        return {}  # one source: nothing to count (MixtureLoader counts each source's sequences)
+        """data/epoch: the epoch the next sequence belongs to (a host number: no sync)."""
+        return {"data/epoch": self.epoch}
 
     def state_dict(self):
-        return {"position": self.position}
+        return {"position": self.position, "epoch": self.epoch}  # the epoch follows from the position
 
     def load_state_dict(self, state):
         self.position = state["position"]
@@ -283,13 +284,15 @@ class MixtureLoader:
         return first
 
     def metrics(self):
-        """data/<source>/sequences: sequences trained on from each source so far (host numbers: no sync)."""
-        return {f"data/{name}/sequences": count - skipped
-                for name, count, skipped in zip(self.names, self.counts, self.skipped)}
+        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: whole passes over
+        all the sources' sequences so far (host numbers: no sync)."""
+        return {**{f"data/{name}/sequences": count - skipped
+                   for name, count, skipped in zip(self.names, self.counts, self.skipped)},
+                "data/epoch": sum(self.counts) // self.num_sequences}
 
     def state_dict(self):
         return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),
-                "skipped": list(self.skipped)}
+                "skipped": list(self.skipped), "epoch": sum(self.counts) // self.num_sequences}
 
     def load_state_dict(self, state):
         """Restore every source's position by name. A source new to this run starts at 0, and a changed

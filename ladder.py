@@ -85,6 +85,15 @@ class LadderSettings:
     optimizer: Literal["adamw", "muon"] = ladder_setting("adamw")
     # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
     muon_batch_multiplier: float = ladder_setting(2.0, "greater than 0")
+    # steps between the ephemeral checkpoints saved between the fixed ones, and how soon after a fixed one an
+    # ephemeral one is skipped (OLMo-core's ladder: 1000 and 250); 0 = off
+    ephemeral_interval: int = ladder_setting(1000, "0 or more")
+    ephemeral_cooldown: int = ladder_setting(250, "0 or more")
+    # other root folders or bucket URLs (s3://..., file://...) where `metrics`, `checkpoints` and `fit` also look for
+    # each size's checkpoints and metrics, after ladder.dir (OLMo-core's alternative_dirs)
+    alternative_dirs: list[str] = ladder_setting([])
+    # list every checkpoint found in those folders, not only the planned ones (OLMo-core's discover_all)
+    discover_all: bool = ladder_setting(False)
 
 
 @dataclass(slots=True)
@@ -179,7 +188,9 @@ def run_config(cfg, plan):
     o.warmup_steps = plan.run.warmup_steps
     steps = [step for _, step in plan.run.checkpoints]
     run.eval.interval, run.eval.fixed_steps, run.checkpoint.fixed_steps = 0, steps, steps  # evaluate at the named ones
-    run.checkpoint.interval = 0  # and keep only those (the last is the final checkpoint)
+    run.checkpoint.interval = 0  # and keep only those (the last is the final checkpoint), with OLMo's ladder's
+    c = run.checkpoint  # ephemeral ones between them (only the newest kept), saved on a thread of their own
+    c.ephemeral_interval, c.ephemeral_cooldown, c.async_save = L.ephemeral_interval, L.ephemeral_cooldown, True
     run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))  # val batches are whole global batches
     run.log.wandb_group = run.log.wandb_group or L.name
     run.log.wandb_name = run.log.wandb_name or f"{L.name}-{plan.size}"

@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import threading
+import time
 import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -35,8 +36,10 @@ class MetricRecorder:
     """Records a step's metrics on the device; `finish_step` collects them every so often and hands the
     rows to `on_rows` (a RowWriter in training), on this thread or, with async bookkeeping, the worker's."""
 
-    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None, on_rows=None):
+    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None, on_rows=None,
+                 soft_timeout=30.0):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
+        self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a collection or a wait longer warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
         self.pending = []  # (step, {name: value}) not yet collected
@@ -91,12 +94,16 @@ class MetricRecorder:
         self.end_step(step)
         if not collect:
             return []
+        start = time.perf_counter()
         if self.worker is None:
-            return self.on_rows(self.collect())
-        self.collect_in_background(self.on_rows)
-        if wait:
-            self.wait()
-        return []
+            lines = self.on_rows(self.collect())
+        else:
+            lines = []
+            self.collect_in_background(self.on_rows)
+            if wait:
+                self.wait()
+        warn_if_slow(f"collecting the metrics of step {step}", time.perf_counter() - start, self.soft_timeout)
+        return lines
 
     def collect(self):
         """Reduce every pending metric over ranks: one collective, one copy to the host.
@@ -181,6 +188,13 @@ class MetricRecorder:
         for (step, name), value in zip(labels, values):
             rows.setdefault(step, {})[name] = value
         return sorted(rows.items())
+
+
+def warn_if_slow(what, seconds, soft_timeout):
+    """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that holds the loop this long is said, with its time."""
+    if seconds > soft_timeout:
+        print(f"warning: {what} took {seconds:.1f} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
+              f"slow disk, bucket or network holds the loop.", file=sys.stderr, flush=True)
 
 
 # ----------------------------------------------------------------------------- what happens to collected rows
@@ -353,7 +367,7 @@ class Sinks:
 
     def write(self, step, values):
         for name in values:
-            if name == "tokens" or name.endswith("/sequences"):
+            if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
                 values[name] = int(values[name])  # counts, exact in float64
         if self.failed:
             return

@@ -60,9 +60,11 @@ class Plan:
     checkpoints: Every  # permanent ones (the final one is always saved)
     fixed_checkpoints: tuple  # kept forever: checkpoint.fixed_steps and the stage-2 boundary
     ephemeral: Every  # only the newest is kept
+    ephemeral_cooldown: int  # an ephemeral checkpoint this soon after a fixed or permanent one is skipped
     traces: Every  # debug.trace_steps: fixed steps only
     metrics: Every  # log.metrics_collect_interval: one sync and one collective each time
     grad_norms: Every  # log.grad_norms_interval: per-layer gradient norms
+    activations: Every  # log.activations_interval: activation statistics and parameter norms
     no_checkpoints: bool
     skipped: tuple = ()  # train.steps_to_skip as (start, end) ranges of steps whose data is read but not trained on
 
@@ -86,7 +88,10 @@ class Plan:
             return "fixed"
         if last or self.checkpoints.due(step):
             return "permanent"
-        return "ephemeral" if self.ephemeral.due(step) else None
+        if not self.ephemeral.due(step):
+            return None
+        recent = range(max(1, step - self.ephemeral_cooldown + 1), step)  # OLMo-core's ephemeral_cooldown
+        return None if any(s in self.fixed_checkpoints or self.checkpoints.due(s) for s in recent) else "ephemeral"
 
     def checkpoint_steps(self):
         """Every step a checkpoint will be saved at if the run is not stopped early (step 0 included)."""
@@ -128,6 +133,8 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         samples=Every(e.sample_interval) if evals else never,
         checkpoints=Every(c.interval),
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
-        ephemeral=Every(c.ephemeral_interval), traces=Every(0, tuple(cfg.debug.trace_steps)),
+        ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
+        traces=Every(0, tuple(cfg.debug.trace_steps)),
         metrics=Every(cfg.log.metrics_collect_interval), grad_norms=Every(cfg.log.grad_norms_interval),
+        activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))

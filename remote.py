@@ -285,7 +285,7 @@ class Uploader:
         self.pending = []  # [(step, kind, folder, queued at)], in order; the first is the one being uploaded
         self.changed = threading.Condition()
         self.closing = False
-        self.failures = 0
+        self.failures, self.uploaded_any = 0, False
         self.on_done = lambda: None
         self.thread = threading.Thread(target=self._work, name="checkpoint-upload", daemon=True)
         self.thread.start()
@@ -331,9 +331,7 @@ class Uploader:
             if self.fs.exists(f"{self.root}/step{old}/{MARKER}"):
                 self.fs.rm_file(f"{self.root}/step{old}/{MARKER}")
         self.fs.put_file(os.path.join(folder, MARKER), f"{remote}/{MARKER}")
-        for path in self.records():
-            if os.path.exists(path):
-                self.fs.put_file(path, f"{self.root}/{os.path.basename(path)}")
+        self._records()
         for old in self.replaced:
             if old != step:
                 self.fs.rm(f"{self.root}/step{old}", recursive=True)
@@ -343,6 +341,11 @@ class Uploader:
             self.fs.rm(f"{self.root}/step{doomed}", recursive=True)
         for cut in set(step_folders(self.fs, self.root)) - set(found):  # uploads a kill or a failure cut short
             self.fs.rm(f"{self.root}/step{cut}", recursive=True)
+
+    def _records(self):
+        for path in self.records():
+            if os.path.exists(path):
+                self.fs.put_file(path, f"{self.root}/{os.path.basename(path)}")
 
     def _upload(self, step, folder):
         for attempt, pause in enumerate((*RETRIES, None)):
@@ -368,15 +371,22 @@ class Uploader:
             with self.changed:
                 self.changed.wait_for(lambda: self.pending or self.closing)
                 if not self.pending:
-                    return
+                    break
                 step, kind, folder, _ = self.pending[0]
                 skip = self._superseded(step, kind)
             if not skip:
                 self._upload(step, folder)
+                self.uploaded_any = True
             with self.changed:
                 self.pending.pop(0)
                 self.changed.notify_all()
             self.on_done()
+        if self.uploaded_any:  # at the end, the run's record as the run left it (samples after the last checkpoint)
+            try:
+                self._records()
+            except Exception as error:  # noqa: BLE001 - the record is a copy; the run folder has it
+                print(f"warning: the last copy of the run's record to {self.url} failed ({describe_failure(error)})",
+                      file=sys.stderr, flush=True)
 
     def close(self, timeout=600.0):
         """Wait (at most `timeout` seconds) for the queued uploads, then stop the thread."""

@@ -14,6 +14,7 @@ checkpoint to load), and last the dry run. Every feature lives in a small module
 visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces) are imported where they are used.
 """
 
+import dataclasses
 import datetime
 import functools
 import os
@@ -29,9 +30,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, StepClock, check_finite, make_profiler,
-                       memory_metrics, peak_flops_for_device, per_layer_grad_norms, register_stack_dump,
-                       save_environment, speed_metrics)
+from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, activation_stats,
+                       check_finite, make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
+                       register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration,
@@ -66,6 +67,8 @@ def main(argv):
         check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
     if not cfg.train.max_duration:  # (a duration in tokens or epochs is checked by make_plan, once data is read)
         check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
+    if cfg.train.no_checkpoints:  # a benchmark: nothing is loaded or saved, so where from and to is not checked
+        cfg.checkpoint = dataclasses.replace(cfg.checkpoint, load="never", load_path="", remote_folder="")
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
         import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
@@ -88,7 +91,7 @@ def train(cfg):
         plan, state, recorder = run.plan, run.state, run.recorder
         before_the_first_step(run)
         clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
-        compiling = run.compiled and state.step < plan.end_step
+        compiling, stop = run.compiled and state.step < plan.end_step, ""
         while state.step < plan.end_step:
             step = state.step + 1  # the step being taken, as logged
             mix, loader, objective = run.stages.at(step)  # objective: None, or stage 2's CE + beta x KL
@@ -96,6 +99,9 @@ def train(cfg):
             if plan.traces.due(step) and run.is_master:  # every module's inputs and outputs, saved (debug.py)
                 with clock.aside("trace"):
                     trace_step(run, loader, step)
+            if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
+                with clock.aside("activations"):
+                    recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
             if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
                 loader.skip_batches(plan.grad_accum_steps)
                 step_metrics, data_time = {"train/skipped_data_step": 1.0}, 0.0
@@ -167,6 +173,8 @@ def train(cfg):
             if stop:
                 run.end_early(stop)
                 break
+        if not stop:
+            run.notifier.outcome = f"finished at step {state.step}"
         if state.nonfinite_skipped and run.is_master:
             print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss or gradient "
                   f"(train.nan_policy=skip); see train/skipped_nonfinite_step in metrics.jsonl.", flush=True)
@@ -176,7 +184,9 @@ def train(cfg):
 
 
 def before_the_first_step(run):
-    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
+    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says.
+    train.hard_stop=0 trains nothing: the run saves what it loaded (GPT-2's weights, another run's checkpoint) as
+    its checkpoint at the step it starts at, as OLMo saves the state it loaded before training."""
     plan, state = run.plan, run.state
     if state.step == 0 and not run.resumed:
         first = plan.due(0)
@@ -186,7 +196,14 @@ def before_the_first_step(run):
                 print(line, flush=True)
         if first.checkpoint:
             run.save(first.checkpoint)
-    if state.step >= plan.end_step and run.is_master:
+    if plan.end_step == 0 and not run.resumed:
+        if not (state.step == 0 and plan.due(0).checkpoint) and not plan.no_checkpoints:
+            run.save("fixed")
+        if run.is_master:
+            saved = "nothing saved (train.no_checkpoints)" if plan.no_checkpoints else \
+                f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
+            print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
+    elif state.step >= plan.end_step and run.is_master:
         print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do (raise "
               f"train.max_steps to train longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
@@ -349,11 +366,14 @@ class Run:
     profiler: object
     flops_per_token: int
     peak_flops: float | None
+    notifier: Notifier  # told how the run ended (log.slack_webhook)
 
     def save(self, kind):
         """Snapshot the state after `state.step` (weights, optimizer, trainer state, RNG) and save it."""
         stall_start = time.perf_counter()
         self.checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
+        metrics.warn_if_slow("waiting for the previous checkpoint", time.perf_counter() - stall_start,
+                             self.cfg.log.bookkeeping_soft_timeout)
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
         self.checkpointer.save(self.state.step, snapshot, kind)
@@ -371,6 +391,7 @@ class Run:
             failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
             raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
                                     f"then run the same command again to resume.")
+        self.notifier.outcome = f"{self.stopper.describe(reason)} after step {self.state.step}; its checkpoint is saved"
         if self.is_master:
             if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
                 os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
@@ -382,6 +403,8 @@ def build_run(cfg, stack):
     """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
     Every refusal comes first (decide_start): the run folder changes only once the start is loaded."""
     procs = start_processes(cfg)
+    name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
+    notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
     raw_model = build_model(cfg, procs)  # the same initial weights on every rank
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
@@ -407,7 +430,7 @@ def build_run(cfg, stack):
                                                           procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
                                                           cfg.log.profile_active)),
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier)
 
 
 @dataclass
@@ -609,7 +632,8 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))
         mixes = "; ".join([f"data: {shares_text(stages.loaders[0][0])}"] + [
             f"stage 2 after step {plan.stage2_step}: {shares_text(stages.loaders[-1][0])}"] * bool(plan.stage2_step))
-        for line in filter(None, [started_from(start, saved, load_optim, state.step),
+        benchmark = "note: train.no_checkpoints: this run loads no checkpoint and saves none" * cfg.train.no_checkpoints
+        for line in filter(None, [benchmark, started_from(start, saved, load_optim, state.step),
                                   mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
             print(line)
     if procs.world_size > 1:
@@ -625,7 +649,7 @@ def check_start_step(cfg, start, state, plan, fingerprints):
         raise CheckpointError(f"the dataset {changed[0]} under data.data_root={cfg.data.data_root or '(data/)'} is not "
                               f"the one this run trained on (its content differs); point data.data_root at the run's "
                               f"data, or train on this data in a new train.out_dir.")
-    if not start.resumed and state.step >= plan.end_step:
+    if not start.resumed and state.step >= plan.end_step > 0:  # (hard_stop=0: save what was loaded, train nothing)
         raise CheckpointError(f"checkpoint.load_path={start.path} is at step {state.step}, and this run ends at step "
                               f"{plan.end_step}, so nothing would train; raise train.max_steps, or pass "
                               f"--checkpoint.load_trainer_state=false to train from its weights from step 0.")
@@ -649,11 +673,11 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     out_dir = cfg.train.out_dir
     sinks = stack.enter_context(metrics.Sinks(out_dir, cfg.log, config_to_dict(cfg))) if procs.is_master else None
     writer = metrics.RowWriter(sinks, LossSpikeDetector(cfg.train.loss_spike_threshold), cfg.log.interval,
-                               plan.end_step, prints=cfg.log.async_bookkeeping)
+                               plan.end_step, prints=async_bookkeeping(cfg, procs))
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
-    async_group = dist.new_group(backend="gloo") if cfg.log.async_bookkeeping and procs.world_size > 1 else None
-    recorder = metrics.MetricRecorder(procs.device, procs.world_size, cfg.log.async_bookkeeping, async_group,
-                                      on_rows=writer)
+    async_group = dist.new_group(backend="gloo") if async_bookkeeping(cfg, procs) and procs.world_size > 1 else None
+    recorder = metrics.MetricRecorder(procs.device, procs.world_size, async_bookkeeping(cfg, procs), async_group,
+                                      on_rows=writer, soft_timeout=cfg.log.bookkeeping_soft_timeout)
     stack.callback(recorder.close)
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
@@ -669,6 +693,11 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     stopper = Stopper(stack.enter_context(SignalFlag()), out_dir, cfg.train.time_limit,
                       cfg.train.cancel_check_interval, procs.is_master, sinks, procs.cpu_group)
     return recorder, writer, checkpointer, stopper
+
+
+def async_bookkeeping(cfg, procs):
+    """log.async_bookkeeping resolved: auto is on where a gloo group exists, that is with more than one rank."""
+    return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):

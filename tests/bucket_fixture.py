@@ -1,5 +1,6 @@
 """A real S3 endpoint on 127.0.0.1 for the bucket tests (moto's server, as s3fs's own tests use it)."""
 
+import contextlib
 import os
 import socket
 
@@ -20,6 +21,13 @@ def free_port():
 @pytest.fixture(scope="module")
 def s3():
     """A real S3 endpoint on 127.0.0.1 and the environment that points s3fs at it (a bucket `runs`)."""
+    with start_s3() as env:
+        yield env
+
+
+@contextlib.contextmanager
+def start_s3():
+    """moto's S3 server on a free port of 127.0.0.1, the environment pointing at it, and a bucket `runs`."""
     from moto import server as moto_server
 
     port = free_port()
@@ -32,13 +40,16 @@ def s3():
     s3fs.S3FileSystem.clear_instance_cache()
     if not s3fs.S3FileSystem().exists("runs"):  # moto's buckets live in this process: another module's server made it
         s3fs.S3FileSystem().mkdir("runs")
-    yield env
-    server.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    try:
+        yield env
+    finally:
+        server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        s3fs.S3FileSystem.clear_instance_cache()
 
 
 def bucket_steps(url):

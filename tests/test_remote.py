@@ -172,16 +172,20 @@ def test_a_remote_folder_that_cannot_be_used_is_one_sentence_before_anything_is_
                                     env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{port}"
-        for _ in range(100):
+        deadline = time.monotonic() + 120  # a condition, not a time: the server answers (a busy machine is slow)
+        while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.1).close()
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
+                assert time.monotonic() < deadline and checking.poll() is None, "moto's server did not start"
                 time.sleep(0.1)
     elif case == "no bucket":
         url = "s3://no-such-bucket/run"
-    elif case == "no endpoint":
-        env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+    elif case == "no endpoint":  # a port this test holds and never listens on: refused every time, taken by no one
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{closed.getsockname()[1]}"
     else:
         url = "gs://bucket/run"  # gcsfs is not installed here
     out = tmp_path / "run"
@@ -191,6 +195,8 @@ def test_a_remote_folder_that_cannot_be_used_is_one_sentence_before_anything_is_
         if case == "wrong credentials":
             checking.terminate()
             checking.wait()
+        if case == "no endpoint":
+            closed.close()
     assert result.returncode == 1 and "Traceback" not in result.stderr
     expected = {"wrong credentials": "the credentials were refused", "no bucket": "the bucket does not exist",
                 "no endpoint": "the endpoint cannot be reached", "no package": "pip install gcsfs"}[case]

@@ -9,6 +9,7 @@ plans and trains the sizes, scaling_law.py holds the mathematics).
 import json
 import math
 import os
+import re
 
 from hellaswag_eval import TASKS
 from tools import scaling_law
@@ -20,24 +21,63 @@ from configurator.model import PARAMS
 # ----------------------------------------------------------------------------- reading what the runs wrote
 
 
+def size_folders(cfg, size):
+    """Where a size's checkpoints and metrics are looked for, in order: ladder.dir, then each of
+    ladder.alternative_dirs (OLMo-core's), a local folder or a bucket URL, with the size appended."""
+    return [os.path.join(cfg.ladder.dir, size)] + [f"{d.rstrip('/')}/{size}" for d in cfg.ladder.alternative_dirs]
+
+
+def listing(folder):
+    """(complete checkpoint steps, metrics_step<N>.json steps) of a local folder or a bucket URL ({} when missing)."""
+    if "://" in folder:
+        import remote
+
+        fs, root = remote.filesystem(folder, "ladder.alternative_dirs")
+        names = [] if not fs.exists(root) else [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+        complete = set(remote.complete_checkpoints(fs, root))
+    else:
+        names = os.listdir(folder) if os.path.isdir(folder) else []
+        complete = {int(n[4:]) for n in names if n.startswith("step") and n[4:].isdigit()
+                    and is_complete_checkpoint(os.path.join(folder, n))}
+    metrics = {int(match.group(1)) for n in names if (match := re.fullmatch(r"metrics_step(\d+)\.json", n))}
+    return complete, metrics
+
+
+def inside(folder, name):
+    """`folder`/`name`, for a local folder or a bucket URL."""
+    return f"{folder}/{name}" if "://" in folder else os.path.join(folder, name)
+
+
 def checkpoint_rows(cfg, plan):
-    """[{name, step, tokens, path, exists, metrics}] of the planned checkpoints, in step order."""
+    """[{name, step, tokens, path, exists, metrics}] of the planned checkpoints (with ladder.discover_all, of every
+    checkpoint found), in step order; each is looked for in size_folders, the first folder that has it wins."""
+    folders = size_folders(cfg, plan.size)
+    found = {folder: listing(folder) for folder in folders}
+    planned = dict((step, name) for name, step in plan.run.checkpoints)
+    if cfg.ladder.discover_all:
+        for complete, _ in found.values():
+            planned.update({step: planned.get(step, f"step-{step}") for step in complete})
     rows = []
-    for name, step in plan.run.checkpoints:
-        folder = os.path.join(cfg.ladder.dir, plan.size)
-        metrics_path = os.path.join(folder, f"metrics_step{step}.json")
+    for step, name in sorted(planned.items()):
+        holder = next((folder for folder in folders if step in found[folder][0]), folders[0])
+        with_metrics = next((folder for folder in folders if step in found[folder][1]), None)
         rows.append({"name": name, "step": step, "tokens": step * plan.batch.batch_tokens,
-                     "path": os.path.join(folder, f"step{step}"),
-                     "exists": is_complete_checkpoint(os.path.join(folder, f"step{step}")),
-                     "metrics": metrics_path if os.path.exists(metrics_path) else None})
+                     "path": inside(holder, f"step{step}"), "exists": step in found[holder][0],
+                     "metrics": with_metrics and inside(with_metrics, f"metrics_step{step}.json")})
     return rows
 
 
 def read_metrics_file(path):
-    """A metrics_step<N>.json a run wrote; a damaged one is one sentence naming it."""
+    """A metrics_step<N>.json a run wrote (in a folder or a bucket); a damaged one is one sentence naming it."""
     try:
-        with open(path) as f:
-            saved = json.load(f)
+        if "://" in path:
+            import remote
+
+            fs, root = remote.filesystem(path, "ladder.alternative_dirs")
+            saved = json.loads(fs.cat_file(root))
+        else:
+            with open(path) as f:
+                saved = json.load(f)
         if not isinstance(saved, dict):
             raise ValueError("not a JSON object")
         return saved
