@@ -5,8 +5,8 @@ the loop in train.py says exactly when each one runs, and adding one takes five 
 
 - speed: `StepClock` (step time between step ends, evaluation and checkpoint time apart), `speed_metrics`
   (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), and the GPU peak-FLOPs table for MFU
-- stability: `per_layer_grad_norms`, `activation_stats` (OLMo-core's GAP monitor: activations and parameters),
-  `LossSpikeDetector`, `check_finite` (train.nan_policy)
+- stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy); the activation and
+  parameter statistics of log.activations_interval are debug.py's `activation_stats`
 - system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`, `register_stack_dump` (what
   `python debug.py stacks RUN` reads), `Notifier` (a webhook told when the run starts and ends)
 """
@@ -120,46 +120,6 @@ def per_layer_grad_norms(raw_model):
     for i, block in enumerate(raw_model.blocks):
         norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
     return norms
-
-
-@torch.no_grad()
-def activation_stats(raw_model, loader, autocast):
-    """log.activations_interval: each block's output on the step's first micro-batch (activations/layerNN/rms, mean,
-    max_abs), from forward hooks on one extra forward pass in eval mode (no dropout, no random numbers drawn: the
-    training is unchanged), and each layer's parameter norm (params/layerNN/norm, params/embedding/norm). The
-    batch is read and put back; every value stays on the device (no sync)."""
-    position = loader.state_dict()
-    x, _ = loader.next_batch()
-    loader.load_state_dict(position)
-    stats = {}
-
-    def record(i):
-        def hook(module, inputs, output):
-            out = output.detach().float()
-            name = f"activations/layer{i:02d}"
-            stats.update({f"{name}/rms": out.pow(2).mean().sqrt(), f"{name}/mean": out.mean(),
-                          f"{name}/max_abs": out.abs().amax()})
-        return hook
-
-    hooks = [block.register_forward_hook(record(i)) for i, block in enumerate(raw_model.blocks)]
-    was_training = raw_model.training
-    raw_model.eval()
-    try:
-        with autocast:
-            raw_model(x)
-    finally:
-        raw_model.train(was_training)
-        for hook in hooks:
-            hook.remove()
-    stats["params/embedding/norm"] = param_norm(raw_model.param_groups()["embedding"])
-    for i, block in enumerate(raw_model.blocks):
-        stats[f"params/layer{i:02d}/norm"] = param_norm(block.parameters())
-    return stats
-
-
-def param_norm(params):
-    """The norm of `params` taken together, on the device."""
-    return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in params]))
 
 
 class LossSpikeDetector:

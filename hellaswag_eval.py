@@ -476,6 +476,10 @@ def main(argv):
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
     model = load_model(args.init_from, args.device, "--init_from")
+    if model.config.vocab_size < GPT2_VOCAB_SIZE:
+        raise TaskDataError(f"the tasks are scored with GPT-2's tokenizer, and {args.init_from} has a vocabulary of "
+                            f"{model.config.vocab_size} tokens (a character-level model); give a model trained on "
+                            f"GPT-2's tokens.")
     task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit, args.data)
     start = time.perf_counter()
     results = evaluate_tasks(model, task_examples, args.device, args.batch_size)

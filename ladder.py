@@ -202,7 +202,8 @@ def run_config(cfg, plan):
 
 
 def dry_run(cfg, plans, as_json):
-    from optimizer import build_schedule, plot_schedule
+    from optimizer import build_schedule
+    from tools.dry_run import plot_schedule
 
     for p in plans:
         b, r = p.batch, p.run

@@ -111,21 +111,6 @@ def lr_metrics(optimizer):
     return {"optim/lr": lrs["optim/lr/adamw"], **lrs}
 
 
-def describe_optimizer(model, optim):
-    """One line per optimizer: the groups it owns and their parameter counts (for --dry_run)."""
-    groups = param_groups(model, optim)
-    count = {name: sum(p.numel() for p in params) for name, params in groups.items()}
-    lines = []
-    if "muon" in groups:
-        lines.append(f"Muon: {count['muon']:,} parameters in {len(groups['muon'])} block matrices, LR "
-                     f"{optim.muon_lr or optim.lr:g}, weight decay {optim.muon_weight_decay:g}, momentum "
-                     f"{optim.muon_momentum:g}")
-    lines.append(f"AdamW: {count['decay']:,} parameters with weight decay {optim.weight_decay:g} "
-                 f"({len(groups['decay'])} tensors), {count['no_decay']:,} without ({len(groups['no_decay'])}), LR "
-                 f"{optim.lr:g}, betas ({optim.beta1:g}, {optim.beta2:g})")
-    return lines
-
-
 # ----------------------------------------------------------------------------- the learning-rate schedule
 # Learning-rate schedules: the LR of optimizer step n (1-based: the `optim/lr` logged at step n).
 #
@@ -240,25 +225,3 @@ def build_schedule(optim, total_steps):
         raise ConfigError(f"optim.schedule=wsd: warmup ({warmup} steps) plus decay ({decay} steps) is longer than "
                           f"the run ({total_steps} steps); shorten one of them.")
     return Schedule(o.schedule, o.lr, o.min_lr, total_steps, warmup, (decay,), shape=o.decay_shape)
-
-
-def plot_schedule(schedule, path, marks=()):
-    """A PNG of the LR over the run's steps, with vertical lines at `marks` [(step, label), ...]."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no screen needed
-    import matplotlib.pyplot as plt
-
-    steps = range(1, schedule.total_steps + 1)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot(list(steps), [schedule.lr_at(n) for n in steps])
-    for step, label in marks:
-        ax.axvline(step, color="gray", linestyle="--", linewidth=0.8)
-        ax.annotate(label, (step, schedule.lr), rotation=90, fontsize=7, va="top", ha="right")
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.set_title(f"{schedule.kind} schedule, {schedule.total_steps:,} steps")
-    ax.grid(alpha=0.3)
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    return path

@@ -168,7 +168,11 @@ def read_run(url):
     import torch
 
     fs, root = filesystem(url)
-    steps = sorted(complete_checkpoints(fs, root))
+    try:
+        steps = sorted(complete_checkpoints(fs, root))
+    except Exception as error:  # each store raises its own kinds
+        raise RemoteError(f"checkpoint.remote_folder={url} cannot be read: {describe_failure(error)}; fix that, or "
+                          f"leave it empty to resume from train.out_dir alone.") from None
     try:
         config = json.loads(fs.cat_file(f"{root}/config.json"))
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
@@ -214,6 +218,37 @@ def download(url, step, folder, key="checkpoint.remote_folder"):
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return folder
+
+
+def download_newest(url, steps, out_dir, fall_back):
+    """The first of `steps` that downloads whole into out_dir/step<N>.download (or None); with `fall_back`, a damaged
+    one is passed over with a warning for the next (a resume), else it is one sentence (a rewind to that step)."""
+    for step in steps:
+        try:
+            return download(url, step, os.path.join(out_dir, f"step{step}.download"))
+        except RemoteError as error:
+            if not fall_back or step == steps[-1]:
+                raise
+            print(f"warning: {error} Falling back to the checkpoint before it.", file=sys.stderr, flush=True)
+    return None
+
+
+def install_download(out_dir, download_folder, url):
+    """A checkpoint downloaded from the bucket becomes the folder's own (its name says its step); so do the
+    bucket's copies of the run's config.json and metrics.jsonl where the folder has none (a fresh node).
+    Returns (the checkpoint's folder, the line to print)."""
+    import re
+
+    final = os.path.join(out_dir, re.fullmatch(r"(step\d+)\.download", os.path.basename(download_folder)).group(1))
+    os.replace(download_folder, final)
+    link = os.path.join(out_dir, "latest")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(os.path.basename(final), link)
+    for name in ("config.json", "metrics.jsonl"):
+        if not os.path.exists(os.path.join(out_dir, name)):
+            fetch_file(url, name, os.path.join(out_dir, name))
+    return final, f"downloaded {os.path.basename(final)} from {url} into {out_dir}"
 
 
 def fetch_file(url, name, path):

@@ -217,13 +217,7 @@ def read_bucket(url, run_config, save_overwrite):
     identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite."""
     import remote
 
-    try:
-        saved, steps = remote.read_run(url)
-    except remote.RemoteError:
-        raise
-    except Exception as error:  # each store raises its own kinds
-        raise remote.RemoteError(f"checkpoint.remote_folder={url} cannot be read: {remote.describe_failure(error)}; "
-                                 f"fix that, or leave it empty to resume from train.out_dir alone.") from None
+    saved, steps = remote.read_run(url)
     if saved is None and not steps:
         return steps, True
     difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
@@ -236,27 +230,18 @@ def read_bucket(url, run_config, save_overwrite):
 
 
 def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded and checked into `step<N>.download`,
-    or None. Without a rewind: the bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a
-    preemption); a damaged one is passed over, with a warning, for the one before. With a rewind to a step only
-    the bucket has: that step."""
+    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
+    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
+    to a step only the bucket has, that step."""
     import remote
 
     own = newest_valid_checkpoint(out_dir)
     own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
-    local = {s for s, _ in find_checkpoints(out_dir)}
     if rewind_to:
-        candidates = [] if rewind_to in local else [rewind_to]
+        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
     else:
-        candidates = [s for s in reversed(bucket_steps) if s > own_step]
-    for step in candidates:
-        try:
-            return remote.download(url, step, os.path.join(out_dir, f"step{step}.download"))
-        except remote.RemoteError as error:
-            if rewind_to or step == candidates[-1]:
-                raise
-            print(f"warning: {error} Falling back to the checkpoint before it.", file=sys.stderr, flush=True)
-    return None
+        wanted = [s for s in reversed(bucket_steps) if s > own_step]
+    return remote.download_newest(url, wanted, out_dir, fall_back=not rewind_to)
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
@@ -296,8 +281,10 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
     checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print."""
     c, lines = checkpoint_cfg, []
-    if start.fetched:
-        lines.append(install_download(out_dir, start, c.remote_folder))
+    if start.fetched:  # the download becomes the folder's own checkpoint (remote.py)
+        import remote
+        start.path, line = remote.install_download(out_dir, start.fetched, c.remote_folder)
+        lines.append(line)
     if start.rewind_to and c.remote_folder:  # the bucket first: a restart must not download what goes aside
         import remote
         remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
@@ -313,24 +300,6 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
     lines.append(remove_stale_cancel(out_dir))
     return replaced, [line for line in lines if line]
-
-
-def install_download(out_dir, start, url):
-    """The checkpoint downloaded from the bucket becomes the folder's own; so do the bucket's copies of the
-    run's config.json and metrics.jsonl where the folder has none (a fresh node)."""
-    import remote
-
-    final = os.path.join(out_dir, re.fullmatch(r"(step\d+)\.download", os.path.basename(start.fetched)).group(1))
-    os.replace(start.fetched, final)
-    start.path = final
-    link = os.path.join(out_dir, "latest")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(os.path.basename(final), link)
-    for name in ("config.json", "metrics.jsonl"):
-        if not os.path.exists(os.path.join(out_dir, name)):
-            remote.fetch_file(url, name, os.path.join(out_dir, name))
-    return f"downloaded {os.path.basename(final)} from {url} into {out_dir}"
 
 
 def identity_difference(saved_config, run_config):

@@ -11,15 +11,16 @@ greedy decoding.
 
 import argparse
 import math
+import os
 import re
 import sys
 
 import torch
 from torch.nn import functional as F
 
-from checkpoint import load_model
-from config import UserError, run_command
-from data import EOT_TOKEN, GPT2_VOCAB_SIZE, get_tokenizer
+from checkpoint import check_source, load_model, read_trainer_state
+from config import UserError, config_from_dict, run_command
+from data import GPT2_VOCAB_SIZE, dataset_dir, get_tokenizer, tokenizer_of
 
 
 class KVCache:
@@ -47,11 +48,12 @@ class KVCache:
         self.layers = [(k[index], v[index]) for k, v in self.layers]
 
 
-def filter_logits(logits, top_k=None, top_p=None):
-    """Mask the logits a sample must never pick: the vocabulary padding, and (optionally) tokens
-    outside the top k, or outside the smallest set whose probability reaches top_p (nucleus)."""
+def filter_logits(logits, top_k=None, top_p=None, vocab_size=GPT2_VOCAB_SIZE):
+    """Mask the logits a sample must never pick: the vocabulary padding (ids from `vocab_size` on, the tokenizer's
+    real tokens), and (optionally) tokens outside the top k, or outside the smallest set whose probability
+    reaches top_p (nucleus)."""
     logits = logits.clone()
-    logits[..., GPT2_VOCAB_SIZE:] = float("-inf")
+    logits[..., vocab_size:] = float("-inf")
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[..., -1:]
         logits[logits < kth] = float("-inf")
@@ -67,7 +69,7 @@ def filter_logits(logits, top_k=None, top_p=None):
 
 @torch.no_grad()
 def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, stop_token=None,
-             generator=None):
+             generator=None, vocab_size=GPT2_VOCAB_SIZE):
     """Sample `max_new_tokens` tokens after `idx` (B, T) with a KV cache; returns (B, T + new).
 
     temperature scales the logits (lower is more conservative, 0 is greedy); top_k keeps only
@@ -83,7 +85,7 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
             kv_cache = KVCache(model.config.n_layer)
             new = idx[:, -(model.config.block_size - 1) :]
         logits = model(new, kv_cache=kv_cache)
-        logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p)
+        logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p, vocab_size=vocab_size)
         if temperature == 0:
             next_token = logits.argmax(dim=-1, keepdim=True)
         else:
@@ -98,32 +100,38 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     return idx
 
 
-def encode_prompt(prompt):
-    """The prompt's tokens; an empty prompt is <|endoftext|> alone, the token GPT-2 saw before every document."""
-    return get_tokenizer().encode(prompt, allowed_special={"<|endoftext|>"}) or [EOT_TOKEN]
+def encode_prompt(prompt, tokenizer=None):
+    """The prompt's tokens; an empty prompt is <|endoftext|> alone, the token GPT-2 saw before every document (for a
+    character-level model, which has none, a newline)."""
+    tokenizer = tokenizer or get_tokenizer()
+    start = [tokenizer.eot_token] if tokenizer.eot_token is not None else tokenizer.encode("\n")
+    return tokenizer.encode(prompt, allowed_special={"<|endoftext|>"}) or start
 
 
-def decode_until_end(tokens, prompt, prompt_length):
+def decode_until_end(tokens, prompt, prompt_length, tokenizer=None):
     """The text of `tokens`, stopping before the first <|endoftext|> the model generated. An empty `prompt`
     became <|endoftext|> (encode_prompt), which the user did not type: then only the generated text."""
+    tokenizer = tokenizer or get_tokenizer()
     new = tokens[prompt_length:]
-    if EOT_TOKEN in new:
-        tokens = tokens[: prompt_length + new.index(EOT_TOKEN)]
-    return get_tokenizer().decode(tokens if prompt else tokens[prompt_length:])
+    if tokenizer.eot_token in new:
+        tokens = tokens[: prompt_length + new.index(tokenizer.eot_token)]
+    return tokenizer.decode(tokens if prompt else tokens[prompt_length:])
 
 
 @torch.no_grad()
 def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, top_k, device, generator=None,
-                  top_p=None):
-    """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model wrote one."""
-    tokens = encode_prompt(prompt)
+                  top_p=None, tokenizer=None):
+    """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model wrote one.
+    `tokenizer`: GPT-2's (None), or a character-level dataset's (data.tokenizer_of)."""
+    tokenizer = tokenizer or get_tokenizer()
+    tokens = encode_prompt(prompt, tokenizer)
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
     out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
-                   stop_token=EOT_TOKEN, generator=generator)
+                   stop_token=tokenizer.eot_token, generator=generator, vocab_size=tokenizer.n_vocab)
     model.train(was_training)
-    return [decode_until_end(row, prompt, len(tokens)) for row in out.tolist()]
+    return [decode_until_end(row, prompt, len(tokens), tokenizer) for row in out.tolist()]
 
 
 @torch.no_grad()
@@ -175,6 +183,21 @@ def check_device(device, key="--device"):
                         f"give one of them.")
 
 
+def tokenizer_for(source, model):
+    """GPT-2's tokenizer, or for a model with a smaller vocabulary (trained on a character-level dataset, `python
+    data.py shakespeare-char`) that dataset's characters, from the meta.json its checkpoint's config points at."""
+    if model.config.vocab_size >= GPT2_VOCAB_SIZE:
+        return get_tokenizer()
+    path = check_source(source, "--init_from")
+    cfg = config_from_dict(read_trainer_state(path)["config"]) if path else None
+    data_dir = dataset_dir(cfg.data.data_root, cfg.data.dataset) if cfg else source
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
+                        f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
+                        f"dataset first (e.g. `python data.py shakespeare-char`).")
+    return tokenizer_of(data_dir)
+
+
 def check_args(args):
     """Argument mistakes found before a model is loaded, each as one sentence."""
     for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("beam_size", 0)):
@@ -207,19 +230,21 @@ def main(argv):
     args = parser.parse_args(argv)
     check_args(args)
     model = load_model(args.init_from, args.device, "--init_from")
-    tokens = encode_prompt(args.prompt)
+    tokenizer = tokenizer_for(args.init_from, model)
+    tokens = encode_prompt(args.prompt, tokenizer)
     if len(tokens) >= model.config.block_size:
         raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most {model.config.block_size}; "
                         f"give a shorter --prompt.")
     if args.beam_size:
         max_new = min(args.max_new_tokens, model.config.block_size - len(tokens))
-        for i, (row, score) in enumerate(beam_search(model, tokens, args.beam_size, max_new, EOT_TOKEN)):
-            print(f"--- beam {i}, log-probability {score:.3f}\n{decode_until_end(row, args.prompt, len(tokens))}")
+        for i, (row, score) in enumerate(beam_search(model, tokens, args.beam_size, max_new, tokenizer.eot_token)):
+            print(f"--- beam {i}, log-probability {score:.3f}\n"
+                  f"{decode_until_end(row, args.prompt, len(tokens), tokenizer)}")
         return
     generator = torch.Generator(args.device).manual_seed(args.seed)
     texts = generate_text(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_k=args.top_k, device=args.device, generator=generator,
-                          top_p=args.top_p)
+                          top_p=args.top_p, tokenizer=tokenizer)
     for i, text in enumerate(texts):
         print(f"--- sample {i}\n{text}")
 

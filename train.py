@@ -19,7 +19,6 @@ import datetime
 import functools
 import os
 import sys
-import tempfile
 import time
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -30,16 +29,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, activation_stats,
-                       check_finite, make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
+from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, check_finite,
+                       make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
-from config import (ConfigError, check_torch, check_warmup, config_to_dict, get, parse_args, parse_duration,
-                    parse_mix, run_command)
-from data import MixtureLoader, TokenLoader, dataset_dir, dataset_ready, ensure_dataset, fingerprint, prepare_hint
+from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
+from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
-from optimizer import build_optimizer, build_schedule, describe_optimizer, lr_metrics, plot_schedule, set_lr
+from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
 from plan import Plan, make_plan
 from stopping import SignalFlag, Stopper
 
@@ -76,7 +74,8 @@ def main(argv):
         check_source(cfg.stage2.reference, "stage2.reference")
     if cfg.checkpoint.load_path:
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
-    if "--dry_run" in argv:
+    if "--dry_run" in argv:  # the plan, printed (tools/dry_run.py)
+        from tools.dry_run import dry_run
         return dry_run(cfg)
     train(cfg)
 
@@ -100,6 +99,7 @@ def train(cfg):
                 with clock.aside("trace"):
                     trace_step(run, loader, step)
             if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
+                from debug import activation_stats
                 with clock.aside("activations"):
                     recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
             if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
@@ -323,7 +323,7 @@ def write_samples(run, step):
     try:
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
                               temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
-                              generator=run.sample_generator)
+                              generator=run.sample_generator, tokenizer=run.tokenizer)
         with open(os.path.join(run.cfg.train.out_dir, "samples.txt"), "a") as f:
             for i, text in enumerate(texts):
                 block = f"--- step {step}, sample {i}\n{text}\n"
@@ -367,6 +367,7 @@ class Run:
     flops_per_token: int
     peak_flops: float | None
     notifier: Notifier  # told how the run ended (log.slack_webhook)
+    tokenizer: object  # the training data's: GPT-2's, or a character-level dataset's (the samples are written with it)
 
     def save(self, kind):
         """Snapshot the state after `state.step` (weights, optimizer, trainer state, RNG) and save it."""
@@ -409,6 +410,10 @@ def build_run(cfg, stack):
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
+    tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
+    if cfg.eval.tasks and tokenizer.eot_token is None:
+        raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
+                          f"character-level; leave eval.tasks empty for this run.")
     task_examples = load_task_examples(cfg, procs)
     model, compiled = wrap_model(cfg, procs, raw_model)
     optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
@@ -430,7 +435,8 @@ def build_run(cfg, stack):
                                                           procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
                                                           cfg.log.profile_active)),
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier)
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier,
+               tokenizer=tokenizer)
 
 
 @dataclass
@@ -729,64 +735,7 @@ def loss_description(raw_model, rows, device_type):
     return raw_model.loss_path
 
 
-# ----------------------------------------------------------------------------- the dry run and the start's shape
-
-
-def dry_run(cfg):
-    """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run folder.
-    The data is read only for its size; a dataset not prepared yet (FineWeb-Edu before its download)
-    is fine unless a duration is in epochs."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, without starting a process group
-    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
-    stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
-    missing = [name for name, _ in mix + stage2_mix if not dataset_ready(dataset_dir(cfg.data.data_root, name))]
-    in_epochs = [key for key in ("train.max_duration", "train.hard_stop", "stage2.start")
-                 if get(cfg, key) and parse_duration(get(cfg, key), key)[1] == "epochs"]
-    sequences_per_epoch = None
-    if not missing or in_epochs:
-        stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")  # a missing dataset here is one sentence
-        sequences_per_epoch = stage_loaders[0][1].num_sequences
-    device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    device_type = torch.device(device).type
-    with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
-        loss_path = choose_loss_path(cfg.train.loss_path, device_type, is_compiled(cfg, device_type))
-        raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path)
-    plan = make_plan(cfg, world_size, (sequences_per_epoch or 0) * cfg.model.block_size,
-                     raw_model.num_params(non_embedding=True))
-    schedule = build_schedule(cfg.optim, plan.max_steps)
-    saves = plan.checkpoint_steps()
-    print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
-                       sequences_per_epoch=sequences_per_epoch))
-    if missing:
-        hint = prepare_hint(dataset_dir(cfg.data.data_root, missing[0]))[:-1]
-        print(f"data: {', '.join(missing)} not prepared yet ({hint})")
-    print("data: " + shares_text(mix))
-    if plan.stage2_step:
-        print(f"stage 2: after step {plan.stage2_step:,} ({plan.stage2_step * plan.tokens_per_step:,} tokens): data "
-              + shares_text(stage2_mix) + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) "
-              f"toward " + (cfg.stage2.reference
-                            or f"the model at step {plan.stage2_step} (kept as a fixed checkpoint)"))
-    print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
-          f"{plan.grad_accum_steps} micro-step(s) x {world_size} rank(s) = {plan.tokens_per_step:,} tokens per step")
-    print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
-          f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
-          + (f", periods {list(schedule.periods)} ending at steps {schedule.period_ends()}, decays "
-             f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
-    if schedule.kind in ("wsd", "wsds") and 1 in schedule.decay_steps and schedule.min_lr == 0:
-        print("warning: a decay of one step trains that step at LR 0, so the checkpoint after the decay equals the "
-              "one before it; set optim.decay_steps to 2 or more, or optim.min_lr above 0.")
-    for line in describe_optimizer(raw_model, cfg.optim):
-        print(f"optimizer: {line}")
-    print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
-          f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
-    marks = [(end, f"period {i + 1}") for i, end in enumerate(schedule.period_ends())]
-    if plan.stage2_step:
-        marks.append((plan.stage2_step, "stage 2"))
-    if plan.end_step < plan.max_steps:
-        marks.append((plan.end_step, "hard stop"))
-    name = os.path.basename(os.path.normpath(cfg.train.out_dir)) or "run"
-    path = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"lr_schedule_{name}.png"), marks)
-    print(f"learning rate plot: {path}")
+# ----------------------------------------------------------------------------- the start's shape and the end
 
 
 def use_load_path_shape(cfg, default_config):

@@ -18,8 +18,6 @@ import torch
 
 from conftest import ROOT, TINY, assert_one_sentence
 
-pytest.importorskip("transformers", reason="the forks export through transformers (pip install transformers)")
-
 STEPS = ["--train.max_steps=6", "--eval.interval=3", "--checkpoint.interval=3", "--eval.sample_interval=0"]
 # What a fork's copy needs: the trainer, its config files and tools (not the tests, docs, course or data).
 NOT_COPIED = shutil.ignore_patterns(".git", "tests", "docs", "exercises", "data", "out", "__pycache__", ".bench",
@@ -86,8 +84,9 @@ def samples(project, run_dir):
 
 
 def exports_with_its_logits(project, run_dir, folder):
-    """export-hf, then GPT-2 in transformers gives the fork's own logits (over GPT-2's 50,257 tokens)."""
-    import transformers
+    """export-hf, then GPT-2 in transformers gives the fork's own logits (over GPT-2's 50,257 tokens). The last part of
+    each fork's test: without transformers the fork has trained, resumed and sampled, and the export is skipped."""
+    transformers = pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
 
     run(project, "checkpoint.py", "export-hf", run_dir, folder)
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -153,6 +152,7 @@ def test_a_new_parameter_in_block_trains_and_a_checkpoint_from_before_the_edit_i
     gains = [tensor for name, tensor in weights(run_dir / "step6").items() if name.endswith(".gain")]
     assert len(gains) == 2 and not torch.equal(gains[0], torch.ones(32))  # saved by name, and trained
     samples(project, run_dir)
+    pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
     refused = run(project, "checkpoint.py", "export-hf", run_dir, tmp_path / "hf", check=False)
     assert_one_sentence(refused, "a Hugging Face GPT-2 has no place for", "transformer.h.0.gain")
     assert not (tmp_path / "hf").exists()

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from callbacks import activation_stats
-from conftest import TINY, read_metrics, run_in_process, run_train
+from debug import activation_stats
+from conftest import TINY, assert_one_sentence, read_metrics, run_in_process, run_train
 from model import GPT, GPTConfig
 
 
@@ -75,8 +75,8 @@ def test_activation_statistics_are_logged_on_their_cadence_and_change_no_trainin
     rows = {r["step"]: r for r in read_metrics(tmp_path / "on")}
     assert "activations/layer01/rms" in rows[2] and "params/layer00/norm" in rows[4]
     assert not any("activations/" in key for key in rows[1]) and not any("activations/" in key for key in rows[3])
-    import train  # at 0 (the default) the step does no extra work: the function is never called
-    monkeypatch.setattr(train, "activation_stats", lambda *a: pytest.fail("activation statistics at interval 0"))
+    import debug  # at 0 (the default) the step does no extra work: the function is never called
+    monkeypatch.setattr(debug, "activation_stats", lambda *a: pytest.fail("activation statistics at interval 0"))
     run_train(args(data_root, tmp_path / "off", "--train.max_steps=4"))
     off = read_metrics(tmp_path / "off")
     assert [r["train/loss"] for r in off] == [rows[s]["train/loss"] for s in (1, 2, 3, 4)]
@@ -167,3 +167,50 @@ def test_a_notifier_that_cannot_post_is_a_warning_and_the_run_goes_on(data_root,
                                  "--log.slack_webhook=http://127.0.0.1:9/nobody"))
     assert result.returncode == 0 and "warning: the run notifier could not post" in result.stderr
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+@pytest.fixture(scope="module")
+def char_root(tmp_path_factory):
+    """The plays as characters, `python data.py shakespeare-char`, prepared once."""
+    import data
+    root = tmp_path_factory.mktemp("char")
+    result = run_in_process(["shakespeare-char", "--out_dir", str(root / "shakespeare-char")], data.main)
+    assert "as 82 characters (model.vocab_size=82)" in result.stdout, result.stdout + result.stderr
+    return root
+
+
+CHAR_TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
+             "--data.batch_size=4", "--train.total_batch_size=128", "--optim.warmup_steps=2", "--eval.val_steps=2",
+             "--eval.interval=0"]
+
+
+def test_nanogpts_first_run_trains_on_characters_and_samples_them(char_root, tmp_path):
+    folder = char_root / "shakespeare-char"
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["vocab_size"] == len(meta["vocab"]) == 82 and "R" in meta["vocab"] and "\n" in meta["vocab"]
+    assert int(np.load(folder / "train_000001.npy").max()) < 82  # one id per character
+    out = tmp_path / "run"
+    run_train(["config/shakespeare_char.py", *CHAR_TINY, f"--data.data_root={char_root}", f"--train.out_dir={out}",
+               "--train.max_steps=4", "--eval.sample_interval=4", "--eval.sample_tokens=20",
+               "--eval.sample_prompt=ROMEO:"])
+    samples = (out / "samples.txt").read_text()
+    assert samples.count("ROMEO:") == 2 and all(c in meta["vocab"] + "-" for c in samples.replace("--- step", ""))
+    import sample
+    printed = run_in_process([f"--init_from={out}", "--prompt=JULIET:", "--max_new_tokens=10", "--num_samples=1",
+                              "--device=cpu"], sample.main)
+    assert printed.returncode == 0 and printed.stdout.startswith("--- sample 0\nJULIET:")
+    assert len(printed.stdout.split("JULIET:")[1].rstrip("\n")) == 10  # ten characters: one token each
+
+
+def test_the_evaluations_that_need_gpt2s_tokenizer_say_so_for_a_character_model(char_root, tmp_path):
+    import hellaswag_eval
+    out = tmp_path / "run"
+    run_train(["config/shakespeare_char.py", *CHAR_TINY, f"--data.data_root={char_root}", f"--train.out_dir={out}",
+               "--train.max_steps=2", "--eval.sample_interval=0"])
+    assert_one_sentence(run_in_process([f"--init_from={out}"], hellaswag_eval.main),
+                        "scored with GPT-2's tokenizer", "a vocabulary of 82 tokens")
+    refused = run_train(["config/shakespeare_char.py", *CHAR_TINY, f"--data.data_root={char_root}",
+                         f"--train.out_dir={tmp_path / 'tasks'}", "--eval.tasks=hellaswag", "--eval.tasks_interval=1"],
+                        check=False)
+    assert_one_sentence(refused, "eval.tasks are scored with GPT-2's tokenizer", "character-level")
+    assert not (tmp_path / "tasks").exists()

