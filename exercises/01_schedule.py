@@ -10,18 +10,6 @@ Check: python exercises/check.py 1
 import math
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: optimizer.py, `Schedule.lr_at`; the comment above it states each schedule in "
-    'words.',
-    'lr_at: both rise linearly during warmup, peak x n / W for n <= W. Cosine then falls from the peak to the floor '
-    'along half a cosine wave; the project measures its progress from the end of warmup as (n - 1 - W) / (T - W), '
-    'so step W + 1 still has the peak. WSD holds the peak until step T - D, then decays over the last D steps: with '
-    'x = (T - n) / D going from 1 to 0, lr = floor + (peak - floor) x s(x), where s is optimizer.decay_shape (s(x) = '
-    'x for "linear").',
-]
-
-
 def lr_at(schedule, n):
     """The learning rate of optimizer step n (1-based) under `schedule`, an optimizer.Schedule whose
     `kind` is "cosine" or "wsd". Its fields: `lr` (the peak), `min_lr` (the floor), `total_steps` (T),

@@ -14,16 +14,6 @@ GPT with fresh random tokens and 2 to 4 micro-steps)
 import torch
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: train.py, `train_step` (its loop over micro-steps, and the comment on "
-    'dividing the loss).',
-    'accumulate_gradients: `loss = model(x, y)` gives the mean cross-entropy over one micro-batch. '
-    '`loss.backward()` adds its gradient to what `.grad` already holds (it does not replace it): that is what makes '
-    'accumulation possible, and what makes the sum of k micro-batch gradients k times too big.',
-]
-
-
 def accumulate_gradients(model, micro_batches):
     """Forward and backward over `micro_batches`, a list of (x, y) pairs of the same shape, leaving in
     every parameter's `.grad` the gradient of the mean loss over all of them, exactly what one

@@ -15,17 +15,6 @@ import math
 import torch
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: model.py, `CausalSelfAttention.forward` (the last branch, with is_causal).",
-    'causal_self_attention: the same first lines as forward: q, k, v = attn.c_attn(x).split(C, dim=2), each viewed '
-    'as (B, T, n_head, C // n_head) and transposed to (B, n_head, T, head size). Then scores = q @ kᵀ divided by '
-    'sqrt(head size); torch.ones(T, T, dtype=torch.bool).tril() is True where a query may see a key; set the other '
-    'scores to -inf (masked_fill) before the softmax over the keys; multiply by v; put the heads back side by side, '
-    '(B, T, C); and finish with attn.c_proj.',
-]
-
-
 def causal_self_attention(attn, x):
     """What `attn(x)` computes, for `attn` a model.CausalSelfAttention and `x` of shape (B, T, C)
     (no KV cache, no dropout), with the causal mask written out.

@@ -10,19 +10,6 @@ speed_metrics' on random speeds)
 """
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: model.py, `GPT.flops_per_token`; callbacks.py, `speed_metrics` "
-    '(throughput/mfu).',
-    'flops_per_token: each parameter that takes part in a matrix multiply costs 2 FLOPs per token forward and 4 '
-    'backward: 6N. Which N? The embeddings are lookups (no multiply), but the output layer multiplies by the token '
-    "embedding's matrix (tied weights), so count it once as a layer. Attention adds 12 x n_layer x n_embd x "
-    'block_size for the query-key and attention-value products, which have no parameters. '
-    'model.num_params(non_embedding=True) and model.config have what you need.',
-    "mfu: the model's FLOP/s per device, divided by one device's peak.",
-]
-
-
 def flops_per_token(model):
     """Training FLOPs per token of `model` (a model.GPT), as PaLM's appendix B counts them.
     """

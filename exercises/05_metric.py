@@ -8,23 +8,11 @@ right on any number of ranks.
 In the project: metrics.py, `MetricRecorder.record_metric` (read its docstring for `reduce`) and
 `record_all`; train.py's loop calls `recorder.record_all(step_metrics)` after every `train_step`.
 Check: python exercises/check.py 5
-(a short real training run, in this process, that calls your function after every step; then
-metrics.jsonl must hold your metric at every step with the right value)
+(a short real training run, in your answer's process, that calls your function after every step; then
+its metrics.jsonl must hold your metric at every step with the value the check computes from the same run)
 """
 
 import torch
-
-
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: metrics.py, `MetricRecorder.record_metric` (read its docstring for "
-    "`reduce`) and `record_all`; train.py's loop calls `recorder.record_all(step_metrics)` after every "
-    '`train_step`.',
-    'record_update_ratio: the norm of all the parameters together is the norm of the per-tensor norms '
-    '(torch.linalg.vector_norm of a stacked list). Record the tensor itself: calling .item() or float() on it would '
-    'make the host wait for the device every step. Every rank holds the same weights, so pick the reduce type that '
-    'logs that same value on any number of ranks.',
-]
 
 
 def record_update_ratio(recorder, model, weights_before):

@@ -7,8 +7,8 @@ loader was, and the random number generators (dropout draws from them) must come
 In the project: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, `set_rng_state`,
 `capture_state`; train.py's `Run.save` and `load_start` (where a resume restores them).
 Check: python exercises/check.py 6
-(three short real runs in this process, with dropout on: one of 8 steps, and one stopped after step 4
-then resumed, all using your four functions; the losses of steps 5 to 8 must be identical)
+(short real runs with dropout on: in your answer's process, one stopped after step 4 then resumed with your
+four functions; in the check's, one of 8 steps that never stopped; the losses of steps 5 to 8 must be identical)
 """
 
 import random
@@ -17,16 +17,6 @@ import numpy as np
 import torch
 
 from checkpoint import TrainState
-
-
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, "
-    "`set_rng_state`, `capture_state`; train.py's `Run.save` and `load_start` (where a resume restores them).",
-    "trainer_state_to_dict: read TrainState's fields and their comments; each is there because a resume needs it.",
-    "rng_state: torch.get_rng_state(), generator.get_state(), random.getstate(), np.random.get_state(); NumPy's "
-    'holds a uint32 array, which weights_only loading refuses: store it as a torch tensor of int64.',
-]
 
 
 def trainer_state_to_dict(state):

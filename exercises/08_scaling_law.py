@@ -14,19 +14,6 @@ Check: python exercises/check.py 8
 import math
 
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: tools/scaling_law.py, `fit_law`, `predict`, `tokens_to_reach`, "
-    '`optimal_tokens_per_param`; ladder.py, `fit` (ladder_fit.py: it fits the small sizes and checks the prediction '
-    'for the largest).',
-    'tokens_for_loss: solve predict_loss(law, n, D) = loss for D. With infinite data the loss only falls to E + A / '
-    'n^alpha: a loss at or below that is never reached.',
-    "tokens_per_param_at_optimum: at the optimum, moving compute from D to N gains nothing: the two terms' "
-    'derivatives balance, which works out to alpha x A / N^alpha = beta x B / D^beta (Hoffmann et al. 2022, eq. 4). '
-    'Solve it for D.',
-]
-
-
 def predict_loss(law, n, d):
     """The loss the law predicts for a model of `n` parameters trained on `d` tokens. `law` is a dict
     with keys E, A, alpha, B, beta, as tools/scaling_law.py's fit_law returns it."""

@@ -7,20 +7,9 @@ keeps everything else: the embeddings (the token embedding is the output layer t
 In the project: optimizer.py, `param_groups` (the split) and `build_optimizer` (which builds the two
 optimizers from it); the dry run prints the split (`python train.py --optim.name=muon --dry_run`).
 Check: python exercises/check.py 9
-(your split against the project's on random model shapes and settings; then two short training runs
-on the same tokens, one with AdamW and one with Muon, both built from your split)
+(your split against the project's, parameter by parameter, on random model shapes and settings; then,
+that split being the project's, two short training runs on the same tokens, one with AdamW and one with Muon)
 """
-
-
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Start from the project's own code: optimizer.py, `param_groups` (the split) and `build_optimizer` (which "
-    'builds the two optimizers from it); the dry run prints the split (`python train.py --optim.name=muon '
-    '--dry_run`).',
-    'param_groups: model.parameters() lists each parameter once (the tied output layer is the token embedding); '
-    'p.dim() tells a matrix (2) from a vector (1); model.transformer.h holds the blocks, and model.transformer.wte '
-    'and wpe the two embeddings. Compare parameters by identity (`is`, or id()).',
-]
 
 
 def param_groups(model, optim):

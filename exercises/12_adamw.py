@@ -5,24 +5,17 @@ and of its square, their bias correction, the step, and weight decay that is dec
 gradient (Loshchilov & Hutter 2019): the weights shrink by lr x weight_decay, whatever the moments say.
 In the project: optimizer.py builds torch.optim.AdamW (betas 0.9, 0.95; weight decay on matrices only).
 Check: python exercises/check.py 12
-(three steps of your update against torch.optim.AdamW on random tensors and settings)
+(three steps of your update against torch.optim.AdamW on random tensors and settings: the weights, and the
+moment buffers, which hold what the gradients did)
 """
 
 import math
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "Algorithm 2 of Loshchilov & Hutter 2019, or PyTorch's AdamW documentation: decay the weights first, then "
-    "the Adam step with bias-corrected moments.",
-    "adamw_update: param.mul_(1 - lr * weight_decay); exp_avg = beta1 exp_avg + (1 - beta1) grad; exp_avg_sq = "
-    "beta2 exp_avg_sq + (1 - beta2) grad^2; param -= lr / (1 - beta1^step) x exp_avg / (sqrt(exp_avg_sq) / "
-    "sqrt(1 - beta2^step) + eps). Update the tensors in place (mul_, add_, addcmul_, addcdiv_).",
-]
-
 
 def adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay):
     """One AdamW step, in place, on `param` and its moment buffers `exp_avg` and `exp_avg_sq` (zeros before
-    the first step); `step` counts from 1. Returns nothing."""
+    the first step; the caller keeps them for the next step); `grad` is only read; `step` counts from 1.
+    Returns nothing."""
     param.mul_(1 - lr * weight_decay)
     exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)

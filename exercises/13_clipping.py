@@ -11,13 +11,6 @@ Check: python exercises/check.py 13
 
 import torch
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "One norm for all the gradients together (as if they were one long vector), and one scale factor for all.",
-    "clip_gradients: total = the vector norm of the per-tensor norms; scale = max_norm / (total + 1e-6), at most 1; "
-    "multiply every gradient by it in place (grad.mul_) and return total, the norm before clipping.",
-]
-
 
 def clip_gradients(parameters, max_norm):
     """Scale the gradients of `parameters` (a list; a parameter without a gradient is skipped) in place so

@@ -10,13 +10,6 @@ Check: python exercises/check.py 14
 batch split over 1, 2, 4 and 8 ranks reads the same sequences)
 """
 
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "The ranks of one micro-step read consecutive blocks of batch_size sequences, rank 0's first.",
-    "rank_sequences: [position + rank * batch_size + j for j in range(batch_size)]; the loader then advances "
-    "position by world_size * batch_size on every rank.",
-]
-
 
 def rank_sequences(position, rank, world_size, batch_size):
     """The stream indices of the batch_size sequences that rank `rank` of `world_size` reads next, when all

@@ -7,18 +7,11 @@ the check runs it for real under `torchrun --nproc-per-node=2` on gloo, the CPU 
 In the project: train.py wraps the model in DDP (`wrap_model`) and all-reduces only on the last
 micro-step (`train_step`, model.no_sync()).
 Check: python exercises/check.py 15
-(torchrun runs 2 processes with your function; their step must equal one process that accumulates the
-two halves' gradients, to float tolerance)
+(torchrun runs 2 processes with your function; the gradient every rank holds after it must equal the gradient
+one process computes over the whole batch, to float tolerance)
 """
 
 import torch.distributed as dist
-
-# Hints, one level at a time (python exercises/check.py N --hint): where to look, then how.
-HINTS = [
-    "The whole batch's loss is the mean of the halves' losses, so its gradient is the mean of their gradients.",
-    "average_gradients: for every parameter with a gradient, dist.all_reduce(p.grad, op=dist.ReduceOp.SUM), "
-    "then divide it by world_size in place.",
-]
 
 
 def average_gradients(model, world_size):

@@ -3,97 +3,79 @@
     python exercises/check.py 3                   # exercise 3: "passed" and exit status 0, or what differs and 1
     python exercises/check.py all                 # every exercise, in order, one line each
     python exercises/check.py 5 --data_root=DIR   # where the prepared Shakespeare data lives (default: data/)
-    python exercises/check.py 3 --hint            # the first hint; --hint=2 the next one, and so on
-    python exercises/check.py 3 --against=TEACHER # graded by the teacher's untouched copy of the project
+    python exercises/check.py 3 --hint            # the first hint; --hint=2 the next, --hint=3 the code
+    python exercises/check.py 3 --student=COPY    # (the teacher) grade the answers in a student's copy
+    python exercises/check.py 3 --against=TEACHER # (a student) have the teacher's copy grade these answers
 
-Your answers are the functions in exercises/NN_name.py (NN is the exercise's number). The check loads
-that file, runs its functions beside the project's code (checks_step.py for exercises 1-5,
-checks_run.py for 6-9) and prints one line. An answer
-not written yet, or one that raises an error, is reported in one sentence naming the function.
+Your answers are the functions in exercises/NN_name.py (NN is the exercise's number). The check computes the
+truth in this process from the project's code, runs your functions in a process of their own (grading.py says
+why), and prints one line. An answer not written yet, or one that raises an error, is one sentence naming the
+function. `--student=COPY` grades COPY's answer files with this copy's checks and project: nothing else of
+COPY runs, so what grades is what the teacher holds.
 """
 
 import argparse
-import importlib.util
-import inspect
 import os
 import sys
-import traceback
 from pathlib import Path
-
-import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the project's modules (train, model, ...), from any working directory
 
-from exercises.checking import ExerciseFailed  # noqa: E402 - needs the line above
-from exercises.checks_core import check_adamw, check_bpe, check_clipping, check_ranks, check_ddp  # noqa: E402
-from exercises.checks_model import check_gpt  # noqa: E402
-from exercises.checks_run import check_optimizer, check_resume, check_scaling_law, check_task  # noqa: E402
-from exercises.checks_step import (check_accumulation, check_attention, check_metric, check_mfu,  # noqa: E402
-                                   check_schedule)
-
-# The exercises in order: number -> its check. Exercise N's answers are in exercises/NN_*.py.
-CHECKS = {1: check_schedule, 2: check_accumulation, 3: check_attention, 4: check_mfu, 5: check_metric,
-          6: check_resume, 7: check_task, 8: check_scaling_law, 9: check_optimizer, 10: check_gpt, 11: check_bpe,
-          12: check_adamw, 13: check_clipping, 14: check_ranks, 15: check_ddp}
-ANSWERS = HERE  # where the answer files are read from (--answers_from: the student's, graded by this copy)
-
-
-def answer_file(number):
-    """exercises/NN_name.py for exercise `number`."""
-    return next(ANSWERS.glob(f"{number:02d}_*.py"))
+# The exercises in order: number -> (the module of checks, its check). Exercise N's answers are in exercises/NN_*.py.
+# (Imported when a check runs: a hint or a refused argument starts at once.)
+CHECKS = {1: ("step", "check_schedule"), 2: ("step", "check_accumulation"), 3: ("step", "check_attention"),
+          4: ("cost", "check_mfu"), 5: ("cost", "check_metric"), 6: ("run", "check_resume"), 7: ("run", "check_task"),
+          8: ("choices", "check_scaling_law"), 9: ("choices", "check_optimizer"), 10: ("model", "check_gpt_parts"),
+          11: ("tokens", "check_bpe"), 12: ("core", "check_adamw"), 13: ("core", "check_clipping"),
+          14: ("core", "check_ranks"), 15: ("ddp", "check_ddp"), 16: ("capstone", "check_capstone"),
+          17: ("precision", "check_autocast"), 18: ("tokens", "check_pre_tokenizer"),
+          19: ("tokens", "check_learned_merges"), 20: ("ddp", "check_no_sync"), 21: ("sampling", "check_kv_cache"),
+          22: ("reading", "check_lr_range_test"), 23: ("reading", "check_loss_spike")}
+# The checks that train on the Shakespeare data, which --data_root points them to.
+TRAINS = {5, 6, 9, 16, 22, 23}
 
 
-def load_answers(path):
-    """The answer file as a module (its name starts with a digit, so it is loaded by path, not imported)."""
-    spec = importlib.util.spec_from_file_location(f"exercise_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def check_of(number):
+    """The check function of exercise `number` (exercises/checks_*.py)."""
+    import importlib
+
+    module, name = CHECKS[number]
+    return getattr(importlib.import_module(f"exercises.checks_{module}"), name)
 
 
-def first_line(error):
-    text = str(error).strip().splitlines()
-    return text[0][:200] if text else ""
+def grade(number, folder=HERE, data_root=""):
+    """(passed, the line to print) for exercise `number`, its answers read from `folder`."""
+    from exercises.checking import ExerciseFailed, NotDone
+    from exercises.grading import Answers
 
-
-def describe_error(number, path, error):
-    """One sentence for an exception that is not a failed comparison: an answer not written yet, an error
-    in the answer file, or an error the check ran into elsewhere (the project's code, fed a wrong answer)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    in_answers = [frame for frame in frames if Path(frame.filename).resolve() == path]
-    where = f"exercises/{path.name}"
-    if isinstance(error, NotImplementedError) and in_answers:
-        return (f"exercise {number} is not done yet: write {in_answers[-1].name} in {where} (its docstring says what "
-                f"it must do).")
-    if in_answers:
-        frame = in_answers[-1]
-        return (f"exercise {number} failed: your {frame.name} raised {type(error).__name__} ({first_line(error)}) at "
-                f"{where} line {frame.lineno}.")
-    if isinstance(error, SyntaxError) and error.filename and Path(error.filename).resolve() == path:
-        return f"exercise {number} failed: {where} does not load ({error.msg} at line {error.lineno})."
-    last = frames[-1] if frames else None
-    if isinstance(error, AssertionError) and last and Path(last.filename).resolve().parent == HERE:
-        return (f"exercise {number} cannot be checked: the project no longer does what the exercise teaches "
-                f"({first_line(error)}); tell your teacher.")
-    place = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
-    return (f"exercise {number} failed: the check stopped on {type(error).__name__} ({first_line(error)}){place}, "
-            f"reached with what your answers in {where} returned.")
-
-
-def run_check(number, data_root=""):
-    """(passed, the line to print) for exercise `number`."""
-    path = answer_file(number).resolve()
-    check = CHECKS[number]
-    options = {"data_root": data_root} if "data_root" in inspect.signature(check).parameters else {}
+    options = {"data_root": data_root} if number in TRAINS else {}
     try:
-        # exercise 15's check runs the answer file itself, in two processes
-        summary = check(path) if number == 15 else check(load_answers(path), **options)
+        answers = Answers(number, folder)
+        answers.check_written()
+        summary = check_of(number)(answers, **options)
+    except NotDone as missing:
+        return False, f"exercise {number} is not done yet: {missing}"
     except ExerciseFailed as failure:
         return False, f"exercise {number} failed: {failure}"
-    except Exception as error:  # noqa: BLE001 - whatever the student's code raised, said in one sentence
-        return False, describe_error(number, path, error)
+    except Exception as error:  # noqa: BLE001 - the check itself stopped: still one sentence, naming where
+        return False, f"exercise {number} {stopped(error)}"
     return True, f"exercise {number} passed: {summary}"
+
+
+def stopped(error):
+    """The end of the line for a check that stopped on an error of its own: the project no longer does what the
+    exercise teaches (an assertion of the check), or what came back from the answer was not what it reads."""
+    import traceback
+
+    last = (traceback.extract_tb(error.__traceback__) or [None])[-1]
+    where = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
+    text = (str(error).strip().splitlines() or [""])[0][:200]
+    if isinstance(error, AssertionError):
+        return (f"cannot be checked: the project no longer does what it teaches ({text}{where}); tell your "
+                f"teacher.")
+    return (f"failed: the check stopped on {type(error).__name__} ({text}){where}, reading what your answers "
+            f"returned: give each function's result the type its docstring says.")
 
 
 def main(argv):
@@ -102,57 +84,72 @@ def main(argv):
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
     parser.add_argument("--hint", type=int, nargs="?", const=1, default=0,
-                        help="print hint number HINT (1 = the first) instead of checking")
-    parser.add_argument("--against", default="",
-                        help="a teacher's untouched copy of the project: its code and checks grade your answers")
-    parser.add_argument("--answers_from", default="", help=argparse.SUPPRESS)  # (what --against passes on)
+                        help="print hint number HINT (1: where to look, 2: how, 3: the code) instead of checking")
+    parser.add_argument("--student", default=None,
+                        help="a student's copy of the project: grade its answer files with this copy's checks")
+    parser.add_argument("--against", default=None,
+                        help="the teacher's untouched copy of the project: it grades this copy's answers")
     args = parser.parse_args(argv)
     if args.hint:
         if args.exercise == "all":
-            print("error: --hint takes one exercise's number, e.g. check.py 3 --hint.", file=sys.stderr)
-            return 1
+            return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")
         return print_hint(int(args.exercise), args.hint)
-    if args.against:
-        return grade_against(args)
-    if args.answers_from:
-        global ANSWERS
-        ANSWERS = Path(args.answers_from).resolve()
+    if args.against is not None:
+        return hand_to_teacher(args)
+    folder = HERE
+    if args.student is not None:
+        student = Path(args.student).resolve() if args.student else None
+        if student is None or not student.is_dir():
+            return refuse(f"--student={args.student} is not a folder; give the folder of the student's copy.")
+        folder = student / "exercises" if (student / "exercises").is_dir() else student
     if args.data_root and not os.path.isdir(args.data_root):  # before anything is prepared or written there
-        print(f"error: --data_root={args.data_root} is not a folder; give the folder that holds shakespeare/ "
-              f"(or leave it out to use the project's data/).", file=sys.stderr)
-        return 1
+        return refuse(f"--data_root={args.data_root} is not a folder; give the folder that holds shakespeare/ "
+                      f"(or leave it out to use the project's data/).")
+    import torch
+
     numbers = list(CHECKS) if args.exercise == "all" else [int(args.exercise)]
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
     results = []
     for number in numbers:
-        passed, line = run_check(number, args.data_root)
+        passed, line = grade(number, folder, args.data_root)
         print(line, flush=True)
         results.append(passed)
     return 0 if all(results) else 1
 
 
+def refuse(sentence):
+    print(f"error: {sentence}", file=sys.stderr)
+    return 1
+
+
 def print_hint(number, level):
-    """Hint `level` of exercise `number` (its answer file's HINTS): where to look first, then how."""
-    hints = getattr(load_answers(answer_file(number).resolve()), "HINTS", [])
-    if not 1 <= level <= len(hints):
-        print(f"exercise {number} has {len(hints)} hint(s); ask for 1 to {len(hints)}.", file=sys.stderr)
-        return 1
-    more = f" (more: --hint={level + 1})" if level < len(hints) else " (the last one)"
-    print(f"exercise {number}, hint {level} of {len(hints)}{more}: {hints[level - 1]}")
+    """Hint `level` of exercise `number`, from hints.py: where to look, then how, then the code."""
+    from exercises.hints import hint
+
+    try:
+        text, count = hint(number, level)
+    except ValueError as error:
+        return refuse(str(error))
+    more = f" (more: --hint={level + 1})" if level < count else " (the last one)"
+    print(f"exercise {number}, hint {level} of {count}{more}: {text}")
     return 0
 
 
-def grade_against(args):
-    """Run the teacher's copy's check.py on this copy's answers: the project code the check compares with,
-    and the check itself, come from the teacher's copy, so editing either here changes nothing."""
+def hand_to_teacher(args):
+    """Start the teacher's check.py on this copy's answers (`--student`). What grades is the teacher's copy; this
+    is only a shortcut to it, and the teacher runs the same command from their own copy."""
     import subprocess
 
-    teacher = Path(args.against).resolve() / "exercises" / "check.py"
-    if not teacher.is_file():
-        print(f"error: --against={args.against} holds no exercises/check.py; give the folder of the teacher's "
-              f"untouched copy of the project.", file=sys.stderr)
-        return 1
-    command = [sys.executable, str(teacher), args.exercise, f"--answers_from={HERE}"]
+    if not args.against:
+        return refuse("--against= is empty; give the folder of the teacher's untouched copy of the project.")
+    teacher = Path(args.against).resolve()
+    if teacher == HERE.parent:
+        return refuse(f"--against={args.against} is this copy itself; give the folder of the teacher's untouched "
+                      f"copy of the project.")
+    if not (teacher / "exercises" / "check.py").is_file():
+        return refuse(f"--against={args.against} holds no exercises/check.py; give the folder of the teacher's "
+                      f"untouched copy of the project.")
+    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise, f"--student={HERE.parent}"]
     if args.data_root:
         command.append(f"--data_root={args.data_root}")
     return subprocess.run(command).returncode

@@ -1,17 +1,18 @@
-"""What every exercise check shares: the failure with its one sentence, and small helpers.
+"""What every exercise check shares: the failures with their one sentence, and small helpers.
 
-A check (checks_step.py: exercises 1-5, one training step; checks_run.py: 6-9, the run around it)
-takes `answers`, the module of an exercise file (or any object with the same functions), runs them
-beside the project's own code on fresh random inputs or in a short real training run, and returns a
-one-line summary when they agree. When they do not, it raises `ExerciseFailed` with one sentence:
-what differs, by how much, and where to look. The truth is always the project's code as it is today
-(optimizer.py, train.py, model.py, ...), never the answer file, so a check keeps testing the right
-thing when the project changes; tests/test_exercises.py runs every check against the project's
-answers (it must pass) and against wrong ones (it must fail).
+A check has two sides, which never share a process (grading.py says how they meet):
+- the grading side (`check_*`, in the teacher's check.py process) makes the inputs, computes the
+  reference from the project's own code as it is today (optimizer.py, train.py, model.py, torch, tiktoken,
+  ...), and compares; it never imports an answer file;
+- the answer side (`*_answers`, run by runner.py in a process of its own) loads the student's answer file,
+  runs its functions on those inputs and sends back their results as plain data (`plain`).
+When the two differ, the grading side raises `ExerciseFailed` with one sentence: what differs, by how much,
+and where to look. tests/test_exercises.py runs every check on the project's answers (each must pass) and
+on wrong ones (each must fail).
 
-The checks' models are so small that one thread runs them fastest: a second thread only waits for
-the first (on a busy 2-core machine a tiny forward and backward pass takes 0.5 s on two threads and
-2 ms on one), so check.py and the tests run the checks on one thread.
+The checks' models are so small that one thread runs them fastest: a second thread only waits for the
+first (on a busy 2-core machine a tiny forward and backward pass takes 0.5 s on two threads and 2 ms on
+one), so both sides run on one thread.
 """
 
 import contextlib
@@ -23,16 +24,19 @@ import os
 
 import torch
 
-from config import UserError
-from model import GPT, GPTConfig
-
 
 class ExerciseFailed(Exception):
     """The answer differs from the project; the message says how, in one sentence."""
 
 
+class NotDone(Exception):
+    """An answer function is not written yet; the message names it."""
+
+
 def tiny_gpt(seed, **shape):
     """A GPT small enough that a CPU runs it in milliseconds: 2 blocks, width 32, 512 tokens."""
+    from model import GPT, GPTConfig
+
     torch.manual_seed(seed)
     return GPT(GPTConfig(**{"n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16, "vocab_size": 512, **shape}))
 
@@ -78,10 +82,11 @@ TINY_RUN = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--mod
 
 def run_training(args):
     """train.main(args) in this process (as tests/conftest.py's run_in_process), its output kept out of
-    the student's terminal; returns the rows of its metrics.jsonl. A user error of the run is one
-    sentence; any other error (the student's code, or project code that a wrong answer broke) goes up
-    to check.py, which names it."""
+    the student's terminal; returns its metrics.jsonl as one row per step (a step logged in two rows, as the
+    last step's evaluation may be, is merged). A user error of the run is one sentence; any other error goes
+    up to the caller, which names it."""
     import train
+    from config import UserError
 
     cwd = os.getcwd()
     try:
@@ -92,15 +97,43 @@ def run_training(args):
     finally:
         os.chdir(cwd)
     out_dir = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--train.out_dir="))
+    rows = {}
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for row in (json.loads(line) for line in f if line.strip()):
+            rows.setdefault(row["step"], {}).update(row)
+    return list(rows.values())
+
+
+# ----------------------------------------------------------------------------- the answer side: plain data
+
+
+def plain(value):
+    """`value` as data that torch.load(weights_only=True) reads back: tensors (detached, on the CPU), numbers,
+    strings, None, and lists, tuples and dicts of them. Anything else becomes {"unplain": its type, "repr": ...},
+    so the grading side can say what came back without running any of the answer's code."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").clone().as_subclass(torch.Tensor)
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return type(value)(plain(v) for v in value) if type(value) in (list, tuple) else [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {plain(k) if isinstance(k, (str, int, tuple)) else repr(k): plain(v) for k, v in value.items()}
+    if hasattr(value, "item") and getattr(value, "shape", None) == ():  # a NumPy scalar
+        return value.item()
+    return {"unplain": type(value).__name__, "repr": repr(value)[:120]}
+
+
+# ----------------------------------------------------------------------------- the grading side: comparing
 
 
 def is_close(mine, want, rel=1e-9):
     """Equal up to float rounding; an infinity equals only itself; anything but a number, nothing."""
+    if isinstance(mine, (dict, list, tuple, str)) or mine is None:
+        return False
     try:
         mine = float(mine)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, RuntimeError):
         return False
     return mine == want or math.isclose(mine, want, rel_tol=rel)
 
@@ -108,9 +141,40 @@ def is_close(mine, want, rel=1e-9):
 def shown(mine, want):
     """The two numbers as text, with just enough digits to tell them apart (mine as it came if it is
     not a number)."""
+    if isinstance(mine, dict) and "unplain" in mine:
+        return f"a {mine['unplain']} ({mine['repr']})", f"{want:.6g}"
     try:
         mine = float(mine)
-    except (TypeError, ValueError):
-        return repr(mine), f"{want:.6g}"
+    except (TypeError, ValueError, RuntimeError):
+        return repr(mine)[:80], f"{want:.6g}"
     digits = next((d for d in range(6, 18) if f"{mine:.{d}g}" != f"{want:.{d}g}"), 17)
     return f"{mine:.{digits}g}", f"{want:.{digits}g}"
+
+
+def same_tensor(mine, want, tolerance=1e-5):
+    return (torch.is_tensor(mine) and mine.shape == want.shape and mine.dtype == want.dtype
+            and torch.allclose(mine, want, rtol=tolerance, atol=tolerance))
+
+
+def gradient_advice(what, mine, want, tolerance=1e-4, truth="model.py's"):
+    """None when `mine`, the gradient that came back for `what` (None: it got none), equals `want`; else the end
+    of a sentence that names the mistake by its shape: no gradient (something detached), the right direction
+    at another scale (the graph counted more than once), or another direction (a term missing)."""
+    if want is None or not want.abs().any():  # (a key's bias: softmax ignores a shift of all the scores)
+        return None if not torch.is_tensor(mine) or mine.float().norm() < 1e-6 else (
+            f"{what} gets a gradient where {truth} gives it none")
+    if not torch.is_tensor(mine) or not mine.abs().any():
+        return (f"no gradient reaches {what}: part of your computation is cut off from autograd (.detach(), "
+                f"torch.no_grad(), .item() or a NumPy round trip)")
+    mine = mine.float()
+    scale = (mine.norm() / want.norm().clamp_min(1e-30)).item()
+    error = ((mine - want).norm() / want.norm().clamp_min(1e-30)).item()
+    if error <= tolerance:
+        return None
+    cosine = torch.nn.functional.cosine_similarity(mine.flatten(), want.flatten(), dim=0).item()
+    if cosine > 1 - 1e-6:
+        return (f"the gradient of {what} is {scale:.3g} times {truth} while the value is right: the graph is "
+                f"counted {scale:.3g} times (as in loss + (loss - loss.detach())); compute the value once")
+    return (f"the gradient of {what} differs from {truth} by {error:.1%} while the value is right: a term of the "
+            f"gradient is missing, as when a piece of the computation (a normaliser, a mean) is detached or "
+            f"computed outside autograd; keep every piece in the graph")

@@ -1,116 +1,190 @@
-"""The check of exercise 10, the capstone: the student's GPT, part by part, then trained by train.py.
+"""The check of exercise 10: GPT-2's parts, each against model.py in value and in gradient.
 
-Each part is compared with model.py's on random inputs; then the real trainer trains the student's GPT
-(`train.model_module`) and model.py's on the same seed and data, and the two loss curves must match.
+On a random shape, each part runs in the answer's process on the weights and inputs made here, and backward
+runs through it with a random upstream gradient; the values and every gradient (of the input and of each
+weight) come back and are compared with model.py's modules, run here. The initialisation is compared by
+its distribution (a sample std, against the formula model.py's weights follow).
 """
 
+import math
 import random
-import tempfile
-from pathlib import Path
 
 import torch
 from torch.nn import functional as F
 
-from exercises.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown
-
-CAPSTONE = Path(__file__).resolve().parent / "10_gpt.py"
+from exercises.checking import ExerciseFailed, gradient_advice, is_close, same_tensor, shown
 
 
 def random_config(rng):
-    from model import GPTConfig
-
     heads = rng.choice([1, 2, 4])
-    return GPTConfig(n_layer=rng.randint(1, 4), n_head=heads, n_embd=heads * rng.choice([8, 16]),
-                     block_size=rng.choice([8, 16]), vocab_size=rng.choice([64, 100]), bias=rng.random() < 0.7)
+    return dict(n_layer=rng.randint(1, 4), n_head=heads, n_embd=heads * rng.choice([8, 16]),
+                block_size=rng.choice([8, 16]), vocab_size=rng.choice([64, 100]), bias=rng.random() < 0.7)
 
 
-def same(mine, want, tolerance=1e-6):
-    return torch.is_tensor(mine) and mine.shape == want.shape and torch.allclose(mine, want, rtol=tolerance,
-                                                                                  atol=tolerance)
+def run_part(function, module, inputs, upstream):
+    """{"value", "grads"} of `function(module, *inputs)` with backward from `upstream`: the gradient of every
+    input that is a float tensor (as "input 0", ...) and of every weight of `module`, by name."""
+    inputs = [t.clone().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs]
+    if module is not None:
+        module.zero_grad(set_to_none=True)
+    value = function(module, *inputs) if module is not None else function(*inputs)
+    grads = {}
+    if torch.is_tensor(value) and value.requires_grad and value.shape == upstream.shape:
+        (value.float() * upstream).sum().backward()
+        grads = {f"input {i}": t.grad for i, t in enumerate(inputs) if torch.is_tensor(t) and t.requires_grad}
+        grads |= {name: p.grad for name, p in (module.named_parameters() if module is not None else [])}
+    return {"value": value, "grads": grads}
 
 
-def check_parts(answers, rng):
-    """mlp, block_forward, embed, tie_weights, init_weights and next_token_loss against model.py."""
-    from model import GPT, Block
+def built(inputs):
+    """model.py's Block and GPT of the case, with the weights made on the grading side."""
+    from model import GPT, Block, GPTConfig
 
-    config = random_config(rng)
+    config = GPTConfig(**inputs["config"])
+    block, gpt = Block(config).eval(), GPT(config).eval()
+    block.load_state_dict(inputs["block"])
+    gpt.load_state_dict(inputs["gpt"])
+    return block, gpt
+
+
+def parts_answers(answers, inputs):
+    from model import GPT, GPTConfig
+
+    block, gpt = built(inputs)
+    x, idx, start = inputs["x"], inputs["idx"], inputs["start"]
+    results = {"mlp": run_part(answers.mlp, block.mlp, [x], inputs["upstream"]),
+               "block_forward": run_part(answers.block_forward, block, [x], inputs["upstream"]),
+               "embed": run_part(answers.embed, gpt, [idx, start], inputs["upstream"]),
+               "next_token_loss": run_part(answers.next_token_loss, None, [inputs["logits"], inputs["targets"]],
+                                           torch.tensor(1.0))}
+    config = GPTConfig(**inputs["config"])
+    untied = GPT(config)
+    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
+    answers.tie_weights(untied)
+    results["tie_weights"] = {"one": untied.lm_head.weight is untied.transformer.wte.weight,
+                              "parameters": len(list(untied.parameters()))}
+    shape = GPTConfig(**inputs["init_config"])
+    torch.manual_seed(inputs["init_seed"])
+    fresh = GPT(shape)
+    fresh.apply(lambda module: answers.init_weights(module, shape.n_layer))
+    results["init_weights"] = dict(fresh.named_parameters())
+    return results
+
+
+VALUE_ADVICE = {
+    "mlp": "mlp differs from model.py's MLP: c_fc widens to 4 x n_embd, then GELU (module.gelu, GPT-2's tanh "
+           "approximation), then c_proj back to n_embd",
+    "block_forward": "block_forward differs from model.py's Block: each sub-layer reads a LayerNorm of the stream "
+                     "(pre-LayerNorm: ln_1 before attention, ln_2 before the MLP) and adds its output back",
+    "embed": "embed differs from model.py's: add each token's embedding (wte) and its position's (wpe, positions "
+             "start to start + T - 1)",
+}
+
+
+def compare_part(part, mine, want, advice):
+    """Raise ExerciseFailed when the value of a part differs from model.py's, then when a gradient does."""
+    if not same_tensor(mine["value"], want["value"]):
+        raise ExerciseFailed(f"{advice}.")
+    for name, grad in want["grads"].items():
+        what = "its input x" if name == "input 0" else "the logits" if part == "next_token_loss" else name
+        wrong = gradient_advice(what, mine["grads"].get(name), grad)
+        if wrong:
+            raise ExerciseFailed(f"{part}: {wrong}.")
+
+
+def init_formula(name, reference, n_layer):
+    """(the std model.py's initialisation gives this weight, as a formula, its value) or None for a weight that
+    starts at a constant (a bias at 0, a LayerNorm gain at 1): told apart by model.py's own fresh weights."""
+    if reference.std() == 0:
+        return None
+    residual = 0.02 / math.sqrt(2 * n_layer)
+    if abs(reference.std().item() - residual) < abs(reference.std().item() - 0.02):
+        return f"0.02 / sqrt(2 x {n_layer})", residual
+    return "0.02", 0.02
+
+
+def compare_init(mine, n_layer, seed):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    reference = GPT(GPTConfig(n_layer=n_layer, n_head=2, n_embd=64, block_size=32, vocab_size=128))
+    for name, want in reference.named_parameters():
+        got = mine.get(name)
+        if not torch.is_tensor(got) or got.shape != want.shape:
+            raise ExerciseFailed(f"after init_weights the GPT has no {name} of shape {tuple(want.shape)}: initialise "
+                                 f"the weights in place (torch.nn.init), do not replace them.")
+        formula = init_formula(name, want, n_layer)
+        if formula is None:
+            if not torch.equal(got, want):
+                what = "a bias starts at 0" if name.endswith("bias") else "a LayerNorm gain starts at 1"
+                raise ExerciseFailed(f"after init_weights, {name} is not what GPT-2 starts it at: {what} (and "
+                                     f"init_weights leaves LayerNorm as it is built).")
+            continue
+        text, std = formula
+        sample = got.float().std().item()
+        if abs(sample / std - 1) > 0.1 or abs(got.float().mean().item()) > 5 * std / math.sqrt(got.numel()):
+            reason = ("the layers that add into the residual stream (residual_projection) are scaled by "
+                      "1/sqrt(2 x n_layer)" if "sqrt" in text else "weights of Linear and Embedding layers are "
+                      "normal(0, 0.02)")
+            raise ExerciseFailed(f"after init_weights, {name} has a sample std of {sample:.3g} where GPT-2's "
+                                 f"initialisation draws it from normal(0, {text} = {std:.3g}): {reason}.")
+
+
+def check_gpt_parts(answers):
+    from model import GPT, Block, GPTConfig
+
+    rng = random.Random()
+    shape = random_config(rng)
+    config = GPTConfig(**shape)
     torch.manual_seed(rng.randint(0, 10**6))
-    block = Block(config).eval()
-    x = torch.randn(2, config.block_size, config.n_embd)
-    with torch.no_grad():
-        if not same(answers.mlp(block.mlp, x), block.mlp(x)):
-            raise ExerciseFailed("mlp differs from model.py's MLP: c_fc widens to 4 x n_embd, then GELU (module.gelu, "
-                                 "GPT-2's tanh approximation), then c_proj back to n_embd.")
-        mine, want = answers.block_forward(block, x), block(x)
-        if not same(mine, want):
-            without = block.mlp(block.ln_2(block.attn(block.ln_1(x))))
-            advice = ("add each sub-layer's output back to its input (the residual stream: x + attn(ln_1(x)), "
-                      "then + mlp(ln_2(...)))" if same(mine, without) else
-                      "each sub-layer reads a LayerNorm of the stream (pre-LayerNorm: ln_1 before attention, ln_2 "
-                      "before the MLP) and adds its output back")
-            raise ExerciseFailed(f"block_forward differs from model.py's Block: {advice}.")
-    gpt = GPT(config)
-    idx = torch.randint(0, config.vocab_size, (2, config.block_size))
-    want = gpt.transformer.wte(idx) + gpt.transformer.wpe(torch.arange(config.block_size))
-    if not same(answers.embed(gpt, idx), want):
-        raise ExerciseFailed("embed differs from model.py's: add each token's embedding (wte) and its position's "
-                             "(wpe, positions 0 to T-1).")
-    gpt.lm_head.weight = torch.nn.Parameter(gpt.lm_head.weight.detach().clone())  # untied
-    answers.tie_weights(gpt)
-    if gpt.lm_head.weight is not gpt.transformer.wte.weight:
-        raise ExerciseFailed("after tie_weights the output layer and the token embedding are two tensors: make "
-                             "them one Parameter (assign one module's weight to the other).")
-    seed = rng.randint(0, 10**6)
-    torch.manual_seed(seed)
-    reference = GPT(config)
-    torch.manual_seed(seed)
-    mine = answers.GPT(config)
-    for (name, a), (_, b) in zip(mine.named_parameters(), reference.named_parameters()):
-        if not torch.equal(a, b):
-            a_std, b_std = shown(a.std().item(), b.std().item())
-            raise ExerciseFailed(f"after init_weights, {name} has std {a_std} where GPT-2's initialisation gives "
-                                 f"{b_std}: weights normal(0, 0.02), biases zero, and the layers that add into the "
-                                 f"residual stream (residual_projection) scaled by 1/sqrt(2 x n_layer).")
+    block, gpt = Block(config).eval(), GPT(config).eval()
+    T = rng.randint(2, config.block_size)
+    start = rng.randint(0, config.block_size - T)
     logits = torch.randn(3, 7, config.vocab_size) * 3
     targets = torch.randint(0, config.vocab_size, (3, 7))
     targets[0, :2] = -1
-    want = F.cross_entropy(logits.view(-1, config.vocab_size), targets.view(-1), ignore_index=-1)
-    got = answers.next_token_loss(logits, targets)
-    if not (torch.is_tensor(got) and is_close(got.item(), want.item(), rel=1e-5)):
-        shifted = F.cross_entropy(logits[:, :-1].reshape(-1, config.vocab_size), targets[:, 1:].reshape(-1),
-                                  ignore_index=-1)
+    inputs = {"config": shape, "block": block.state_dict(), "gpt": gpt.state_dict(),
+              "x": torch.randn(2, T, config.n_embd), "upstream": torch.randn(2, T, config.n_embd),
+              "idx": torch.randint(0, config.vocab_size, (2, T)), "start": start, "logits": logits, "targets": targets,
+              "init_config": dict(n_layer=rng.randint(2, 4), n_head=2, n_embd=64, block_size=32, vocab_size=128),
+              "init_seed": rng.randint(0, 10**6)}
+    mine = answers.run(parts_answers, inputs)
+    block, gpt = built(inputs)
+    x, upstream = inputs["x"], inputs["upstream"]
+    compare_part("mlp", mine["mlp"], run_part(lambda m, v: m(v), block.mlp, [x], upstream), VALUE_ADVICE["mlp"])
+    value = mine["block_forward"]["value"]
+    if not same_tensor(value, block(x)):
+        without = block.mlp(block.ln_2(block.attn(block.ln_1(x))))
+        advice = ("block_forward differs from model.py's Block: add each sub-layer's output back to its input (the "
+                  "residual stream: x + attn(ln_1(x)), then + mlp(ln_2(...)))" if same_tensor(value, without)
+                  else VALUE_ADVICE["block_forward"])
+        raise ExerciseFailed(f"{advice}.")
+    compare_part("block_forward", mine["block_forward"], run_part(lambda m, v: m(v), block, [x], upstream), "")
+    reference_embed = run_part(lambda g, i, s: g.transformer.wte(i) + g.transformer.wpe(torch.arange(s, s + T)),
+                               gpt, [inputs["idx"], start], upstream)
+    compare_part("embed", mine["embed"], reference_embed, VALUE_ADVICE["embed"])
+    if not mine["tie_weights"]["one"]:
+        raise ExerciseFailed("after tie_weights the output layer and the token embedding are two tensors: make them "
+                             "one Parameter (assign one module's weight to the other).")
+    check_loss(mine["next_token_loss"], logits, targets)
+    compare_init(mine["init_weights"], inputs["init_config"]["n_layer"], inputs["init_seed"])
+    return (f"mlp, block_forward, embed, tie_weights, init_weights and next_token_loss match model.py in value and in "
+            f"gradient (n_layer {config.n_layer}, n_head {config.n_head}, n_embd {config.n_embd}, bias "
+            f"{config.bias}).")
+
+
+def check_loss(mine, logits, targets):
+    vocab = logits.size(-1)
+    want = run_part(lambda lg, t: F.cross_entropy(lg.view(-1, vocab), t.view(-1), ignore_index=-1), None,
+                    [logits, targets], torch.tensor(1.0))
+    got = mine["value"]
+    if not (torch.is_tensor(got) and got.numel() == 1 and is_close(got.item(), want["value"].item(), rel=1e-5)):
+        shifted = F.cross_entropy(logits[:, :-1].reshape(-1, vocab), targets[:, 1:].reshape(-1), ignore_index=-1)
         advice = ("the targets are already the next tokens: do not shift them again" if torch.is_tensor(got)
-                  and is_close(got.item(), shifted.item(), rel=1e-5) else
+                  and got.numel() == 1 and is_close(got.item(), shifted.item(), rel=1e-5) else
                   "minus the mean log-softmax of each target, over the targets that are not -1")
-        got, want = shown(got, want)
-        raise ExerciseFailed(f"next_token_loss is {got} where F.cross_entropy gives {want}: {advice}.")
-
-
-QUICK_START = Path(__file__).resolve().parent.parent / "config" / "shakespeare.py"
-
-
-def check_gpt(answers, data_root="", steps=20, quick_start=True):
-    """The capstone: every part, then your GPT trained by train.py against model.py's, at the quick start's
-    shape (config/shakespeare.py: 4 layers x 128 wide) or, with quick_start=False, a tiny one (tests)."""
-    import train
-
-    check_parts(answers, random.Random())
-    shape = [str(QUICK_START), "--optim.warmup_steps=2", "--eval.sample_interval=0"] if quick_start else TINY_RUN
-    common = shape + [f"--data.data_root={data_root}", f"--train.max_steps={steps}", "--eval.interval=0",
-                      "--train.no_checkpoints=true", "--train.loss_path=full"]
-    original = train.gpt_class
-    with tempfile.TemporaryDirectory() as out, \
-            patched(train, "gpt_class", lambda module: answers.GPT if module != "model" else original(module)):
-        want = run_training(common + [f"--train.out_dir={out}/model"])
-        mine = run_training(common + [f"--train.out_dir={out}/yours", f"--train.model_module={CAPSTONE}"])
-    for a, b in zip(mine, want):
-        tolerance = 1e-5 if b["step"] == 1 else 1e-3
-        if not is_close(a["train/loss"], b["train/loss"], rel=tolerance):
-            got, expected = shown(a["train/loss"], b["train/loss"])
-            raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {b['step']} is {got} where model.py's "
-                                 f"is {expected} on the same seed and data: every part matched alone, so look at how "
-                                 f"GPT assembles them (the order of modules decides the initial weights).")
-    where = "the quick start's shape" if quick_start else "a tiny shape"
-    return (f"every part matches model.py, and train.py trained your GPT at {where} for {steps} steps with model.py's "
-            f"loss curve: {want[0]['train/loss']:.4f} at step 1, {want[-1]['train/loss']:.4f} at step {steps} "
-            f"(yours: {mine[-1]['train/loss']:.4f}).")
+        got, wanted = shown(got.item() if torch.is_tensor(got) and got.numel() == 1 else got, want["value"].item())
+        raise ExerciseFailed(f"next_token_loss is {got} where F.cross_entropy gives {wanted}: {advice}.")
+    wrong = gradient_advice("the logits", mine["grads"].get("input 0"), want["grads"]["input 0"])
+    if wrong:
+        raise ExerciseFailed(f"next_token_loss: {wrong}.")

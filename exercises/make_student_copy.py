@@ -4,16 +4,19 @@
 
 DEST (a new or empty folder) gets the project's files: those git tracks or would track, so no
 prepared data, runs or caches (the copy prepares its data on first use, as the project does). In
-every exercises/NN_name.py, the body of each answer function becomes
-`raise NotImplementedError("exercise N: ...")`; its signature and docstring (the goal and the hint)
-stay. tests/test_exercises.py is left out: it checks that the project's own answers pass, which a
-student's copy is not meant to do yet. The project itself is only read.
+every exercises/NN_name.py, the body of each answer function, and of each method of an answer class,
+becomes `raise NotImplementedError("exercise N: ...")`; its signature and docstring (what it must do)
+stay. The project's answer files go to exercises/solutions/, which only `check.py N --hint=3` reads
+(the code, for a student who gives up). tests/test_exercises*.py are left out: they check that the
+project's own answers pass, which a student's copy is not meant to do yet. The project itself is only
+read.
 
 In DEST, `python train.py` trains as in the project, and `python exercises/check.py N` says "not done
 yet" in one sentence until the student writes exercise N.
 """
 
 import ast
+import fnmatch
 import os
 import shutil
 import subprocess
@@ -25,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from config import UserError, run_command  # noqa: E402 - needs the line above
 
-NOT_COPIED = {"tests/test_exercises.py"}
+NOT_COPIED = "tests/test_exercises*.py"  # the tests that the project's answers pass
 # Without git (a project unpacked from an archive): every file except these folders.
 SKIPPED_FOLDERS = {".git", "__pycache__", ".pytest_cache", "data", "out", "wandb"}
 
@@ -39,21 +42,26 @@ def project_files(root):
     except (OSError, subprocess.CalledProcessError):
         names = [str(path.relative_to(root)) for path in root.rglob("*")
                  if path.is_file() and not SKIPPED_FOLDERS & set(path.relative_to(root).parts)]
-    return sorted({name for name in names if (root / name).is_file() and name not in NOT_COPIED})
+    return sorted({name for name in names if (root / name).is_file() and not fnmatch.fnmatch(name, NOT_COPIED)})
 
 
 def blank_answers(source, number):
-    """`source` of an answer file with each top-level function's body replaced by a NotImplementedError
-    (its signature and docstring kept), the rest of the file unchanged."""
+    """`source` of an answer file with the body of each top-level function, and of each method of a top-level
+    class, replaced by a NotImplementedError (its signature and docstring kept), the rest unchanged."""
     lines = source.splitlines(keepends=True)
-    functions = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef)]
-    for node in reversed(functions):  # from the bottom up, so the line numbers above stay right
+    functions = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef):
+            functions.append((node, node.name))
+        elif isinstance(node, ast.ClassDef):
+            functions += [(m, f"{node.name}.{m.name}") for m in node.body if isinstance(m, ast.FunctionDef)]
+    for node, name in sorted(functions, key=lambda pair: -pair[0].lineno):  # bottom up: the lines above stay
         first = node.body[0]
         has_docstring = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
             and isinstance(first.value.value, str)
         keep = first.end_lineno if has_docstring else first.lineno - 1  # lines kept: up to the docstring's end
         indent = " " * first.col_offset
-        message = f"exercise {number}: write {node.name} (its docstring says what it must do)"
+        message = f"exercise {number}: write {name} (its docstring says what it must do)"
         lines[keep:node.end_lineno] = [f"{indent}raise NotImplementedError({message!r})\n"]
     return "".join(lines)
 
@@ -73,6 +81,8 @@ def make_student_copy(dest, root=ROOT):
         number = path.name.split("_", 1)[0]
         if path.parent == Path("exercises") and path.suffix == ".py" and number.isdigit():
             target.write_text(blank_answers((root / name).read_text(), int(number)))
+            (dest / "exercises" / "solutions").mkdir(exist_ok=True)
+            shutil.copy2(root / name, dest / "exercises" / "solutions" / path.name)
             blanked.append(name)
         else:
             shutil.copy2(root / name, target)

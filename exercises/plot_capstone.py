@@ -1,5 +1,5 @@
-"""The capstone's expected loss curve (docs/exercises.md shows it): model.py's GPT and exercise 10's, both
-trained by train.py on the same seed and data at the quick start's shape, as exercise 10's check trains them.
+"""The capstone's expected loss curve (docs/exercises.md shows it): model.py's GPT and exercise 16's, both
+trained by train.py on the same seed and data at the quick start's shape, as exercise 16's check trains them.
 
     python exercises/plot_capstone.py [OUT.png] [--steps=60]
 """
@@ -11,7 +11,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exercises.checking import run_training  # noqa: E402
-from exercises.checks_model import CAPSTONE, QUICK_START  # noqa: E402
+from exercises.checks_capstone import QUICK_START  # noqa: E402
+
+CAPSTONE = Path(__file__).resolve().parent / "16_gpt.py"
 
 
 def main(argv):
@@ -25,14 +27,14 @@ def main(argv):
               "--eval.interval=0", "--train.no_checkpoints=true", "--train.loss_path=full"]
     with tempfile.TemporaryDirectory() as folder:
         curves = {"model.py": run_training(common + [f"--train.out_dir={folder}/model"]),
-                  "exercise 10 (train.model_module)": run_training(
+                  "exercise 16 (train.model_module)": run_training(
                       common + [f"--train.out_dir={folder}/yours", f"--train.model_module={CAPSTONE}"])}
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for (name, rows), style in zip(curves.items(), ("-", "--")):
         ax.plot([r["step"] for r in rows], [r["train/loss"] for r in rows], style, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("train/loss")
-    ax.set_title("exercise 10 against model.py (the quick start's shape)")
+    ax.set_title("exercise 16 against model.py (the quick start's shape)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out, dpi=110)

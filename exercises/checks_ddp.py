@@ -1,0 +1,181 @@
+"""The checks of data parallelism, run for real: torchrun starts two gloo processes that run the student's
+function (grading.py's `ranks=2`), and the gradients every rank ends with come back. The truth is one process
+that computes the gradient of the whole batch, here: 15 averaging the gradients by hand, 20 DDP's own
+all-reduce with `no_sync` during accumulation, as train.py's `train_step` does it.
+"""
+
+import random
+
+import torch
+
+from exercises.checking import ExerciseFailed, is_close, tiny_gpt
+
+HALF = 4  # sequences per rank
+
+
+def batch(seed, sequences):
+    generator = torch.Generator().manual_seed(seed + 1)
+    tokens = torch.randint(0, 512, (sequences, 17), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def gradients(model):
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def gathered(value):
+    """Every rank's `value`, in rank order (on every rank)."""
+    import torch.distributed as dist
+
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
+def whole_batch_gradient(seed, x, y):
+    """What one process computes: the mean loss over every sequence, and its gradient."""
+    model = tiny_gpt(seed)
+    loss = model(x, y)
+    loss.backward()
+    return gradients(model), loss.item()
+
+
+def agree(grads):
+    return all(torch.equal(grads[0][n], other[n]) for other in grads[1:] for n in grads[0] if grads[0][n] is not None)
+
+
+def equal(mine, want):
+    return all(m is not None and torch.allclose(m, w, rtol=1e-4, atol=1e-7) for m, w in zip(mine.values(),
+                                                                                            want.values()))
+
+
+def scaled(grads, factor):
+    return {name: g * factor for name, g in grads.items()}
+
+
+# ----------------------------------------------------------------------------- 15. averaging by hand
+
+
+def averaging_answers(answers, seed):
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model = tiny_gpt(seed)
+    x, y = batch(seed, HALF * dist.get_world_size())
+    mine = slice(rank * HALF, (rank + 1) * HALF)
+    model(x[mine], y[mine]).backward()  # each rank its half of the batch
+    answers.average_gradients(model, dist.get_world_size())
+    return gathered(gradients(model))
+
+
+def check_ddp(answers):
+    seed = random.randrange(2**31)
+    running = answers.start(averaging_answers, seed, ranks=2)
+    x, y = batch(seed, 2 * HALF)
+    want, _ = whole_batch_gradient(seed, x, y)
+    halves = [whole_batch_gradient(seed, x[r * HALF:(r + 1) * HALF], y[r * HALF:(r + 1) * HALF])[0] for r in (0, 1)]
+    ranks = running.result()
+    if not agree(ranks):
+        advice = ("each rank kept the gradient of its own half: all-reduce them, so every rank holds the same"
+                  if all(equal(mine, half) for mine, half in zip(ranks, halves)) else
+                  "all-reduce the gradients so every rank holds the same")
+        raise ExerciseFailed(f"after your averaging the 2 ranks hold different gradients: {advice}.")
+    if not equal(ranks[0], want):
+        if equal(ranks[0], scaled(want, 2)):
+            advice = "the ranks agree on the sum of their gradients: divide it by world_size (the mean, not the sum)"
+        elif equal(ranks[0], halves[0]) or equal(ranks[0], halves[1]):
+            advice = ("every rank holds one rank's gradient (a broadcast), which saw half the batch: sum all the "
+                      "ranks' gradients (all_reduce) and divide by world_size, so every rank holds the mean")
+        else:
+            advice = "every rank must hold the mean of all the ranks' gradients"
+        raise ExerciseFailed(f"the 2 ranks agree, but not with one process that saw the whole batch: {advice}.")
+    return "torchrun ran 2 gloo processes with your averaging, and every rank holds one process's gradient."
+
+
+# ----------------------------------------------------------------------------- 20. DDP with no_sync
+
+
+def no_sync_batches(seed, micro_steps, rank, step):
+    """Rank `rank`'s micro-batches of optimizer step `step`, cut from the step's whole batch."""
+    x, y = batch(seed + 1000 * step, 2 * micro_steps * 2)
+    first = rank * micro_steps * 2
+    return [(x[first + 2 * i:first + 2 * i + 2], y[first + 2 * i:first + 2 * i + 2]) for i in range(micro_steps)]
+
+
+def no_sync_answers(answers, inputs):
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    rank, micro_steps = dist.get_rank(), inputs["micro_steps"]
+    # Small buckets, so that several all-reduces make up one step once DDP has rebuilt them (after step 1).
+    model = DDP(tiny_gpt(inputs["seed"]), bucket_cap_mb=0.05)
+    forwards, reduced = [0], []
+
+    def count_all_reduces(state, bucket):  # DDP's own all-reduce (the mean over ranks), noted per micro-step
+        reduced.append(forwards[0])
+        return default_hooks.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, count_all_reduces)
+    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
+    steps = []
+    for step in (1, 2):
+        forwards[0], reduced[:] = 0, []
+        loss = answers.accumulate_with_ddp(model, no_sync_batches(inputs["seed"], micro_steps, rank, step))
+        steps.append({"grads": gradients(model.module), "all_reduces": list(reduced), "loss": loss,
+                      "keeps_graph": bool(getattr(loss, "requires_grad", False))})
+        model.zero_grad(set_to_none=True)
+    return gathered(steps)
+
+
+def check_no_sync(answers):
+    seed, micro_steps = random.randrange(2**31), 3
+    running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps}, ranks=2)
+    wants = []
+    for step in (1, 2):
+        batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
+        want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
+            rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),
+                                        torch.cat([y for _, y in batches[:micro_steps]])).item()
+        wants.append((want, rank0_loss))
+    ranks = running.result()
+    for step, (want, rank0_loss) in enumerate(wants, 1):
+        mine = [rank[step - 1] for rank in ranks]
+        all_reduces = mine[0]["all_reduces"]
+        grads = [m["grads"] for m in mine]
+        missing = next((name for name, grad in grads[0].items() if grad is None), None)
+        if missing:
+            raise ExerciseFailed(f"at step {step}, after accumulate_with_ddp, {missing} has no gradient: call "
+                                 f"backward() on every micro-step's loss.")
+        if not agree(grads):
+            advice = ("no all-reduce ran: run the last micro-step outside model.no_sync(), where DDP all-reduces what "
+                      "the micro-steps accumulated" if not all_reduces else
+                      "every rank must end with the same gradient, DDP's all-reduce on the last micro-step")
+            raise ExerciseFailed(f"at step {step} the 2 ranks hold different gradients: {advice}.")
+        if not equal(grads[0], want):
+            if equal(grads[0], scaled(want, micro_steps)):
+                advice = "divide each micro-step's loss by the number of micro-steps before backward()"
+            elif equal(grads[0], scaled(want, 0.5)):
+                advice = "DDP already averages over the ranks: divide by the number of micro-steps only"
+            else:
+                advice = "each micro-step adds loss / micro-steps into .grad, and DDP averages over the ranks"
+            raise ExerciseFailed(f"at step {step} the ranks agree, but not with one process over all {2 * micro_steps} "
+                                 f"micro-batches: {advice}.")
+        early = [micro for micro in all_reduces if micro < micro_steps]
+        if early:
+            raise ExerciseFailed(f"at step {step} DDP all-reduced during micro-step {early[0]} of {micro_steps} "
+                                 f"({len(all_reduces)} all-reduces where {all_reduces.count(micro_steps)} on the last "
+                                 f"micro-step are all it needs): run every micro-step but the last inside "
+                                 f"model.no_sync(), so the gradients cross the network once per optimizer step.")
+        loss = mine[0]["loss"]
+        if mine[0]["keeps_graph"]:
+            raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")
+        if not (torch.is_tensor(loss) and loss.numel() == 1 and is_close(loss.item(), rank0_loss, rel=1e-5)):
+            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {loss!r} where the mean of its micro-steps' "
+                                 f"losses is {rank0_loss:.6g}: return that, as a one-number tensor.")
+    buckets = ranks[0][1]["all_reduces"].count(micro_steps)
+    return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced your gradients only on the last "
+            f"micro-step (step 1 in {ranks[0][0]['all_reduces'].count(micro_steps)} bucket, step 2 in {buckets} once "
+            f"DDP rebuilt its buckets of 0.05 MB), and both ranks hold one process's gradient over all "
+            f"{2 * micro_steps} micro-batches.")

@@ -1,0 +1,145 @@
+"""The check of exercise 17: mixed precision. The truth is train.py's own step under bf16 autocast: forward hooks
+record the dtype of every module's output while `train_step` runs, and its loss and gradients are those the
+student's step must give (on the CPU, where torch's autocast makes the same choices for these modules as on a GPU).
+"""
+
+import random
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from exercises.checking import ExerciseFailed, gradient_advice, is_close, shown
+from exercises.checks_step import GradientKeeper, ListLoader
+
+BF16 = torch.bfloat16
+
+
+def autocast():
+    """The context train.py's start_processes builds for train.dtype=bfloat16 on this device."""
+    return torch.autocast("cpu", dtype=BF16)
+
+
+def gpt(seed, loss_path="full"):
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512), loss_path=loss_path)
+
+
+def batch(seed):
+    tokens = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(seed + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def autocast_answers(answers, seed):
+    model = gpt(seed)
+    names = answers.bf16_modules(model)
+    x, y = batch(seed)
+    loss = answers.bf16_step(model, x, y)
+    return {"names": sorted(names) if isinstance(names, (set, list, tuple)) else names, "loss": loss,
+            "keeps_graph": bool(getattr(loss, "requires_grad", False)),
+            "weights": {name: str(p.dtype) for name, p in model.named_parameters()},
+            "grads": {name: p.grad for name, p in model.named_parameters()}}
+
+
+def the_trainers_step(seed, context):
+    """train.py's train_step on one micro-batch under `context`: (dtype of each module's output, loss, grads)."""
+    from train import train_step
+
+    model, dtypes = gpt(seed), {}
+
+    def note(name):
+        def hook(module, args, output):
+            dtypes.setdefault(name, output.dtype)
+        return hook
+
+    for name, module in model.named_modules():
+        if name and not isinstance(module, (nn.ModuleDict, nn.ModuleList)):
+            module.register_forward_hook(note(name))
+    keeper = GradientKeeper(model)
+    metrics, _ = train_step(model, keeper, ListLoader([batch(seed)]), 1, context, grad_clip=0.0, nan_policy="stop")
+    return dtypes, metrics["train/loss"].item(), keeper.grads
+
+
+def dtype_advice(name, module_kind, says_bf16):
+    if says_bf16:
+        return {"LayerNorm": "autocast keeps normalisations in float32 (a mean and a variance need its precision)",
+                "Embedding": "an embedding is a lookup, not a matmul: it gives the float32 weights it holds",
+                "Block": "a block's output is the residual stream, its float32 input plus what attention and the MLP "
+                         "add, and float32 + bfloat16 is float32 (type promotion)",
+                }.get(module_kind, "an elementwise module keeps its input's dtype, float32 here")
+    return {"Linear": "autocast runs matmuls (nn.Linear) in bfloat16: that is what it is for, the output layer too",
+            }.get(module_kind, "its output comes from a matmul's bfloat16 output (an elementwise module keeps its "
+                               "input's dtype)")
+
+
+def check_autocast(answers):
+    seed = random.randrange(2**31)
+    running = answers.start(autocast_answers, seed)
+    dtypes, want_loss, want_grads = the_trainers_step(seed, autocast())
+    _, _, float32_grads = the_trainers_step(seed, nullcontext())
+    kinds = {name: type(module).__name__ for name, module in gpt(seed).named_modules()}
+    mine = running.result()
+    names = mine["names"]
+    if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
+        raise ExerciseFailed(f"bf16_modules returned {shown(names, 0)[0][:60]}; return a set of module names.")
+    for name, dtype in dtypes.items():
+        if (name in names) != (dtype == BF16):
+            wrong = "bfloat16" if name in names else "float32"
+            raise ExerciseFailed(f"you say {name} ({kinds[name]}) gives {wrong} under bf16 autocast, and in "
+                                 f"train.py's step it gives {str(dtype).replace('torch.', '')}: "
+                                 f"{dtype_advice(name, kinds[name], name in names)}.")
+    stranger = next((name for name in names if name not in dtypes), None)
+    if stranger:
+        raise ExerciseFailed(f"you name {stranger!r}, which is no module that runs in the GPT's forward.")
+    cast = next((name for name, dtype in mine["weights"].items() if dtype != "torch.float32"), None)
+    if cast:
+        raise ExerciseFailed(f"after your step {cast} is {mine['weights'][cast]}: the weights, their gradients and the "
+                             f"optimizer's state stay float32; autocast casts each matmul's inputs, never the model.")
+    loss = mine["loss"]
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ExerciseFailed(f"bf16_step returned {shown(loss, 0)[0][:60]}; return the loss as a one-number tensor.")
+    if mine["keeps_graph"]:
+        raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return loss.detach().")
+    in_bf16 = bf16_loss(seed)
+    if loss.dtype != torch.float32 or not is_close(loss.item(), want_loss, rel=5e-5):
+        got, want = shown(loss.float().item(), want_loss)
+        if loss.dtype == BF16 or is_close(loss.item(), in_bf16, rel=1e-5):
+            advice = (f"a loss computed in bfloat16 is a multiple of {2.0 ** (int(want_loss).bit_length() - 8):g} "
+                      f"near {want_loss:.0f}; upcast the logits to float32 before the cross-entropy (.float()), as "
+                      f"model.py does, and the loss keeps its precision")
+        else:
+            advice = "the loss is the mean next-token cross-entropy of the logits, ignoring targets of -1"
+        raise ExerciseFailed(f"your step's loss is {got} ({str(loss.dtype).replace('torch.', '')}) where train.py's "
+                             f"step under bf16 autocast gives {want}: {advice}.")
+    mine_grads = mine["grads"]
+    if all(torch.is_tensor(mine_grads.get(name)) for name in want_grads):
+        error, from_float32 = (distance(mine_grads, grads) for grads in (want_grads, float32_grads))
+        if error > 1e-3 and from_float32 < error:
+            raise ExerciseFailed(f"your step's gradients are the float32 step's (they differ from train.py's step "
+                                 f"under bf16 autocast by {error:.2%}): run the forward under torch.autocast(\"cpu\", "
+                                 f"dtype=torch.bfloat16), as the trainer's step does.")
+    for name, grad in want_grads.items():
+        wrong = gradient_advice(name, mine_grads.get(name), grad, tolerance=1e-3, truth="train.py's step's")
+        if wrong:
+            raise ExerciseFailed(f"bf16_step: {wrong}.")
+    return (f"the {sum(d == BF16 for d in dtypes.values())} modules you name are those that give bfloat16 in "
+            f"train.py's step (its matmuls and what follows them), and your step's loss and gradients are its own: "
+            f"loss {want_loss:.5f}, which computed in bfloat16 would be {in_bf16:.5f}.")
+
+
+def distance(mine, want):
+    """The norm of the difference of two sets of gradients, relative to the norm of `want`."""
+    difference = torch.stack([(mine[name].float() - grad).norm() for name, grad in want.items()]).norm()
+    return (difference / torch.stack([grad.norm() for grad in want.values()]).norm()).item()
+
+
+def bf16_loss(seed):
+    """The loss of the same step, the cross-entropy computed in bfloat16: what the upcast avoids."""
+    model = gpt(seed)
+    x, y = batch(seed)
+    with torch.no_grad(), autocast():
+        logits = model(x)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).float().item()

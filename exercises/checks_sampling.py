@@ -1,0 +1,102 @@
+"""The check of exercise 21: sampling with a KV cache. The truth is sample.py: its KVCache on the same keys and
+values, and its generate on the same small GPT with a generator seeded alike, so the same draws give the same
+tokens. A forward pre-hook counts the positions each generate runs through the model: the cache's saving.
+"""
+
+import random
+
+import torch
+
+from exercises.checking import ExerciseFailed, shown, tiny_gpt
+
+CASES = [  # (rows, prompt length, new tokens, temperature, top_k): greedy, sampled, top-k, past block_size (16)
+    (2, 4, 8, 0.0, None), (2, 5, 10, 1.0, None), (1, 3, 10, 0.8, 20), (1, 10, 14, 1.0, None)]
+
+
+def cache_steps(cache_class, keys):
+    """What a cache answers when 2 layers append, in turn, the given keys (values: keys + 1), 3 rounds."""
+    cache, answers = cache_class(2), []
+    for k in keys:
+        answers.append({"returned": cache.append(k, k + 1), "length": cache.length})
+    return answers
+
+
+def positions_counted(model):
+    """A list that grows by the number of positions each forward pass reads (the token ids it embeds)."""
+    counted = []
+    model.transformer.wte.register_forward_pre_hook(lambda module, args: counted.append(args[0].numel()))
+    return counted
+
+
+def run_generate(generate, model, case, prompt, seed):
+    rows, _, new, temperature, top_k = case
+    counted = positions_counted(model)
+    tokens = generate(model, prompt, new, temperature=temperature, top_k=top_k,
+                      generator=torch.Generator().manual_seed(seed))
+    return {"tokens": tokens, "positions": sum(counted)}
+
+
+def sampling_answers(answers, inputs):
+    model = tiny_gpt(inputs["seed"]).eval()
+    return {"cache": cache_steps(answers.KVCache, inputs["keys"]),
+            "generated": [run_generate(answers.generate, model, case, prompt, inputs["seed"])
+                          for case, prompt in zip(CASES, inputs["prompts"])]}
+
+
+def compare_cache(mine, want):
+    for i, (got, expected) in enumerate(zip(mine, want)):
+        layer, round_ = i % 2, i // 2 + 1
+        keys = got["returned"][0] if isinstance(got["returned"], (list, tuple)) else None
+        if not torch.is_tensor(keys) or keys.shape != expected["returned"][0].shape:
+            raise ExerciseFailed(f"after {round_} appends to layer {layer}, your append returns keys of shape "
+                                 f"{tuple(getattr(keys, 'shape', ()))} where sample.py's KVCache returns "
+                                 f"{tuple(expected['returned'][0].shape)}: the layer's earlier keys, then the new "
+                                 f"ones, along the positions (dim 2); the model calls append once per layer, in order.")
+        values = got["returned"][1] if len(got["returned"]) > 1 else None
+        if not (torch.equal(keys, expected["returned"][0]) and torch.is_tensor(values)
+                and torch.equal(values, expected["returned"][1])):
+            raise ExerciseFailed(f"after {round_} appends to layer {layer}, your append returns other keys or values "
+                                 f"than sample.py's KVCache: each layer keeps its own, and (keys, values) come back "
+                                 f"in that order.")
+        if got["length"] != expected["length"]:
+            raise ExerciseFailed(f"after {round_} appends to each layer your cache's length is {got['length']!r} where "
+                                 f"sample.py's says {expected['length']}: the positions it holds, the next token's "
+                                 f"position.")
+
+
+def check_kv_cache(answers):
+    import sample
+
+    seed = random.randrange(2**31)
+    keys = [torch.randn(1, 2, t, 4) for t in (3, 3, 1, 1, 2, 2)]
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, 512, (rows, length), generator=generator) for rows, length, *_ in CASES]
+    mine = answers.run(sampling_answers, {"seed": seed, "keys": keys, "prompts": prompts})
+    compare_cache(mine["cache"], cache_steps(sample.KVCache, keys))
+    model = tiny_gpt(seed).eval()
+    for case, prompt, got in zip(CASES, prompts, mine["generated"]):
+        want = run_generate(sample.generate, model, case, prompt, seed)
+        rows, length, new, temperature, top_k = case
+        what = (f"{new} new tokens after a prompt of {length}" + (" (past block_size 16)" if length + new > 16 else "")
+                + (", greedy" if temperature == 0 else f", temperature {temperature}, top_k {top_k}"))
+        tokens = got["tokens"]
+        if not torch.is_tensor(tokens) or tokens.shape != want["tokens"].shape:
+            raise ExerciseFailed(f"your generate returned {shown(tokens, 0)[0][:50]} of shape "
+                                 f"{tuple(getattr(tokens, 'shape', ()))} for {what}, where sample.py's returns "
+                                 f"{tuple(want['tokens'].shape)}: the prompt followed by the new tokens.")
+        if not torch.equal(tokens, want["tokens"]):
+            at = (tokens != want["tokens"]).any(0).nonzero()[0].item() - length
+            advice = ("the most likely token of the last position's logits, with the new token at the position the "
+                      "cache has reached" if temperature == 0 else
+                      "filter the last position's logits (sample.filter_logits, top_k), divide them by the "
+                      "temperature, softmax, and draw one token with torch.multinomial(probs, 1, generator=generator)")
+            raise ExerciseFailed(f"your generate's new token {at + 1} differs from sample.py's for {what}: {advice}.")
+        if got["positions"] != want["positions"]:
+            raise ExerciseFailed(f"your generate ran {got['positions']} positions through the model for {what}, where "
+                                 f"sample.py's runs {want['positions']}: with the cache, feed the prompt once, then "
+                                 f"only each new token (and the last block_size - 1 tokens when the cache is full).")
+    naive = sum(rows * min(16, length + i) for rows, length, new, _, _ in CASES[1:2] for i in range(new))
+    return (f"your cache and generate give sample.py's tokens in all {len(CASES)} cases, greedy, sampled and past "
+            f"block_size, reading each token once: {CASES[1][2]} new tokens after a prompt of {CASES[1][1]} cost "
+            f"{CASES[1][0] * (CASES[1][1] + CASES[1][2] - 1)} positions through the model, where rerunning the whole "
+            f"text would cost {naive}.")

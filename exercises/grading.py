@@ -1,0 +1,202 @@
+"""How a check meets an answer without sharing a process with it: grading a student cannot change.
+
+The teacher's check.py computes every reference (model.py's outputs and gradients, torch's AdamW, tiktoken's
+ids, one process's DDP step, ...) in its own process, which never imports an answer file. An answer runs in a
+process of its own: `python exercises/runner.py` (the teacher's runner, with the teacher's project first on
+its path, so the answer's `import model` is the teacher's model.py) loads the answer file, runs the check's
+answer side on the inputs the check saved, and saves what came back as plain data. The check loads that with
+torch.load(weights_only=True), which reads tensors, numbers and strings and runs no code. So an answer file
+that patches torch or the project at import changes only its own process; and nothing of the student's copy
+but its answer files runs at all (not its check.py, checking.py, checks or project modules). Answers run one
+after another, each in a child forked by one zygote (runner.py says why); under torchrun, two per answer.
+"""
+
+import ast
+import atexit
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from exercises.checking import ExerciseFailed, NotDone
+
+HERE = Path(__file__).resolve().parent  # the grading copy's exercises/
+RUNNER = HERE / "runner.py"
+
+
+def answer_file(number, folder=HERE):
+    """exercises/NN_name.py of exercise `number` in `folder`."""
+    found = sorted(Path(folder).glob(f"{number:02d}_*.py"))
+    if not found:
+        raise ExerciseFailed(f"{folder} holds no {number:02d}_*.py, the answer file of exercise {number}.")
+    return found[0].resolve()
+
+
+def blank_bodies(source):
+    """The names (function, or Class.method) whose body is still the student copy's `raise NotImplementedError`,
+    in the order of the file: read from the source text, without running it."""
+    names = []
+    for node in ast.parse(source).body:
+        members = []
+        if isinstance(node, ast.FunctionDef):
+            members = [(node, "")]
+        elif isinstance(node, ast.ClassDef):
+            members = [(method, f"{node.name}.") for method in node.body if isinstance(method, ast.FunctionDef)]
+        for function, prefix in members:
+            body = [s for s in function.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+            if len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0]):
+                names.append(prefix + function.name)
+    return names
+
+
+class Answers:
+    """The answer file of exercise `number` in `folder`, graded from outside: its functions run only in a
+    process of their own (`run`), and only their results come back."""
+
+    def __init__(self, number, folder=HERE):
+        self.number, self.folder = number, Path(folder).resolve()
+        self.path = answer_file(number, self.folder)
+
+    def check_written(self):
+        """NotDone, without running anything, when an answer function is still blank."""
+        try:
+            blank = blank_bodies(self.path.read_text(encoding="utf-8"))
+        except SyntaxError as error:
+            raise ExerciseFailed(f"exercises/{self.path.name} does not load ({error.msg} at line {error.lineno}).") \
+                from None
+        if blank:
+            raise NotDone(f"write {blank[0]} in exercises/{self.path.name} (its docstring says what it must do).")
+
+    def run(self, side, inputs=None, timeout=300, ranks=1):
+        """`side(answers, inputs)` (a function of a checks module) in a new process that loads the answer file;
+        returns what it returned, as plain data. With ranks=2, torchrun starts two such processes on gloo (the
+        checks of data parallelism), and rank 0's result comes back."""
+        return self.start(side, inputs, timeout, ranks).result()
+
+    def start(self, side, inputs=None, timeout=300, ranks=1):
+        """`run`, started: the check computes its reference meanwhile, then calls `.result()`."""
+        return Running(self, side, inputs, timeout, ranks)
+
+
+class Running:
+    """An answer process (or two, under torchrun) under way."""
+
+    def __init__(self, answers, side, inputs, timeout, ranks):
+        self.answers, self.timeout, self.ranks = answers, timeout, ranks
+        self.folder = tempfile.TemporaryDirectory()
+        self.inputs, self.outputs = (os.path.join(self.folder.name, name) for name in ("in.pt", "out.pt"))
+        torch.save(inputs, self.inputs)
+        job = [str(answers.path), f"{side.__module__}:{side.__name__}", self.inputs, self.outputs]
+        if ranks == 1 and hasattr(os, "fork"):
+            self.process = None
+            self.child = ZYGOTE.start(job, self.folder.name)
+            return
+        start = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc-per-node={ranks}"]
+        # In a folder of its own, so that nothing the answer writes lands in the project.
+        self.process = subprocess.Popen(start + [str(RUNNER), *job], cwd=self.folder.name, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, text=True, env=runner_environment())
+
+    def wait(self):
+        """(exit status, its output), or None when the answer ran past the time limit (and was stopped)."""
+        if self.process is None:
+            status = ZYGOTE.wait(self.child, self.timeout)
+            with open(os.path.join(self.folder.name, "output.txt"), errors="replace") as f:
+                return None if status is None else (status, f.read())
+        try:
+            output = self.process.communicate(timeout=self.timeout)[0]
+            return self.process.returncode, output
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.communicate()
+            return None
+
+    def result(self):
+        try:
+            finished = self.wait()
+            if finished is None:
+                raise ExerciseFailed(f"your answer did not finish in {self.timeout} s (the check's inputs are small: "
+                                     f"look for a loop that never ends, or a rank that waits for another).")
+            status, output = finished
+            # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's says why.
+            written = [path for path in [self.outputs] + [f"{self.outputs}.{r}" for r in range(1, self.ranks)]
+                       if os.path.exists(path)]
+            if not written:
+                lines = [line for line in output.strip().splitlines() if line.strip()] or ["no output"]
+                raise ExerciseFailed(f"the process that runs your answer ended (exit status {status}) before it "
+                                     f"answered: {lines[-1][:200]}.")
+            came_back = torch.load(written[0], weights_only=True)
+        finally:
+            self.folder.cleanup()
+        if not isinstance(came_back, dict):
+            raise ExerciseFailed("the process that runs your answer sent back something else than its results.")
+        if "not_done" in came_back:
+            raise NotDone(str(came_back["not_done"]))
+        if "failed" in came_back:
+            raise ExerciseFailed(str(came_back["failed"]))
+        return came_back.get("outputs")
+
+
+def runner_environment():
+    """The environment of an answer's process: one thread, and no PYTHONPATH that could put a student's copy
+    before this one."""
+    return {**{name: value for name, value in os.environ.items() if name != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+
+
+class Zygote:
+    """runner.py --zygote, started at the first answer and kept until this process ends: each answer runs in a
+    child it forks (runner.py says why). One answer at a time: a new one waits for the last to end. Its replies
+    are read by a thread into a queue, so that waiting for one can end after a time limit."""
+
+    def __init__(self):
+        self.process, self.replies, self.running = None, None, None
+
+    def start(self, job, folder):
+        """Start `job` in a new child; returns the child's pid."""
+        if self.running is not None:  # a check that stopped before reading its answer's end
+            self.wait(self.running, None)
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen([sys.executable, str(RUNNER), "--zygote"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                            env=runner_environment(), cwd=tempfile.gettempdir())
+            self.replies = queue.Queue()
+            threading.Thread(target=self.read, args=(self.process.stdout, self.replies), daemon=True).start()
+            atexit.register(self.process.stdin.close)
+        self.process.stdin.write(json.dumps({"job": job, "folder": folder}) + "\n")
+        self.process.stdin.flush()
+        self.running = self.reply(None)["pid"]
+        return self.running
+
+    def wait(self, pid, timeout):
+        """The child's exit status, or None after `timeout` seconds (the child is then stopped)."""
+        try:
+            status = self.reply(timeout)["status"]
+        except queue.Empty:
+            os.kill(pid, signal.SIGKILL)
+            self.reply(None)
+            status = None
+        self.running = None
+        return status
+
+    def reply(self, timeout):
+        line = self.replies.get(timeout=timeout)
+        if line is None:
+            self.process, self.running = None, None
+            raise ExerciseFailed("the process that runs the answers ended: run the check again.")
+        return json.loads(line)
+
+    @staticmethod
+    def read(stdout, replies):
+        for line in stdout:
+            replies.put(line)
+        replies.put(None)
+
+
+ZYGOTE = Zygote()

@@ -1,0 +1,148 @@
+"""The process an answer runs in (grading.py starts it; torchrun starts two for the checks of data parallelism).
+
+    python exercises/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
+    python exercises/runner.py --zygote        # forks one such process per job read from stdin (grading.py)
+
+It puts this copy's project first on the path (so the answer's `import model` is this copy's model.py, whatever
+folder the answer file sits in), loads the answer file, calls FUNCTION(answers, inputs), the check's answer
+side, and saves {"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet
+or raised, {"not_done": ...} or {"failed": ...}, one sentence that names the function and its line. Under
+torchrun each rank does the same, rank r > 0 into OUTPUTS.r.
+
+Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run. So a
+grader with many answers to run (`check.py all`, the tests) starts one zygote: a process that imports torch,
+the project and the checks once, never loads an answer file, and forks a fresh child for each answer. The
+child is a process of its own like any other: what the answer patches dies with it.
+"""
+
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def load_answers(path):
+    """The answer file as a module (its name starts with a digit, so it is loaded by path, not imported)."""
+    spec = importlib.util.spec_from_file_location(f"exercise_{Path(path).stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def first_line(error):
+    text = str(error).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def describe_error(path, error):
+    """(kind, sentence) for an exception raised while the answer ran: "not_done" for an answer not written yet,
+    "failed" for an error in an answer file (this one, or another exercise's it builds on), a file that does not
+    load, or an error the check's answer side ran into, fed what the answers returned."""
+    path = Path(path).resolve()
+    frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)]
+    in_answers = [(frame, line) for frame, line in frames
+                  if Path(frame.f_code.co_filename).resolve().parent == path.parent
+                  and Path(frame.f_code.co_filename).name[:2].isdigit()]
+    if isinstance(error, NotImplementedError) and in_answers:
+        frame = in_answers[-1][0]
+        where = Path(frame.f_code.co_filename).name
+        return "not_done", (f"write {frame.f_code.co_qualname} in exercises/{where} (its docstring says what it must "
+                            f"do).")
+    if in_answers:
+        frame, line = in_answers[-1]
+        where = Path(frame.f_code.co_filename).name
+        if frame.f_code.co_qualname == "<module>":
+            return "failed", (f"exercises/{where} does not load: {type(error).__name__} ({first_line(error)}) at "
+                              f"line {line}.")
+        return "failed", (f"your {frame.f_code.co_qualname} raised {type(error).__name__} ({first_line(error)}) at "
+                          f"exercises/{where} line {line}.")
+    if isinstance(error, SyntaxError) and error.filename and Path(error.filename).name[:2].isdigit():
+        return "failed", f"exercises/{Path(error.filename).name} does not load ({error.msg} at line {error.lineno})."
+    last = traceback.extract_tb(error.__traceback__)[-1:] or [None]
+    last = last[0]
+    if isinstance(error, AssertionError) and last and Path(last.filename).resolve().parent == ROOT / "exercises":
+        return "failed", (f"this exercise cannot be checked: the project no longer does what it teaches "
+                          f"({first_line(error)}); tell your teacher.")
+    place = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
+    return "failed", (f"the check stopped on {type(error).__name__} ({first_line(error)}){place}, reached with what "
+                      f"your answers in exercises/{path.name} returned.")
+
+
+def run_job(answer_path, side, inputs_path, outputs_path):
+    import torch
+
+    from exercises.checking import ExerciseFailed, plain
+
+    torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (checking.py)
+    rank = int(os.environ.get("RANK", "0"))
+    if "RANK" in os.environ:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    inputs = torch.load(inputs_path, weights_only=True)
+    module_name, function_name = side.split(":")
+    answer_side = getattr(importlib.import_module(module_name), function_name)
+    try:
+        came_back = {"outputs": plain(answer_side(load_answers(answer_path), inputs))}
+    except ExerciseFailed as failure:  # the answer side found the answer unusable (a wrong type, ...)
+        came_back = {"failed": str(failure)}
+    except Exception as error:  # noqa: BLE001 - whatever the answer raised, said in one sentence
+        kind, sentence = describe_error(answer_path, error)
+        came_back = {kind: sentence}
+    torch.save(came_back, outputs_path if rank == 0 else f"{outputs_path}.{rank}")
+    if "RANK" in os.environ and "outputs" in came_back:
+        torch.distributed.destroy_process_group()
+
+
+# What a zygote imports once, so that its children start with it: the project and every check's module.
+PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", "data", "optimizer", "checkpoint",
+             "hellaswag_eval", "tools.scaling_law", "tools.prepare_data",
+             *(f"exercises.{path.stem}" for path in sorted((ROOT / "exercises").glob("checks*.py")))]
+
+
+def zygote():
+    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS], "folder": ...}), and
+    run each in a forked child, in `folder`, its output in folder/output.txt; write {"pid": ...} when the child
+    starts and {"status": its exit status} when it ends."""
+    replies = os.fdopen(os.dup(1), "w")  # the grader reads replies here; anything else printed goes to stderr
+    os.dup2(2, 1)
+    for name in PRELOADED:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional package, a module being edited: the child says what fails
+            pass
+    import torch
+    torch.set_num_threads(1)
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:  # the child: one answer, then gone
+            status = 1
+            try:
+                replies.close()
+                os.chdir(request["folder"])
+                output = os.open(os.path.join(request["folder"], "output.txt"), os.O_WRONLY | os.O_CREAT)
+                os.dup2(output, 1)
+                os.dup2(output, 2)
+                sys.stdin.close()
+                run_job(*request["job"])
+                status = 0
+            except BaseException:  # noqa: BLE001 - said where the grader reads it, as a process would say it
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        print(json.dumps({"pid": pid}), file=replies, flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"status": os.waitstatus_to_exitcode(status)}), file=replies, flush=True)
+
+
+if __name__ == "__main__":
+    zygote() if sys.argv[1:] == ["--zygote"] else run_job(*sys.argv[1:])
