@@ -110,6 +110,8 @@ def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_s
 def grad_norm(params):
     """The norm of the gradients of `params` taken together (those that have one), on the device."""
     grads = [p.grad.norm() for p in params if p.grad is not None]
+    # FSDP: the norm of a rank's piece is a DTensor, and full_tensor() gives the whole gradient's (a small collective)
+    grads = [norm.full_tensor() if hasattr(norm, "full_tensor") else norm for norm in grads]
     return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(())
 
 

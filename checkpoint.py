@@ -8,12 +8,17 @@ A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
 
+An FSDP run (train.data_parallel=fsdp) writes `sharded/` instead of model.pt and optim.pt: each rank writes its
+own pieces of both through torch.distributed.checkpoint (`__<rank>_0.distcp`, and `.metadata`), nothing is
+gathered on one rank, and every reader below puts them together (sharding.py). The marker lists those files too.
+
 `<out_dir>/latest` is a symlink to the newest complete one. A crash at any instant leaves either the
 old state or the new one: every file, the COMPLETE marker last, is written into `step<N>.partial`
 and fsynced, and a single rename makes `step<N>` appear whole. A folder whose marker is missing or
 unreadable is never loaded; a file whose checksum does not match makes the loader fall back to the
-previous complete checkpoint, with a warning. Rank 0 writes (the state is replicated); every rank
-reads. What happens to the run folder around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
+previous complete checkpoint, with a warning. Rank 0 writes (the state is replicated; under FSDP every
+rank writes its pieces first, then rank 0 the rest); every rank reads. What happens to the run folder
+around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
@@ -42,6 +47,7 @@ from config import UserError, config_from_dict, keys_with_role, run_command
 from model import gpt_class
 
 MARKER = "COMPLETE"
+SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (sharding.FOLDER)
 STEP_DIR = re.compile(r"^step(\d+)$")
 # The model fields that must match to load weights: the model section's `identity` fields (config.py);
 # dropout may differ (e.g. fine-tuning with dropout).
@@ -162,17 +168,24 @@ def write_file_atomic(path, data):
     return hashlib.sha256(data).hexdigest()
 
 
-def write_checkpoint(out_dir, step, snapshot, kind):
+def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
     """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>.
 
     Everything, the marker last, is written into step<N>.partial and fsynced; one rename then makes
     step<N> appear whole. A step<N> already there (a run being replaced) is renamed aside first and
-    deleted only after the new one is in place."""
+    deleted only after the new one is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/
+    already (start_shards); their files are listed in the marker with the others."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    os.makedirs(partial)
     checksums = {}
+    if shards:
+        pieces = os.path.join(partial, SHARDED)
+        checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
+                     for name in sorted(os.listdir(pieces))}
+        fsync_dir(pieces)
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
     for name, obj in snapshot.items():
         buffer = io.BytesIO()
         torch.save(obj, buffer)
@@ -220,11 +233,13 @@ class Checkpointer:
     `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
     this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
     `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py), and
-    local retention keeps it until its upload has ended."""
+    local retention keeps it until its upload has ended.
+    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (start_shards)."""
 
-    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None):
+    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
         self.async_save, self.is_master = async_save, is_master
+        self.shard_group = shard_group
         self.replaced = list(replaced)
         self.uploader = uploader
         self.thread, self.error = None, None
@@ -243,20 +258,30 @@ class Checkpointer:
         with self.pruning:
             prune_checkpoints(self.out_dir, self.keep_last, keep=self.uploader.waiting() if self.uploader else ())
 
-    def save(self, step, snapshot, kind):
+    def save(self, step, snapshot, kind, model=None, optimizer=None):
+        """Save `snapshot` (capture_state's) as step<N>. A sharded `model` (FSDP) and its `optimizer` are written by
+        every rank first (start_shards), then rank 0 writes the rest; other models are in the snapshot."""
         self.wait()  # the previous save must finish before the next one starts
-        if not self.is_master:
+        shards = None
+        if model is not None and is_sharded(model):
+            shards = start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
+                                  self.async_save)
+        elif not self.is_master:
             return
         if self.async_save:
-            self.thread = threading.Thread(target=self._write, args=(step, snapshot, kind), daemon=True)
+            self.thread = threading.Thread(target=self._write, args=(step, snapshot, kind, shards), daemon=True)
             self.thread.start()
         else:
-            self._write(step, snapshot, kind)
+            self._write(step, snapshot, kind, shards)
             self.wait()
 
-    def _write(self, step, snapshot, kind):
+    def _write(self, step, snapshot, kind, shards=None):
         try:
-            written = write_checkpoint(self.out_dir, step, snapshot, kind)
+            if shards is not None:
+                shards.wait()  # every rank's pieces, and .metadata, are on disk
+                if not self.is_master:
+                    return
+            written = write_checkpoint(self.out_dir, step, snapshot, kind, shards=shards is not None)
             for path in self.replaced:
                 if os.path.abspath(path) != os.path.abspath(written):
                     shutil.rmtree(path, ignore_errors=True)
@@ -274,6 +299,35 @@ class Checkpointer:
         if self.error is not None:
             error, self.error = self.error, None
             raise CheckpointError(f"saving a checkpoint in {self.out_dir} failed: {error}") from error
+
+
+def is_sharded(model):
+    """Sharded by FSDP (train.data_parallel=fsdp, sharding.py): fully_shard gives the model this method."""
+    return hasattr(model, "set_requires_gradient_sync")
+
+
+class Shards:
+    """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
+
+    def __init__(self, future):
+        self.future = future  # dcp.async_save's, or None when the pieces were written before it was made
+
+    def wait(self):
+        if self.future is not None:
+            self.future.result()
+
+
+def start_shards(out_dir, step, model, optimizer, is_master, group, async_save):
+    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
+    rank 0 first clears what a killed save left there. With async_save, they are written in the background."""
+    import sharding
+
+    partial = os.path.join(out_dir, f"step{step}.partial")
+    if is_master:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
+    return Shards(sharding.save_shards(model, optimizer, partial, group, async_save, tied=set(ties(model))))
 
 
 # ----------------------------------------------------------------------------- what to load
@@ -382,7 +436,8 @@ def set_rng_state(state, sample_generator):
 
 def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master):
     """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG
-    states of all ranks are gathered (ranks draw different dropout masks)."""
+    states of all ranks are gathered (ranks draw different dropout masks). A sharded model's weights and
+    optimizer are not in it: each rank writes its own pieces (Checkpointer.save)."""
     rng = rng_state(sample_generator)
     if dist.is_initialized():
         all_rng = [None] * dist.get_world_size()
@@ -391,6 +446,8 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
         all_rng = [rng]
     if not is_master:
         return None
+    if is_sharded(raw_model):
+        return to_cpu({"trainer": {**trainer_state, "rng": all_rng}})
     return to_cpu({"model": model_weights(raw_model), "optim": optimizer.state_dict(),
                    "trainer": {**trainer_state, "rng": all_rng}})
 
@@ -424,17 +481,35 @@ def model_weights(model):
     return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
 
 
-def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when the weights in `path`/model.pt are not the ones `model` has:
-    a name only one side has, or another shape. The file is memory-mapped: only its index is read."""
+def saved_shapes(path):
+    """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt is
+    memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata."""
+    if os.path.isdir(os.path.join(path, SHARDED)):
+        import sharding
+        return {name: shape for name, (shape, _) in sharding.tensor_shapes(os.path.join(path, SHARDED)).items()}
     saved = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True, mmap=True)
+    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
+
+
+def saved_weights(path, device):
+    """{name: tensor} of the weights in checkpoint `path`: model.pt, or an FSDP run's pieces put together."""
+    if os.path.isdir(os.path.join(path, SHARDED)):
+        import sharding
+        return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
+    return torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+
+
+def check_weights_fit(path, model, advice):
+    """One sentence, before anything is loaded, when the weights in checkpoint `path` are not the ones `model` has:
+    a name only one side has, or another shape."""
+    saved = saved_shapes(path)
     wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
     tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
     problems = [f"{name} is not in it" for name in wanted if name not in saved]
     problems += [f"it has {name}, which this model has not" for name in saved
                  if name not in wanted and name not in tied]
-    problems += [f"{name} is {list(saved[name].shape)} there and {list(shape)} here" for name, shape in wanted.items()
-                 if name in saved and tuple(saved[name].shape) != shape]
+    problems += [f"{name} is {list(saved[name])} there and {list(shape)} here" for name, shape in wanted.items()
+                 if name in saved and tuple(saved[name]) != shape]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(f"the weights in {path} do not fit this model: {'; '.join(problems[:3])}{more}. The "
@@ -445,7 +520,7 @@ def load_model_state(model, path, device):
     """model.pt into `model`: each weight by name, and a tied weight (stored once) to each name the model ties
     it under. A checkpoint that does not fit the model is one sentence (check_weights_fit)."""
     check_weights_fit(path, model, "load it into the model it was trained with.")
-    state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+    state = saved_weights(path, device)
     for name, first in ties(model).items():
         state.setdefault(name, state[first])
     model.load_state_dict(state)
@@ -463,13 +538,24 @@ def load_optimizer_state(optimizer, path, device):
     back the saved groups' LR peak, weight decay, betas, eps and momentum, so the settings the config asks
     for are put back after it, and the config in force is what the optimizer uses."""
     saved = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
+    check_group_layout(saved, optimizer, path)
+    keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
+
+
+def check_group_layout(saved, optimizer, path):
+    """One sentence when the saved optimizer state belongs to other parameter groups than `optimizer`'s."""
     if group_layout(saved) != group_layout(optimizer.state_dict()):
         raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
                               f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
                               f"optim.name or optim.decay_embeddings differ); set them as the checkpoint's run did, "
                               f"or --checkpoint.load_optim=false to start the optimizer afresh.")
+
+
+def keep_settings(optimizer, load):
+    """Run `load` (which brings back the saved groups' settings with the moments), then put this run's settings
+    back: the config in force is what the optimizer uses."""
     in_force = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    load()
     for group, settings in zip(optimizer.param_groups, in_force):
         group.update(settings)
 
@@ -491,9 +577,12 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
         raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
                               f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
-    load_model_state(model, path, device)
-    if load_optim:
-        load_optimizer_state(optimizer, path, device)
+    if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
+        load_with_shards(path, model, optimizer if load_optim else None, device)
+    else:
+        load_model_state(model, path, device)
+        if load_optim:
+            load_optimizer_state(optimizer, path, device)
     if not load_trainer_state:
         return None
     rng = trainer["rng"]
@@ -503,6 +592,34 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
         print(f"note: {path} was saved by {len(rng)} rank(s) and this run has {world_size}; the data position "
               f"carries over exactly, but only ranks 0..{min(len(rng), world_size) - 1} get their saved RNG state.")
     return trainer
+
+
+def load_with_shards(path, model, optimizer, device):
+    """Where FSDP is on either side: a sharded checkpoint into any model (each rank reads the pieces it holds; DCP
+    reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded model (whole tensors, each
+    rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
+    import sharding
+
+    check_weights_fit(path, model, "load it into the model it was trained with.")
+    if os.path.isdir(os.path.join(path, SHARDED)):
+        model_state, optim_state = sharding.load_shards(path, model, optimizer, tied=ties(model))
+        if optim_state is not None:
+            check_group_layout(optim_state, optimizer, path)
+        full = False
+    else:
+        model_state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+        for name, first in ties(model).items():
+            model_state.setdefault(name, model_state[first])
+        optim_state = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True) \
+            if optimizer is not None else None
+        if optim_state is not None:
+            check_group_layout(optim_state, optimizer, path)
+        model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
+        full = True
+    if optim_state is None:
+        sharding.apply(model, None, model_state, None, full)
+    else:
+        keep_settings(optimizer, lambda: sharding.apply(model, optimizer, model_state, optim_state, full))
 
 
 def newest_checkpoint(run_dir):

@@ -130,6 +130,9 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
     # torch.compile: auto (on for CUDA, off on CPU where it is slower)
     compile: Literal["auto", "true", "false"] = applied("auto")
+    # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank holds 1/world_size of them (PyTorch's
+    # FSDP2, for models past one GPU's memory; checkpoints are then written in pieces by every rank: sharding.py)
+    data_parallel: Literal["ddp", "fsdp"] = free("ddp")
     # the module whose GPT class is trained: model (model.py) or a .py file of your own, e.g. the course's capstone
     model_module: str = identity("model")
     # output layer + loss: chunked (fused, never builds the full logits), full (logits then F.cross_entropy, as
@@ -338,6 +341,20 @@ def check_warmup(warmup_steps, max_steps):
                           f"train.hard_stop.")
 
 
+def check_fsdp(cfg):
+    """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
+    cannot = {"optim.name=muon": (cfg.optim.name == "muon", "torch.optim.Muon takes whole matrices, not the pieces "
+                                  "FSDP leaves on each rank"),
+              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded"),
+              "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone"),
+              "log.activations_interval": (bool(cfg.log.activations_interval), "its statistics read whole "
+                                             "weights")}
+    for key, (asked, why) in cannot.items():
+        if asked:
+            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
+                              f"or leave {key.split('=')[0]} at its default.")
+
+
 def validate(cfg):
     """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
     own section declares its checks the same way), formats."""
@@ -371,6 +388,8 @@ def validate(cfg):
     if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: hellaswag_eval.py)
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; name the tasks "
                           f"to run, e.g. --eval.tasks=hellaswag,arc_easy.")
+    if cfg.train.data_parallel == "fsdp":
+        check_fsdp(cfg)
     module = cfg.train.model_module
     if module != "model" and not (module.endswith(".py") and os.path.isfile(module)):
         raise ConfigError(f"train.model_module={module!r} is neither model nor an existing .py file; give the path of "

@@ -263,11 +263,20 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 
 def named_state(path):
     """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
-    from checkpoint import read_trainer_state, resolve_checkpoint
+    from checkpoint import SHARDED, read_trainer_state, resolve_checkpoint
 
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
     path = resolve_checkpoint(path)
+    if os.path.isdir(os.path.join(path, SHARDED)):  # an FSDP run's pieces, put together (sharding.py)
+        from sharding import read_tensors
+
+        state = read_tensors(os.path.join(path, SHARDED))
+        for name, moments in read_tensors(os.path.join(path, SHARDED), "optim.state.").items():
+            param, key = name.rsplit(".", 1)  # the moments are stored by parameter name already
+            if moments.dim() > 0:
+                state[f"optim/{param}/{key}"] = moments
+        return path, state
     state = dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
     trainer = read_trainer_state(path)
     optim = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)

@@ -42,7 +42,7 @@ from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line abo
 from config import (Config, ConfigError, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
                     ladder_derived_keys, parse_args, run_command, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
-                                configure_rank_microbatch_size, model_config, param_counts, shape_of)
+                                configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
 from hellaswag_eval import check_names  # noqa: E402
 from tools import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
@@ -218,6 +218,7 @@ def dry_run(cfg, plans, as_json):
                               "max_steps": r.max_steps, "checkpoints": checkpoints}))
             continue
         seq, muon = cfg.model.block_size, cfg.ladder.optimizer == "muon"
+        ddp, fsdp, memory, verdict = memory_fit(p.size, seq, cfg.ladder.device, b.micro_batch_tokens, b.devices)
         schedule = build_schedule(run_config(cfg, p).optim, r.max_steps)
         png = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png"),
                             [(step, name) for name, step in r.checkpoints[1:]])
@@ -230,6 +231,8 @@ def dry_run(cfg, plans, as_json):
             f"  micro-batch      {b.micro_batch_tokens:,} tokens ({b.micro_batch_tokens // seq} sequences) per device\n"
             f"  devices          {b.devices} of {cfg.ladder.max_devices} (at least {p.min_devices}); data-parallel "
             f"size {b.dp_world_size}; {b.grad_accum_steps} accumulation step(s)\n"
+            f"  memory           {ddp:.2f} GB per device with DDP, {fsdp:.2f} GB with FSDP on {b.devices}, of "
+            f"{memory:.0f} GB ({cfg.ladder.device}): {verdict} (plan.memory_per_rank)\n"
             f"  optimizer        {'Muon for the block matrices + AdamW' if muon else 'AdamW'}, "
             f"peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
             f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens ({r.warmup_steps} steps)\n"

@@ -1,4 +1,5 @@
-"""The run's plan: how long it is, how a step splits into micro-steps, and what is due after each step.
+"""The run's plan: how long it is, how a step splits into micro-steps, what is due after each step, and when it
+stops early.
 
 `make_plan(cfg, ...)` resolves the config into a `Plan` once, before anything is written. The loop
 then asks `plan.due(step)` after every step, `--dry_run` prints the same plan, and the model ladder
@@ -10,9 +11,23 @@ every `interval` steps and at the run's last step, and at its fixed steps; an in
 checkpoint reuse the periodic code; an early stop (signal, CANCEL, time limit) runs only the checkpoint, since a
 scheduler's grace period is short. The final checkpoint is always written (a run that stops must be resumable),
 unless `train.no_checkpoints`.
+
+Stopping early and cleanly (`Stopper`, at the bottom): on SIGTERM/SIGINT, a CANCEL file, or a wall-clock limit.
+Cluster schedulers preempt a job with SIGTERM; a person presses Ctrl-C; a script touches `<out_dir>/CANCEL`; a
+job has a time limit. In every case the loop finishes the current step, saves a checkpoint and exits, so at most
+one step is lost. Ranks may see the cause at different moments (a signal reaches them one by one, only rank 0
+looks for the file), so every `train.cancel_check_interval` steps (default 1) they agree: one tiny all-reduce on
+a CPU (gloo) group, which never waits for the GPU.
 """
 
+import os
+import signal
+import sys
+import time
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
 
 from config import ConfigError, check_warmup, duration_to_steps, in_ranges, parse_step_ranges
 
@@ -138,3 +153,131 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         metrics=Every(cfg.log.metrics_collect_interval), grad_norms=Every(cfg.log.grad_norms_interval),
         activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
+
+
+# ----------------------------------------------------------------------------- memory per rank
+
+
+def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device_type):
+    """Bytes each rank needs, estimated before the run: {weights, gradients, optimizer, activations, total}.
+
+    fp32 weights and gradients take 4 bytes a parameter and AdamW's two moments 8 (Muon keeps one moment for the
+    matrices: less). DDP holds all of them on every rank; with more than one rank, a second copy of the gradients
+    in the buckets it all-reduces (4); with bf16 autocast, the bf16 copy of the weights it casts once per step (2).
+    FSDP holds 1/world_size of the three, plus whole weights gathered for the parts running (two blocks: the one
+    running and the next, fetched ahead; and the rest of the model, the embeddings and output layer, gathered for
+    the whole step), in bf16 or fp32, and the whole gradient of the largest part before it is reduce-scattered.
+    Activations of one micro-batch, kept for the backward: 34 x width bytes per token and layer with bf16 and fused
+    attention, which keeps no sequence x sequence scores (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", eq. 2 without its 5as/h term), twice that in fp32; then the output
+    layer: the full path's logits, their softmax and its gradient (3 x tokens x vocabulary x 4 bytes), or the
+    chunked path's slice of them and its weight gradient. Against measured peaks: docs/fsdp.md."""
+    from model import loss_slice_rows
+
+    n = model.num_params()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    block, rest = max(blocks), n - sum(blocks)  # rest: what is not in a block (embeddings, final norm, output)
+    cfg, share = model.config, world_size if sharded else 1
+    weights = 4 * n / share + ((2 * block + rest) * (2 if bf16 else 4) if sharded else 2 * n * bf16)
+    gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
+    if not sharded and world_size > 1:
+        gradients += 4 * n  # DDP's buckets: the gradients copied into the flat buffers it all-reduces
+    vocab = model.lm_head.weight.shape[0] if hasattr(model, "lm_head") else cfg.vocab_size
+    rows = micro_batch_tokens if getattr(model, "loss_path", "full") == "full" else min(
+        micro_batch_tokens, loss_slice_rows(device_type, vocab))
+    output = 3 * rows * vocab * 4 + (4 * vocab * cfg.n_embd if rows < micro_batch_tokens else 0)
+    activations = 34 * cfg.n_embd * cfg.n_layer * micro_batch_tokens * (1 if bf16 else 2) + output
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
+            "total": weights + gradients + optimizer + activations}
+
+
+def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
+    """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size."""
+    ddp = memory_per_rank(model, micro_batch_tokens, world_size, False, bf16, device_type)
+    fsdp = memory_per_rank(model, micro_batch_tokens, world_size, True, bf16, device_type)
+    gb = 1e9
+    return (f"memory per rank (estimate): weights {ddp['weights'] / gb:.2f} GB, gradients {ddp['gradients'] / gb:.2f}, "
+            f"AdamW {ddp['optimizer'] / gb:.2f}, activations {ddp['activations'] / gb:.2f} at {micro_batch_tokens:,} "
+            f"tokens = {ddp['total'] / gb:.2f} GB with DDP; {fsdp['total'] / gb:.2f} GB with FSDP on {world_size} "
+            f"rank(s)")
+
+
+# ----------------------------------------------------------------------------- stopping early
+
+
+REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0: keep training
+
+
+class SignalFlag:
+    """Remembers the first SIGTERM/SIGINT; a second SIGINT exits at once. A context manager: the
+    handlers it replaced come back when the run ends (train.train may run inside another program)."""
+
+    def __init__(self):
+        self.received = None
+        self.previous = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.received is not None and signum == signal.SIGINT:
+            print("second SIGINT: exiting now without saving", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.received = name
+        print(f"{name} received: finishing this step, saving a checkpoint, then exiting "
+              f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)
+
+
+class Stopper:
+    """`poll(step)` after every step: the reason to stop now that the ranks agree on, or "". They agree
+    every `check_interval` steps (one small collective) and at no other step."""
+
+    def __init__(self, flag, out_dir, time_limit, check_interval, is_master, sinks=None, group=None):
+        self.flag, self.out_dir, self.time_limit, self.checks = flag, out_dir, time_limit, Every(check_interval)
+        self.is_master, self.sinks, self.group = is_master, sinks, group
+        self.start_time = time.monotonic()
+
+    def poll(self, step):
+        if not self.checks.due(step):
+            return ""
+        return agree_on_stop(local_stop_reason(self.flag, self.out_dir, self.start_time, self.time_limit,
+                                               self.is_master, self.sinks), self.group)
+
+    def describe(self, reason):
+        return describe_stop(reason, self.flag, self.out_dir)
+
+
+def local_stop_reason(flag, out_dir, start_time, time_limit, is_master, sinks=None):
+    if sinks is not None and sinks.failed:  # rank 0 cannot write its metrics: save what can be saved, then stop
+        return "write error"
+    if flag.received:
+        return "signal"
+    if is_master and os.path.exists(os.path.join(out_dir, "CANCEL")):
+        return "cancel file"
+    if time_limit and time.monotonic() - start_time > time_limit:
+        return "time limit"
+    return ""
+
+
+def agree_on_stop(reason, group=None):
+    """The reason to stop that any rank has (all ranks call this at the same steps)."""
+    if not dist.is_initialized():
+        return reason
+    code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)
+    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
+    return REASONS[int(code)]
+
+
+def describe_stop(reason, flag, out_dir):
+    if reason == "signal":
+        return f"stopped by {flag.received or 'a signal on another rank'}"
+    if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
+        return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
+    return "stopped at the time limit (train.time_limit)"

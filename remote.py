@@ -203,6 +203,10 @@ def download(url, step, folder, key="checkpoint.remote_folder"):
                               f"another step, or delete that step from the bucket.")
         os.makedirs(partial)
         for name, expected in marker["files"].items():
+            if os.path.isabs(name) or ".." in name.split("/"):
+                raise RemoteError(f"{where}'s marker lists {name}, which is not a file inside the checkpoint; delete "
+                                  f"that step from the bucket to fall back to the one before.")
+            os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)  # (sharded/ of an FSDP run)
             try:
                 fs.get_file(f"{root}/step{step}/{name}", os.path.join(partial, name))
             except FileNotFoundError:
@@ -359,8 +363,9 @@ class Uploader:
         remote = f"{self.root}/step{step}"
         if self.fs.exists(f"{remote}/{MARKER}"):
             self.fs.rm_file(f"{remote}/{MARKER}")  # a step being replaced is incomplete until all is new
-        names = sorted(os.listdir(folder))
-        for name in [n for n in names if n != MARKER]:
+        with open(os.path.join(folder, MARKER)) as f:
+            names = sorted(json.load(f)["files"])  # every file the marker lists (an FSDP run's: sharded/...)
+        for name in names:
             self.fs.put_file(os.path.join(folder, name), f"{remote}/{name}")
         for old in self.replaced:  # another run's steps go invisible before this run's first is complete
             if self.fs.exists(f"{self.root}/step{old}/{MARKER}"):

@@ -32,14 +32,13 @@ import run_dir
 from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, check_finite,
                        make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
-from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source,
+from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
 from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
-from plan import Plan, make_plan
-from stopping import SignalFlag, Stopper
+from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -95,9 +94,10 @@ def train(cfg):
             step = state.step + 1  # the step being taken, as logged
             mix, loader, objective = run.stages.at(step)  # objective: None, or stage 2's CE + beta x KL
             set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group follows it from its own peak
-            if plan.traces.due(step) and run.is_master:  # every module's inputs and outputs, saved (debug.py)
-                with clock.aside("trace"):
-                    trace_step(run, loader, step)
+            if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (debug.py)
+                with clock.aside("trace"):  # (on every rank, as all record the same metrics: see below)
+                    if run.is_master:
+                        trace_step(run, loader, step)
             if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
                 from debug import activation_stats
                 with clock.aside("activations"):
@@ -117,8 +117,12 @@ def train(cfg):
                 clock.synchronize()  # once: the compiled first step, GPU work included
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
             recorder.record_all({**step_metrics, **lr_metrics(run.optimizer), "tokens": state.tokens,
-                                 **loader.metrics(), **{f"throughput/{kind}_time_sec": s for kind, s in aside.items()
-                                                        if kind != "checkpoint"}})  # (a checkpoint's: its own step's)
+                                 **loader.metrics()})
+            # The time beside the step (evaluation, samples, ...; a checkpoint's goes in its own step's row): every
+            # rank records the same names, as the ranks' values travel in one vector, and the slowest rank's time is
+            # the one the loop waited.
+            recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
+                                reduce="max")
             if trained:
                 recorder.record_all(speed_metrics(
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
@@ -166,9 +170,10 @@ def train(cfg):
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
-            if due.sample and run.is_master:
-                with clock.aside("sample"):
-                    write_samples(run, step)
+            if due.sample:
+                with clock.aside("sample"):  # rank 0 writes them; under FSDP every rank runs the model's forwards
+                    if run.is_master or is_sharded(run.model):
+                        write_samples(run, step)
             run.profiler.step()
             if stop:
                 run.end_early(stop)
@@ -238,6 +243,8 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
         # micro-step would send the same amount of data grad_accum_steps times.
         last_micro_step = micro_step == grad_accum_steps - 1
+        if is_sharded(model):  # FSDP's no_sync: reduce-scatter the gradients on the last micro-step only
+            model.set_requires_gradient_sync(last_micro_step)
         with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
             parts = objective(model, x, y) if objective else [model(x, y)]
             loss = parts[0]
@@ -250,6 +257,8 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if is_sharded(model):  # FSDP: the global norm of each rank's pieces, as a DTensor; the same number on every rank
+        grad_norm = grad_norm.full_tensor()
     # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
     # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
     if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
@@ -305,9 +314,12 @@ def evaluate(run, due, mix):
         from hellaswag_eval import evaluate_tasks
 
         # The raw model: variable-length batches would make torch.compile recompile.
+        # Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
+        # the same forwards, and the examples' lengths differ from rank to rank.
+        rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
         with run.autocast:
             results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
-                                     run.rank, run.world_size)
+                                     rank, world_size)
         for name in run.task_examples:
             scores.update({f"eval/{name}/{metric}": results[name][metric]
                            for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
@@ -316,14 +328,21 @@ def evaluate(run, due, mix):
 
 
 def write_samples(run, step):
-    """Rank 0 only. Samples are optional output: a failure here is reported and training goes on."""
+    """Rank 0 writes them. Samples are optional output: a failure here is reported and training goes on. Under
+    FSDP every rank runs the same forwards (each gathers weights from all), from rank 0's sampling generator."""
     from sample import generate_text
 
     e = run.cfg.eval
+    if is_sharded(run.model):
+        rng = [run.sample_generator.get_state()]
+        dist.broadcast_object_list(rng, src=0)
+        run.sample_generator.set_state(rng[0])
     try:
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
                               temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
                               generator=run.sample_generator, tokenizer=run.tokenizer)
+        if not run.is_master:
+            return
         with open(os.path.join(run.cfg.train.out_dir, "samples.txt"), "a") as f:
             for i, text in enumerate(texts):
                 block = f"--- step {step}, sample {i}\n{text}\n"
@@ -377,7 +396,7 @@ class Run:
                              self.cfg.log.bookkeeping_soft_timeout)
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
-        self.checkpointer.save(self.state.step, snapshot, kind)
+        self.checkpointer.save(self.state.step, snapshot, kind, self.raw_model, self.optimizer)
         stalled = time.perf_counter() - stall_start
         if self.is_master and self.state.step > 0:
             how = "async" if self.cfg.checkpoint.async_save else "sync"
@@ -404,6 +423,9 @@ def build_run(cfg, stack):
     """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
     Every refusal comes first (decide_start): the run folder changes only once the start is loaded."""
     procs = start_processes(cfg)
+    if cfg.train.data_parallel == "fsdp" and not dist.is_initialized():
+        raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and this is a plain python "
+                          "process; start it with torchrun --nproc-per-node=N, or set --train.data_parallel=ddp.")
     name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
     notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
     raw_model = build_model(cfg, procs)  # the same initial weights on every rank
@@ -515,8 +537,12 @@ def build_model(cfg, procs):
 
 def wrap_model(cfg, procs, raw_model):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
-    gradients); the raw model keeps the weights, which the optimizer and the checkpoints use."""
+    gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
+    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once."""
     compiled = is_compiled(cfg, procs.device_type)
+    if cfg.train.data_parallel == "fsdp":
+        from sharding import shard
+        return shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled), compiled
     model = torch.compile(raw_model) if compiled else raw_model
     if procs.world_size > 1:
         model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
@@ -693,8 +719,10 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
         stack.callback(lambda: writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
                        if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0) else None)
         stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
+    # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of the checkpoints' own.
+    shard_group = dist.new_group(backend="gloo") if cfg.train.data_parallel == "fsdp" else None
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
-                                replaced=replaced, uploader=uploader)
+                                replaced=replaced, uploader=uploader, shard_group=shard_group)
     stack.callback(checkpointer.wait)  # a save still in flight must land before the process exits
     stopper = Stopper(stack.enter_context(SignalFlag()), out_dir, cfg.train.time_limit,
                       cfg.train.cancel_check_interval, procs.is_master, sinks, procs.cpu_group)
@@ -722,7 +750,10 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             f"({tokens / non_embedding:.1f} per non-embedding parameter; "
             + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
                else "data not prepared yet")
-            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}")
+            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
+            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
+                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
+                              device_type))
 
 
 def loss_description(raw_model, rows, device_type):

@@ -21,5 +21,3 @@ eval.tasks = ["hellaswag", "arc_easy"]  # scored at every named checkpoint (the 
 # `fit` predicts their accuracy at 12x768 in two steps (Bhagia et al. 2024)
 ladder.fit_tasks = ["hellaswag", "arc_easy"]
 log.interval = 10
-checkpoint.ephemeral_interval = 250  # lose at most 250 steps to a crash without a SIGTERM
-checkpoint.async_save = True

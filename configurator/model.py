@@ -88,6 +88,21 @@ def configure_rank_microbatch_size(size, sequence_length, device_type):
     return sequences * sequence_length
 
 
+def memory_fit(size, sequence_length, device_type, micro_batch_tokens, devices):
+    """(GB per device with DDP, GB per device with FSDP on `devices`, the device's GB, "fits with DDP" / "needs
+    FSDP" / "does not fit"): plan.memory_per_rank, the estimate a run prints at start, for this size."""
+    from plan import memory_per_rank
+
+    with torch.device("meta"):
+        model = GPT(model_config(size, sequence_length))
+    bf16, kind = device_type != "cpu", "cpu" if device_type == "cpu" else "cuda"
+    ddp = memory_per_rank(model, micro_batch_tokens, devices, False, bf16, kind)["total"] / 1e9
+    fsdp = memory_per_rank(model, micro_batch_tokens, devices, True, bf16, kind)["total"] / 1e9
+    memory = device_memory_gib(device_type) * 2**30 / 1e9
+    verdict = "fits with DDP" if ddp <= memory else "needs FSDP" if fsdp <= memory else "does not fit"
+    return ddp, fsdp, memory, verdict
+
+
 def configure_minimal_device_mesh_spec(size, sequence_length, device_type):
     """(min_world_size, min_dp_world_size) as OLMo's configure_minimal_device_mesh_spec. This trainer
     is data-parallel (DDP): every device holds the whole model, so more devices never make a model fit;

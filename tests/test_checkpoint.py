@@ -137,6 +137,7 @@ import sys, torch
 sys.path.insert(0, {root!r})
 from checkpoint import write_checkpoint
 snapshot = {{"model": {{"w": torch.randn(512, 1024)}}, "optim": {{"m": torch.randn(512, 1024)}}}}
+print("saving", flush=True)
 step = 1
 while True:
     write_checkpoint({out!r}, step, snapshot, "ephemeral")
@@ -151,8 +152,9 @@ def test_kill_9_at_random_moments_never_leaves_an_unloadable_latest(tmp_path):
     script.write_text(KILLER.format(root=str(ROOT), out=str(out)))
     rng = random.Random(0)
     for attempt in range(6):
-        proc = subprocess.Popen([sys.executable, str(script)])
-        time.sleep(1.5 + rng.random() * 1.5)  # torch imports in ~1 s, then it saves continuously
+        proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "saving"  # torch is imported (slow on a busy machine)
+        time.sleep(0.2 + rng.random() * 1.5)  # then it saves continuously
         proc.kill()
         proc.wait()
         latest = out / "latest"

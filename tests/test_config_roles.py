@@ -70,6 +70,7 @@ NOT_CHANGED = {  # free fields no resume test changes, and why
     "train.out_dir": "it is the folder being resumed",
     "log.wandb": "it starts W&B's service; tests/test_metrics.py runs it offline",
     "train.no_checkpoints": "it loads no checkpoint, so there is no resume to compare (test_from_the_references.py)",
+    "train.data_parallel": "fsdp needs torchrun; test_fsdp.py resumes a DDP run as FSDP and an FSDP run on 1 process",
 }
 
 

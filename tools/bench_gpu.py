@@ -10,6 +10,8 @@ Parts, in order (each prints its own lines; the output ends with the summary tab
               on the Shakespeare tokens, eager and compiled, for each loss path: tokens/s and MFU by the
               stopwatch below, peak memory, first step (compile) time
   muon        the compiled run again with optim.name=muon, and its tokens/s against AdamW's
+  fsdp        the compiled run again with train.data_parallel=fsdp (a world of one rank, as
+              `torchrun --nproc-per-node=1` starts it), and its tokens/s and peak memory against the plain run's
   nanogpt     build-nanogpt's train_gpt2.py at the same settings, eager and compiled (a temporary copy with
               its evaluation, HellaSwag and sampling switched off and its step count lowered; nothing else),
               timed by the same stopwatch
@@ -53,7 +55,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
 sys.path.insert(0, ROOT)  # `python tools/bench_gpu.py` imports the project's modules
 BENCH = os.path.join(ROOT, ".bench")  # what --prepare writes; git ignores it
-PARTS = ("tests", "ours", "muon", "nanogpt", "hellaswag", "checkpoint", "loss")
+PARTS = ("tests", "ours", "muon", "fsdp", "nanogpt", "hellaswag", "checkpoint", "loss")
+# torchrun's environment for one rank: train.py then starts a process group (FSDP needs one) without torchrun
+ONE_RANK = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
 TOKENS_PER_STEP = 524288  # 2**19, config/gpt2.py's and build-nanogpt's total_batch_size (GPT-3's 125M)
 TIKTOKEN_URLS = {"vocab.bpe": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/vocab.bpe",
                  "encoder.json": "https://openaipublic.blob.core.windows.net/gpt-2/encodings/main/encoder.json"}
@@ -278,7 +282,7 @@ def report_failure(name, result, last_step):
            f"failed (no stopwatch reading: the run ended before step {last_step})")
 
 
-def ours(steps, warmup, compile_, loss_path, extra=(), label=None):
+def ours(steps, warmup, compile_, loss_path, extra=(), label=None, env=None):
     """train.py config/gpt2.py on the Shakespeare tokens for `steps` steps, timed by the stopwatch from the
     end of step `warmup` to the end of the last; returns (tokens/s, train.py's output)."""
     name = label or f"ours, {'compiled' if compile_ == 'true' else 'eager'}, loss {loss_path}"
@@ -295,7 +299,7 @@ def ours(steps, warmup, compile_, loss_path, extra=(), label=None):
         record = os.path.join(out, "stopwatch.json")
         start = time.monotonic()
         result = subprocess.run(timed_command(os.path.join(ROOT, "train.py"), args, warmup, steps, record), cwd=ROOT,
-                                capture_output=True, text=True, env=cold_cache_env(out))
+                                capture_output=True, text=True, env={**cold_cache_env(out), **(env or {})})
         wall = time.monotonic() - start
         timing = read_stopwatch(record)
         if result.returncode or not timing:
@@ -413,6 +417,12 @@ def main():
         adamw = results.get("ours compiled auto") or ours(args.steps, args.warmup, "true", "auto")[0]
         if results["muon compiled"] and adamw:
             report("Muon / AdamW tokens/s, compiled", f"{results['muon compiled'] / adamw:.2f}x")
+    if "fsdp" in parts:  # GPT-2 (124M) sharded over one GPU: what FSDP's hooks and collectives cost beside DDP
+        results["fsdp compiled"] = ours(args.steps, args.warmup, "true", "auto", ("--train.data_parallel=fsdp",),
+                                        label="ours, compiled, loss auto, FSDP (1 rank)", env=ONE_RANK)[0]
+        plain = results.get("ours compiled auto") or ours(args.steps, args.warmup, "true", "auto")[0]
+        if results["fsdp compiled"] and plain:
+            report("FSDP / DDP tokens/s, compiled, one GPU", f"{results['fsdp compiled'] / plain:.2f}x")
     if "nanogpt" in parts:
         results["nanogpt compiled"] = nanogpt(args.steps, args.warmup, True, anchor)
         results["nanogpt eager"] = nanogpt(args.eager_steps, args.warmup, False, anchor)

@@ -1,0 +1,207 @@
+"""train.data_parallel=fsdp for real, on 2 gloo ranks under torchrun: FSDP's losses against DDP's, each rank's half of
+the weights and of AdamW's state, a kill -9 in the middle of a sharded save and the bit-exact resume after it, a
+resume on 1 process and a DDP checkpoint resumed as FSDP, the sharded checkpoint read by every reader (sample.py,
+export-hf, compare-state, list, the bucket), and each refusal. The runs are made once for the module (torchrun's
+start-up is most of their time)."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_in_process, run_train
+
+# 6 steps of 2 micro-steps per rank (the gradient sync skipped on the first), evaluated, checkpointed and sampled at
+# step 3 (a mid-run sample: every rank's metrics must still line up) and at the end.
+COMMON = TINY + ["--train.max_steps=6", "--train.total_batch_size=512", "--eval.interval=3",
+                 "--checkpoint.interval=3", "--eval.sample_interval=3", "--eval.sample_tokens=4",
+                 "--eval.num_samples=1"]
+FSDP = "--train.data_parallel=fsdp"
+
+
+def torchrun(*args):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", *map(str, args)]
+
+
+def bucket():
+    """moto's S3 server, when s3fs and moto are installed (the FSDP run then uploads its checkpoints)."""
+    try:
+        import moto.server  # noqa: F401
+        import s3fs  # noqa: F401
+    except ImportError:
+        return None
+    from bucket_fixture import start_s3
+    return start_s3()
+
+
+@pytest.fixture(scope="module")
+def runs(data_root, tmp_path_factory):
+    """{name: run folder}, with "s3": the bucket's environment (or None) and "killed": the output of the killed run."""
+    base = tmp_path_factory.mktemp("fsdp")
+    common = [*COMMON, f"--data.data_root={data_root}"]
+    found = {name: base / name for name in ("ddp", "fsdp", "killed", "one", "ddp_to_fsdp")}
+    run_train([*common, f"--train.out_dir={found['ddp']}"], nproc=2)
+    store = bucket()
+    with store if store is not None else open(os.devnull) as env:
+        s3 = env if store is not None else None
+        remote = ["--checkpoint.remote_folder=s3://runs/fsdp"] if s3 else []
+        found["fsdp_output"] = run_train([*common, FSDP, f"--train.out_dir={found['fsdp']}",
+                                          "--checkpoint.async_save=true", *remote], nproc=2, env=s3 or {}).stdout
+        if s3:  # what the bucket holds, and the model read back from it (downloaded: every file its marker lists)
+            import checkpoint
+            import remote as bucket_files
+            fs, root = bucket_files.filesystem("s3://runs/fsdp")
+            fs.invalidate_cache()
+            found["bucket_listing"] = sorted(path[len(root) + 1:] for path in fs.find(root))
+            found["from_bucket"] = checkpoint.load_model("s3://runs/fsdp/step6", "cpu", "--init_from").state_dict()
+        # kill -9 of every rank while they write the pieces of step 6
+        process = subprocess.Popen(torchrun(ROOT / "tests" / "fsdp_killed_in_a_save.py", *common, FSDP,
+                                            f"--train.out_dir={found['killed']}"), cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+        lines = []
+        while sum(line.startswith("saving step6") for line in lines) < 2:
+            line = process.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        for line in lines:  # every rank (torchrun starts them in sessions of their own), then torchrun
+            if line.startswith("saving step6"):
+                os.kill(int(line.split()[-1]), signal.SIGKILL)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        found["killed_output"] = "".join(lines)
+        found["after_the_kill"] = (sorted(os.listdir(found["killed"])), os.listdir(found["killed"] / "step6.partial"))
+        shutil.copytree(found["killed"], found["one"], symlinks=True)
+        found["resumed_output"] = run_train([*common, FSDP, f"--train.out_dir={found['killed']}"], nproc=2).stdout
+        found["one_output"] = run_train([*common, f"--train.out_dir={found['one']}"]).stdout  # 1 process, DDP
+        shutil.copytree(found["ddp"], found["ddp_to_fsdp"], symlinks=True)
+        run_train([*common, FSDP, f"--train.out_dir={found['ddp_to_fsdp']}", "--checkpoint.resume_step=3"], nproc=2)
+        found["s3"] = s3
+        yield found
+
+
+def column(out_dir, name):
+    return {row["step"]: row[name] for row in read_metrics(out_dir) if name in row}
+
+
+def test_fsdp_trains_as_ddp_does(runs):
+    ddp, fsdp = column(runs["ddp"], "train/loss"), column(runs["fsdp"], "train/loss")
+    assert sorted(ddp) == sorted(fsdp) == [1, 2, 3, 4, 5, 6]
+    assert min(ddp.values()) > 10  # every rank's metrics lined up after the mid-run sample (no rank's row dropped)
+    assert max(abs(ddp[step] - fsdp[step]) for step in ddp) <= 1e-5
+    val_ddp, val_fsdp = column(runs["ddp"], "val/loss"), column(runs["fsdp"], "val/loss")
+    assert sorted(val_ddp) == [3, 6] and max(abs(val_ddp[s] - val_fsdp[s]) for s in val_ddp) <= 1e-5
+    # The global gradient norm, from each rank's pieces; float32 norms over the 1.6M-number embedding differ in
+    # their last digits from DDP's (docs/checkpoints-and-reliability.md).
+    norm_ddp, norm_fsdp = column(runs["ddp"], "train/grad_norm"), column(runs["fsdp"], "train/grad_norm")
+    assert all(abs(norm_ddp[s] - norm_fsdp[s]) <= 1e-3 * norm_ddp[s] for s in norm_ddp)
+    assert (runs["fsdp"] / "samples.txt").read_text().count("--- step") == 2  # rank 0 wrote them, once each
+
+
+def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
+    held = [line.split() for line in runs["killed_output"].splitlines() if line.startswith("local ")]
+    assert sorted(int(fields[1]) for fields in held) == [0, 1]
+    for _, _, weights, all_weights, moments, all_moments in held:
+        assert abs(int(weights) / int(all_weights) - 0.5) < 0.01
+        assert abs(int(moments) / int(all_moments) - 0.5) < 0.01
+
+
+def test_a_sharded_checkpoint_is_atomic_checksummed_and_async(runs):
+    from checkpoint import MARKER, find_checkpoints, verify_checkpoint
+
+    step6 = runs["fsdp"] / "step6"
+    marker = json.loads((step6 / MARKER).read_text())
+    assert sorted(marker["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp",
+                                       "trainer.pt"]
+    assert not (step6 / "model.pt").exists()  # nothing gathered on one rank
+    assert "checkpoint step6 (permanent, async)" in runs["fsdp_output"]
+    assert "with FSDP on 2 rank(s)" in runs["fsdp_output"]  # the memory estimate, said at the start
+    broken = runs["fsdp"].parent / "broken"
+    shutil.copytree(step6, broken)
+    with open(broken / "sharded" / "__1_0.distcp", "r+b") as f:
+        f.write(b"x")
+    with pytest.raises(Exception, match="does not match its checksum"):
+        verify_checkpoint(broken)
+    # the killed save left pieces in step6.partial, never a step6: the resumes start from step 3
+    names, partial = runs["after_the_kill"]
+    assert "step3" in names and "step6.partial" in names and "step6" not in names
+    assert partial == ["sharded"]
+    assert [step for step, _ in find_checkpoints(runs["killed"])] == [3, 6]
+
+
+def test_a_kill_during_a_sharded_save_resumes_bit_exact_on_two_ranks(runs):
+    assert "resumed from" in runs["resumed_output"] and "step3 at step 3" in runs["resumed_output"]
+    assert column(runs["killed"], "train/loss") == column(runs["fsdp"], "train/loss")
+    assert column(runs["killed"], "val/loss") == column(runs["fsdp"], "val/loss")
+
+
+def test_a_two_rank_sharded_checkpoint_resumes_on_one_process(runs):
+    assert "resumed from" in runs["one_output"]
+    one, fsdp = column(runs["one"], "train/loss"), column(runs["fsdp"], "train/loss")
+    assert sorted(one) == [1, 2, 3, 4, 5, 6]
+    assert max(abs(one[step] - fsdp[step]) for step in (4, 5, 6)) <= 1e-5
+
+
+def test_a_ddp_checkpoint_resumes_as_fsdp(runs):
+    resumed, ddp = column(runs["ddp_to_fsdp"], "train/loss"), column(runs["ddp"], "train/loss")
+    assert max(abs(resumed[step] - ddp[step]) for step in (4, 5, 6)) <= 1e-5
+    assert (runs["ddp_to_fsdp"] / "step6" / "sharded").is_dir() and (runs["ddp"] / "step6" / "model.pt").exists()
+
+
+def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
+    import checkpoint
+    import debug
+    import sample
+    from sharding import read_tensors
+
+    listed = run_in_process(["list", str(runs["fsdp"])], checkpoint.main)
+    assert "step6" in listed.stdout and "complete" in listed.stdout
+    sampled = run_in_process(["--init_from", str(runs["fsdp"]), "--num_samples=1", "--max_new_tokens=4",
+                              "--device=cpu"], sample.main)
+    assert sampled.returncode == 0 and "sample 0" in sampled.stdout, sampled.stderr
+    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")
+    pieces = read_tensors(str(runs["fsdp"] / "step6" / "sharded"))
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in pieces.items())
+    compared = run_in_process(["compare-state", str(runs["ddp"] / "step6"), str(runs["fsdp"] / "step6")], debug.main)
+    # the same 84 tensors by name (weights and AdamW moments) on both sides; they differ where clipping did (above)
+    assert "Traceback" not in compared.stderr and "only in" not in compared.stdout, compared.stdout + compared.stderr
+    assert "differ" in compared.stdout and "optim/transformer.wpe.weight/exp_avg_sq" in compared.stdout
+    transformers = pytest.importorskip("transformers")
+    exported = run_in_process(["export-hf", str(runs["fsdp"]), str(tmp_path / "hf")], checkpoint.main)
+    assert exported.returncode == 0, exported.stderr
+    hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
+    idx = torch.randint(0, 50257, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(hf(idx).logits, model(idx)[..., :50257], atol=1e-4)
+
+
+def test_the_bucket_holds_a_sharded_checkpoint_and_gives_it_back(runs):
+    if runs["s3"] is None:
+        pytest.skip("s3fs and moto are not installed (pip install s3fs 'moto[server]')")
+    import checkpoint
+
+    assert {"step6/COMPLETE", "step6/trainer.pt", "step6/sharded/.metadata", "step6/sharded/__0_0.distcp",
+            "step6/sharded/__1_0.distcp"} <= set(runs["bucket_listing"])
+    local = checkpoint.load_model(str(runs["fsdp"] / "step6"), "cpu", "--init_from").state_dict()
+    assert local.keys() == runs["from_bucket"].keys()
+    assert all(torch.equal(local[name], runs["from_bucket"][name]) for name in local)
+
+
+@pytest.mark.parametrize("setting, phrase", [
+    ([], "this is a plain python process"),
+    (["--optim.name=muon"], "cannot run with optim.name=muon"),
+    (["--stage2.start=3steps"], "cannot run with stage2.start"),
+    (["--debug.trace_steps=2"], "cannot run with debug.trace_steps"),
+    (["--log.activations_interval=2"], "cannot run with log.activations_interval"),
+])
+def test_what_fsdp_cannot_honour_is_one_sentence_before_anything_is_written(data_root, tmp_path, setting, phrase):
+    out = tmp_path / "run"
+    result = run_train([*COMMON, f"--data.data_root={data_root}", FSDP, f"--train.out_dir={out}", *setting],
+                       check=False)
+    assert_one_sentence(result, phrase)
+    assert not out.exists()
