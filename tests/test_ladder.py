@@ -249,3 +249,21 @@ def test_benchmark_runs_100_steps_without_checkpoints_or_evals(tmp_path, data_ro
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == min(100, max_steps) and not any("val/loss" in r for r in rows)
     assert not list(folder.glob("step*")) and list((folder / "profiler").iterdir())
+
+
+@pytest.mark.parametrize("config_file", ["ladder_shakespeare.py", "ladder_shakespeare_muon.py", "ladder_gpt2.py"])
+def test_every_ladder_config_file_plans_and_says_which_sizes_need_fsdp(config_file):
+    result = run_ladder("dry-run", f"config/{config_file}")
+    assert result.returncode == 0, result.stderr
+    memory = [line for line in result.stdout.splitlines() if line.strip().startswith("memory")]
+    assert memory and all("per device with DDP" in line and "with FSDP on" in line for line in memory)
+    assert all(line.rstrip().endswith("(plan.memory_per_rank)") for line in memory)
+
+
+def test_a_size_past_one_device_with_ddp_is_said_to_need_fsdp():
+    from configurator.model import memory_fit
+
+    assert memory_fit("2x64", 64, "cpu", 512, 1)[3] == "fits with DDP"
+    ddp, fsdp, memory, verdict = memory_fit("gpt2-xl", 1024, "A10G", 1024, 8)  # 1.5B on 24 GiB cards
+    assert ddp > memory >= fsdp and verdict == "needs FSDP"
+    assert memory_fit("gpt2-xl", 1024, "T4", 65536, 1)[3] == "does not fit"

@@ -98,3 +98,28 @@ def test_an_ephemeral_checkpoint_is_skipped_within_its_cooldown_after_a_fixed_or
     kinds = {s: plan.checkpoint_kind(s, last=s == 100) for s in plan.checkpoint_steps()}
     assert [s for s, kind in kinds.items() if kind == "ephemeral"] == [10, 20, 50, 60, 70, 90]  # 30 after 25, 40 is
     assert kinds[25] == "fixed" and kinds[40] == kinds[80] == kinds[100] == "permanent"          # permanent, ...
+
+
+def test_the_memory_estimate_counts_what_each_rank_holds_with_ddp_and_with_fsdp():
+    import torch
+
+    from model import GPT, GPTConfig
+    from plan import describe_memory, memory_per_rank
+
+    with torch.device("meta"):
+        gpt2 = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024), "chunked")
+    n = gpt2.num_params()
+    one = memory_per_rank(gpt2, 1024, 1, False, True, "cuda")
+    assert (one["weights"], one["gradients"], one["optimizer"]) == (6 * n, 4 * n, 8 * n)  # fp32 + autocast's bf16
+    ddp = memory_per_rank(gpt2, 1024, 8, False, True, "cuda")
+    assert ddp["gradients"] == 8 * n and ddp["activations"] == one["activations"]  # DDP's buckets: a second copy
+    fsdp = memory_per_rank(gpt2, 1024, 8, True, True, "cuda")
+    assert fsdp["optimizer"] == n and fsdp["weights"] < ddp["weights"] / 4 and fsdp["total"] < ddp["total"] / 2
+    # 34 x width bytes per token and layer in bf16 (Korthikanti et al. 2022), then the output layer's logits: the
+    # full path holds them all, the chunked one a slice at a time
+    with torch.device("meta"):
+        full = GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024), "full")
+    many = [memory_per_rank(m, 16 * 1024, 1, False, True, "cuda")["activations"] for m in (gpt2, full)]
+    assert 34 * 768 * 12 * 16384 < many[0] < many[1] == 34 * 768 * 12 * 16384 + 3 * 16384 * 50304 * 4
+    line = describe_memory(gpt2, 1024, 8, True, "cuda")
+    assert line.startswith("memory per rank (estimate): weights") and "with FSDP on 8 rank(s)" in line
