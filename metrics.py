@@ -172,7 +172,8 @@ class MetricRecorder:
         squared = torch.tensor([k == "l2_norm" for k in kinds], device=device)
         values = torch.where(squared, values * values, values)
         gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
-        dist.all_gather_into_tensor(gathered, values, group=group)
+        # all_gather_single is torch 2.13's name for all_gather_into_tensor, which now warns on every call
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, values, group=group)
         gathered = gathered.view(self.world_size, -1)
         is_max = torch.tensor([k == "max" for k in kinds], device=device)
         is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
