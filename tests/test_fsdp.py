@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -59,22 +60,27 @@ def runs(data_root, tmp_path_factory):
             fs.invalidate_cache()
             found["bucket_listing"] = sorted(path[len(root) + 1:] for path in fs.find(root))
             found["from_bucket"] = checkpoint.load_model("s3://runs/fsdp/step6", "cpu", "--init_from").state_dict()
-        # kill -9 of every rank while they write the pieces of step 6
+        # kill -9 of every rank while they write the pieces of step 6 (each says so in a file of its own)
+        notes = base / "saving_notes"
+        notes.mkdir()
         process = subprocess.Popen(torchrun(ROOT / "tests" / "fsdp_killed_in_a_save.py", *common, FSDP,
                                             f"--train.out_dir={found['killed']}"), cwd=ROOT, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
-        lines = []
-        while sum(line.startswith("saving step6") for line in lines) < 2:
-            line = process.stdout.readline()
-            assert line, "".join(lines)
-            lines.append(line)
-        for line in lines:  # every rank (torchrun starts them in sessions of their own), then torchrun
-            if line.startswith("saving step6"):
-                os.kill(int(line.split()[-1]), signal.SIGKILL)
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+                                        "SAVING_NOTES": str(notes)})
+        deadline = time.monotonic() + 300
+        while len(list(notes.glob("*.json"))) < 2 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        held = {int(path.stem): json.loads(path.read_text()) for path in notes.glob("*.json")}
+        for rank in held.values():  # every rank (torchrun starts them in sessions of their own), then torchrun
+            os.kill(rank["pid"], signal.SIGKILL)
         os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-        found["killed_output"] = "".join(lines)
+        try:
+            found["killed_output"] = process.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:  # a rank that never said it was saving still holds the pipe
+            found["killed_output"] = "(no output: a rank did not stop)"
+        assert len(held) == 2, found["killed_output"]
+        found["held"] = held
         found["after_the_kill"] = (sorted(os.listdir(found["killed"])), os.listdir(found["killed"] / "step6.partial"))
         shutil.copytree(found["killed"], found["one"], symlinks=True)
         found["resumed_output"] = run_train([*common, FSDP, f"--train.out_dir={found['killed']}"], nproc=2).stdout
@@ -104,11 +110,10 @@ def test_fsdp_trains_as_ddp_does(runs):
 
 
 def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
-    held = [line.split() for line in runs["killed_output"].splitlines() if line.startswith("local ")]
-    assert sorted(int(fields[1]) for fields in held) == [0, 1]
-    for _, _, weights, all_weights, moments, all_moments in held:
-        assert abs(int(weights) / int(all_weights) - 0.5) < 0.01
-        assert abs(int(moments) / int(all_moments) - 0.5) < 0.01
+    assert sorted(runs["held"]) == [0, 1]
+    for held in runs["held"].values():
+        assert abs(held["weights"] / held["all_weights"] - 0.5) < 0.01
+        assert abs(held["moments"] / held["all_moments"] - 0.5) < 0.01
 
 
 def test_a_sharded_checkpoint_is_atomic_checksummed_and_async(runs):
