@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+import warm_python
+
 # Before numpy loads: the scaling-law fits make thousands of tiny numpy/scipy calls, which OpenBLAS's
 # threads slow down several times over on a 2-core machine (ladder.py sets the same for its fits).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -41,19 +43,19 @@ def run_train(args, nproc=1, timeout=600, check=True, env=None, in_process=None)
     """Run train.py as a user would, and return its exit status and output (a CompletedProcess).
     One process without extra environment runs in this process (`train.main`, as `python train.py`
     would, with one thread as OMP_NUM_THREADS=1): seconds faster per run. With nproc > 1 it goes
-    through torchrun with the gloo backend; `in_process=False` forces a real process."""
+    through torchrun with the gloo backend; `in_process=False` forces a process of its own (warm_python.py)."""
     if in_process is None:
         in_process = nproc == 1 and not env
     if in_process:
         result = run_in_process(args)
     else:
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
         if nproc > 1:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
-        else:
-            cmd = [sys.executable]
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        result = subprocess.run(cmd + [str(ROOT / "train.py")] + args, cwd=ROOT, capture_output=True,
-                                text=True, timeout=timeout, env=full_env)
+            result = subprocess.run(cmd + [str(ROOT / "train.py")] + args, cwd=ROOT, capture_output=True,
+                                    text=True, timeout=timeout, env=full_env)
+        else:  # a process of its own, forked from one that has imported torch (warm_python.py says why)
+            result = warm_python.python([ROOT / "train.py", *args], ROOT, full_env, timeout)
     if check and result.returncode != 0:
         raise AssertionError(
             f"train.py failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
@@ -122,8 +124,7 @@ def run_ladder(*args):
         import ladder
 
         return run_in_process(args, ladder.main)
-    return subprocess.run([sys.executable, str(ROOT / "ladder.py"), *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    return warm_python.python([ROOT / "ladder.py", *args], ROOT, {**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
 
 
 @functools.cache

@@ -1,10 +1,9 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
 from config import ConfigError, config_from_dict, config_to_dict, parse_args
+import warm_python
 from conftest import ROOT
 
 
@@ -80,7 +79,7 @@ def test_config_round_trips_through_json(tmp_path):
 
 
 def test_help_lists_every_field_with_default_and_comment():
-    out = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    out = warm_python.python(["train.py", "--help"], ROOT).stdout
     for key in [
         "model.n_layer",
         "data.batch_size",
@@ -94,7 +93,7 @@ def test_help_lists_every_field_with_default_and_comment():
 
 
 def test_bad_key_on_the_command_line_is_one_line_not_a_traceback():
-    result = subprocess.run([sys.executable, "train.py", "--optim.lrr=1"], cwd=ROOT, capture_output=True, text=True)
+    result = warm_python.python(["train.py", "--optim.lrr=1"], ROOT)
     assert result.returncode != 0
     assert result.stderr.strip() == "error: command line: unknown config key 'optim.lrr'; did you mean optim.lr?"
 

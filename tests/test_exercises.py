@@ -15,6 +15,7 @@ import pytest
 import hellaswag_eval
 import torch
 
+import warm_python
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from exercises.check import CHECKS, TRAINS, check_of
 from exercises.checking import ExerciseFailed, NotDone
@@ -106,9 +107,8 @@ def test_there_are_at_least_twenty_exercises_each_with_its_answer_file_and_hints
 
 def teacher_grades(number, student, data_root=None):
     """The teacher's check.py on a student's copy, as the teacher runs it (a process of its own)."""
-    command = [sys.executable, str(CHECK), str(number), f"--student={student}"]
-    return subprocess.run(command + ([f"--data_root={data_root}"] if data_root else []), capture_output=True,
-                          text=True, timeout=300)
+    command = [CHECK, str(number), f"--student={student}"]
+    return warm_python.python(command + ([f"--data_root={data_root}"] if data_root else []), ROOT, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -119,8 +119,7 @@ def student_copy(tmp_path_factory):
 
 
 def test_a_fresh_student_copy_passes_nothing_under_the_teachers_grading(student_copy):
-    graded = subprocess.run([sys.executable, str(CHECK), "all", f"--student={student_copy}"], capture_output=True,
-                            text=True, timeout=300)
+    graded = warm_python.python([CHECK, "all", f"--student={student_copy}"], ROOT, timeout=300)
     lines = graded.stdout.splitlines()
     assert graded.returncode == 1 and len(lines) == len(CHECKS), graded.stdout + graded.stderr
     assert all(line.startswith(f"exercise {n} is not done yet: write ") for n, line in zip(CHECKS, lines)), lines
@@ -160,8 +159,7 @@ def test_a_copy_whose_check_py_says_passed_still_fails_under_the_teachers_gradin
                 g.mul_((max_norm / (g.norm() + 1e-6)).clamp(max=1.0))
             return total
         """))
-    own = subprocess.run([sys.executable, "exercises/check.py", "13", f"--against={ROOT}"], cwd=copy,
-                         capture_output=True, text=True, timeout=120)
+    own = warm_python.python(["exercises/check.py", "13", f"--against={ROOT}"], copy, timeout=120)
     assert own.stdout.startswith("exercise 13 passed")  # what the edited copy says
     graded = teacher_grades(13, copy)
     assert graded.returncode == 1 and graded.stdout.startswith("exercise 13 failed") and \
@@ -169,16 +167,13 @@ def test_a_copy_whose_check_py_says_passed_still_fails_under_the_teachers_gradin
 
 
 def test_against_hands_the_grading_to_the_teachers_copy_and_refuses_an_empty_or_own_folder(student_copy):
-    graded = subprocess.run([sys.executable, "exercises/check.py", "1", f"--against={ROOT}"], cwd=student_copy,
-                            capture_output=True, text=True, timeout=120)
+    graded = warm_python.python(["exercises/check.py", "1", f"--against={ROOT}"], student_copy, timeout=120)
     assert graded.returncode == 1 and graded.stdout.startswith("exercise 1 is not done yet: write lr_at")
     for value, words in (("", "--against= is empty"), (str(student_copy), "is this copy itself"),
                          ("/nowhere", "holds no exercises/check.py")):
-        refused = subprocess.run([sys.executable, "exercises/check.py", "1", f"--against={value}"],
-                                 cwd=student_copy, capture_output=True, text=True, timeout=60)
+        refused = warm_python.python(["exercises/check.py", "1", f"--against={value}"], student_copy, timeout=60)
         assert_one_sentence(refused, words)
-    assert_one_sentence(subprocess.run([sys.executable, str(CHECK), "1", "--student="], capture_output=True,
-                                       text=True, timeout=60), "--student= is not a folder")
+    assert_one_sentence(warm_python.python([CHECK, "1", "--student="], ROOT, timeout=60), "--student= is not a folder")
 
 
 CHEATS = [  # (exercise, what the answer file does at import, besides a wrong answer; words of the failure)
@@ -259,22 +254,20 @@ def test_an_answer_built_on_another_exercise_names_the_function_still_to_write(t
 
 
 def test_the_check_command_prints_one_passed_line_and_exits_0():
-    result = subprocess.run([sys.executable, str(CHECK), "1"], capture_output=True, text=True, timeout=120)
+    result = warm_python.python([CHECK, "1"], ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("exercise 1 passed: lr_at matches schedule.py") and result.stdout.count("\n") == 1
 
 
 def test_a_data_root_that_does_not_exist_is_one_sentence_and_creates_nothing(tmp_path):
     missing = tmp_path / "missing"
-    result = subprocess.run([sys.executable, str(CHECK), "5", f"--data_root={missing}"], capture_output=True,
-                            text=True, timeout=120)
+    result = warm_python.python([CHECK, "5", f"--data_root={missing}"], ROOT, timeout=120)
     assert_one_sentence(result, f"--data_root={missing} is not a folder")
     assert not missing.exists() and list(tmp_path.iterdir()) == []
 
 
 def hint(number, level, cwd=ROOT):
-    return subprocess.run([sys.executable, "exercises/check.py", str(number), f"--hint={level}"], cwd=cwd,
-                          capture_output=True, text=True, timeout=60)
+    return warm_python.python(["exercises/check.py", str(number), f"--hint={level}"], cwd, timeout=60)
 
 
 def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code(student_copy):
@@ -331,8 +324,7 @@ def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(t
             with pytest.raises(NotImplementedError, match=f"exercise {number}: write {written}"):
                 mine(*[None] * len(inspect.signature(mine).parameters))
         assert (copy / "exercises" / "solutions" / name.split("/")[1]).read_bytes() == (ROOT / name).read_bytes()
-    result = subprocess.run([sys.executable, "exercises/check.py", "1"], cwd=copy, capture_output=True, text=True,
-                            timeout=120)
+    result = warm_python.python(["exercises/check.py", "1"], copy, timeout=120)
     assert result.returncode == 1
     assert result.stdout == ("exercise 1 is not done yet: write lr_at in exercises/01_schedule.py (its docstring says "
                              "what it must do).\n")

@@ -6,13 +6,12 @@ format and loading code as OpenAI's, without the download.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+import warm_python
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 
 transformers = pytest.importorskip("transformers")
@@ -108,9 +107,8 @@ def test_a_gpt2_name_goes_through_the_hub_download_path(data_root, gpt2_folder, 
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, str(ROOT / "train.py"), *finetune(data_root, tmp_path / "run", "gpt2",
-                                                                              "--train.max_steps=1")],
-                            cwd=ROOT, capture_output=True, text=True, env=env, timeout=300)
+    command = [ROOT / "train.py", *finetune(data_root, tmp_path / "run", "gpt2", "--train.max_steps=1")]
+    result = warm_python.python(command, ROOT, env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "starting from the weights of gpt2" in result.stdout
     first = [r for r in read_metrics(tmp_path / "run") if r["step"] == 0][0]["val/loss"]

@@ -9,13 +9,12 @@ README's "Fork it" section shows; an edit that no longer applies to the code fai
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+import warm_python
 from conftest import ROOT, TINY, assert_one_sentence
 
 STEPS = ["--train.max_steps=6", "--eval.interval=3", "--checkpoint.interval=3", "--eval.sample_interval=0"]
@@ -41,9 +40,9 @@ def make_edits(folder, *edits):
 
 
 def run(project, *args, check=True):
-    """`python ARGS` in the fork's folder, as a user runs it there."""
-    result = subprocess.run([sys.executable, *map(str, args)], cwd=project, capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    """`python ARGS` in the fork's folder, as a user runs it there (a process of its own, started warm:
+    warm_python.py), with the fork's own modules."""
+    result = warm_python.python(args, project, {**os.environ, "OMP_NUM_THREADS": "1"})
     if check:
         assert result.returncode == 0, f"{args}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result

@@ -17,6 +17,9 @@ import torch
 
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_in_process, run_train
 
+# One pytest worker runs this file's tests (pytest.ini's --dist loadgroup): they share the module fixture's runs.
+pytestmark = pytest.mark.xdist_group("fsdp")
+
 # 6 steps of 2 micro-steps per rank (the gradient sync skipped on the first), evaluated, checkpointed and sampled at
 # step 3 (a mid-run sample: every rank's metrics must still line up) and at the end.
 COMMON = TINY + ["--train.max_steps=6", "--train.total_batch_size=512", "--eval.interval=3",

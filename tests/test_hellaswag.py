@@ -7,6 +7,7 @@ import torch
 from torch.nn import functional as F
 
 import hellaswag_eval
+import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train, tiny_task_data
 from hellaswag_fixture import tiny_model, write_hellaswag
 from data import get_tokenizer
@@ -83,8 +84,8 @@ def test_cli_scores_a_jsonl_file_and_prints_json(data_root, tmp_path):
     )
     line = json.loads(result.stdout.strip().splitlines()[0])
     assert line["task"] == "hellaswag" and line["n"] == 5 and 0 <= line["acc"] <= 1 and line["skipped"] == 0
-    missing = subprocess.run([sys.executable, "hellaswag_eval.py", f"--init_from={tmp_path / 'run'}",
-                              f"--data={tmp_path / 'nope.jsonl'}"], cwd=ROOT, capture_output=True, text=True)
+    missing = warm_python.python(["hellaswag_eval.py", f"--init_from={tmp_path / 'run'}",
+                                  f"--data={tmp_path / 'nope.jsonl'}"], ROOT)
     assert missing.returncode != 0 and missing.stderr.startswith("error: no HellaSwag file at")
 
 

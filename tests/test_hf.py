@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 import hf  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from config import UserError  # noqa: E402
+import warm_python
 from conftest import ROOT, TINY, run_train  # noqa: E402
 from data import get_tokenizer  # noqa: E402
 
@@ -57,8 +58,7 @@ def test_export_refuses_a_folder_that_is_not_empty(data_root, tmp_path):
                       "--optim.warmup_steps=1"])
     (tmp_path / "export").mkdir()
     (tmp_path / "export" / "keep.txt").write_text("mine")
-    result = subprocess.run([sys.executable, "checkpoint.py", "export-hf", str(tmp_path / "run"),
-                             str(tmp_path / "export")], cwd=ROOT, capture_output=True, text=True)
+    result = warm_python.python(["checkpoint.py", "export-hf", str(tmp_path / "run"), str(tmp_path / "export")], ROOT)
     assert result.returncode != 0 and "is not empty" in result.stderr
     assert (tmp_path / "export" / "keep.txt").read_text() == "mine"
 

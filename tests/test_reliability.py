@@ -14,6 +14,7 @@ import torch
 
 from checkpoint import find_checkpoints
 from config import ConfigError, parse_args
+import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train
 from data import DataError, TokenLoader
 from tools.prepare_data import prepare_text, write_shard
@@ -137,7 +138,7 @@ def test_4_a_failing_sample_loses_no_training(data_root, tmp_path):
     script = tmp_path / "run_with_broken_samples.py"
     argv = args(data_root, out, "--train.max_steps=6", "--eval.sample_interval=2", "--checkpoint.interval=3")
     script.write_text(FAILING_SAMPLES.format(root=str(ROOT), argv=argv))
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    result = warm_python.python([str(script)], ROOT, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "writing samples at step 2 failed (RuntimeError: sampling broke); training goes on" in result.stderr
     assert [s for s, _ in find_checkpoints(out)] == [3, 6] and len(read_metrics(out)) == 6
@@ -210,8 +211,7 @@ def test_8_out_of_range_values_fail_with_the_fields_name(override):
 
 
 def test_8_a_range_error_from_train_py_is_one_line_and_writes_nothing(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "--train.max_steps=-5", f"--train.out_dir={tmp_path / 'o'}"],
-                            cwd=ROOT, capture_output=True, text=True)
+    result = warm_python.python(["train.py", "--train.max_steps=-5", f"--train.out_dir={tmp_path / 'o'}"], ROOT)
     assert result.returncode != 0
     assert result.stderr.strip() == "error: train.max_steps must be at least 1 (got -5); set it to a value in range."
     assert not (tmp_path / "o").exists()
@@ -286,8 +286,7 @@ def test_12_13_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
 ])
 def test_13_bad_text_inputs_are_one_sentence_naming_file_and_line(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
-    result = subprocess.run([sys.executable, "data.py", "text", str(tmp_path / name), "--out_dir",
-                             str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True)
+    result = warm_python.python(["data.py", "text", str(tmp_path / name), "--out_dir", str(tmp_path / "out")], ROOT)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -314,7 +313,7 @@ def test_14_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
     (["checkpoint.py", "list", "/no/such/run"], "is not a folder; give the train.out_dir"),
 ])
 def test_14_command_line_mistakes_are_one_sentence(command, message):
-    result = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True, text=True)
+    result = warm_python.python(command, ROOT)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
 
 

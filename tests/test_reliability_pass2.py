@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from config import ConfigError, parse_args
+import warm_python
 from conftest import ROOT, TINY, read_metrics, run_ladder, run_train
 
 
@@ -130,8 +131,8 @@ def test_18_the_flagships_plan_is_shown_before_its_data_is_downloaded(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "1 micro-step(s) x 8 rank(s) = 524,288 tokens per step" in result.stdout
     assert "python data.py fineweb-edu --name sample-10BT" in result.stdout
-    epochs = subprocess.run([sys.executable, str(ROOT / "train.py"), "config/gpt2.py", f"--data.data_root={tmp_path}",
-                             "--train.max_duration=1epochs", "--dry_run"], cwd=ROOT, capture_output=True, text=True)
+    epochs = warm_python.python([ROOT / "train.py", "config/gpt2.py", f"--data.data_root={tmp_path}",
+                                 "--train.max_duration=1epochs", "--dry_run"], ROOT)
     assert epochs.returncode == 1 and "python data.py fineweb-edu --name sample-10BT" in epochs.stderr
 
 
@@ -263,8 +264,7 @@ def test_15_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_on
 
 
 def test_10_17_command_line_values_that_name_nothing_are_one_sentence(data_root, tmp_path):
-    tasks_empty = subprocess.run([sys.executable, "hellaswag_eval.py", "--init_from=gpt2", "--tasks=,"], cwd=ROOT,
-                                 capture_output=True, text=True)
+    tasks_empty = warm_python.python(["hellaswag_eval.py", "--init_from=gpt2", "--tasks=,"], ROOT)
     assert tasks_empty.returncode == 1 and "--tasks=',' names no task" in tasks_empty.stderr
     no_size = run_ladder("run", tiny_ladder(tmp_path, data_root), "--size")
     assert no_size.returncode == 2 and "argument --size: expected one argument" in no_size.stderr

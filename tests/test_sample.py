@@ -5,6 +5,7 @@ import sys
 import torch
 from torch.nn import functional as F
 
+import warm_python
 from conftest import ROOT, TINY, run_train
 from model import GPT, GPTConfig
 from sample import beam_search, generate
@@ -70,7 +71,6 @@ def test_sample_cli_prints_prompt_and_continuation_and_beams(data_root, tmp_path
 
 
 def test_unknown_init_from_fails_with_one_sentence(tmp_path):
-    result = subprocess.run([sys.executable, "sample.py", f"--init_from={tmp_path / 'nothing'}"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = warm_python.python(["sample.py", f"--init_from={tmp_path / 'nothing'}"], ROOT)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "is not a folder nor one of gpt2" in result.stderr

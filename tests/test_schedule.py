@@ -3,12 +3,11 @@ and the dry run, which must leave the run folder untouched."""
 
 import math
 import re
-import subprocess
-import sys
 
 import pytest
 
 from config import Config, ConfigError, OptimConfig, parse_args
+import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train
 from optimizer import build_schedule
 
@@ -116,8 +115,7 @@ def test_dry_run_prints_the_plan_and_leaves_the_folder_untouched(data_root, tmp_
 
 
 def test_dry_run_fails_on_a_config_error_as_a_real_run_would(tmp_path):
-    result = subprocess.run([sys.executable, "train.py", "--optim.lr=-1", "--dry_run"], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = warm_python.python(["train.py", "--optim.lr=-1", "--dry_run"], ROOT)
     assert result.returncode != 0
     assert result.stderr.strip() == "error: optim.lr must be greater than 0 (got -1.0); set it to a value in range."
     assert Config().optim.schedule == "cosine"  # the default run is unchanged
