@@ -7,6 +7,7 @@ import torch
 from config import ConfigError, OptimConfig, parse_args
 from conftest import TINY, read_metrics, run_train
 from model import GPT, GPTConfig
+import optimizer as optimizer_module
 from optimizer import MuonAdamW, build_optimizer, lr_metrics, param_groups, set_lr
 
 
@@ -53,6 +54,45 @@ def test_a_muon_step_orthogonalizes_the_matrices_update():
     def spread(values):  # the ratio of the 90th to the 10th percentile of the singular values
         return (values.quantile(0.9) / values.quantile(0.1)).item()
     assert spread(update) < 2 < 10 < spread(gradient)
+
+
+def test_on_a_cpu_muon_is_torchs_muon_with_newton_schulz_in_float32(monkeypatch):
+    """optimizer.Muon's CPU step is torch.optim.Muon's, its Newton-Schulz iterations in float32 instead of bfloat16
+    (which a CPU without bfloat16 units multiplies many times slower): the same state, and bit for bit the same
+    update as torch's once torch's iteration is made float32."""
+    import torch.optim._muon as torch_muon
+
+    def newton_schulz_in_float32(grad, coefficients, steps, eps):  # torch's iteration, its bfloat16 cast removed
+        a, b, c = coefficients
+        x = grad.float().T if grad.size(0) > grad.size(1) else grad.float()
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if grad.size(0) > grad.size(1) else x
+
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(shape)) for shape in ((96, 32), (32, 96))]
+    ours = [torch.nn.Parameter(w.detach().clone()) for w in weights]
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, adjust_lr_fn="match_rms_adamw")
+    ours_opt = optimizer_module.Muon(ours, **settings)
+    bf16_opt = torch.optim.Muon([torch.nn.Parameter(w.detach().clone()) for w in weights], **settings)
+    monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", newton_schulz_in_float32)
+    torch_opt = torch.optim.Muon(weights, **settings)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in weights]
+        for params, opt in ((weights, torch_opt), (ours, ours_opt)):
+            for p, g in zip(params, grads):
+                p.grad = g.clone()
+            opt.step()
+        for p, g in zip(bf16_opt.param_groups[0]["params"], grads):
+            p.grad = g.clone()
+        monkeypatch.undo()
+        bf16_opt.step()  # torch's own, in bfloat16
+        monkeypatch.setattr(torch_muon, "_zeropower_via_newtonschulz", newton_schulz_in_float32)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(ours, weights))
+    assert ours_opt.state_dict()["state"].keys() == torch_opt.state_dict()["state"].keys() == {0, 1}
+    assert not any(torch.equal(a, b) for a, b in zip(ours, bf16_opt.param_groups[0]["params"]))
 
 
 def test_two_gloo_ranks_match_one_rank_with_accumulation_under_muon(data_root, tmp_path):
