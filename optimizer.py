@@ -77,6 +77,10 @@ class Muon(torch.optim.Muon):
     def step(self, closure=None):
         if any(p.device.type != "cpu" for group in self.param_groups for p in group["params"]):
             return super().step(closure)
+        loss = None
+        if closure is not None:  # as torch's step: the closure recomputes the loss and its gradients
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -92,6 +96,7 @@ class Muon(torch.optim.Muon):
                 p.mul_(1 - lr * group["weight_decay"])
                 # Moonshot's scale (adjust_lr_fn="match_rms_adamw", Liu et al. 2025): the update's RMS is AdamW's
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        return loss
 
 
 def orthogonalize(matrix, coefficients, steps, eps):

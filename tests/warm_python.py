@@ -13,6 +13,7 @@ processes.
 """
 
 import atexit
+import importlib
 import json
 import os
 import queue
@@ -31,8 +32,6 @@ def serve():
     write {"pid": ...} when it starts and {"status": ...} when it ends."""
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    import importlib
-
     for name in PRELOADED:
         importlib.import_module(name)
     sys.modules["torch"].set_num_threads(1)
