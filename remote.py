@@ -287,10 +287,23 @@ def local_copy(url, key):
     cache = os.environ.get("NANOGPT_REMOTE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab",
                                                                  "remote"))
     folder = os.path.join(cache, hashlib.sha256(run_url.rstrip("/").encode()).hexdigest()[:16], f"step{step}")
-    if not os.path.exists(os.path.join(folder, MARKER)):
+    if not same_checkpoint(folder, run_url, step, key):
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         download(run_url, step, folder, key)
     return folder
+
+
+def same_checkpoint(folder, run_url, step, key):
+    """Whether the cached `folder` holds the bucket's step<step> as it is now: its marker (every file's checksum)
+    equal to the bucket's. The cache is named by URL and step, and a new run at that URL (save_overwrite) or a
+    step uploaded again would otherwise be read from the old copy."""
+    try:
+        with open(os.path.join(folder, MARKER)) as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        return False
+    fs, root = filesystem(run_url, key)
+    return read_marker(fs, f"{root}/step{step}/{MARKER}") == cached
 
 
 # ----------------------------------------------------------------------------- writing the bucket

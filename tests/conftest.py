@@ -19,14 +19,18 @@ import warm_python
 # Before numpy loads: the scaling-law fits make thousands of tiny numpy/scipy calls, which OpenBLAS's
 # threads slow down several times over on a 2-core machine (ladder.py sets the same for its fits).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# Checkpoints read from a bucket are cached by URL (remote.local_copy); the tests' go to a folder of their own,
+# not the user's ~/.cache, and start empty each session.
+os.environ.setdefault("NANOGPT_REMOTE_CACHE", tempfile.mkdtemp(prefix="nanogpt-lab-remote-cache-"))
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# A model small enough that a CPU trains it in well under a second per step.
+# A model small enough that a CPU trains it in well under a second per step. AdamW, named: the default config
+# trains with Muon, and most tests reason about one optimizer's state (Muon's own tests say --optim.name=muon).
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
         "--data.batch_size=4", "--train.total_batch_size=128", "--optim.warmup_steps=2",
-        "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1"]
+        "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1", "--optim.name=adamw"]
 
 
 @pytest.fixture(scope="session")

@@ -240,3 +240,17 @@ def test_load_path_and_init_from_take_a_bucket_url(s3, data_root, tmp_path, monk
     tuned = run_train(args(data_root, tmp_path / "tuned", "--train.max_steps=3", f"--checkpoint.load_path={url}/step2"))
     assert "loaded weights, optimizer state, trainer state from" in tuned.stdout  # not a resume of its own run
     assert str(tmp_path / "cache") in tuned.stdout
+
+
+def test_a_bucket_checkpoint_replaced_at_the_same_url_is_downloaded_again(s3, data_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("NANOGPT_REMOTE_CACHE", str(tmp_path / "cache"))
+    import checkpoint
+    url = "s3://runs/replaced"
+    common = ["--train.max_steps=2", "--checkpoint.interval=2", f"--checkpoint.remote_folder={url}"]
+    run_train(args(data_root, tmp_path / "first", *common))
+    first = checkpoint.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()  # now in the cache
+    run_train(args(data_root, tmp_path / "second", *common, "--train.seed=7", "--checkpoint.save_overwrite=true"))
+    second = checkpoint.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()
+    local = checkpoint.load_model(str(tmp_path / "second"), "cpu", "--init_from").state_dict()
+    assert all(torch.equal(second[name], local[name]) for name in local)  # the new run's step2, not the cached one
+    assert not torch.equal(first["transformer.wte.weight"], second["transformer.wte.weight"])
