@@ -344,15 +344,17 @@ def check_warmup(warmup_steps, max_steps):
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
     cannot = {"optim.name=muon": (cfg.optim.name == "muon", "torch.optim.Muon takes whole matrices, not the pieces "
-                                  "FSDP leaves on each rank"),
-              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded"),
-              "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone"),
+                                  "FSDP leaves on each rank", "--optim.name=adamw"),
+              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
+                               "leave stage2.start empty"),
+              "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
+                                    "leave debug.trace_steps empty"),
               "log.activations_interval": (bool(cfg.log.activations_interval), "its statistics read whole "
-                                             "weights")}
-    for key, (asked, why) in cannot.items():
+                                             "weights", "--log.activations_interval=0")}
+    for key, (asked, why, remedy) in cannot.items():
         if asked:
             raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
-                              f"or leave {key.split('=')[0]} at its default.")
+                              f"or {remedy}.")
 
 
 def validate(cfg):

@@ -202,7 +202,8 @@ def test_the_bucket_holds_a_sharded_checkpoint_and_gives_it_back(runs):
 
 @pytest.mark.parametrize("setting, phrase", [
     ([], "this is a plain python process"),
-    (["--optim.name=muon"], "cannot run with optim.name=muon"),
+    (["--optim.name=muon"], "cannot run with optim.name=muon: torch.optim.Muon takes whole matrices, not the "
+                            "pieces FSDP leaves on each rank; set --train.data_parallel=ddp or --optim.name=adamw."),
     (["--stage2.start=3steps"], "cannot run with stage2.start"),
     (["--debug.trace_steps=2"], "cannot run with debug.trace_steps"),
     (["--log.activations_interval=2"], "cannot run with log.activations_interval"),
