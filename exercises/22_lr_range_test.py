@@ -9,8 +9,8 @@ moments: the average after i steps divided by 1 - 0.9^i), stop reading once the 
 the lowest smoothed loss so far (it diverged), and suggest a tenth of the LR at which the smoothed loss was
 lowest: the minimum sits at the edge of stability, and an LR ten times smaller trains fast and safely.
 In the project: train.py logs each step's `optim/lr` and `train/loss` to metrics.jsonl; optimizer.py's
-`Schedule.lr_at` sets the LR of each step (the check replaces it with a geometric sweep); the peak the
-quick start trains with is config/shakespeare.py's `optim.lr`.
+`Schedule.lr_at` sets the LR of each step (the check replaces it with a geometric sweep); the peaks the
+quick start trains with are config/shakespeare.py's `optim.lr` (AdamW's part) and `optim.muon_lr` (Muon's).
 Check: python exercises/check.py 22
 (the check runs a real range test with train.py on a small GPT, 60 steps from 1e-5 to 3, and gives you its LRs
 and losses; your suggestion must be the one the rule above gives)

@@ -22,7 +22,8 @@ checkpoint.sha256_file = lambda path: hashed.append(path) or original(path)  # c
 dist.init_process_group("gloo")
 rank, world_size = dist.get_rank(), dist.get_world_size()
 cfg = parse_args(["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
-                  "--data.batch_size=4", "--train.total_batch_size=256", f"--train.out_dir={sys.argv[1]}"])
+                  "--data.batch_size=4", "--train.total_batch_size=256", "--optim.name=adamw",
+                  f"--train.out_dir={sys.argv[1]}"])
 with torch.device("meta"):
     model = GPT(cfg.model)
 start = run_dir.from_rank0(lambda: run_dir.start_on_rank0(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg),

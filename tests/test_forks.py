@@ -187,6 +187,12 @@ def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tm
     exports_with_its_logits(project, run_dir, tmp_path / "hf")  # the z-loss shapes training, not the logits
 
 
+def setting(option):
+    """A config file's line for a command-line option: --optim.name=adamw -> optim.name = "adamw"."""
+    key, value = option[2:].split("=", 1)
+    return f"{key} = {value if value.replace('.', '').isdigit() else repr(value)}"
+
+
 def test_your_own_folder_of_text_files_is_the_data(tmp_path, data_root):
     texts = tmp_path / "my_texts"
     (texts / "more").mkdir(parents=True)
@@ -195,7 +201,7 @@ def test_your_own_folder_of_text_files_is_the_data(tmp_path, data_root):
     project = fork_of_the_project(tmp_path / "project")
     (project / "config" / "mine.py").write_text(
         "# My own texts: `python data.py text my_texts --out_dir data/mine` prepared them.\n"
-        'data.dataset = "mine"\n' + "".join(f"{line[2:].replace('=', ' = ', 1)}\n" for line in TINY))
+        'data.dataset = "mine"\n' + "".join(f"{setting(line)}\n" for line in TINY))
     prepared = run(project, "data.py", "text", texts, "--out_dir", tmp_path / "data" / "mine")
     assert "text: 40 documents" in prepared.stdout
     run_dir, _ = train_stop_resume(project, tmp_path, "config/mine.py", f"--data.data_root={tmp_path / 'data'}")

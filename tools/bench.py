@@ -64,7 +64,8 @@ def ours(steps, data_root, work):
                     f"--train.total_batch_size={s['batch_size'] * s['block_size']}", f"--train.hard_stop={steps}",
                     f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
                     "--eval.sample_interval=0", "--checkpoint.load=never", "--checkpoint.save_overwrite=true",
-                    "--train.no_checkpoints=true", f"--log.interval={steps}"],
+                    "--train.no_checkpoints=true", f"--log.interval={steps}",
+                    "--optim.name=adamw"],  # nanoGPT's optimizer: the step against the step
                    check=True, capture_output=True, text=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
