@@ -11,8 +11,8 @@ train.total_batch_size = 8 * 128  # one micro-step of 8 sequences per optimizer 
 train.max_steps = 360  # reaches val 5.475 (docs/measurements.md: the recipes tried for issue 41)
 train.out_dir = "out/shakespeare"
 
-# Muon for the blocks' matrices, AdamW for the embeddings and gains: the same val loss in half of AdamW's tokens
-# here (720 steps of AdamW at 2e-3 end at 5.521), at 1.03x its step time on a CPU (docs/measurements.md)
+# Muon for the blocks' matrices, AdamW for the embeddings and gains: a lower val loss in half of AdamW's tokens
+# here (720 steps of AdamW alone at 2e-3 end at 5.521), at 1.03x its step time on a CPU (docs/measurements.md)
 optim.name = "muon"
 # Peaks from a sweep at this size (docs/measurements.md): Muon 4e-3 with AdamW 2e-3 needed 400 steps, and no pair
 # reached 5.50 in 320 steps or fewer. Small models tolerate (and need) more than GPT-2's 6e-4.

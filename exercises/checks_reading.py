@@ -82,7 +82,14 @@ def check_lr_range_test(answers, data_root=""):
     moving = next(lr for lr, loss in zip(lrs, smoothed(losses)) if loss < start - 0.1)
     return (f"a real range test from {SWEEP[1]:g} to {SWEEP[2]:g} over {SWEEP[0]} steps: the smoothed loss starts "
             f"to fall near lr {moving:.2g}, is lowest at {at_minimum:.2g}, and you suggest {want:.2g}, as the rule "
-            f"does (the quick start's larger model trains AdamW's part at a peak of 3e-3: config/shakespeare.py).")
+            f"does (the quick start's larger model trains AdamW's part at a peak of {quick_start_lr():g}: "
+            f"config/shakespeare.py).")
+
+
+def quick_start_lr():
+    """The peak LR of AdamW's part in `python train.py`, read from its config (config/shakespeare.py)."""
+    from config import parse_args
+    return parse_args([]).optim.lr
 
 
 # ----------------------------------------------------------------------------- 23. a loss spike
