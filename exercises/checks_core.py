@@ -119,8 +119,7 @@ def clipping_answers(answers, cases):
     return results
 
 
-def check_clipping(answers):
-    rng = random.Random()
+def clipping_cases(rng):
     cases = []
     for case in range(20):
         shapes = [(rng.randint(1, 6), rng.randint(1, 6)) for _ in range(rng.randint(2, 5))]
@@ -131,6 +130,11 @@ def check_clipping(answers):
         # tensor on its own gives tensors different factors, and the advice can say so every time.
         limit = max(norms) * rng.uniform(0.1, 0.9) if case % 2 == 0 else total * rng.uniform(1.1, 3)
         cases.append({"grads": grads, "limit": limit})
+    return cases
+
+
+def check_clipping(answers):
+    cases = clipping_cases(random.Random())
     for case, mine in zip(cases, answers.run(clipping_answers, cases)):
         theirs = [torch.nn.Parameter(torch.zeros(g.shape)) for g in case["grads"]]
         for p, g in zip(theirs, case["grads"]):
