@@ -98,7 +98,8 @@ def find_checkpoints(run_dir):
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError unless every file matches the checksum in the marker."""
+    """Raise CheckpointError unless every file matches the checksum in the marker; an FSDP run's .metadata must
+    also be DCP's own (check_sharded_metadata), which is checked before any file is loaded."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -109,6 +110,38 @@ def verify_checkpoint(path):
             raise CheckpointError(f"{file_path} is missing")
         if sha256_file(file_path) != expected:
             raise CheckpointError(f"{file_path} does not match its checksum (truncated or corrupt)")
+    check_sharded_metadata(path, files)
+
+
+class UntrustedCheckpoint(CheckpointError):
+    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
+
+
+def check_sharded_metadata(path, files):
+    """An FSDP run's sharded/.metadata, read as data (sharding.read_metadata allows DCP's own classes only: a pickle
+    that asks for anything else, os.system say, is refused before it can run), and every piece file it names listed
+    in the marker `files`. One sentence naming the file otherwise."""
+    folder = os.path.join(path, SHARDED)
+    if not os.path.isdir(folder):
+        return
+    import sharding
+
+    metadata_file = os.path.join(folder, ".metadata")
+    if f"{SHARDED}/.metadata" not in files:
+        raise UntrustedCheckpoint(f"{metadata_file} is not listed in {os.path.join(path, MARKER)}, so it is not "
+                                  f"read; give a checkpoint this trainer saved whole.")
+    try:
+        metadata = sharding.read_metadata(folder)
+    except sharding.MetadataRefused as refused:
+        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes ({refused}),"
+                                  f" so it is not loaded: get the checkpoint again from where it was made, or give "
+                                  f"another one.") from None
+    pieces = {info.relative_path for info in metadata.storage_data.values()}
+    unlisted = sorted(name for name in pieces if f"{SHARDED}/{name}" not in files)
+    if unlisted:
+        raise UntrustedCheckpoint(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, MARKER)} does not "
+                                  f"list (a piece deleted after the save); get the checkpoint again from where it was "
+                                  f"made, or give another one.")
 
 
 def newest_valid_checkpoint(run_dir):
@@ -117,6 +150,8 @@ def newest_valid_checkpoint(run_dir):
         try:
             verify_checkpoint(path)
             return path
+        except UntrustedCheckpoint:
+            raise
         except CheckpointError as error:
             warnings.warn(f"skipping checkpoint: {error}; falling back to the previous one")
     return None
@@ -127,6 +162,8 @@ def resolve_checkpoint(source):
     if is_complete_checkpoint(source):
         try:
             verify_checkpoint(source)
+        except UntrustedCheckpoint:
+            raise
         except CheckpointError as error:
             raise CheckpointError(f"{error}; give the run folder instead to fall back to its newest good "
                                   f"checkpoint.") from None
@@ -641,9 +678,9 @@ def check_source(source, key):
     or an OpenAI GPT-2 name (then transformers must be installed). Returns the checkpoint folder, or None.
     Cheap: no weights read, except from a bucket (an s3:// or gs:// URL), downloaded once into a cache."""
     from hf import OPENAI_MODELS, is_hf_folder
-    if "://" in source:  # a bucket (remote.py)
+    if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
         import remote
-        return remote.local_copy(source, key)
+        return resolve_checkpoint(remote.local_copy(source, key))
     if source in OPENAI_MODELS:
         import importlib.util
         if importlib.util.find_spec("transformers") is None:

@@ -12,17 +12,23 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     apply(...)                what was read, put into the model and optimizer
     read_tensors(folder)      a sharded checkpoint's tensors put together in one process (sample.py, export-hf,
                               debug.py compare-state)
+    read_metadata(folder)     its .metadata, unpickled with DCP's own classes only: a checkpoint is data, never code
+
+DCP reads `.metadata` with a plain pickle.load and the optimizer's small values (lr, betas, names) with
+torch.load(weights_only=False): a checkpoint handed over by anyone could run any code it likes. Every read here goes
+through `Reader` and `Planner` instead, which allow only the classes a real checkpoint holds.
 
 Imported only by runs and tools that meet FSDP: `import train` does not load it.
 """
 
 import os
+import pickle
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -105,7 +111,7 @@ def apply(model, optimizer, model_state, optim_state, full=False):
 def tensor_shapes(folder, prefix="model."):
     """{name: (shape, dtype)} of the tensors under `prefix` in a sharded checkpoint folder, read from .metadata
     alone (no weights are read)."""
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = read_metadata(folder).state_dict_metadata
     return {key[len(prefix):]: (tuple(meta.size), meta.properties.dtype) for key, meta in metadata.items()
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
 
@@ -125,4 +131,78 @@ def read_into(state, folder):
     DCP announces in a warning that tells a user nothing here)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=folder, no_dist=not torch.distributed.is_initialized())
+        dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
+                 no_dist=not torch.distributed.is_initialized())
+
+
+# ----------------------------------------------------------------------------- reading without running code
+
+# What a .metadata may build: DCP's own metadata classes and the torch and standard types they are made of (read off
+# the .metadata of a real 2-rank FSDP checkpoint of this trainer, torch 2.13: tests/test_fsdp.py makes one). A dtype
+# is any torch.<dtype> (see allowed). Each of these only holds values: building one runs no code of the file's.
+METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # which file and bytes hold each piece
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.strided by its name (a lookup in torch's own table)
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),  # StorageMeta.checkpoint_id: where it was saved
+    ("collections", "OrderedDict"),
+}
+
+
+class MetadataRefused(ValueError):
+    """A .metadata that is not DCP's metadata; the message says what it holds instead."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler that builds only METADATA_CLASSES (and torch dtypes): any other name a file asks for, such
+    as os.system, is refused before it is looked up (the pickle docs' "Restricting Globals")."""
+
+    def find_class(self, module, name):
+        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise MetadataRefused(f"it asks to run {module}.{name}")
+
+
+def read_metadata(folder):
+    """A sharded checkpoint folder's .metadata (DCP's Metadata), unpickled with DCP's own classes only; MetadataRefused
+    (what the file holds instead) for anything else: another class, another object, bytes that are no pickle."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        try:
+            metadata = MetadataUnpickler(f).load()
+        except MetadataRefused:
+            raise
+        except Exception as error:  # noqa: BLE001 - random bytes make pickle raise any of several kinds
+            raise MetadataRefused(f"it is no pickle DCP wrote ({type(error).__name__})") from None
+    if not isinstance(metadata, Metadata):
+        raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class Reader(FileSystemReader):
+    """DCP's file reader, with .metadata read by read_metadata instead of pickle.load (as FileSystemReader does
+    otherwise: the storage_meta and load_id it sets are kept)."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class Planner(DefaultLoadPlanner):
+    """DCP's load planner, with the non-tensor values (the optimizer's lr, betas, group names) read by
+    torch.load(weights_only=True), which builds only tensors and plain values, instead of weights_only=False."""
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

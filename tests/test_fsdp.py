@@ -200,6 +200,91 @@ def test_the_bucket_holds_a_sharded_checkpoint_and_gives_it_back(runs):
     assert all(torch.equal(local[name], runs["from_bucket"][name]) for name in local)
 
 
+def run_code_instead_of_metadata(checkpoint_dir, marker_file):
+    """Replace checkpoint_dir's sharded/.metadata with a pickle that runs `touch marker_file` when unpickled, and
+    recompute the checksums in COMPLETE, as anyone handing over a checkpoint can."""
+    import hashlib
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker_file}",)
+
+    (checkpoint_dir / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+    marker["files"] = {name: hashlib.sha256((checkpoint_dir / name).read_bytes()).hexdigest()
+                       for name in marker["files"]}
+    (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+
+def test_a_sharded_metadata_that_runs_code_is_refused_by_every_entry_point(runs, data_root, tmp_path):
+    import checkpoint
+    import debug
+    import hellaswag_eval
+    import sample
+    import train
+
+    crafted, ran = tmp_path / "crafted", tmp_path / "the_payload_ran"
+    shutil.copytree(runs["fsdp"], crafted, symlinks=True)
+    for step in crafted.glob("step[0-9]*"):
+        run_code_instead_of_metadata(step, ran)
+    common = [*COMMON, f"--data.data_root={data_root}"]
+    own = tmp_path / "own"  # the crafted run as a run folder to resume
+    shutil.copytree(crafted, own, symlinks=True)
+    calls = [(sample.main, ["--init_from", crafted, "--num_samples=1", "--max_new_tokens=2", "--device=cpu"]),
+             (hellaswag_eval.main, ["--init_from", crafted, "--device=cpu"]),
+             (train.main, [*common, f"--train.out_dir={tmp_path / 'a'}", f"--checkpoint.load_path={crafted}"]),
+             (train.main, [*common, f"--train.out_dir={tmp_path / 'b'}", "--stage2.start=3steps",
+                           f"--stage2.reference={crafted}"]),
+             (train.main, [*common, f"--train.out_dir={own}"]),
+             (checkpoint.main, ["export-hf", crafted, tmp_path / "hf"]),
+             (debug.main, ["compare-state", crafted / "step6", runs["fsdp"] / "step6"])]
+    if runs["s3"]:  # the same checkpoint from a bucket
+        import remote
+        fs, root = remote.filesystem("s3://runs/crafted")
+        fs.put(str(crafted / "step6"), f"{root}/step6", recursive=True)
+        calls += [(sample.main, ["--init_from", "s3://runs/crafted", "--device=cpu"]),
+                  (train.main, [*common, f"--train.out_dir={tmp_path / 'c'}",
+                                "--checkpoint.load_path=s3://runs/crafted/step6"]),
+                  (train.main, [*common, f"--train.out_dir={tmp_path / 'd'}",  # a fresh node resuming the bucket's
+                                "--checkpoint.remote_folder=s3://runs/crafted"])]
+    before = sorted(os.listdir(own))
+    for main, args in calls:
+        result = run_in_process(args, main)
+        assert_one_sentence(result, "sharded/.metadata is not the metadata torch.distributed.checkpoint writes "
+                                    "(it asks to run posix.system)")
+        assert not ran.exists(), (args, result.stdout)
+    assert sorted(os.listdir(own)) == before and not (tmp_path / "a").exists() and not (tmp_path / "hf").exists()
+
+
+def test_sharded_files_that_pass_their_checksums_but_hold_no_checkpoint_are_one_sentence(runs, data_root, tmp_path):
+    import hashlib
+
+    import sample
+    import train
+
+    def rewrite_marker(checkpoint_dir, drop=()):
+        marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+        marker["files"] = {name: hashlib.sha256((checkpoint_dir / name).read_bytes()).hexdigest()
+                           for name in marker["files"] if name not in drop}
+        (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+    noise = tmp_path / "noise" / "step6"  # random bytes as .metadata: stage2.reference is refused at the start
+    shutil.copytree(runs["fsdp"] / "step6", noise)
+    (noise / "sharded" / ".metadata").write_bytes(os.urandom(256))
+    rewrite_marker(noise)
+    result = run_in_process([*COMMON, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                             "--stage2.start=3steps", f"--stage2.reference={noise}"], train.main)
+    assert_one_sentence(result, "stage2.reference", "sharded/.metadata is not the metadata", "no pickle DCP wrote")
+    assert not (tmp_path / "run").exists()
+    gone = tmp_path / "gone" / "step6"  # a rank's piece deleted and taken out of the marker
+    shutil.copytree(runs["fsdp"] / "step6", gone)
+    (gone / "sharded" / "__1_0.distcp").unlink()
+    rewrite_marker(gone, drop={"sharded/__1_0.distcp"})
+    result = run_in_process(["--init_from", gone, "--device=cpu"], sample.main)
+    assert_one_sentence(result, "names __1_0.distcp, which", "does not list (a piece deleted after the save)")
+
+
 @pytest.mark.parametrize("setting, phrase", [
     ([], "this is a plain python process"),
     (["--optim.name=muon"], "cannot run with optim.name=muon: torch.optim.Muon takes whole matrices, not the "
