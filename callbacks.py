@@ -29,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from config import UserError
+from config import CHECKS, ConfigError, UserError, redact_argv
 from plan import Every
 
 # ----------------------------------------------------------------------------- speed
@@ -236,7 +236,7 @@ def save_environment(out_dir, world_size):
     env = {
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "command": sys.argv,
+        "command": redact_argv(sys.argv),  # a secret on the command line (log.slack_webhook) is "***"
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -298,7 +298,12 @@ class Notifier:
     A context manager: entered as the loop is about to start; on leaving, it posts `outcome`, or the error."""
 
     def __init__(self, url, name, is_master):
-        self.url = (url or os.environ.get("SLACK_WEBHOOK_URL", "")) if is_master else ""
+        url = url or os.environ.get("SLACK_WEBHOOK_URL", "")  # (log.slack_webhook is checked with the config)
+        webhook = "an http:// or https:// URL, or empty"  # the setting's own check (config.py)
+        if not CHECKS[webhook](url):  # on every rank, so that all stop
+            raise ConfigError(f"the SLACK_WEBHOOK_URL environment variable must be {webhook} (its value is not shown: "
+                              f"a secret); set it to the webhook's https:// URL, or unset it.")
+        self.url = url if is_master else ""
         self.name, self.outcome = name, "ended"
 
     def post(self, text):

@@ -81,14 +81,17 @@ CHECKS = {
     "steps of 1 or more": lambda v: all(s >= 1 for s in v),
     "steps of 0 (before training) or more": lambda v: all(s >= 0 for s in v),
     "auto, cpu, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v),
+    # a webhook is posted to with urllib, which would also open file:// and ftp:// URLs
+    "an http:// or https:// URL, or empty": lambda v: v == "" or re.fullmatch(r"https?://[^\s/?#]+\S*", v),
 }
 
 
-def setting(role, default, check=None, ladder=False):
-    """A dataclass field with its role, its range check (a word of CHECKS) and whether ladder.py derives it; a
-    list default is copied for every Config. ladder.py's own section has no role (None)."""
+def setting(role, default, check=None, ladder=False, secret=False):
+    """A dataclass field with its role, its range check (a word of CHECKS), whether ladder.py derives it, and whether
+    its value is a secret (a credential: no record holds it, see config_to_dict); a list default is copied for every
+    Config. ladder.py's own section has no role (None)."""
     assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
-    metadata = {"role": role, "ladder": ladder, "check": check}
+    metadata = {"role": role, "ladder": ladder, "check": check, "secret": secret}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -102,8 +105,8 @@ def applied(default, check=None, ladder=False):
     return setting("applied", default, check, ladder)
 
 
-def free(default, check=None, ladder=False):
-    return setting("free", default, check, ladder)
+def free(default, check=None, ladder=False, secret=False):
+    return setting("free", default, check, ladder, secret)
 
 
 @dataclass(slots=True)
@@ -261,8 +264,9 @@ class LogConfig:
     # from one extra forward pass of the step's first micro-batch; 0 = off
     activations_interval: int = free(0, "0 or more")
     # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
-    # SLACK_WEBHOOK_URL environment variable, or no messages
-    slack_webhook: str = free("")
+    # SLACK_WEBHOOK_URL environment variable (preferred: the URL is the credential), or no messages. A secret: every
+    # record (config.json, checkpoints, W&B, environment.json's command line) holds "***" in its place
+    slack_webhook: str = free("", "an http:// or https:// URL, or empty", secret=True)
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
     wandb_project: str = free("nanogpt-lab")  # W&B project
@@ -368,7 +372,8 @@ def validate(cfg):
         numbers = value if isinstance(value, list) else [value]
         infinite = any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
         if wanted and (infinite or not CHECKS[wanted](value)):
-            raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
+            shown = "a value not shown: a secret" if field_metadata(cfg, key).get("secret") else repr(value)  # (logs)
+            raise ConfigError(f"{key} must be {wanted} (got {shown}); set it to a value in range.")
     if cfg.model.n_embd % cfg.model.n_head:
         raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
                           f"every head gets n_embd / n_head dimensions, so pick values that divide.")
@@ -734,16 +739,42 @@ def as_override(key, value):
     return f"--{key}={value}"
 
 
+REDACTED = "***"  # what every record holds in place of a secret's value
+
+
+def secret_keys(cfg=None):
+    """Every `section.field` declared secret (log.slack_webhook: the URL is the credential)."""
+    cfg = cfg or Config()
+    return [key for key in all_keys(cfg) if field_metadata(cfg, key).get("secret")]
+
+
 def config_to_dict(cfg):
-    return dataclasses.asdict(cfg)
+    """The config as every record saves it (config.json, each checkpoint's trainer.pt, W&B's run config): plain
+    data, each secret that is set replaced by "***" and named under "redacted". The run itself uses `cfg`, which
+    keeps the value; a resume takes it from its own command line or environment again."""
+    data = dataclasses.asdict(cfg)
+    redacted = [key for key in secret_keys(cfg) if get(cfg, key)]
+    for key in redacted:
+        section, name = key.split(".")
+        data[section][name] = REDACTED
+    if redacted:
+        data["redacted"] = {key: "a secret: not recorded" for key in redacted}
+    return data
+
+
+def redact_argv(argv):
+    """The command line as records keep it (environment.json, W&B): each secret's value replaced by "***"."""
+    secrets = tuple(f"--{key}=" for key in secret_keys())
+    return [f"{arg.split('=', 1)[0]}={REDACTED}" if str(arg).startswith(secrets) else arg for arg in argv]
 
 
 def config_from_dict(data):
     """Rebuild a Config saved with config_to_dict (checkpoints store the config this way)."""
     cfg = Config()
     for section_name, values in data.items():
-        section = sections(cfg).get(section_name)
+        section = sections(cfg).get(section_name)  # None for "redacted", config_to_dict's note
         for name, value in values.items():
-            if section is not None and hasattr(section, name):
+            if section is not None and hasattr(section, name) and not field_metadata(cfg, f"{section_name}.{name}").get(
+                    "secret"):  # a secret's "***" is no value: it stays unset
                 setattr(section, name, value)
     return cfg

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from callbacks import nonfinite_message
-from config import UserError, run_command
+from config import UserError, redact_argv, run_command
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -401,16 +401,22 @@ def start_wandb(out_dir, log_cfg, config_dict):
         run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
         with open(id_path, "w") as f:
             f.write(run_id)
-    return wandb.init(
-        project=log_cfg.wandb_project,
-        name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
-        group=log_cfg.wandb_group or None,
-        tags=log_cfg.wandb_tags or None,
-        id=run_id,
-        resume="allow",
-        dir=out_dir,
-        config=config_dict,
-    )
+    # W&B records the command line (sys.argv) in its run's metadata and logs: it reads the one with secrets redacted
+    # (config.redact_argv), as `config_dict` holds them redacted (config.config_to_dict).
+    argv, sys.argv = sys.argv, redact_argv(sys.argv)
+    try:
+        return wandb.init(
+            project=log_cfg.wandb_project,
+            name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
+            group=log_cfg.wandb_group or None,
+            tags=log_cfg.wandb_tags or None,
+            id=run_id,
+            resume="allow",
+            dir=out_dir,
+            config=config_dict,
+        )
+    finally:
+        sys.argv = argv
 
 
 def main(argv):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, find_checkpoints,
                         find_start_checkpoint, newest_valid_checkpoint, read_trainer_state, verify_checkpoint)
-from config import as_override, keys_with_role, parse_duration, parse_mix
+from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys
 from metrics import truncate_jsonl
 
 LOCK = ".lock"
@@ -127,12 +127,13 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs."""
-    changes = {}
-    for section in sorted(set(old) | set(new)):
+    """{'section.field': (old, new)} for every field that differs. Secrets (config.secret_keys) are left out, and so
+    is config_to_dict's note of them: a record holds "***" for them, and a new webhook URL is no changed setting."""
+    changes, secrets = {}, set(secret_keys())
+    for section in sorted((set(old) | set(new)) - {"redacted"}):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
             a, b = old.get(section, {}).get(name), new.get(section, {}).get(name)
-            if a != b:
+            if a != b and f"{section}.{name}" not in secrets:
                 changes[f"{section}.{name}"] = (a, b)
     return changes
 

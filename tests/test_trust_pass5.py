@@ -5,10 +5,14 @@ tests/test_fsdp.py, which makes one for its module; these run in this process, o
 import io
 import os
 import pickle
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+from bucket_fixture import s3  # noqa: F401 - a fixture: moto's S3 server on 127.0.0.1
+from conftest import TINY, run_in_process
 
 
 class RunsCode:
@@ -52,3 +56,69 @@ def test_the_metadata_reader_builds_only_dcp_classes(tmp_path):
     with pytest.raises(MetadataRefused, match="holds a dict, not DCP's Metadata"):
         read_metadata(tmp_path)
     assert not (tmp_path / "ran").exists()
+
+
+# ----------------------------------------------------------------------------- secrets reach no record
+
+
+def every_file_holding(root, secret):
+    """The files under `root` whose bytes hold `secret` (checkpoints, W&B's binary log and debug logs included)."""
+    found = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(folder, name)
+            if os.path.isfile(path) and secret.encode() in open(path, "rb").read():
+                found.append(path)
+    return found
+
+
+def test_the_webhook_url_reaches_no_file_bucket_or_wandb_record(s3, data_root, tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    import json
+
+    import remote
+    import train
+    from checkpoint import read_trainer_state
+
+    out, url = tmp_path / "run", "s3://runs/secret"
+    first, second = "http://127.0.0.1:9/services/T0/B0/first-secret-token", "https://127.0.0.1:9/second-secret-token"
+    common = [*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0"]
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    runs = [[*common, "--train.max_steps=2", "--log.wandb=true", f"--checkpoint.remote_folder={url}",
+             f"--log.slack_webhook={first}"],
+            [*common, "--train.max_steps=3", f"--log.slack_webhook={second}"]]  # a resume with a new URL
+    for args in runs:
+        monkeypatch.setattr(sys, "argv", ["train.py", *args])  # environment.json and W&B record the command line
+        result = run_in_process(args, train.main)
+        assert result.returncode == 0, result.stderr
+    assert "resumed from" in result.stdout and "slack_webhook" not in result.stdout  # no "changed setting"
+    assert (out / "wandb").is_dir() and (out / "step3" / "trainer.pt").exists()
+    fs, root = remote.filesystem(url)
+    fs.invalidate_cache()
+    fs.get(root, str(tmp_path / "bucket"), recursive=True)
+    assert (tmp_path / "bucket" / "config.json").exists()
+    for secret in ("first-secret-token", "second-secret-token"):
+        for place in (out, tmp_path / "bucket"):
+            assert every_file_holding(place, secret) == []
+    config = json.loads((out / "config.json").read_text())
+    assert config["log"]["slack_webhook"] == "***" and "log.slack_webhook" in config["redacted"]
+    assert "--log.slack_webhook=***" in json.loads((out / "environment.json").read_text())["command"]
+    assert read_trainer_state(out / "step3")["config"]["log"]["slack_webhook"] == "***"
+    changes = (out / "config_changes.jsonl").read_text()
+    assert "train.max_steps" in changes and "slack_webhook" not in changes and "redacted" not in changes
+
+
+@pytest.mark.parametrize("url", ["notaurl", "file:///etc/passwd", "ftp://example.com/hook"])
+def test_a_webhook_that_is_no_http_url_is_one_sentence_that_does_not_show_it(url, monkeypatch):
+    from callbacks import Notifier
+    from config import ConfigError, parse_args
+
+    with pytest.raises(ConfigError, match=r"log.slack_webhook must be an http:// or https:// URL") as refused:
+        parse_args([f"--log.slack_webhook={url}"])
+    assert url not in str(refused.value)
+    monkeypatch.setenv("SLACK_WEBHOOK_URL", url)
+    with pytest.raises(ConfigError, match="SLACK_WEBHOOK_URL environment variable must be an http") as refused:
+        Notifier("", "run", is_master=False)  # every rank checks it, so that all stop
+    assert url not in str(refused.value)
