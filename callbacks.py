@@ -152,15 +152,25 @@ def nonfinite_message(step, values):
     return None
 
 
-def check_finite(step, values):
-    """train.nan_policy=stop: never keep training on garbage. `values` may be device tensors: one host
-    sync for all of them, so the loop calls this only when something is about to read the weights."""
+def host_values(values):
+    """train/loss and train/grad_norm of `values` (which may be device tensors) on the host: one sync for both."""
     names = [name for name in ("train/loss", "train/grad_norm") if name in values]
-    if names:
-        host = torch.stack([torch.as_tensor(values[name]).float().reshape(()) for name in names]).tolist()
-        message = nonfinite_message(step, dict(zip(names, host)))
-        if message:
-            raise NonFiniteLoss(message)
+    if not names:
+        return {}
+    return dict(zip(names, torch.stack([torch.as_tensor(values[name]).float().reshape(()) for name in names]).tolist()))
+
+
+def all_finite(values):
+    """Whether the step's train/loss and train/grad_norm are finite: one host sync, so the loop asks only when
+    something is about to read the weights (train.nan_policy=stop never keeps training on garbage)."""
+    return nonfinite_message(0, host_values(values)) is None
+
+
+def check_finite(step, values):
+    """NonFiniteLoss, naming `step`, if the step's train/loss or train/grad_norm is not finite."""
+    message = nonfinite_message(step, host_values(values))
+    if message:
+        raise NonFiniteLoss(message)
 
 
 # ----------------------------------------------------------------------------- system

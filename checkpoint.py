@@ -133,9 +133,9 @@ def check_sharded_metadata(path, files):
     try:
         metadata = sharding.read_metadata(folder)
     except sharding.MetadataRefused as refused:
-        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes ({refused}),"
-                                  f" so it is not loaded: get the checkpoint again from where it was made, or give "
-                                  f"another one.") from None
+        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
+                                  f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
+                                  f"or give another one.") from None
     pieces = {info.relative_path for info in metadata.storage_data.values()}
     unlisted = sorted(name for name in pieces if f"{SHARDED}/{name}" not in files)
     if unlisted:

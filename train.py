@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, check_finite,
-                       make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
+from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, all_finite,
+                       check_finite, make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
@@ -38,7 +38,7 @@ from config import ConfigError, check_torch, check_warmup, config_to_dict, parse
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
-from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
+from plan import Due, Plan, SignalFlag, Stopper, describe_memory, make_plan
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -142,8 +142,11 @@ def train(cfg):
             # stop (a scheduler's grace period is short) only the checkpoint runs.
             stop = run.stopper.poll(step)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
             due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
-            if due.output and cfg.train.nan_policy == "stop":
-                check_finite(step, step_metrics)  # one host sync, and only when something reads the weights
+            # One host sync, and only when something reads the weights: a non-finite loss or gradient cancels all
+            # of it, and the rows so far are written below (the first non-finite step among them is named).
+            nonfinite = due.output and cfg.train.nan_policy == "stop" and not all_finite(step_metrics)
+            if nonfinite:
+                due = Due()
             if due.evals:
                 with clock.aside("eval"):
                     scores = evaluate(run, due, mix)
@@ -156,11 +159,13 @@ def train(cfg):
                     recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
             # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
             # non-finite steps) and come back as the console lines to print (rank 0).
-            collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
+            collect, wait = due.collect or give_up or nonfinite, bool(due.checkpoint) or give_up or nonfinite
             for line in recorder.finish_step(step, collect, wait):
                 print(line, flush=True)
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
                 raise NonFiniteLoss(run.writer.nonfinite)
+            if nonfinite:  # (the rows hold it: this names the step only if they somehow did not)
+                check_finite(step, step_metrics)
             if give_up:  # its rows are written: the steps that led here are on record
                 raise NonFiniteLoss(
                     f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "

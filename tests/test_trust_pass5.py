@@ -122,3 +122,20 @@ def test_a_webhook_that_is_no_http_url_is_one_sentence_that_does_not_show_it(url
     with pytest.raises(ConfigError, match="SLACK_WEBHOOK_URL environment variable must be an http") as refused:
         Notifier("", "run", is_master=False)  # every rank checks it, so that all stop
     assert url not in str(refused.value)
+
+
+# ----------------------------------------------------------------------------- what a stop says, and keeps
+
+
+def test_a_nan_between_collections_names_its_step_and_keeps_the_rows_before_it(data_root, tmp_path):
+    import train
+    from conftest import read_metrics
+
+    out = tmp_path / "run"  # an absurd LR overflows the weights after the first update: step 2's loss is NaN
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=6",
+                             "--optim.lr=1e20", "--optim.grad_clip=0", "--eval.interval=4",
+                             "--log.metrics_collect_interval=10"], train.main)
+    assert result.returncode == 1 and "train/loss is nan at step 2," in result.stderr, result.stderr
+    rows = read_metrics(out)
+    assert rows[0]["step"] == 1 and rows[0]["train/loss"] > 10  # the finite step is on record
+    assert not list(out.glob("step*"))
