@@ -416,12 +416,16 @@ class Run:
             failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
             raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
                                     f"then run the same command again to resume.")
-        self.notifier.outcome = f"{self.stopper.describe(reason)} after step {self.state.step}; its checkpoint is saved"
+        saved = not self.cfg.train.no_checkpoints  # (a benchmark saves none)
+        self.notifier.outcome = (f"{self.stopper.describe(reason)} after step {self.state.step}; "
+                                 + ("its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)"))
         if self.is_master:
             if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
                 os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
-            print(f"{self.stopper.describe(reason)} after step {self.state.step}; the checkpoint is saved: run the "
-                  f"same command again to resume.", flush=True)
+            print(f"{self.stopper.describe(reason)} after step {self.state.step}; " + (
+                "the checkpoint is saved: run the same command again to resume." if saved else
+                "train.no_checkpoints saved no checkpoint, so running the command again starts from step 0."),
+                flush=True)
 
 
 def build_run(cfg, stack):

@@ -139,3 +139,14 @@ def test_a_nan_between_collections_names_its_step_and_keeps_the_rows_before_it(d
     rows = read_metrics(out)
     assert rows[0]["step"] == 1 and rows[0]["train/loss"] > 10  # the finite step is on record
     assert not list(out.glob("step*"))
+
+
+def test_a_run_without_checkpoints_that_stops_early_does_not_promise_a_resume(data_root, tmp_path):
+    import train
+
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                             "--train.max_steps=4", "--train.time_limit=1e-6", "--train.no_checkpoints=true"],
+                            train.main)
+    assert result.returncode == 0, result.stderr
+    assert "saved no checkpoint, so running the command again starts from step 0" in result.stdout
+    assert "resume" not in result.stdout and not list((tmp_path / "run").glob("step*"))
