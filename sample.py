@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
-from data import GPT2_VOCAB_SIZE, dataset_dir, get_tokenizer, tokenizer_of
+from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer, tokenizer_of
 
 
 class KVCache:
@@ -195,7 +195,13 @@ def tokenizer_for(source, model):
         raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
                         f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
                         f"dataset first (e.g. `python data.py shakespeare-char`).")
-    return tokenizer_of(data_dir)
+    tokenizer = tokenizer_of(data_dir)
+    saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset) if path else None
+    if saved and saved != fingerprint(data_dir):  # the ids would decode to other characters
+        raise UserError(f"the dataset under {data_dir} is not the one {path} trained on (its meta.json or shards "
+                        f"differ), so its ids would decode to other characters; prepare that run's dataset again, or "
+                        f"point data.data_root at it.")
+    return tokenizer
 
 
 def check_args(args):

@@ -150,3 +150,75 @@ def test_a_run_without_checkpoints_that_stops_early_does_not_promise_a_resume(da
     assert result.returncode == 0, result.stderr
     assert "saved no checkpoint, so running the command again starts from step 0" in result.stdout
     assert "resume" not in result.stdout and not list((tmp_path / "run").glob("step*"))
+
+
+# ----------------------------------------------------------------------------- a character dataset's vocabulary
+
+
+@pytest.fixture(scope="module")
+def char_run(tmp_path_factory):
+    """`python data.py shakespeare-char` and a 2-step run on it: (data root, run folder)."""
+    import data
+    import train
+
+    root = tmp_path_factory.mktemp("char")
+    run_in_process(["shakespeare-char", "--out_dir", str(root / "data" / "shakespeare-char")], data.main)
+    out = root / "run"
+    result = run_in_process(["config/shakespeare_char.py", *TINY, "--eval.interval=0", "--train.max_steps=2",
+                             f"--data.data_root={root / 'data'}", f"--train.out_dir={out}"], train.main)
+    assert result.returncode == 0, result.stderr
+    return root / "data", out
+
+
+def test_a_corrupt_or_reordered_vocabulary_is_one_sentence_in_sample_and_on_resume(char_run, tmp_path):
+    import json
+    import shutil
+
+    import sample
+    import train
+    from conftest import assert_one_sentence
+
+    data_root, trained = char_run
+    root = tmp_path / "data"
+    shutil.copytree(data_root, root)
+    meta = root / "shakespeare-char" / "meta.json"
+    vocab = json.loads(meta.read_text())["vocab"]
+    sample_args = ["--num_samples=1", "--max_new_tokens=2", "--device=cpu"]
+
+    def run_both(*phrases):
+        out = tmp_path / "run"
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(trained, out)
+        resumed = run_in_process(["config/shakespeare_char.py", *TINY, "--eval.interval=0", "--train.max_steps=3",
+                                  f"--data.data_root={root}", f"--train.out_dir={out}"], train.main)
+        assert_one_sentence(resumed, *phrases)
+        assert not (out / "step3").exists()
+
+    meta.write_text('{"vocab": ["a", ')  # cut short
+    run_both("meta.json is not a readable character vocabulary", "python data.py shakespeare-char")
+    meta.write_text(json.dumps({"vocab": vocab[::-1], "vocab_size": len(vocab)}))  # the same characters, reordered
+    run_both("the dataset shakespeare-char", "is not the one this run trained on")
+    import checkpoint
+    state = checkpoint.read_trainer_state(trained / "step2")
+    state["config"]["data"]["data_root"] = str(root)
+    moved = tmp_path / "moved" / "step2"  # the checkpoint, pointed at the reordered data
+    shutil.copytree(trained / "step2", moved)
+    torch.save(state, moved / "trainer.pt")
+    marker = json.loads((moved / "COMPLETE").read_text())
+    marker["files"]["trainer.pt"] = checkpoint.sha256_file(moved / "trainer.pt")
+    (moved / "COMPLETE").write_text(json.dumps(marker))
+    assert_one_sentence(run_in_process(["--init_from", moved, *sample_args], sample.main),
+                        "is not the one", "its ids would decode to other characters")
+    meta.write_text('{"vocab": ["a", ')
+    assert_one_sentence(run_in_process(["--init_from", moved, *sample_args], sample.main),
+                        "meta.json is not a readable character vocabulary")
+
+
+def test_a_vocab_size_below_the_characters_names_the_setting_to_change(char_run, tmp_path):
+    import train
+    from conftest import assert_one_sentence
+
+    data_root, _ = char_run
+    result = run_in_process(["config/shakespeare_char.py", *TINY, "--model.vocab_size=60", "--train.max_steps=2",
+                             f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}"], train.main)
+    assert_one_sentence(result, "set --model.vocab_size=82, the number of characters in its meta.json")
