@@ -31,6 +31,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -433,7 +434,45 @@ class TrainState:
 
 def read_trainer_state(path):
     """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU."""
-    return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    return read_file(path, "trainer.pt")
+
+
+def holds_weights(obj):
+    return isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+
+
+def holds_optimizer_state(obj):  # an optimizer's state_dict, or MuonAdamW's {name: state_dict}
+    return isinstance(obj, dict) and (
+        ("state" in obj and "param_groups" in obj) or (bool(obj) and all(map(holds_optimizer_state, obj.values()))))
+
+
+def holds_trainer_state(obj):
+    return isinstance(obj, dict) and isinstance(obj.get("config"), dict) and isinstance(obj.get("step"), int) \
+        and isinstance(obj.get("rng"), list)
+
+
+# What each file of a checkpoint holds, in words and as a check: a file that passes its checksum may still hold
+# anything torch.load(weights_only=True) can build (a list, a number), which would fail later in a traceback.
+FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
+                 "optim.pt": ("an optimizer's state", holds_optimizer_state),
+                 "trainer.pt": ("the trainer's state", holds_trainer_state)}
+
+
+def read_file(path, name, device="cpu", mmap=False):
+    """torch.load(weights_only=True) of checkpoint file `name` in `path`: one sentence when it is not what this
+    trainer writes there (an object weights_only refuses to build, or another kind of value)."""
+    file_path = os.path.join(path, name)
+    what, holds = FILE_CONTENTS[name]
+    try:
+        obj = torch.load(file_path, map_location=device, weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as error:
+        first_line = (str(error).splitlines() or [""])[0][:150]
+        raise UntrustedCheckpoint(f"{file_path} cannot be read as {what} ({type(error).__name__}: {first_line}); "
+                                  f"give a checkpoint this trainer saved.") from None
+    if not holds(obj):
+        raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a checkpoint this "
+                                  f"trainer saved.")
+    return obj
 
 
 def to_cpu(obj):
@@ -524,7 +563,7 @@ def saved_shapes(path):
     if os.path.isdir(os.path.join(path, SHARDED)):
         import sharding
         return {name: shape for name, (shape, _) in sharding.tensor_shapes(os.path.join(path, SHARDED)).items()}
-    saved = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True, mmap=True)
+    saved = read_file(path, "model.pt", mmap=True)
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
@@ -533,7 +572,7 @@ def saved_weights(path, device):
     if os.path.isdir(os.path.join(path, SHARDED)):
         import sharding
         return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
-    return torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+    return read_file(path, "model.pt", device)
 
 
 def check_weights_fit(path, model, advice):
@@ -574,7 +613,7 @@ def load_optimizer_state(optimizer, path, device):
     """The optimizer's moments from `path`, with this run's settings kept: `load_state_dict` would also bring
     back the saved groups' LR peak, weight decay, betas, eps and momentum, so the settings the config asks
     for are put back after it, and the config in force is what the optimizer uses."""
-    saved = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
+    saved = read_file(path, "optim.pt", device)
     check_group_layout(saved, optimizer, path)
     keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
 
@@ -644,11 +683,10 @@ def load_with_shards(path, model, optimizer, device):
             check_group_layout(optim_state, optimizer, path)
         full = False
     else:
-        model_state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+        model_state = read_file(path, "model.pt", device)
         for name, first in ties(model).items():
             model_state.setdefault(name, model_state[first])
-        optim_state = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True) \
-            if optimizer is not None else None
+        optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
         if optim_state is not None:
             check_group_layout(optim_state, optimizer, path)
         model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)

@@ -222,3 +222,53 @@ def test_a_vocab_size_below_the_characters_names_the_setting_to_change(char_run,
     result = run_in_process(["config/shakespeare_char.py", *TINY, "--model.vocab_size=60", "--train.max_steps=2",
                              f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}"], train.main)
     assert_one_sentence(result, "set --model.vocab_size=82, the number of characters in its meta.json")
+
+
+# ----------------------------------------------------------------------------- files that pass their checksums
+
+
+@pytest.fixture(scope="module")
+def tiny_run(data_root, tmp_path_factory):
+    """A 2-step run with a checkpoint at each step (a module's worth of tests copy it)."""
+    import train
+
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
+                             "--train.max_steps=2", "--checkpoint.interval=1"], train.main)
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def rewrite(checkpoint_dir, name, obj):
+    """Save `obj` as checkpoint file `name` and put its checksum in COMPLETE, as anyone handing one over can."""
+    import json
+
+    from checkpoint import sha256_file
+    torch.save(obj, checkpoint_dir / name)
+    marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+    marker["files"][name] = sha256_file(checkpoint_dir / name)
+    (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+
+@pytest.mark.parametrize("name, content", [("model.pt", [1, 2]), ("optim.pt", {"lr": 1.0}), ("trainer.pt", 3),
+                                           ("model.pt", "code")])
+def test_a_checkpoint_file_that_holds_something_else_is_one_sentence(tiny_run, data_root, tmp_path, name, content):
+    import shutil
+
+    import sample
+    import train
+    from conftest import assert_one_sentence
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out, symlinks=True)
+    if content == "code":  # an object weights_only refuses to build: nothing of it runs
+        content = RunsCode(tmp_path / "ran")
+    rewrite(out / "step2", name, content)
+    what = {"model.pt": "weights by name", "optim.pt": "an optimizer's state", "trainer.pt": "the trainer's state"}
+    resumed = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
+                              "--train.max_steps=3"], train.main)
+    assert_one_sentence(resumed, f"step2/{name}", what[name], "give a checkpoint this trainer saved")
+    assert not (out / "step3").exists() and not (tmp_path / "ran").exists()
+    if name != "optim.pt":  # (sampling reads no optimizer)
+        assert_one_sentence(run_in_process(["--init_from", out, "--device=cpu", "--max_new_tokens=2"], sample.main),
+                            f"step2/{name}", what[name])
