@@ -37,7 +37,6 @@ import re
 import shutil
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,8 +81,14 @@ def is_complete_checkpoint(path):
         return True
     if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
         WARNED.add(path)
-        warnings.warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
+        warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
     return False
+
+
+def warn(message):
+    """A warning for the person running the command: one line on stderr (a Python warning would add its source
+    line, which tells a user nothing)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def find_checkpoints(run_dir):
@@ -154,7 +159,7 @@ def newest_valid_checkpoint(run_dir):
         except UntrustedCheckpoint:
             raise
         except CheckpointError as error:
-            warnings.warn(f"skipping checkpoint: {error}; falling back to the previous one")
+            warn(f"skipping checkpoint: {error}; falling back to the previous one")
     return None
 
 

@@ -143,13 +143,23 @@ def step_folders(fs, root):
     return sorted(int(name[4:]) for name in names if name.startswith("step") and name[4:].isdigit())
 
 
+WARNED = set()  # damaged markers in a bucket already reported (one warning each)
+
+
 def complete_checkpoints(fs, root):
-    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable."""
+    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable. A marker that is
+    there and damaged (not a dict of files) is not a checkpoint either, with one warning, as checkpoint.py treats a
+    local one: a resume or a reader that falls back to an older step says so."""
     found = {}
     for step in step_folders(fs, root):
-        marker = read_marker(fs, f"{root}/step{step}/{MARKER}")
-        if marker is not None:  # else an upload cut short, or a damaged marker: not a checkpoint
+        path = f"{root}/step{step}/{MARKER}"
+        marker = read_marker(fs, path)
+        if marker is not None:  # else an upload cut short (no marker), or a damaged marker: not a checkpoint
             found[step] = marker
+        elif path not in WARNED and fs.exists(path):
+            WARNED.add(path)
+            print(f"warning: {fs.unstrip_protocol(path)} is no readable {MARKER} marker, so step{step} is not used as "
+                  f"a checkpoint; delete that step from the bucket, or upload it again.", file=sys.stderr, flush=True)
     return found
 
 

@@ -272,3 +272,28 @@ def test_a_checkpoint_file_that_holds_something_else_is_one_sentence(tiny_run, d
     if name != "optim.pt":  # (sampling reads no optimizer)
         assert_one_sentence(run_in_process(["--init_from", out, "--device=cpu", "--max_new_tokens=2"], sample.main),
                             f"step2/{name}", what[name])
+
+
+def test_a_damaged_marker_in_the_bucket_or_the_folder_is_a_one_line_warning(s3, tiny_run, tmp_path):
+    import shutil
+
+    import checkpoint
+    import remote
+    import sample
+
+    url = "s3://runs/damaged"
+    fs, root = remote.filesystem(url)
+    for step in ("step1", "step2", "step3"):  # step3: step2 again, so that two steps are newer than step1
+        fs.put(str(tiny_run / min(step, "step2")), f"{root}/{step}", recursive=True)
+    fs.pipe_file(f"{root}/step2/COMPLETE", b"{}")
+    fs.pipe_file(f"{root}/step3/COMPLETE", b"[1, 2]")
+    result = run_in_process(["--init_from", url, "--device=cpu", "--max_new_tokens=2", "--num_samples=1"], sample.main)
+    assert result.returncode == 0, result.stderr
+    for step in ("step2", "step3"):
+        assert f"warning: {url}/{step}/COMPLETE is no readable COMPLETE marker, so {step} is not used" in result.stderr
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out, symlinks=True)
+    (out / "step2" / "COMPLETE").write_text("[1, 2]")
+    listed = run_in_process(["list", out], checkpoint.main)
+    assert f"warning: {out / 'step2'} has an unreadable COMPLETE marker" in listed.stderr
+    assert "UserWarning" not in listed.stderr and "step1" in listed.stdout
