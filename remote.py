@@ -399,6 +399,11 @@ class Uploader:
             if self.fs.exists(f"{self.root}/step{old}/{MARKER}"):
                 self.fs.rm_file(f"{self.root}/step{old}/{MARKER}")
         self.fs.put_file(os.path.join(folder, MARKER), f"{remote}/{MARKER}")
+        if self.replaced:  # the other run's record goes too (its metrics_step<N>.json...): this run's replaces it whole
+            ours = {os.path.basename(path) for path in self.records()}
+            for entry in self.fs.ls(self.root, detail=True):
+                if entry["type"] == "file" and os.path.basename(entry["name"].rstrip("/")) not in ours:
+                    self.fs.rm_file(entry["name"])
         self._records()
         for old in self.replaced:
             if old != step:

@@ -189,7 +189,7 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
     if c.remote_folder:
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite)
+        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
     rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
@@ -198,8 +198,8 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
             if not c.save_overwrite:
-                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints (steps "
-                                      f"{', '.join(map(str, bucket_steps[-3:]))}) and this run starts afresh, which "
+                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
+                                      f"({steps_text(bucket_steps)}) and this run starts afresh, which "
                                       f"would mix two runs there; resume them (checkpoint.load=if_available), give "
                                       f"another remote folder, or pass --checkpoint.save_overwrite=true.")
             start.replace_bucket = bucket_steps
@@ -213,15 +213,33 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     return start
 
 
-def read_bucket(url, run_config, save_overwrite):
+def steps_text(steps):
+    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
+    if len(steps) <= 3:
+        return f"steps {', '.join(map(str, steps))}"
+    return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+def read_bucket(url, run_config, save_overwrite, out_dir):
     """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite."""
+    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
+    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
     import remote
 
     saved, steps = remote.read_run(url)
     if saved is None and not steps:
         return steps, True
     difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
+    own = os.path.join(out_dir, "config.json")
+    if difference and saved is not None and os.path.exists(own):
+        with open(own) as f:
+            ours = json.load(f)
+        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
+            key, old, new = difference
+            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
+                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
+                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
+                                  f"and remote folder.")
     if difference and not save_overwrite:
         key, old, new = difference
         raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "

@@ -297,3 +297,28 @@ def test_a_damaged_marker_in_the_bucket_or_the_folder_is_a_one_line_warning(s3, 
     listed = run_in_process(["list", out], checkpoint.main)
     assert f"warning: {out / 'step2'} has an unreadable COMPLETE marker" in listed.stderr
     assert "UserWarning" not in listed.stderr and "step1" in listed.stdout
+
+
+def test_the_bucket_start_messages_name_every_step_and_the_run_they_hold(s3, tiny_run, data_root, tmp_path):
+    import json
+    import shutil
+
+    import remote
+    import train
+    from conftest import assert_one_sentence
+
+    url = "s3://runs/many"  # the run's config and five complete (empty) checkpoints: what the start reads
+    fs, root = remote.filesystem(url)
+    fs.pipe_file(f"{root}/config.json", (tiny_run / "config.json").read_bytes())
+    for step in (2, 4, 6, 8, 10):
+        fs.pipe_file(f"{root}/step{step}/COMPLETE", json.dumps({"step": step, "files": {}}).encode())
+    common = [*TINY, f"--data.data_root={data_root}", "--eval.interval=0", "--train.max_steps=2",
+              "--checkpoint.interval=1", f"--checkpoint.remote_folder={url}"]
+    fresh = run_in_process([*common, f"--train.out_dir={tmp_path / 'fresh'}", "--checkpoint.load=never"], train.main)
+    assert_one_sentence(fresh, "holds checkpoints (5 steps: 2, ..., 6, 8, 10) and this run starts afresh")
+    own = tmp_path / "own"  # this run's folder, whose run the bucket holds, resumed with another seed
+    shutil.copytree(tiny_run, own, symlinks=True)
+    seed = run_in_process([*common, f"--train.out_dir={own}", "--train.seed=7"], train.main)
+    assert_one_sentence(seed, f"{own} and checkpoint.remote_folder={url} hold a run with train.seed=1337",
+                        "set --train.seed=1337 to resume it")
+    assert "another run" not in seed.stderr and "save_overwrite" not in seed.stderr
