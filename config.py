@@ -559,9 +559,11 @@ def parse_value(text, type_, key):
             return int(float(text)) if re.fullmatch(r"-?\d+(\.0*)?e\d+", text) else int(text)
         if type_ is float:
             return float(text)
-        if typing.get_origin(type_) is list:
-            item_type = typing.get_args(type_)[0]
-            return [parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
+        if typing.get_origin(type_) is list:  # 3,6 or, as --help shows a list, [3, 6]
+            item_type, items = typing.get_args(type_)[0], text.strip()
+            if items.startswith("[") and items.endswith("]"):
+                items = items[1:-1]
+            return [parse_value(item.strip().strip("'\""), item_type, key) for item in items.split(",") if item.strip()]
         return text  # str and Literal words (validate() checks the words)
     except ValueError:
         raise ConfigError(f"{key}={text!r} is not a valid {getattr(type_, '__name__', type_)}.") from None

@@ -322,3 +322,11 @@ def test_the_bucket_start_messages_name_every_step_and_the_run_they_hold(s3, tin
     assert_one_sentence(seed, f"{own} and checkpoint.remote_folder={url} hold a run with train.seed=1337",
                         "set --train.seed=1337 to resume it")
     assert "another run" not in seed.stderr and "save_overwrite" not in seed.stderr
+
+
+def test_a_list_setting_takes_the_brackets_help_shows():
+    from config import parse_args
+
+    cfg = parse_args(["--checkpoint.fixed_steps=[3]", "--eval.fixed_steps=[1, 4]", "--log.wandb_tags=['a', 'b']"])
+    assert (cfg.checkpoint.fixed_steps, cfg.eval.fixed_steps, cfg.log.wandb_tags) == ([3], [1, 4], ["a", "b"])
+    assert parse_args(["--checkpoint.fixed_steps=[]"]).checkpoint.fixed_steps == []
