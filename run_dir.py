@@ -296,9 +296,10 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note])
 
 
-def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
+def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
     """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
-    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print."""
+    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print. `trains`:
+    False when the run has nothing left to train (a resume past its end): no change of settings is recorded."""
     c, lines = checkpoint_cfg, []
     if start.fetched:  # the download becomes the folder's own checkpoint (remote.py)
         import remote
@@ -312,7 +313,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     save_overwrite = c.save_overwrite
     replaced = []
     if start.resumed:
-        accept_resume(out_dir, saved_config, run_config, step)
+        accept_resume(out_dir, saved_config, run_config, step, trains)
     else:
         replaced = claim_for_fresh_start(out_dir, run_config, save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
@@ -343,11 +344,11 @@ def check_identity(out_dir, saved_config, run_config):
             f"pass --checkpoint.save_overwrite=true to replace it).")
 
 
-def accept_resume(out_dir, saved_config, run_config, step):
+def accept_resume(out_dir, saved_config, run_config, step, trains=True):
     """Rank 0, resuming: note and record every change of a setting that may change (check_identity has
-    refused the others)."""
+    refused the others), unless the run trains nothing (no step runs under them)."""
     changes = changed_fields(saved_config, run_config)
-    if changes:
+    if changes and trains:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
         with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:

@@ -214,8 +214,10 @@ def before_the_first_step(run):
                 f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
             print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
     elif state.step >= plan.end_step and run.is_master:
-        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do (raise "
-              f"train.max_steps to train longer).")
+        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
+            if plan.end_step < plan.max_steps else "raise train.max_steps"
+        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
+              f"longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
 
@@ -667,7 +669,8 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if procs.is_master:
         replaced, lines = run_dir.carry_out_start(out_dir, start, saved["config"] if start.resumed else None,
-                                                  config_to_dict(cfg), state.step, ck)
+                                                  config_to_dict(cfg), state.step, ck,
+                                                  trains=state.step < plan.end_step or not start.resumed)
         save_environment(out_dir, procs.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=procs.world_size, device=procs.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))

@@ -330,3 +330,18 @@ def test_a_list_setting_takes_the_brackets_help_shows():
     cfg = parse_args(["--checkpoint.fixed_steps=[3]", "--eval.fixed_steps=[1, 4]", "--log.wandb_tags=['a', 'b']"])
     assert (cfg.checkpoint.fixed_steps, cfg.eval.fixed_steps, cfg.log.wandb_tags) == ([3], [1, 4], ["a", "b"])
     assert parse_args(["--checkpoint.fixed_steps=[]"]).checkpoint.fixed_steps == []
+
+
+def test_a_hard_stop_below_the_checkpoint_names_itself_and_records_no_change(tiny_run, data_root, tmp_path):
+    import shutil
+
+    import train
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out, symlinks=True)
+    before = sorted(os.listdir(out))
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
+                             "--train.max_steps=4", "--checkpoint.interval=1", "--train.hard_stop=1"], train.main)
+    assert result.returncode == 0, result.stderr
+    assert "already trained to step 2; nothing to do (train.hard_stop=1 stops it at step 1: raise it" in result.stdout
+    assert "train.max_steps" not in result.stdout and sorted(os.listdir(out)) == before  # no config_changes.jsonl
