@@ -316,7 +316,8 @@ class Notifier:
         self.url = url if is_master else ""
         self.name, self.outcome = name, "ended"
 
-    def post(self, text):
+    def post(self, text, ending=False):
+        """Post `text`; `ending`: the run's last message (a failure is then not followed by "training goes on")."""
         if not self.url:
             return
         import urllib.request
@@ -327,7 +328,8 @@ class Notifier:
             urllib.request.urlopen(request, timeout=10).close()
         except Exception as error:  # noqa: BLE001 - a notification is never worth the run
             print(f"warning: the run notifier could not post to its webhook ({type(error).__name__}: {error}); "
-                  f"training goes on.", file=sys.stderr, flush=True)
+                  + ("the run's outcome is as printed above." if ending else "training goes on."), file=sys.stderr,
+                  flush=True)
 
     def __enter__(self):
         self.post("started")
@@ -335,6 +337,6 @@ class Notifier:
 
     def __exit__(self, kind, error, traceback):
         if error is None:
-            self.post(self.outcome)
+            self.post(self.outcome, ending=True)
         else:
-            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}")
+            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}", ending=True)

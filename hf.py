@@ -242,7 +242,7 @@ def use_source_shape(shape, model_config, source, what, default_config=False, ke
             setattr(model_config, name, value)
         elif mine != value and not (name == "block_size" and mine < value):
             grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
-            where = " in config/shakespeare.py, the default config file," if default_config else ""
+            where = " (in config/shakespeare.py, the default config file)" if default_config else ""
             raise WeightsError(f"{key}={source} is {what} with model.{name}={value}, and this run sets "
                                f"model.{name}={mine}{where}{grow}; the shape comes from the weights, so leave it "
                                f"out, as `python train.py config/finetune_shakespeare.py --{key}={source}` does.")

@@ -194,7 +194,7 @@ class MetricRecorder:
 def warn_if_slow(what, seconds, soft_timeout):
     """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that holds the loop this long is said, with its time."""
     if seconds > soft_timeout:
-        print(f"warning: {what} took {seconds:.1f} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
+        print(f"warning: {what} took {seconds:.3g} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
               f"slow disk, bucket or network holds the loop.", file=sys.stderr, flush=True)
 
 

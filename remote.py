@@ -428,8 +428,9 @@ class Uploader:
             except Exception as error:  # each store raises its own kinds; the run must go on
                 if pause is None:
                     self.failures += 1
+                    going_on = "the run is not affected" if self.closing else "training goes on"  # (closing: it ended)
                     print(f"warning: uploading checkpoint step{step} to {self.url} failed {attempt + 1} times "
-                          f"({describe_failure(error)}); training goes on, and the checkpoint is in "
+                          f"({describe_failure(error)}); {going_on}, and the checkpoint is in "
                           f"train.out_dir.", file=sys.stderr, flush=True)
                     try:  # what reached the bucket of this step is not a checkpoint: it goes
                         if not self.fs.exists(f"{self.root}/step{step}/{MARKER}"):

@@ -2,6 +2,7 @@
 reach no record, and what each refusal says. The slow parts (a real 2-rank sharded checkpoint) are in
 tests/test_fsdp.py, which makes one for its module; these run in this process, on tiny runs."""
 
+import dataclasses
 import io
 import os
 import pickle
@@ -345,3 +346,26 @@ def test_a_hard_stop_below_the_checkpoint_names_itself_and_records_no_change(tin
     assert result.returncode == 0, result.stderr
     assert "already trained to step 2; nothing to do (train.hard_stop=1 stops it at step 1: raise it" in result.stdout
     assert "train.max_steps" not in result.stdout and sorted(os.listdir(out)) == before  # no config_changes.jsonl
+
+
+def test_a_shape_from_the_default_config_file_is_one_clean_sentence():
+    from hf import WeightsError, use_source_shape
+    from model import GPTConfig
+
+    shape = {**dataclasses.asdict(GPTConfig()), "n_layer": 12}
+    with pytest.raises(WeightsError) as refused:
+        use_source_shape(shape, GPTConfig(n_layer=6), "gpt2", "GPT-2", default_config=True)
+    assert "model.n_layer=6 (in config/shakespeare.py, the default config file); the shape" in str(refused.value)
+    assert ",;" not in str(refused.value)
+
+
+def test_warnings_after_the_run_ended_do_not_say_training_goes_on(capsys):
+    from callbacks import Notifier
+    from metrics import warn_if_slow
+
+    with Notifier("http://127.0.0.1:9/nobody", "run", is_master=True) as notifier:  # nothing listens on port 9
+        notifier.outcome = "finished at step 2"
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].endswith("training goes on.") and lines[-1].endswith("the run's outcome is as printed above.")
+    warn_if_slow("waiting for the previous checkpoint", 0.0042, 0.001)
+    assert "took 0.0042 s, more than log.bookkeeping_soft_timeout=0.001 s" in capsys.readouterr().err
