@@ -21,12 +21,13 @@ NEW_FIELDS = [
      "    # key/value heads (grouped-query attention); None: one per head, as GPT-2\n"
      "    n_kv_head: int | None = field(default=None, metadata={\"role\": \"identity\", \"ladder\": False, "
      "\"check\": \"at least 1\"})\n"
-     "    qk_norm: bool = field(default=False, metadata={\"role\": \"identity\", \"ladder\": False})  # RMSNorm q, k\n"),
+     "    # RMSNorm on queries and keys (QK-norm); False: none, as GPT-2\n"
+     "    qk_norm: bool = field(default=False, metadata={\"role\": \"identity\", \"ladder\": False})\n"),
     ("model.py", "        return [\n",
      "        return [\n"
      "            (self.n_kv_head is None or self.n_head % self.n_kv_head == 0,\n"
-     "             f\"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}; each key/value \"\n"
-     "             f\"head serves n_head / n_kv_head heads, so pick values that divide.\"),\n"),
+     "             f\"model.n_head={self.n_head} is not divisible by model.n_kv_head={self.n_kv_head}; \"\n"
+     "             f\"each key/value head serves n_head / n_kv_head heads, so pick values that divide.\"),\n"),
 ]
 
 
