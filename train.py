@@ -541,9 +541,14 @@ def build_model(cfg, procs):
     raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
     torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
     if raw_model.config != cfg.model or len(raw_model.blocks) != cfg.model.n_layer:  # a model file that ignores it
-        raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT built {len(raw_model.blocks)} blocks "
-                          f"from a config other than the run's model section (model.n_layer={cfg.model.n_layer}); "
-                          f"build the model from the GPTConfig it is given, so that its checkpoints load again.")
+        differs = [f"model.{f.name}={getattr(cfg.model, f.name)}, it built {getattr(raw_model.config, f.name, None)}"
+                   for f in dataclasses.fields(cfg.model)
+                   if getattr(raw_model.config, f.name, None) != getattr(cfg.model, f.name)]
+        if len(raw_model.blocks) != cfg.model.n_layer and not any(d.startswith("model.n_layer=") for d in differs):
+            differs.append(f"model.n_layer={cfg.model.n_layer}, it built {len(raw_model.blocks)} blocks")
+        raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT was built from a config other than the "
+                          f"run's model section ({'; '.join(differs)}); build the model from the GPTConfig it is "
+                          f"given, so that its checkpoints load again.")
     return raw_model
 
 

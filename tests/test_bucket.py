@@ -228,7 +228,8 @@ def test_a_model_file_that_ignores_its_config_is_refused_and_one_file_is_one_mod
                         "        super().__init__(dataclasses.replace(config, n_layer=1), loss_path)\n")
     result = run_train(args(data_root, tmp_path / "run", "--train.max_steps=2", f"--train.model_module={stubborn}"),
                        check=False)
-    assert_one_sentence(result, "built 1 blocks from a config other than the run's model section")
+    assert_one_sentence(result, "was built from a config other than the run's model section (model.n_layer=2, it "
+                                "built 1)")
     own = ROOT / "tests" / "gpt_of_your_own.py"
     run_train(args(data_root, tmp_path / "mine", "--train.max_steps=4", "--train.hard_stop=2",
                    f"--train.model_module={own}"))

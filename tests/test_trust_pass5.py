@@ -369,3 +369,18 @@ def test_warnings_after_the_run_ended_do_not_say_training_goes_on(capsys):
     assert lines[0].endswith("training goes on.") and lines[-1].endswith("the run's outcome is as printed above.")
     warn_if_slow("waiting for the previous checkpoint", 0.0042, 0.001)
     assert "took 0.0042 s, more than log.bookkeeping_soft_timeout=0.001 s" in capsys.readouterr().err
+
+
+def test_a_model_file_that_builds_another_width_names_that_field(data_root, tmp_path):
+    import train
+    from conftest import assert_one_sentence
+
+    wide = tmp_path / "wide.py"
+    wide.write_text("import dataclasses, model\n"
+                    "class GPT(model.GPT):\n"
+                    "    def __init__(self, config, loss_path='chunked'):\n"
+                    "        super().__init__(dataclasses.replace(config, n_embd=2 * config.n_embd), loss_path)\n")
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                             f"--train.model_module={wide}"], train.main)
+    assert_one_sentence(result, "(model.n_embd=32, it built 64)")
+    assert "n_layer" not in result.stderr and not (tmp_path / "run").exists()
