@@ -142,13 +142,25 @@ class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
 
 
+def nonfinite_stop(what, out_dir, skip=True):
+    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on that holds for this run: resume from
+    its last checkpoint, or start again when it has none (a resume from nothing is no advice). `skip`: also offer
+    train.nan_policy=skip (a run that skips already has its limit instead)."""
+    from checkpoint import newest_checkpoint
+
+    last = newest_checkpoint(out_dir) if out_dir else None
+    restart = f"resume from its last checkpoint, {os.path.basename(last)}," if last else \
+        "start again (the run has no checkpoint to resume)"
+    then = ", or set train.nan_policy=skip to skip such steps" if skip else \
+        " (train.nan_skip_limit sets how many in a row)"
+    return NonFiniteLoss(f"{what}; {restart} with a lower optim.lr{then}.")
+
+
 def nonfinite_message(step, values):
-    """The sentence for a NaN/Inf train/loss or train/grad_norm among host `values`, else None."""
+    """What is non-finite among host `values` (train/loss, train/grad_norm) and at which step, else None."""
     for name in ("train/loss", "train/grad_norm"):
         if name in values and not math.isfinite(values[name]):
-            return (f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it; resume from "
-                    f"the last checkpoint (or, with none yet, start again) with a lower optim.lr, or set "
-                    f"train.nan_policy=skip to skip such steps.")
+            return f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it"
     return None
 
 
@@ -166,11 +178,11 @@ def all_finite(values):
     return nonfinite_message(0, host_values(values)) is None
 
 
-def check_finite(step, values):
+def check_finite(step, values, out_dir=None):
     """NonFiniteLoss, naming `step`, if the step's train/loss or train/grad_norm is not finite."""
     message = nonfinite_message(step, host_values(values))
     if message:
-        raise NonFiniteLoss(message)
+        raise nonfinite_stop(message, out_dir)
 
 
 # ----------------------------------------------------------------------------- system

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, all_finite,
-                       check_finite, make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
+from callbacks import (GarbageCollector, LossSpikeDetector, Notifier, StepClock, all_finite, check_finite,
+                       make_profiler, memory_metrics, nonfinite_stop, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
@@ -164,15 +164,13 @@ def train(cfg):
             for line in recorder.finish_step(step, collect, wait):
                 print(line, flush=True)
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
-                raise NonFiniteLoss(run.writer.nonfinite)
+                raise nonfinite_stop(run.writer.nonfinite, cfg.train.out_dir)
             if nonfinite:  # (the rows hold it: this names the step only if they somehow did not)
-                check_finite(step, step_metrics)
+                check_finite(step, step_metrics, cfg.train.out_dir)
             if give_up:  # its rows are written: the steps that led here are on record
-                raise NonFiniteLoss(
-                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "
-                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"(or, with none yet, start again) with a lower optim.lr (train.nan_skip_limit sets how many in a "
-                    f"row).")
+                raise nonfinite_stop(f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step "
+                                     f"{step} (train.nan_policy=skip), so the weights are no longer trained",
+                                     cfg.train.out_dir, skip=False)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)

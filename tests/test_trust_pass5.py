@@ -137,6 +137,7 @@ def test_a_nan_between_collections_names_its_step_and_keeps_the_rows_before_it(d
                              "--optim.lr=1e20", "--optim.grad_clip=0", "--eval.interval=4",
                              "--log.metrics_collect_interval=10"], train.main)
     assert result.returncode == 1 and "train/loss is nan at step 2," in result.stderr, result.stderr
+    assert "start again (the run has no checkpoint to resume) with a lower optim.lr" in result.stderr
     rows = read_metrics(out)
     assert rows[0]["step"] == 1 and rows[0]["train/loss"] > 10  # the finite step is on record
     assert not list(out.glob("step*"))
