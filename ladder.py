@@ -405,6 +405,9 @@ def benchmark(cfg, plan):
 
 
 def show_checkpoints(cfg, plans, as_json):
+    for folder in ladder_fit.missing_alternative_dirs(cfg):  # (on stderr: --json's lines stay JSON)
+        print(f"note: ladder.alternative_dirs has {folder}, which does not exist; no checkpoint was looked for there.",
+              file=sys.stderr)
     for p in plans:
         for c in ladder_fit.checkpoint_rows(cfg, p):
             if as_json:

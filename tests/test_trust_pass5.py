@@ -385,3 +385,15 @@ def test_a_model_file_that_builds_another_width_names_that_field(data_root, tmp_
                              f"--train.model_module={wide}"], train.main)
     assert_one_sentence(result, "(model.n_embd=32, it built 64)")
     assert "n_layer" not in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_an_alternative_ladder_folder_that_does_not_exist_is_said(s3, data_root, tmp_path):
+    from conftest import run_ladder
+    from test_ladder import micro_ladder_file
+
+    path = micro_ladder_file(tmp_path, data_root)
+    result = run_ladder("checkpoints", path, f"--ladder.alternative_dirs={tmp_path / 'nowhere'},s3://runs/nowhere",
+                        "--json")
+    assert result.returncode == 0, result.stderr
+    for folder in (tmp_path / "nowhere", "s3://runs/nowhere"):
+        assert f"note: ladder.alternative_dirs has {folder}, which does not exist" in result.stderr
