@@ -27,9 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, code_change_note,
-                        find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_trainer_state,
-                        verify_checkpoint)
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata,
+                        check_weights_fit, code_change_note, find_checkpoints, find_start_checkpoint,
+                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
 from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
@@ -272,7 +272,8 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir)).get(rewind_to, fetched), True, ""
         verify_checkpoint(path)
-    elif fetched:
+    elif fetched:  # its files passed their checksums as they came; an FSDP run's .metadata is checked as data now
+        check_sharded_metadata(fetched, read_marker(fetched)["files"])
         path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
