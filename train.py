@@ -428,7 +428,7 @@ def build_run(cfg, stack):
                           "process; start it with torchrun --nproc-per-node=N, or set --train.data_parallel=ddp.")
     name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
     notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
-    raw_model = build_model(cfg, procs)  # the same initial weights on every rank
+    raw_model, init_record = build_model(cfg, procs)  # the same initial weights on every rank (FSDP: on meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
@@ -437,7 +437,7 @@ def build_run(cfg, stack):
         raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
                           f"character-level; leave eval.tasks empty for this run.")
     task_examples = load_task_examples(cfg, procs)
-    model, compiled = wrap_model(cfg, procs, raw_model)
+    model, compiled = wrap_model(cfg, procs, raw_model, init_record)
     optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
     plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
@@ -523,26 +523,44 @@ def is_compiled(cfg, device_type):
 
 
 def build_model(cfg, procs):
-    """The GPT (train.model_module's class) with the same initial weights on every rank, on the device."""
+    """(the GPT (train.model_module's class) with the same initial weights on every rank, on the device; the record
+    of its initialisation or None). Under FSDP it is built on `meta` (shapes, no numbers) and its record is kept:
+    wrap_model shards it, then each rank fills only its own pieces (sharding.py), so no rank holds the whole model."""
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
-    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
+    make = lambda: gpt_class(cfg.train.model_module)(cfg.model, loss_path)  # noqa: E731
+    record = None
+    if cfg.train.data_parallel == "fsdp":
+        from sharding import build_on_meta
+        raw_model, record = build_on_meta(make)
+        if record.unreplayable:  # a fork's init the record cannot replay: built whole, as DDP does
+            if procs.is_master:
+                print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
+                      f"which sharded initialisation cannot replay; docs/fsdp.md).")
+            raw_model, record = make(), None
+    else:
+        raw_model = make()
+    raw_model = raw_model if record else raw_model.to(procs.device)
     torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
     if raw_model.config != cfg.model or len(raw_model.blocks) != cfg.model.n_layer:  # a model file that ignores it
         raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT built {len(raw_model.blocks)} blocks "
                           f"from a config other than the run's model section (model.n_layer={cfg.model.n_layer}); "
                           f"build the model from the GPTConfig it is given, so that its checkpoints load again.")
-    return raw_model
+    return raw_model, record
 
 
-def wrap_model(cfg, procs, raw_model):
+def wrap_model(cfg, procs, raw_model, init_record=None):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
     gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
-    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once."""
+    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once; a
+    model built on meta (`init_record`) then gets its pieces, drawn as a whole build would draw them."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":
-        from sharding import shard
-        return shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled), compiled
+        from sharding import materialise, shard
+        model = shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
+        if init_record is not None:
+            materialise(model, init_record, cfg.train.seed, procs.device)
+        return model, compiled
     model = torch.compile(raw_model) if compiled else raw_model
     if procs.world_size > 1:
         model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
