@@ -343,9 +343,7 @@ def check_warmup(warmup_steps, max_steps):
 
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"optim.name=muon": (cfg.optim.name == "muon", "torch.optim.Muon takes whole matrices, not the pieces "
-                                  "FSDP leaves on each rank", "--optim.name=adamw"),
-              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
+    cannot = {"stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
                                "leave stage2.start empty"),
               "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
                                     "leave debug.trace_steps empty"),
