@@ -288,6 +288,9 @@ class CheckpointConfig:
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
     # copy state to CPU in the step, write it on a background thread
     async_save: bool = free(False, ladder=True)
+    # FSDP: a checkpoint saved at a multiple of this many steps also holds the whole model.pt (gathered on rank 0)
+    # beside its pieces, for sample.py, export-hf and tools that read one file (docs/fsdp.md); 0 = never
+    unsharded_interval: int = free(0, "0 or more")
     # if_available: resume from out_dir when it has a checkpoint
     load: Literal["if_available", "always", "never"] = free("if_available")
     load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)

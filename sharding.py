@@ -9,6 +9,7 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     shard(model, ...)         train.py's wrap_model: each block, then the whole model
     materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
     save_shards(...)          every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py)
+    gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
     full_into_sharded(...)    model.pt/optim.pt (a DDP run's) into a sharded model: DDP runs resume as FSDP
     apply(...)                what was read, put into the model and optimizer
@@ -236,6 +237,13 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
         return dcp.async_save(state, checkpoint_id=where, process_group=group)
     dcp.save(state, checkpoint_id=where, process_group=group)
     return None
+
+
+def gather_weights(model, tied=()):
+    """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on the other ranks):
+    checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied weight, left out as model.pt does."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {name: t for name, t in get_model_state_dict(model, options=options).items() if name not in tied}
 
 
 def load_shards(path, model, optimizer, tied=None):

@@ -38,7 +38,7 @@ from config import ConfigError, check_torch, check_warmup, config_to_dict, parse
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
-from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
+from plan import Every, Plan, SignalFlag, Stopper, describe_memory, make_plan
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -395,7 +395,8 @@ class Run:
         metrics.warn_if_slow("waiting for the previous checkpoint", time.perf_counter() - stall_start,
                              self.cfg.log.bookkeeping_soft_timeout)
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
-        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
+        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master,
+                                 unsharded=Every(self.cfg.checkpoint.unsharded_interval).due(self.state.step))
         self.checkpointer.save(self.state.step, snapshot, kind, self.raw_model, self.optimizer)
         stalled = time.perf_counter() - stall_start
         if self.is_master and self.state.step > 0:

@@ -58,7 +58,8 @@ def runs(data_root, tmp_path_factory):
         s3 = env if store is not None else None
         remote = ["--checkpoint.remote_folder=s3://runs/fsdp"] if s3 else []
         found["fsdp_output"] = run_train([*common, FSDP, f"--train.out_dir={found['fsdp']}",
-                                          "--checkpoint.async_save=true", *remote], nproc=2, env=s3 or {}).stdout
+                                          "--checkpoint.async_save=true", "--checkpoint.unsharded_interval=6",
+                                          *remote], nproc=2, env=s3 or {}).stdout
         if s3:  # what the bucket holds, and the model read back from it (downloaded: every file its marker lists)
             import checkpoint
             import remote as bucket_files
@@ -133,7 +134,7 @@ def test_fsdp_trains_as_ddp_does(runs):
     assert (runs["fsdp"] / "samples.txt").read_text().count("--- step") == 2  # rank 0 wrote them, once each
 
 
-def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
+def test_each_rank_holds_half_of_the_weights_and_of_the_optimizer_state(runs):
     assert sorted(runs["held"]) == [0, 1]
     for held in runs["held"].values():
         assert abs(held["weights"] / held["all_weights"] - 0.5) < 0.01
@@ -143,11 +144,15 @@ def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
 def test_a_sharded_checkpoint_is_atomic_checksummed_and_async(runs):
     from checkpoint import MARKER, find_checkpoints, verify_checkpoint
 
-    step6 = runs["fsdp"] / "step6"
-    marker = json.loads((step6 / MARKER).read_text())
+    step3, step6 = runs["fsdp"] / "step3", runs["fsdp"] / "step6"
+    marker = json.loads((step3 / MARKER).read_text())
     assert sorted(marker["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp",
                                        "trainer.pt"]
-    assert not (step6 / "model.pt").exists()  # nothing gathered on one rank
+    assert not (step3 / "model.pt").exists()  # nothing gathered on one rank
+    # checkpoint.unsharded_interval=6: step 6 also holds the whole model.pt, under the marker's checksums
+    assert sorted(json.loads((step6 / MARKER).read_text())["files"]) == [
+        "model.pt", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "trainer.pt"]
+    verify_checkpoint(step6)
     assert "checkpoint step6 (permanent, async)" in runs["fsdp_output"]
     assert "with FSDP on 2 rank(s)" in runs["fsdp_output"]  # the memory estimate, said at the start
     broken = runs["fsdp"].parent / "broken"
@@ -193,9 +198,14 @@ def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
     sampled = run_in_process(["--init_from", str(runs["fsdp"]), "--num_samples=1", "--max_new_tokens=4",
                               "--device=cpu"], sample.main)
     assert sampled.returncode == 0 and "sample 0" in sampled.stdout, sampled.stderr
-    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")
+    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")  # step6's model.pt (unsharded_interval)
     pieces = read_tensors(str(runs["fsdp"] / "step6" / "sharded"))
+    whole = torch.load(runs["fsdp"] / "step6" / "model.pt", weights_only=True)
+    assert whole.keys() == pieces.keys() and all(torch.equal(whole[name], pieces[name]) for name in pieces)
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in pieces.items())
+    from_pieces = checkpoint.load_model(str(runs["fsdp"] / "step3"), "cpu", "--init_from")  # no model.pt there
+    assert all(torch.equal(from_pieces.state_dict()[name], tensor)
+               for name, tensor in read_tensors(str(runs["fsdp"] / "step3" / "sharded")).items())
     compared = run_in_process(["compare-state", str(runs["ddp"] / "step6"), str(runs["fsdp"] / "step6")], debug.main)
     # the same 84 tensors by name (weights and AdamW moments) on both sides; they differ where clipping did (above)
     assert "Traceback" not in compared.stderr and "only in" not in compared.stdout, compared.stdout + compared.stderr
