@@ -72,6 +72,7 @@ ROLES = ("identity", "applied", "free")
 
 CHECKS = {
     "at least 1": lambda v: v >= 1,
+    "at least 1, or auto": lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
     "0 or more": lambda v: v >= 0,
     "greater than 0": lambda v: v > 0,
     "in [0, 1)": lambda v: 0 <= v < 1,
@@ -111,8 +112,9 @@ class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
     # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     data_root: str = free("")
-    # sequences per rank per micro-step (lower it if you run out of memory)
-    batch_size: int = applied(16, "at least 1", ladder=True)
+    # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
+    # up to 64 whose estimated memory fits the GPU (plan.auto_batch_size; docs/fsdp.md)
+    batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
     # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
     # data.dataset alone)
@@ -542,6 +544,8 @@ def unknown_key_error(cfg, key, where):
 def parse_value(text, type_, key):
     """Convert a command-line string to the field's type; `none` is accepted where None is."""
     args = typing.get_args(type_)
+    if args == (int, str):  # a number or a word (data.batch_size=auto): the range check says which words
+        return int(text) if re.fullmatch(r"-?\d+", text) else text
     if typing.get_origin(type_) in (typing.Union, types.UnionType) and type(None) in args:
         if text.lower() in ("none", "null", ""):
             return None
@@ -565,6 +569,8 @@ def parse_value(text, type_, key):
 
 def check_value(key, value, type_):
     """Values set by config files are Python objects: check them against the field's type."""
+    if typing.get_args(type_) == (int, str) and type(value) in (int, str):
+        return value
     if literal_choices(type_):
         type_ = str
     if type_ is str and key in DURATION_FIELDS and isinstance(value, int) and not isinstance(value, bool):
