@@ -170,7 +170,15 @@ def materialise(model, record, seed, device):
     """Give the sharded meta `model` storage on `device` and fill each rank's pieces: the record replayed on the CPU
     from `seed` (build_model's), each whole tensor held only while it is being initialised. The global random state
     is left as it was."""
+    places = {}  # a parameter held under several names (a tied output layer): where each name is
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            places.setdefault(id(p), []).append((module, name))
     model.to_empty(device=device)
+    for (first_module, first_name), *others in places.values():  # to_empty gives a plain model's names new tensors
+        for module, name in others:
+            if getattr(module, name) is not getattr(first_module, first_name):
+                setattr(module, name, getattr(first_module, first_name))
     params = dict(model.named_parameters())
     wanted = {uid: name for name, uid in record.params.items()}
     last_write, last_use = {}, {}

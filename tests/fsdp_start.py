@@ -34,7 +34,7 @@ def start(mode, overrides, procs=None):
     """(cfg, procs, raw model, model) of a run's start: train.py's build_model and wrap_model, nothing else."""
     cfg = parse_args([f"--train.data_parallel={mode}", "--train.compile=false", "--train.device=cpu", *overrides])
     procs = procs or train.start_processes(cfg)
-    raw_model, record = train.build_model(cfg, procs)
+    raw_model, record, _ = train.build_model(cfg, procs)
     model, _ = train.wrap_model(cfg, procs, raw_model, record)
     return cfg, procs, raw_model, model
 
@@ -52,7 +52,7 @@ def main(mode, overrides):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         ddp_cfg = parse_args(["--train.data_parallel=ddp", "--train.compile=false", *overrides])
-        whole, _ = train.build_model(ddp_cfg, procs)
+        whole, _, _ = train.build_model(ddp_cfg, procs)
         equal = all(torch.equal(tensor, sharded[name]) for name, tensor in whole.state_dict().items())
     print(json.dumps({"rank": procs.rank, "mode": mode, "params": params, "whole_mb": round(whole_mb, 1),
                       "largest_mb": round(largest_mb, 1),
