@@ -530,7 +530,7 @@ def build_model(cfg, procs):
     wrap_model shards it, then each rank fills only its own pieces (sharding.py), so no rank holds the whole model."""
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
-    make = lambda: gpt_class(cfg.train.model_module)(cfg.model, loss_path)  # noqa: E731
+    make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
     record = None
     if cfg.train.data_parallel == "fsdp":
         from sharding import build_on_meta
@@ -584,7 +584,8 @@ def confirm_batch_size(cfg, procs, raw_model):
     """data.batch_size=auto on a GPU: the estimate is an estimate, so one forward and backward of the chosen micro-batch
     runs before the first step; on an out-of-memory error the micro-batch is halved, once, with a warning (the ranks
     agree on the smaller). Nothing is trained: the gradients are dropped and the random state is put back. Under FSDP
-    every rank runs out together (each holds the same share), so none waits alone in a collective."""
+    the ranks hold equal shares and so, as a rule, run out together; one that ran out alone would leave the others
+    waiting in a collective until train.dist_timeout."""
     size, fits = cfg.data.batch_size, 1
     tokens = torch.zeros(size, cfg.model.block_size, dtype=torch.long, device=procs.device)
     with torch.random.fork_rng(devices=[procs.device]):
