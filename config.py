@@ -252,6 +252,9 @@ class DebugConfig:
 @dataclass(slots=True)
 class LogConfig:
     interval: int = free(10, "at least 1")  # steps between console lines
+    # ranks other than 0 also print a line every log.interval steps, prefixed with their rank: their own loss, before
+    # the mean over ranks (to find a rank whose data or hardware differs); off: rank 0 alone prints
+    all_ranks: bool = free(False)
     # steps between collecting metrics to the host (one sync and one collective each)
     metrics_collect_interval: int = free(10, "at least 1")
     # reduce and write metrics on a background thread over a gloo group; auto: on where a gloo group exists (more than

@@ -160,6 +160,8 @@ def train(cfg):
             collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
             for line in recorder.finish_step(step, collect, wait):
                 print(line, flush=True)
+            if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
+                print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
                 raise NonFiniteLoss(run.writer.nonfinite)
             if give_up:  # its rows are written: the steps that led here are on record
@@ -269,6 +271,14 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         step_metrics["train/grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)
     return step_metrics, data_time
+
+
+def rank_line(rank, step, step_metrics):
+    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
+    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
+    on the steps it prints."""
+    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
+    return f"[rank {rank}] {metrics.console_line(step, own)}"
 
 
 def trace_step(run, loader, step):

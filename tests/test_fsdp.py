@@ -52,7 +52,8 @@ def runs(data_root, tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp")
     common = [*COMMON, f"--data.data_root={data_root}"]
     found = {name: base / name for name in ("ddp", "fsdp", "killed", "one", "ddp_to_fsdp")}
-    run_train([*common, f"--train.out_dir={found['ddp']}"], nproc=2)
+    found["ddp_output"] = run_train([*common, f"--train.out_dir={found['ddp']}", "--log.all_ranks=true"],
+                                    nproc=2).stdout
     store = bucket()
     with store if store is not None else open(os.devnull) as env:
         s3 = env if store is not None else None
@@ -132,6 +133,13 @@ def test_fsdp_trains_as_ddp_does(runs):
     norm_ddp, norm_fsdp = column(runs["ddp"], "train/grad_norm"), column(runs["fsdp"], "train/grad_norm")
     assert all(abs(norm_ddp[s] - norm_fsdp[s]) <= 1e-3 * norm_ddp[s] for s in norm_ddp)
     assert (runs["fsdp"] / "samples.txt").read_text().count("--- step") == 2  # rank 0 wrote them, once each
+
+
+def test_log_all_ranks_prints_each_other_ranks_own_line(runs):
+    ranked = [line for line in runs["ddp_output"].splitlines() if line.startswith("[rank ")]
+    assert [line.split("]")[0] for line in ranked] == ["[rank 1"] * 6  # log.interval=1: one line a step
+    assert all("| loss " in line for line in ranked)
+    assert not any(line.startswith("[rank ") for line in runs["fsdp_output"].splitlines())  # off by default
 
 
 def test_each_rank_holds_half_of_the_weights_and_of_the_optimizer_state(runs):
