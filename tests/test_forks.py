@@ -347,18 +347,25 @@ GQA = [("model.py", "    n_embd: int = field(",
 def test_grouped_query_attention_with_a_new_identity_field_serves_every_tool(tmp_path, args):
     """An edit of model.py (a new field, n_kv_head, beside the model's config): trains, resumes, samples, is laddered
     with the fork's N (fewer key and value heads, fewer parameters), and export-hf refuses it in one sentence."""
+    from conftest import tiny_task_data
+
     project = fork_of_the_project(tmp_path / "project", *GQA)
     run_dir = tmp_path / "run"
-    gqa = ["--model.n_kv_head=1", "--train.max_steps=3", "--checkpoint.interval=2", f"--train.out_dir={run_dir}"]
+    gqa = ["--model.n_kv_head=1", "--train.max_steps=3", "--checkpoint.interval=2", f"--train.out_dir={run_dir}",
+           "--eval.tasks=hellaswag", "--eval.tasks_interval=3", "--eval.tasks_limit=2",
+           f"--eval.tasks_data_dir={tiny_task_data()}"]
     run(project, "train.py", *args, *gqa, "--train.hard_stop=2")
     resumed = run(project, "train.py", *args, *gqa)
     assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
     assert weights(run_dir / "step3")["transformer.h.0.attn.c_attn.weight"].shape == (32 + 2 * 16, 32)
+    assert "eval/hellaswag/acc" in metrics(run_dir)[-1]
     samples(project, run_dir)
     file = ladder_file(tmp_path, args[-1].split("=", 1)[1], size="1x128")  # two 64-wide heads
-    n = {kv: json.loads(run(project, "ladder.py", "dry-run", file, "--json", f"--model.n_kv_head={kv}").stdout)[
-        "non_embedding_params"] for kv in (1, 2)}
-    assert n[2] - n[1] == 2 * 64 * (128 + 1)  # one key head and one value head fewer: weights and biases
+    n = json.loads(run(project, "ladder.py", "dry-run", file, "--json", "--model.n_kv_head=1").stdout)
+    from configurator.model import param_counts, sized_model
+    from model import GPTConfig
+    all_heads = param_counts(sized_model("1x128", GPTConfig(block_size=32)))["non_embedding"]  # n_kv_head = n_head
+    assert n["non_embedding_params"] == all_heads - 2 * 64 * (128 + 1)  # a key and a value head fewer, with biases
     pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
     refused = run(project, "checkpoint.py", "export-hf", run_dir, tmp_path / "hf", check=False)
     assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (32, 64) where a Hugging Face GPT-2's is "
