@@ -481,10 +481,15 @@ def set_rng_state(state, sample_generator):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master):
+def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master, unsharded=False):
     """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG
     states of all ranks are gathered (ranks draw different dropout masks). A sharded model's weights and
-    optimizer are not in it: each rank writes its own pieces (Checkpointer.save)."""
+    optimizer are not in it: each rank writes its own pieces (Checkpointer.save); with `unsharded`
+    (checkpoint.unsharded_interval) its whole weights are gathered on rank 0 too, written as model.pt beside them."""
+    whole = None
+    if unsharded and is_sharded(raw_model):
+        import sharding
+        whole = sharding.gather_weights(raw_model, tied=set(ties(raw_model)))  # every rank sends its pieces
     rng = rng_state(sample_generator)
     if dist.is_initialized():
         all_rng = [None] * dist.get_world_size()
@@ -494,7 +499,7 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
     if not is_master:
         return None
     if is_sharded(raw_model):
-        return to_cpu({"trainer": {**trainer_state, "rng": all_rng}})
+        return to_cpu({**({"model": whole} if whole else {}), "trainer": {**trainer_state, "rng": all_rng}})
     return to_cpu({"model": model_weights(raw_model), "optim": optimizer.state_dict(),
                    "trainer": {**trainer_state, "rng": all_rng}})
 
@@ -531,7 +536,7 @@ def model_weights(model):
 def saved_shapes(path):
     """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt is
     memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata."""
-    if os.path.isdir(os.path.join(path, SHARDED)):
+    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
         return {name: shape for name, (shape, _) in sharding.tensor_shapes(os.path.join(path, SHARDED)).items()}
     saved = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True, mmap=True)
@@ -539,8 +544,9 @@ def saved_shapes(path):
 
 
 def saved_weights(path, device):
-    """{name: tensor} of the weights in checkpoint `path`: model.pt, or an FSDP run's pieces put together."""
-    if os.path.isdir(os.path.join(path, SHARDED)):
+    """{name: tensor} of the weights in checkpoint `path`: model.pt (an FSDP run's too, with
+    checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
+    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
         return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
     return torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)

@@ -72,6 +72,7 @@ ROLES = ("identity", "applied", "free")
 
 CHECKS = {
     "at least 1": lambda v: v >= 1,
+    "at least 1, or auto": lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
     "0 or more": lambda v: v >= 0,
     "greater than 0": lambda v: v > 0,
     "in [0, 1)": lambda v: 0 <= v < 1,
@@ -111,8 +112,9 @@ class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
     # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     data_root: str = free("")
-    # sequences per rank per micro-step (lower it if you run out of memory)
-    batch_size: int = applied(16, "at least 1", ladder=True)
+    # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
+    # up to 64 whose estimated memory fits the GPU (plan.auto_batch_size; docs/fsdp.md)
+    batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
     # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
     # data.dataset alone)
@@ -250,6 +252,9 @@ class DebugConfig:
 @dataclass(slots=True)
 class LogConfig:
     interval: int = free(10, "at least 1")  # steps between console lines
+    # ranks other than 0 also print a line every log.interval steps, prefixed with their rank: their own loss, before
+    # the mean over ranks (to find a rank whose data or hardware differs); off: rank 0 alone prints
+    all_ranks: bool = free(False)
     # steps between collecting metrics to the host (one sync and one collective each)
     metrics_collect_interval: int = free(10, "at least 1")
     # reduce and write metrics on a background thread over a gloo group; auto: on where a gloo group exists (more than
@@ -288,6 +293,9 @@ class CheckpointConfig:
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
     # copy state to CPU in the step, write it on a background thread
     async_save: bool = free(False, ladder=True)
+    # FSDP: a checkpoint saved at a multiple of this many steps also holds the whole model.pt (gathered on rank 0)
+    # beside its pieces, for sample.py, export-hf and tools that read one file (docs/fsdp.md); 0 = never
+    unsharded_interval: int = free(0, "0 or more")
     # if_available: resume from out_dir when it has a checkpoint
     load: Literal["if_available", "always", "never"] = free("if_available")
     load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
@@ -343,9 +351,7 @@ def check_warmup(warmup_steps, max_steps):
 
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"optim.name=muon": (cfg.optim.name == "muon", "torch.optim.Muon takes whole matrices, not the pieces "
-                                  "FSDP leaves on each rank", "--optim.name=adamw"),
-              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
+    cannot = {"stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
                                "leave stage2.start empty"),
               "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
                                     "leave debug.trace_steps empty"),
@@ -558,6 +564,8 @@ def parse_value(text, type_, key):
     type_, optional = without_none(type_)
     if optional and text.lower() in ("none", "null", ""):
         return None
+    if typing.get_args(type_) == (int, str):  # a number or a word (data.batch_size=auto): the range check says which
+        return int(text) if re.fullmatch(r"-?\d+", text) else text
     try:
         if type_ is bool:
             if text.lower() not in TRUE_WORDS | FALSE_WORDS:
@@ -577,6 +585,8 @@ def parse_value(text, type_, key):
 
 def check_value(key, value, type_):
     """Values set by config files are Python objects: check them against the field's type."""
+    if typing.get_args(type_) == (int, str) and type(value) in (int, str):  # data.batch_size: a number or auto
+        return value
     type_, optional = without_none(type_)
     if optional and value is None:
         return None

@@ -235,8 +235,9 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def metrics(self):
-        """data/epoch: the epoch the next sequence belongs to (a host number: no sync)."""
-        return {"data/epoch": self.epoch}
+        """data/epoch: the epoch the next sequence belongs to, counted from 1 as OLMo-core's docs count (a host
+        number: no sync)."""
+        return {"data/epoch": self.epoch + 1}
 
     def state_dict(self):
         return {"position": self.position, "epoch": self.epoch}  # the epoch follows from the position
@@ -326,11 +327,11 @@ class MixtureLoader:
         return first
 
     def metrics(self):
-        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: whole passes over
-        all the sources' sequences so far (host numbers: no sync)."""
+        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: the pass over all
+        the sources' sequences under way, counted from 1 (host numbers: no sync)."""
         return {**{f"data/{name}/sequences": count - skipped
                    for name, count, skipped in zip(self.names, self.counts, self.skipped)},
-                "data/epoch": sum(self.counts) // self.num_sequences}
+                "data/epoch": sum(self.counts) // self.num_sequences + 1}
 
     def state_dict(self):
         return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),

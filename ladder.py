@@ -39,7 +39,7 @@ from typing import Literal
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
-from config import (Config, ConfigError, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
+from config import (Config, ConfigError, LogConfig, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
                     ladder_derived_keys, parse_args, run_command, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of,
@@ -194,6 +194,8 @@ def run_config(cfg, plan):
     c = run.checkpoint  # ephemeral ones between them (only the newest kept), saved on a thread of their own
     c.ephemeral_interval, c.ephemeral_cooldown, c.async_save = L.ephemeral_interval, L.ephemeral_cooldown, True
     run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))  # val batches are whole global batches
+    default_project = LogConfig().wandb_project  # the ladder's runs go to a W&B project of its name, unless set
+    run.log.wandb_project = L.name if run.log.wandb_project == default_project else run.log.wandb_project
     run.log.wandb_group = run.log.wandb_group or L.name
     run.log.wandb_name = run.log.wandb_name or f"{L.name}-{plan.size}"
     validate(run)

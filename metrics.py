@@ -81,6 +81,18 @@ class MetricRecorder:
         for name, value in values.items():
             self.record_metric(name, value, reduce)
 
+    def get(self, name):
+        """This step's value of metric `name` as it will be logged: merged as recorded, then reduced over the ranks by
+        its reduce type (OLMo-core's get_metric), as a float; None when it was not recorded this step. For a callback
+        or a fork that acts on a number of this step (a loss threshold, a custom stop): it costs one collective and
+        one host sync, so ask only when the number is needed, and on every rank alike (all take part)."""
+        if name not in self.step_values:
+            return None
+        value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device).reshape(1)
+        if self.world_size > 1:
+            value = self._reduce(value, [self.reductions[name]], group=None)
+        return value.item()
+
     def end_step(self, step):
         if self.step_values:
             self.pending.append((step, self.step_values))

@@ -248,6 +248,9 @@ def test_the_time_left_scales_the_last_sizes_speed_by_tokens_and_parameters(tmp_
     minutes = sum(p.params["with_output"] for p in plans[1:]) / plans[0].params["with_output"]  # 1 min for the first
     assert ladder_module.ladder_eta([(plans[0], 60.0)], plans[1:]) == f", about {minutes:.0f} min left for the ladder"
     assert minutes > 2 * 1.5  # the two larger sizes cost more than the first one's minute each
+    assert ladder_module.run_config(cfg, plans[0]).log.wandb_project == "micro"  # the ladder's W&B project: its name
+    cfg.log.wandb_project = "mine"
+    assert ladder_module.run_config(cfg, plans[0]).log.wandb_project == "mine"  # unless set
 
 
 def test_fit_with_too_few_finished_sizes_says_what_is_missing(tmp_path, data_root):
