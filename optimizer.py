@@ -24,25 +24,22 @@ from dataclasses import dataclass
 import torch
 
 from config import ConfigError
+from model import parameter_kinds
 
 
 def param_groups(model, optim):
     """{group name: [parameters]}: which optimizer owns what (the dry run prints this), from what the model says
-    each parameter is (`model.param_groups()`), in the model's parameter order."""
-    # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains: shrinking
-    # those towards zero only hurts (as in GPT-3 and nanoGPT). optim.decay_embeddings=false also spares
-    # the embeddings (OLMo-core's ladder); a tied output layer is the token embedding, so it is spared as a
-    # whole. Muon takes the blocks' matrices; embeddings and an untied output layer stay with AdamW, as in
-    # modded-nanogpt and nanochat.
-    kind_of = {id(p): kind for kind, params in model.param_groups().items() for p in params}
+    each parameter is (`model.param_groups()`) and what its table says of that kind (model.PARAM_KINDS: Muon or
+    AdamW, weight decay or not), in the model's parameter order."""
+    # A kind's decay of None follows optim.decay_embeddings: false spares the embeddings (OLMo-core's ladder);
+    # a tied output layer is the token embedding, so it is spared as a whole.
     groups = {"muon": [], "decay": [], "no_decay": []}
-    for p in model.parameters():
-        kind = kind_of[id(p)]
+    for _, p, kind in parameter_kinds(model):
         if not p.requires_grad:
             continue
-        if optim.name == "muon" and kind == "matrix":
+        if optim.name == "muon" and kind.muon:
             groups["muon"].append(p)
-        elif kind in ("matrix", "output") or (kind == "embedding" and optim.decay_embeddings):
+        elif kind.decay or (kind.decay is None and optim.decay_embeddings):
             groups["decay"].append(p)
         else:
             groups["no_decay"].append(p)

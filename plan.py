@@ -182,7 +182,7 @@ def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device
     gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
     if not sharded and world_size > 1:
         gradients += 4 * n  # DDP's buckets: the gradients copied into the flat buffers it all-reduces
-    vocab = model.lm_head.weight.shape[0] if hasattr(model, "lm_head") else cfg.vocab_size
+    vocab = cfg.vocab_size  # the width of the logits (GPT.logits)
     rows = micro_batch_tokens if getattr(model, "loss_path", "full") == "full" else min(
         micro_batch_tokens, loss_slice_rows(device_type, vocab))
     output = 3 * rows * vocab * 4 + (4 * vocab * cfg.n_embd if rows < micro_batch_tokens else 0)
