@@ -356,19 +356,119 @@ def chunked_cross_entropy(logits, hidden, targets, vocab_size):
     logits: the model's `logits` (hidden states to logits); hidden: (tokens, n_embd); targets: (tokens,);
     vocab_size: the width of the logits (it sets how many rows a slice has).
 
-    Each slice of rows runs under activation checkpointing: its forward keeps only its inputs (the hidden
-    states), not its (rows x vocabulary) logits and softmax, and the backward pass computes that slice's logits
-    again, then their gradient. Autograd does the rest, so whatever a fork's `logits` computes (a soft-cap, a
-    temperature, a bias) gets its true gradient, on every device. It is one more matmul per slice than a
-    gradient computed in the forward pass would be; measured against that, side by side: docs/measurements.md."""
+    Each slice of rows makes its logits with `logits`, its loss, and at once its gradients, then is thrown away:
+    `F.cross_entropy` on the whole would write a (tokens x vocabulary) float32 tensor, read it for the softmax, and
+    write its gradient again. The gradient of a slice's logits is softmax minus one-hot (over the scored tokens);
+    from there back to the hidden states and the weights, autograd follows whatever a fork's `logits` computes (a
+    soft-cap, a temperature, a bias). When `logits` is one matmul by a weight (model.py's own: its graph says so),
+    the two gradient matmuls are written out instead, accumulating in place (a buffer per slice for the weight's
+    gradient costs time and memory: docs/measurements.md). The gradients reach the outer backward through
+    `attach_gradients`. Under torch.compile, which cannot trace gradients taken inside the forward, each slice runs
+    under activation checkpointing instead (its backward makes its logits again)."""
     rows = loss_slice_rows(hidden.device.type, vocab_size)
-    total = hidden.new_zeros((), dtype=torch.float32)
+    n_scored = (targets != -1).sum()
+    if torch.compiler.is_compiling():
+        # torch.compile cannot trace the gradients taken below: each slice under activation checkpointing instead,
+        # whose backward makes the slice's logits again, then their gradient.
+        return sum(checkpoint(slice_loss, logits, hidden[start:start + rows], targets[start:start + rows],
+                              use_reentrant=False) for start in range(0, hidden.size(0), rows)) / n_scored
+    need_grad = torch.is_grad_enabled()  # (evaluation runs under torch.no_grad(): the loss alone)
+    loss_sum = torch.zeros((), device=hidden.device)
+    grad_hidden = torch.empty_like(hidden)
+    params, param_grads = [], []
     for start in range(0, hidden.size(0), rows):
-        h, t = hidden[start:start + rows], targets[start:start + rows]
-        total = total + checkpoint(slice_loss, logits, h, t, use_reentrant=False)
-    return total / (targets != -1).sum()
+        h, t = hidden[start:start + rows].detach().requires_grad_(need_grad), targets[start:start + rows]
+        z = logits(h)
+        weight = matmul_weight(z, h)  # z = h @ weight.T, or None for any other logits (or without a graph)
+        with torch.no_grad():  # the arithmetic of the gradients records no graph of its own
+            # d(mean loss)/d(logits) in float32, in place of a copy of the logits (of the logits themselves when a
+            # matmul made them: its backward does not read them)
+            probs = z.detach().float()
+            if need_grad and weight is None and probs.data_ptr() == z.data_ptr():
+                probs = probs.clone()
+            loss_of_slice, grad_z = cross_entropy_and_grad(probs, t, n_scored, need_grad)
+            loss_sum += loss_of_slice
+            if not need_grad:
+                continue
+            if weight is not None:  # the two gradient matmuls of z = h @ weight.T, the weight's accumulated in place
+                if not params:
+                    params, param_grads = [weight], [torch.zeros_like(weight, dtype=torch.float32)]
+                w, grad_z = weight.to(z.dtype), grad_z.to(z.dtype)
+                grad_hidden[start:start + rows] = grad_z @ w
+                if z.dtype == torch.float32:
+                    torch.addmm(param_grads[0], grad_z.t(), h, out=param_grads[0])  # in place
+                else:
+                    param_grads[0] += (grad_z.t() @ h.to(z.dtype)).float()
+                continue
+        if not params:  # the weights the logits are made from: the leaves of their graph
+            params = [p for p in graph_leaves(z) if p is not h]
+            param_grads = [torch.zeros_like(p, dtype=torch.float32) for p in params]
+        grads = torch.autograd.grad(z, [h, *params], grad_outputs=grad_z.to(z.dtype), allow_unused=True)
+        with torch.no_grad():
+            grad_hidden[start:start + rows] = grads[0]
+            for total, grad in zip(param_grads, grads[1:]):
+                if grad is not None:
+                    total += grad
+    return attach_gradients(loss_sum / n_scored, [(hidden, grad_hidden)] +
+                            [(p, g.to(p.dtype)) for p, g in zip(params, param_grads)])
 
 
 def slice_loss(logits, hidden, targets):
     """The summed cross-entropy of one slice of rows, in float32 (as the full path: its logits upcast)."""
     return F.cross_entropy(logits(hidden).float(), targets, ignore_index=-1, reduction="sum")
+
+
+def cross_entropy_and_grad(logits, targets, n_scored, need_grad=True):
+    """(summed cross-entropy, the gradient of the mean over `n_scored` tokens with respect to `logits`), for float32
+    logits of one slice, which it overwrites: log-sum-exp with one exp pass, kept for the gradient (exp(logits - max)
+    / its sum is the softmax)."""
+    scored, safe_targets = targets != -1, targets.clamp(min=0)
+    target_logit = logits.gather(1, safe_targets[:, None])
+    top = logits.amax(dim=1, keepdim=True)
+    exp = logits.sub_(top).exp_()
+    total = exp.sum(dim=1, keepdim=True)
+    loss = ((total.log() + top - target_logit).squeeze(1) * scored).sum()
+    if not need_grad:
+        return loss, None
+    weight_of_row = scored[:, None] / n_scored  # (softmax - one_hot(target)) / n_scored, on scored rows only
+    grad = exp.mul_(weight_of_row / total)
+    grad.scatter_add_(1, safe_targets[:, None], -weight_of_row)
+    return loss, grad
+
+
+def matmul_weight(z, h):
+    """`weight` when autograd's graph says z = h @ weight.T (a Linear without bias, casts allowed: model.py's
+    logits), else None."""
+    def leaf(node):  # through dtype casts (autocast) to the tensor itself
+        while node is not None and type(node).__name__ == "ToCopyBackward0":
+            node = node.next_functions[0][0]
+        return getattr(node, "variable", None)
+
+    node = z.grad_fn
+    if node is None or type(node).__name__ != "MmBackward0":
+        return None
+    (left, _), (right, _) = node.next_functions
+    if leaf(left) is not h or right is None or type(right).__name__ != "TBackward0":
+        return None
+    return leaf(right.next_functions[0][0])
+
+
+def graph_leaves(output):
+    """The tensors autograd accumulates into (parameters, inputs) that `output` was computed from."""
+    found, seen, stack = [], set(), [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # an AccumulateGrad node
+            found.append(node.variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def attach_gradients(value, tensors_and_grads):
+    """`value`, whose backward pass gives each tensor its gradient already computed: (x * grad).sum() has the
+    gradient grad, and subtracting its own value leaves `value` unchanged."""
+    attached = sum((x * grad.detach()).sum() for x, grad in tensors_and_grads if x.requires_grad)
+    return value + (attached - attached.detach()) if torch.is_tensor(attached) else value
