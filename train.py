@@ -492,7 +492,8 @@ def start_processes(cfg):
 def setup_distributed(device_choice, timeout):
     """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
     Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements.
-    A collective that waits `timeout` seconds for a rank that never comes ends the run (see main)."""
+    A collective that waits `timeout` seconds for a rank that never comes ends the run
+    (`collective_failure`, at the end of this file, says so)."""
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # a plain `python train.py`
         device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
@@ -762,7 +763,7 @@ def loss_description(raw_model, rows, device_type):
     if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
         return "the model's own forward"
     if raw_model.loss_path == "chunked":
-        return f"chunked in {loss_slices(rows, raw_model.lm_head.weight.size(0), device_type)} slice(s) per micro-step"
+        return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
     return raw_model.loss_path
 
 
