@@ -146,14 +146,11 @@ class MuonAdamW:
 
 def set_lr(optimizer, lr, peak_lr):
     """The schedule's LR for this step (`lr`, of a schedule peaking at `peak_lr`) applied to every group:
-    each group keeps its own peak and follows the same curve."""
+    each group keeps its own peak and follows the same curve. Returns optim/lr/<group>: the LR each group uses
+    this step, read back from the optimizer itself; optim/lr is the main AdamW group's (the schedule's LR when the
+    config in force is what the optimizer uses)."""
     for group in optimizer.param_groups:
         group["lr"] = group["peak_lr"] * lr / peak_lr
-
-
-def lr_metrics(optimizer):
-    """optim/lr/<group>: the LR each group used this step, read from the optimizer itself; optim/lr is the
-    main AdamW group's (the schedule's LR when the config in force is what the optimizer uses)."""
     lrs = {f"optim/lr/{group['name']}": group["lr"] for group in optimizer.param_groups}
     return {"optim/lr": lrs["optim/lr/adamw"], **lrs}
 

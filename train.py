@@ -29,15 +29,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, check_finite,
-                       make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
-                       register_stack_dump, save_environment, speed_metrics)
+from callbacks import (LossSpikeDetector, NonFiniteLoss, Notifier, check_finite, memory_metrics, peak_flops_for_device,
+                       per_layer_grad_norms, register_stack_dump, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
 from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
-from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
+from optimizer import build_optimizer, build_schedule, set_lr
+from metrics import StepClock, speed_metrics
 from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
 
 
@@ -86,56 +86,35 @@ def train(cfg):
     """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
     with ExitStack() as stack:
         run = build_run(cfg, stack)
-        plan, state, recorder = run.plan, run.state, run.recorder
+        plan, state, recorder, extras = run.plan, run.state, run.recorder, run.extras
         before_the_first_step(run)
-        clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
-        compiling, stop = run.compiled and state.step < plan.end_step, ""
+        clock = StepClock(run.device)  # the steps' times, with what runs beside them (evaluations, ...) set aside
+        mix, loader, objective = run.stages.at(state.step + 1)  # objective: None, or stage 2's CE + beta x KL
+        stop = ""
         while state.step < plan.end_step:
             step = state.step + 1  # the step being taken, as logged
-            mix, loader, objective = run.stages.at(step)  # objective: None, or stage 2's CE + beta x KL
-            set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group follows it from its own peak
-            if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (debug.py)
-                with clock.aside("trace"):  # (on every rank, as all record the same metrics: see below)
-                    if run.is_master:
-                        trace_step(run, loader, step)
-            if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
-                from debug import activation_stats
-                with clock.aside("activations"):
-                    recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
-            if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
-                loader.skip_batches(plan.grad_accum_steps)
-                step_metrics, data_time = {"train/skipped_data_step": 1.0}, 0.0
+            if step - 1 == plan.stage2_step:  # stage 2 begins: its data mixture and its objective (stage2.py)
+                mix, loader, objective = run.stages.at(step)
+            lrs = set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group from its own peak
+            if step in extras.steps:  # traces, skipped data, NaN skipping, compile time, GC, profiler: step_extras.py
+                step_metrics, data_time = extras.step(run, step, loader, objective, clock, train_step)
             else:
-                step_metrics, data_time = train_step(
-                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast,
-                    grad_clip=cfg.optim.grad_clip, nan_policy=cfg.train.nan_policy, objective=objective,
-                    layer_norms=plan.grad_norms.due(step))
-            # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
-            trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
-            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == step
-            if compiling:
-                clock.synchronize()  # once: the compiled first step, GPU work included
+                step_metrics, data_time = train_step(run.model, run.optimizer, loader, plan.grad_accum_steps,
+                                                     run.autocast, grad_clip=cfg.optim.grad_clip, objective=objective)
+            trained = "train/loss" in step_metrics  # a step skipped (its data, a non-finite loss) trained nothing
+            state.step, state.tokens = step, state.tokens + plan.tokens_per_step * trained
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
-            recorder.record_all({**step_metrics, **lr_metrics(run.optimizer), "tokens": state.tokens,
-                                 **loader.metrics()})
-            # The time beside the step (evaluation, samples, ...; a checkpoint's goes in its own step's row): every
-            # rank records the same names, as the ranks' values travel in one vector, and the slowest rank's time is
-            # the one the loop waited.
+            # Every rank records the same names (the ranks' values travel in one vector); the time beside the step
+            # (evaluation, samples, ...) is the slowest rank's, the one the loop waited. A checkpoint's time goes in
+            # its own step's row (Run.save).
+            recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens,
+                                 **loader.metrics(), **(speed_metrics(
+                                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
+                                     block_size=cfg.model.block_size, tokens_seen=state.tokens,
+                                     flops_per_token=run.flops_per_token, world_size=run.world_size,
+                                     peak_flops=run.peak_flops) if trained else {})})
             recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
                                 reduce="max")
-            if trained:
-                recorder.record_all(speed_metrics(
-                    step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
-                    block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
-                    world_size=run.world_size, peak_flops=run.peak_flops))
-            if compiling:
-                recorder.record_all(compile_time(run, step, step_time))
-                compiling = False
-            if cfg.train.nan_policy == "skip":  # (skip mode reads the flag on the host: one sync per step)
-                in_a_row = in_a_row + 1 if "train/skipped_nonfinite_step" in step_metrics else 0
-                state.nonfinite_skipped += in_a_row > 0
-                recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
-            give_up = bool(cfg.train.nan_skip_limit) and in_a_row >= cfg.train.nan_skip_limit
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
             # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
@@ -149,24 +128,18 @@ def train(cfg):
                     scores = evaluate(run, due, mix)
                 recorder.record_all(scores)
                 state.keep_best(scores.get("val/loss"))
-            run.gc.step(step)
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
                 if cfg.checkpoint.remote_folder:  # the bucket's uploads (rank 0 uploads; every rank records them)
                     recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
-            # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
+            # The rows collected go to metrics.jsonl (at log.interval, before a checkpoint, and before a stop for
             # non-finite steps) and come back as the console lines to print (rank 0).
-            collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
-            for line in recorder.finish_step(step, collect, wait):
+            for line in recorder.finish_step(step, due.collect or bool(extras.give_up),
+                                             wait=bool(due.checkpoint) or bool(extras.give_up)):
                 print(line, flush=True)
-            if run.writer.nonfinite and cfg.train.nan_policy == "stop":
-                raise NonFiniteLoss(run.writer.nonfinite)
-            if give_up:  # its rows are written: the steps that led here are on record
-                raise NonFiniteLoss(
-                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "
-                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"(or, with none yet, start again) with a lower optim.lr (train.nan_skip_limit sets how many in a "
-                    f"row).")
+            failure = extras.give_up or (run.writer.nonfinite if cfg.train.nan_policy == "stop" else None)
+            if failure:  # its rows are written: the steps that led here are on record
+                raise NonFiniteLoss(failure)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -174,7 +147,6 @@ def train(cfg):
                 with clock.aside("sample"):  # rank 0 writes them; under FSDP every rank runs the model's forwards
                     if run.is_master or is_sharded(run.model):
                         write_samples(run, step)
-            run.profiler.step()
             if stop:
                 run.end_early(stop)
                 break
@@ -186,6 +158,55 @@ def train(cfg):
         recorder.wait()  # the last metrics, when they are written on a thread
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+
+def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy="stop", objective=None,
+               layer_norms=False):
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
+    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
+    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
+    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
+    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip (step_extras.py passes it)."""
+    raw_model = model.module if isinstance(model, DDP) else model
+    sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (sharding.py)
+    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
+    sums = torch.zeros(len(names), device=loader.device)
+    data_time = 0.0
+    for micro_step in range(grad_accum_steps):
+        data_start = time.perf_counter()
+        x, y = loader.next_batch()
+        data_time += time.perf_counter() - data_start
+        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
+        # micro-step would send the same amount of data grad_accum_steps times.
+        last_micro_step = micro_step == grad_accum_steps - 1
+        if sharded:  # FSDP's no_sync: reduce-scatter the gradients on the last micro-step only
+            model.set_requires_gradient_sync(last_micro_step)
+        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
+            parts = objective(model, x, y) if objective else [model(x, y)]
+            loss = parts[0]
+        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
+        # summed gradients the mean over the whole batch, as if it were one big forward pass.
+        (loss / grad_accum_steps).backward()
+        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
+    step_metrics = dict(zip(names, sums))
+    if layer_norms:  # before clipping, as train/grad_norm is
+        step_metrics.update(per_layer_grad_norms(raw_model))
+    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if sharded:  # FSDP: the global norm of each rank's pieces, as a DTensor; the same number on every rank
+        grad_norm = grad_norm.full_tensor()
+    # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
+    # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
+    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
+        step_metrics = {"train/skipped_nonfinite_step": 1.0}
+    else:
+        optimizer.step()
+        step_metrics["train/grad_norm"] = grad_norm
+    optimizer.zero_grad(set_to_none=True)
+    return step_metrics, data_time
 
 
 def before_the_first_step(run):
@@ -213,68 +234,6 @@ def before_the_first_step(run):
               f"train.max_steps to train longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
-
-
-def compile_time(run, step, seconds):
-    """The first step of a compiled model waits for torch.compile: its StepClock time, compiling included."""
-    if run.is_master:
-        print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
-    return {"throughput/compile_time_sec": seconds}
-
-
-# ----------------------------------------------------------------------------- one optimizer step
-
-
-def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy, objective=None,
-               layer_norms=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
-    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
-    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
-    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
-    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip."""
-    raw_model = model.module if isinstance(model, DDP) else model
-    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
-    sums = torch.zeros(len(names), device=loader.device)
-    data_time = 0.0
-    for micro_step in range(grad_accum_steps):
-        data_start = time.perf_counter()
-        x, y = loader.next_batch()
-        data_time += time.perf_counter() - data_start
-        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
-        # micro-step would send the same amount of data grad_accum_steps times.
-        last_micro_step = micro_step == grad_accum_steps - 1
-        if is_sharded(model):  # FSDP's no_sync: reduce-scatter the gradients on the last micro-step only
-            model.set_requires_gradient_sync(last_micro_step)
-        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
-            parts = objective(model, x, y) if objective else [model(x, y)]
-            loss = parts[0]
-        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
-        # summed gradients the mean over the whole batch, as if it were one big forward pass.
-        (loss / grad_accum_steps).backward()
-        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
-    step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm is
-        step_metrics.update(per_layer_grad_norms(raw_model))
-    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if is_sharded(model):  # FSDP: the global norm of each rank's pieces, as a DTensor; the same number on every rank
-        grad_norm = grad_norm.full_tensor()
-    # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
-    # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
-    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
-        step_metrics = {"train/skipped_nonfinite_step": 1.0}
-    else:
-        optimizer.step()
-        step_metrics["train/grad_norm"] = grad_norm
-    optimizer.zero_grad(set_to_none=True)
-    return step_metrics, data_time
-
-
-def trace_step(run, loader, step):
-    """debug.trace_steps: rank 0 saves every module's inputs and outputs for the step's first micro-batch."""
-    import debug
-
-    debug.trace_forward(run.raw_model, loader, run.autocast, run.cfg.train.out_dir, step, run.cfg.debug.trace_sequences)
 
 
 # ----------------------------------------------------------------------------- evaluation and samples
@@ -381,8 +340,7 @@ class Run:
     writer: metrics.RowWriter
     checkpointer: Checkpointer
     stopper: Stopper
-    gc: GarbageCollector
-    profiler: object
+    extras: object  # step_extras.StepExtras: the step's optional parts, and the steps they run at
     flops_per_token: int
     peak_flops: float | None
     notifier: Notifier  # told how the run ended (log.slack_webhook)
@@ -394,6 +352,7 @@ class Run:
         self.checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
         metrics.warn_if_slow("waiting for the previous checkpoint", time.perf_counter() - stall_start,
                              self.cfg.log.bookkeeping_soft_timeout)
+        self.state.data = self.stages.loader_at(self.state.step).state_dict()  # where the next step reads
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
         self.checkpointer.save(self.state.step, snapshot, kind, self.raw_model, self.optimizer)
@@ -447,15 +406,14 @@ def build_run(cfg, stack):
     state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
     recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
+    from step_extras import StepExtras
+    extras = StepExtras(cfg, plan, state.step + 1, compiled, procs.is_master, stack)
     return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
                is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
                compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
                val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
                sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
-               stopper=stopper, gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
-               profiler=stack.enter_context(make_profiler(cfg.log.profile and procs.is_master, cfg.train.out_dir,
-                                                          procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
-                                                          cfg.log.profile_active)),
+               stopper=stopper, extras=extras,
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
                peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier,
                tokenizer=tokenizer)
@@ -606,6 +564,10 @@ class Stages:
         saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
         self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
         self.resumed_inside = saved_by == 1
+
+    def loader_at(self, step):
+        """The loader step `step` (0: none yet) read from."""
+        return self.loaders[-1 if self.stage2_step is not None and step > self.stage2_step else 0][1]
 
     def at(self, step):
         """(mixture, loader, objective) for step `step` (1-based, the step being taken); the objective is None in

@@ -39,7 +39,7 @@ def mfu_answers(answers, inputs):
 
 
 def check_mfu(answers):
-    from callbacks import speed_metrics
+    from metrics import speed_metrics
     from model import GPT, GPTConfig
 
     shapes = [{}]  # GPT-2 (124M) first, then random shapes
@@ -78,7 +78,7 @@ def check_mfu(answers):
             else:
                 advice = "MFU is the model's FLOP/s per device over one device's peak"
             value, want = shown(value, want)
-            raise ExerciseFailed(f"mfu is {value} where callbacks.speed_metrics gives {want} for {flops:.4g} FLOPs per "
+            raise ExerciseFailed(f"mfu is {value} where metrics.speed_metrics gives {want} for {flops:.4g} FLOPs per "
                                  f"token, {tokens_per_sec:.4g} tokens/s on {world_size} device(s) of {peak:.4g} "
                                  f"FLOP/s: {advice}.")
     with torch.device("meta"):

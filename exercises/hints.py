@@ -27,7 +27,7 @@ HINTS = {
         "times keys, scaled by 1/sqrt(head size); a lower-triangular boolean matrix says which key each query may "
         "see; the others get -inf before the softmax over the keys; then the values, the heads side by side again, "
         "and c_proj."),
-    4: ("model.py, `GPT.flops_per_token`; callbacks.py, `speed_metrics` (throughput/mfu); PaLM, appendix B.",
+    4: ("model.py, `GPT.flops_per_token`; metrics.py, `speed_metrics` (throughput/mfu); PaLM, appendix B.",
         "Each parameter that takes part in a matrix multiply costs 2 FLOPs per token forward and 4 backward. The "
         "embeddings are lookups, but the tied output layer multiplies: count it. Attention's products have no "
         "parameters and add 12 x n_layer x n_embd x block_size. MFU: the model's FLOP/s per device over the peak."),
