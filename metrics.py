@@ -9,7 +9,7 @@ thread over a CPU (gloo) group, as OLMo's async bookkeeping. `RowWriter` then wr
 back their console lines, which the loop prints (rank 0; with async bookkeeping its thread prints them).
 Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
 
-    python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
+Plots of the written rows are a tool's: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
 """
 
 import contextlib
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from callbacks import first_nonfinite
-from config import UserError, run_command
+from config import UserError
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -464,14 +464,3 @@ def start_wandb(out_dir, log_cfg, config_dict):
         dir=out_dir,
         config=config_dict,
     )
-
-
-def main(argv):
-    """`python metrics.py plot RUN_DIR ...` (tools/plot_metrics.py draws them)."""
-    from tools.plot_metrics import main as plot
-
-    return plot(argv)
-
-
-if __name__ == "__main__":
-    run_command(main, sys.argv[1:])

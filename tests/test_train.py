@@ -62,7 +62,7 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     result = run_train(TINY + [f"--data.data_root={tmp_path}", "--data.dataset=fineweb-edu",
                                f"--train.out_dir={tmp_path / 'out'}"], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "python data.py fineweb-edu" in result.stderr
+    assert "python prepare_data.py fineweb-edu" in result.stderr
 
 
 def test_no_checkpoints_and_no_evals_switch_them_off(data_root, tmp_path):
