@@ -99,7 +99,7 @@ def tokenizer_of(data_dir):
 # ----------------------------------------------------------------------------- datasets on disk
 
 
-BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (tools/prepare_data.py)
+BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (prepare_data.py)
 
 
 def shard_paths(data_dir, split):

@@ -17,7 +17,7 @@ size, evaluation, logging), with the same syntax and `--section.field=value` ove
 What the ladder derives from the size (shape, batch, LR, schedule, length, checkpoints) comes from
 configurator/model.py and configurator/run.py; setting one of those fields in the file is an error.
 Each size is an ordinary run: its config.json reproduces it with `python train.py <dir>/<size>/config.json`,
-and it resumes, lists (`checkpoint.py list`) and plots (`metrics.py plot`) like any other.
+and it resumes, lists (`checkpoint.py list`) and plots (`tools/plot_metrics.py`) like any other.
 """
 
 import argparse

@@ -6,12 +6,14 @@
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
 The story, in the order of this file: `main` reads and checks the config; `train` is the loop. Each step
-sets the learning rate, takes one `train_step` (forward and backward over the micro-steps, clip, optimizer
-step), records its metrics and prints the console line, then runs what the plan says is due, in a fixed
-order: evaluate, checkpoint, sample. Below the loop: the evaluations, then `build_run`, which sets the run
-up part by part (the processes, the model, where the run starts, the data, the optimizer, the `Plan`, the
-checkpoint to load), and last the dry run. Every feature lives in a small module and is called from a
-visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces) are imported where they are used.
+sets the learning rate, takes one `train_step` (right below the loop: forward and backward over the
+micro-steps, clip, optimizer step), records its metrics, then runs what the plan says is due, in a fixed
+order: evaluate, print the console line, checkpoint, sample. The step's rarely used parts (traces, skipped
+data, NaN skipping, GC, the profiler, ...) are behind one call, to step_extras.py. Below: the evaluations, then
+`build_run`, which sets the run up part by part (the processes, the model, where the run starts, the data,
+the optimizer, the `Plan`, the checkpoint to load). Every feature lives in a small module and is called from
+a visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces, the dry run, data preparation)
+are imported where they are used.
 """
 
 import dataclasses
