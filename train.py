@@ -106,15 +106,15 @@ def train(cfg):
             trained = "train/loss" in step_metrics  # a step skipped (its data, a non-finite loss) trained nothing
             state.step, state.tokens = step, state.tokens + plan.tokens_per_step * trained
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
+            if trained:  # tokens/s, MFU, ...
+                step_metrics.update(speed_metrics(
+                    step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
+                    block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
+                    world_size=run.world_size, peak_flops=run.peak_flops))
             # Every rank records the same names (the ranks' values travel in one vector); the time beside the step
             # (evaluation, samples, ...) is the slowest rank's, the one the loop waited. A checkpoint's time goes in
             # its own step's row (Run.save).
-            recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens,
-                                 **loader.metrics(), **(speed_metrics(
-                                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
-                                     block_size=cfg.model.block_size, tokens_seen=state.tokens,
-                                     flops_per_token=run.flops_per_token, world_size=run.world_size,
-                                     peak_flops=run.peak_flops) if trained else {})})
+            recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens, **loader.metrics()})
             recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
                                 reduce="max")
 

@@ -233,3 +233,14 @@ def test_a_step_runs_at_most_25_project_functions_over_6_files(data_root, tmp_pa
     per_step = sorted(key for key, count in long.items() if count - short.get(key, 0) >= 12)
     files = {path for path, _ in per_step}
     assert len(per_step) <= 25 and len(files) <= 6, per_step
+
+
+def test_the_loop_is_at_most_60_lines_and_its_step_is_the_function_right_below_it():
+    """The forward, backward, clip and optimizer step are `train_step`, the next function after the loop."""
+    functions = [node for node in ast.parse((ROOT / "train.py").read_text()).body if isinstance(node, ast.FunctionDef)]
+    names = [f.name for f in functions]
+    assert names[names.index("train") + 1] == "train_step"
+    loop = next(node for node in ast.walk(functions[names.index("train")]) if isinstance(node, ast.While))
+    assert loop.end_lineno - loop.lineno <= 60  # the body, below its `while` line
+    step = ast.unparse(functions[names.index("train_step")])
+    assert all(call in step for call in ("model(x, y)", ".backward()", "clip_grad_norm_", "optimizer.step()"))
