@@ -1,7 +1,7 @@
 """The checks of exercises 4 and 5: what a step costs and what it logs.
 
 Each compares the student's answers with the project's code (checking.py says how a check works, and
-grading.py how the answer runs apart): 4 FLOPs and MFU (model.py's count, callbacks.py's speed metrics),
+grading.py how the answer runs apart): 4 FLOPs and MFU (model.py's count, metrics.py's speed metrics),
 5 a new metric through the real loop (metrics.py's MetricRecorder, in a real training run).
 """
 
@@ -84,7 +84,7 @@ def check_mfu(answers):
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig()).flops_per_token()
     h100 = gpt2 * 560_104 / 989e12  # README.md's speed on one H100 (docs/measurements.md)
-    return (f"flops_per_token matches model.py on 13 shapes and mfu matches callbacks.py; GPT-2 (124M) costs "
+    return (f"flops_per_token matches model.py on 13 shapes and mfu matches metrics.py; GPT-2 (124M) costs "
             f"{gpt2:,} FLOPs per token, so README.md's 560,104 tokens/s on one H100 (989 TFLOP/s) is {h100:.1%} MFU.")
 
 
