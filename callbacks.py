@@ -5,8 +5,8 @@ the loop in train.py says exactly when each one runs, and adding one takes five 
 
 - speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's `StepClock` and
   `speed_metrics`)
-- stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy); the activation and
-  parameter statistics of log.activations_interval are debug.py's `activation_stats`
+- stability: `LossSpikeDetector`, `check_finite` (train.nan_policy); the per-layer gradient norms are
+  step_extras.py's, and the activation and parameter statistics debug.py's `activation_stats`
 - system: `memory_metrics`, `save_environment`, `register_stack_dump` (what `python debug.py stacks RUN` reads),
   `Notifier` (a webhook told when the run starts and ends); the garbage collector and the profiler are
   step_extras.py's, with the loop's other optional parts
@@ -52,23 +52,6 @@ def peak_flops_for_device(device, override=0.0):
 
 
 # ----------------------------------------------------------------------------- stability
-
-
-def grad_norm(params):
-    """The norm of the gradients of `params` taken together (those that have one), on the device."""
-    grads = [p.grad.norm() for p in params if p.grad is not None]
-    # FSDP: the norm of a rank's piece is a DTensor, and full_tensor() gives the whole gradient's (a small collective)
-    grads = [norm.full_tensor() if hasattr(norm, "full_tensor") else norm for norm in grads]
-    return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(())
-
-
-def per_layer_grad_norms(raw_model):
-    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to find which layer
-    blows up. The model says which parameters are embeddings and which modules are its blocks."""
-    norms = {"grad/embedding": grad_norm(raw_model.param_groups()["embedding"])}
-    for i, block in enumerate(raw_model.blocks):
-        norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
-    return norms
 
 
 class LossSpikeDetector:

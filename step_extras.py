@@ -19,6 +19,8 @@ from config import in_ranges
 
 
 class StepExtras:
+    """The optional parts this run turned on, the steps they run at (`steps`) and what they keep between steps."""
+
     def __init__(self, cfg, plan, first_step, compiled, is_master, stack):
         self.cfg, self.plan, self.is_master = cfg, plan, is_master
         self.compile_step = first_step if compiled else None  # the first step this process takes compiles
@@ -79,6 +81,23 @@ class StepExtras:
         if self.profiler:
             self.profiler.step()
         return step_metrics, data_time
+
+
+def grad_norm(params):
+    """The norm of the gradients of `params` taken together (those that have one), on the device."""
+    grads = [p.grad.norm() for p in params if p.grad is not None]
+    # FSDP: the norm of a rank's piece is a DTensor, and full_tensor() gives the whole gradient's (a small collective)
+    grads = [norm.full_tensor() if hasattr(norm, "full_tensor") else norm for norm in grads]
+    return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(())
+
+
+def per_layer_grad_norms(raw_model):
+    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to find which layer
+    blows up. The model says which parameters are embeddings and which modules are its blocks."""
+    norms = {"grad/embedding": grad_norm(raw_model.param_groups()["embedding"])}
+    for i, block in enumerate(raw_model.blocks):
+        norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
+    return norms
 
 
 def periodic(every, end_step):

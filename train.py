@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import metrics
 import run_dir
 from callbacks import (LossSpikeDetector, NonFiniteLoss, Notifier, check_finite, memory_metrics, peak_flops_for_device,
-                       per_layer_grad_norms, register_stack_dump, save_environment)
+                       register_stack_dump, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
@@ -195,7 +195,8 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         (loss / grad_accum_steps).backward()
         sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
     step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm is
+    if layer_norms:  # before clipping, as train/grad_norm is (log.grad_norms_interval: step_extras.py asks)
+        from step_extras import per_layer_grad_norms
         step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
