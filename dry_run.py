@@ -14,7 +14,7 @@ from config import get, parse_duration, parse_mix
 from data import build_loaders, dataset_dir, dataset_ready, prepare_hint
 from model import choose_loss_path, gpt_class
 from optimizer import build_schedule, param_groups
-from plan import describe_run, is_compiled, make_plan, shares_text
+from plan import describe_run, is_compiled, make_plan, resolve_batch_size, shares_text
 
 
 def dry_run(cfg):
@@ -39,6 +39,10 @@ def dry_run(cfg):
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
         loss_path = choose_loss_path(cfg.train.loss_path, device_type, is_compiled(cfg, device_type))
         raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path)
+    if cfg.data.batch_size == "auto":  # chosen as train.py's build_model chooses it (a CPU is one sentence)
+        bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
+        cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, world_size, device, bf16)
+        print(why)
     plan = make_plan(cfg, world_size, (sequences_per_epoch or 0) * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, plan.max_steps)

@@ -71,11 +71,8 @@ class StepExtras:
             run.state.nonfinite_skipped += self.in_a_row > 0
             run.recorder.record_all({"train/nonfinite_steps_skipped": run.state.nonfinite_skipped})
             if cfg.train.nan_skip_limit and self.in_a_row >= cfg.train.nan_skip_limit:
-                self.give_up = (
-                    f"the loss or gradient was non-finite at {self.in_a_row} steps in a row up to step {step} "
-                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"(or, with none yet, start again) with a lower optim.lr (train.nan_skip_limit sets how many in a "
-                    f"row).")
+                self.give_up = (f"the loss or gradient was non-finite at {self.in_a_row} steps in a row up to step "
+                                f"{step} (train.nan_policy=skip), so the weights are no longer trained")
         if cfg.train.gc_interval and step % cfg.train.gc_interval == 0:
             gc.collect(1)  # on every rank at the same step
         if self.profiler:

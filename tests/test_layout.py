@@ -164,9 +164,10 @@ def module_level_imports(path):
 def test_import_train_loads_no_more_lines_than_now():
     """What `import train` reads of the project, module-level imports followed from train.py: the default run's
     core. Optional features (tasks, buckets, stage 2, traces, the step's extras, data preparation, the dry run)
-    are imported where they are used. 4,759 lines in 10 modules before issue 46, 4,741 after (4,648 before the
-    checkpoints' model-code hash came in); its goal, 4,300, needs the default run's modules to shed parts it does
-    not use (docs/loop-and-metrics.md). The limit holds the figure so that it cannot creep back."""
+    are imported where they are used. 4,759 lines in 10 modules before issue 46; 4,648 after its step's changes
+    alone, 5,144 once merged with what other work added at the same time (sharded initialisation, the automatic
+    batch size, the model-code hash, secret redaction). The goal, 4,300, needs the default run's modules to shed
+    parts it does not use (docs/loop-and-metrics.md). The limit holds the figure so that it cannot creep back."""
     loaded, todo = set(), ["train"]
     while todo:
         name = todo.pop()
@@ -174,7 +175,7 @@ def test_import_train_loads_no_more_lines_than_now():
             loaded.add(name)
             todo += module_level_imports(ROOT / f"{name}.py")
     lines = sum(len((ROOT / f"{name}.py").read_text().splitlines()) for name in loaded)
-    assert lines <= 4750, f"import train loads {lines} lines of {sorted(loaded)}"
+    assert lines <= 5150, f"import train loads {lines} lines of {sorted(loaded)}"
     readme = (ROOT / "README.md").read_text()
     assert f"`import train` loads {len(loaded)} of the project's modules" in readme  # the README says the same
 
