@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from model import GPTConfig
+from model import GPTConfig, ModelError
 
 DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent / "config" / "shakespeare.py"
 
@@ -743,7 +743,7 @@ def run_command(main, argv, also=None):
     error that `also` turns into a sentence (train.py's collectives). Anything else is a bug: traceback."""
     try:
         sys.exit(main(argv))  # main may return an exit status (debug.py compare-traces: 1 when runs differ)
-    except UserError as error:
+    except (UserError, ModelError) as error:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             sys.exit(f"error: {error}")

@@ -269,24 +269,27 @@ class GPT(nn.Module):
         return 6 * self.num_params_with_output() + 12 * c.n_layer * c.n_embd * c.block_size
 
 
+class ModelError(Exception):
+    """A model the trainer cannot use as it is (a fork's kind of parameter without a row in its table): one sentence
+    that says what to change. Every entry point prints it without a traceback (config.run_command)."""
+
+
 def parameter_kinds(model):
     """[(name, parameter, ParamKind)] for every parameter of `model`, once, from its `param_groups`. A kind
     PARAM_KINDS does not list, or a parameter in no group, is one sentence naming the parameter."""
-    from config import ConfigError
-
     names = {id(p): name for name, p in model.named_parameters()}
     kind_of = {}
     table = model.param_kinds
     for kind, params in model.param_groups().items():
         for p in params:
             if kind not in table:
-                raise ConfigError(f"the model's param_groups puts {names.get(id(p), 'a parameter')} under the kind "
+                raise ModelError(f"the model's param_groups puts {names.get(id(p), 'a parameter')} under the kind "
                                   f"{kind!r}, which its param_kinds (model.PARAM_KINDS) does not list; add a row for "
                                   f"it there (counts in N, Muon, weight decay), or give it one of {', '.join(table)}.")
             kind_of[id(p)] = kind
     unplaced = [name for name, p in model.named_parameters() if id(p) not in kind_of]
     if unplaced:
-        raise ConfigError(f"the model's param_groups gives {unplaced[0]} no kind; put every parameter in one of its "
+        raise ModelError(f"the model's param_groups gives {unplaced[0]} no kind; put every parameter in one of its "
                           f"groups, so the counts and the optimizer know what it is.")
     return [(name, p, table[kind_of[id(p)]]) for name, p in model.named_parameters()]
 

@@ -246,7 +246,8 @@ class GPT(model.GPT):
 def ladder_file(tmp_path, data_root, *lines, size="1x64"):
     path = tmp_path / "ladder_of_the_fork.py"
     path.write_text("\n".join([f'ladder.name = "fork"', f'ladder.dir = "{tmp_path / "ladder"}"',
-                               f'ladder.sizes = ["{size}"]', "ladder.batch_tokens = 256", "ladder.duration_tokens = 8192",
+                               f'ladder.sizes = ["{size}"]',
+                               "ladder.batch_tokens = 256", "ladder.duration_tokens = 8192",
                                "ladder.chinchilla_multiple = 1", "ladder.warmup_tokens = 512",
                                "model.block_size = 32", f'data.data_root = "{data_root}"', *lines]) + "\n")
     return path
@@ -300,7 +301,8 @@ def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_expo
     module.write_text(source)
     run_dir = tmp_path / "run"
     own = [f"--train.model_module={module}", "--train.max_steps=3", "--checkpoint.interval=2", "--eval.interval=3",
-           "--eval.tasks=hellaswag", "--eval.tasks_interval=3", "--eval.tasks_limit=2", f"--eval.tasks_data_dir={tiny_task_data()}",
+           "--eval.tasks=hellaswag", "--eval.tasks_interval=3", "--eval.tasks_limit=2",
+           f"--eval.tasks_data_dir={tiny_task_data()}",
            f"--train.out_dir={run_dir}"]
     run_train([*args[:-1], *own, "--train.hard_stop=2", args[-1]])
     resumed = run_train([*args[:-1], *own, args[-1]])
@@ -337,7 +339,8 @@ GQA = [("model.py", "    n_embd: int = field(",
         "        self.kv_width = self.n_kv_head * config.n_embd // config.n_head\n"
         "        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width, bias=config.bias)"),
        ("model.py", "        q, k, v = self.c_attn(x).split(C, dim=2)\n"
-                    "        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))",
+                    "        q, k, v = "
+                    "(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))",
         "        q, k, v = self.c_attn(x).split([C, self.kv_width, self.kv_width], dim=2)\n"
         "        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n"
         "        k, v = (t.view(B, T, self.n_kv_head, C // self.n_head).transpose(1, 2) for t in (k, v))\n"
