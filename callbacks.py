@@ -3,17 +3,16 @@
 OLMo-core provides these as callback classes registered with its trainer. Here they are functions:
 the loop in train.py says exactly when each one runs, and adding one takes five lines.
 
-- speed: `StepClock` (step time between step ends, evaluation and checkpoint time apart), `speed_metrics`
-  (tokens/s, sequences/s, step and data time, MFU, PFLOPs so far), and the GPU peak-FLOPs table for MFU
-- stability: `per_layer_grad_norms`, `LossSpikeDetector`, `check_finite` (train.nan_policy); the activation and
-  parameter statistics of log.activations_interval are debug.py's `activation_stats`
-- system: `memory_metrics`, `GarbageCollector`, `make_profiler`, `save_environment`, `register_stack_dump` (what
-  `python debug.py stacks RUN` reads), `Notifier` (a webhook told when the run starts and ends)
+- speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's `StepClock` and
+  `speed_metrics`)
+- stability: `LossSpikeDetector`, `check_finite` (train.nan_policy); the per-layer gradient norms are
+  step_extras.py's, and the activation and parameter statistics debug.py's `activation_stats`
+- system: `memory_metrics`, `save_environment`, `register_stack_dump` (what `python debug.py stacks RUN` reads),
+  `Notifier` (a webhook told when the run starts and ends); the garbage collector and the profiler are
+  step_extras.py's, with the loop's other optional parts
 """
 
-import contextlib
 import faulthandler
-import gc
 import json
 import math
 import os
@@ -23,14 +22,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import deque
-from contextlib import nullcontext
 
 import torch
 
 from config import CHECKS, ConfigError, UserError, redact_argv
-from plan import Every
 
 # ----------------------------------------------------------------------------- speed
 
@@ -55,73 +51,7 @@ def peak_flops_for_device(device, override=0.0):
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
 
 
-class StepClock:
-    """Step time measured between consecutive step ends (OLMo-core's speed monitor, torchtitan and nanoGPT
-    time steps the same way), so a run's step times add up to the loop's wall time: the host's waits for the
-    GPU (collecting metrics, once every log.metrics_collect_interval steps) count in the step after them.
-    Evaluation, checkpoint and sample time is measured apart (`aside`) and left out of the steps."""
-
-    def __init__(self, device):
-        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-        self.last_end = time.perf_counter()
-        self.set_aside = {}  # kind -> seconds since the last step ended
-
-    def lap(self):
-        """At the end of a step: (its seconds, {kind: seconds set aside in its window})."""
-        now = time.perf_counter()
-        aside, self.set_aside = self.set_aside, {}
-        step_time, self.last_end = now - self.last_end - sum(aside.values()), now
-        return step_time, aside
-
-    @contextlib.contextmanager
-    def aside(self, kind):
-        """Time a block that is not training. The GPU finishes the step's queued work before the clock starts and
-        the block's own work before it stops, so neither spills into the other (two syncs, only around
-        evaluations, checkpoints, samples and traces)."""
-        self.synchronize()
-        start = time.perf_counter()
-        yield
-        self.synchronize()
-        self.set_aside[kind] = self.set_aside.get(kind, 0.0) + time.perf_counter() - start
-
-
-def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
-                  world_size, peak_flops):
-    """Throughput of one step from its StepClock time (on a GPU the host runs ahead between syncs, so a
-    single step is noisy, but the steps of a window between syncs add up to its wall time)."""
-    tokens_per_sec = tokens_per_step / step_time
-    values = {
-        "throughput/tokens_per_sec": tokens_per_sec,
-        "throughput/sequences_per_sec": tokens_per_sec / block_size,
-        "throughput/step_time_sec": step_time,
-        "throughput/data_time_sec": data_time,
-        # OLMo's global_train_petaflops: training compute spent so far (trained tokens only), all ranks together.
-        "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
-    }
-    if peak_flops:
-        # MFU (PaLM, appendix B): the model's training FLOP/s per device as a share of the device's peak.
-        values["throughput/mfu"] = flops_per_token * tokens_per_sec / world_size / peak_flops
-    return values
-
-
 # ----------------------------------------------------------------------------- stability
-
-
-def grad_norm(params):
-    """The norm of the gradients of `params` taken together (those that have one), on the device."""
-    grads = [p.grad.norm() for p in params if p.grad is not None]
-    # FSDP: the norm of a rank's piece is a DTensor, and full_tensor() gives the whole gradient's (a small collective)
-    grads = [norm.full_tensor() if hasattr(norm, "full_tensor") else norm for norm in grads]
-    return torch.linalg.vector_norm(torch.stack(grads)) if grads else torch.zeros(())
-
-
-def per_layer_grad_norms(raw_model):
-    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to find which layer
-    blows up. The model says which parameters are embeddings and which modules are its blocks."""
-    norms = {"grad/embedding": grad_norm(raw_model.param_groups()["embedding"])}
-    for i, block in enumerate(raw_model.blocks):
-        norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
-    return norms
 
 
 class LossSpikeDetector:
@@ -130,12 +60,17 @@ class LossSpikeDetector:
     def __init__(self, threshold, window=50):
         self.threshold, self.recent = threshold, deque(maxlen=window)
 
-    def is_spike(self, loss):
-        spike = (self.threshold > 0 and len(self.recent) >= 10
-                 and loss > sum(self.recent) / len(self.recent) + self.threshold)
-        if math.isfinite(loss):
-            self.recent.append(loss)
-        return spike
+    def flag(self, rows):
+        """Mark train/loss_spike in each of the host rows [(step, {name: value})] whose train/loss is a spike."""
+        for _, values in rows:
+            loss = values.get("train/loss")
+            if loss is None:
+                continue
+            if (self.threshold > 0 and len(self.recent) >= 10
+                    and loss > sum(self.recent) / len(self.recent) + self.threshold):
+                values["train/loss_spike"] = 1.0
+            if math.isfinite(loss):
+                self.recent.append(loss)
 
 
 class NonFiniteLoss(UserError):
@@ -161,6 +96,14 @@ def nonfinite_message(step, values):
     for name in ("train/loss", "train/grad_norm"):
         if name in values and not math.isfinite(values[name]):
             return f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it"
+    return None
+
+
+def first_nonfinite(rows):
+    """The sentence for the first NaN/Inf train/loss or train/grad_norm among host rows [(step, values)], else None."""
+    for step, values in rows:
+        if not all(math.isfinite(values[name]) for name in ("train/loss", "train/grad_norm") if name in values):
+            return nonfinite_message(step, values)
     return None
 
 
@@ -206,43 +149,6 @@ def memory_metrics(device):
         peak = max(peak, rss)
     values["system/cpu_rss_peak_gb"] = peak / 2**30
     return values
-
-
-class GarbageCollector:
-    """Python's automatic GC pauses a rank at random moments, and with DDP every other rank waits for
-    it. Disable it and collect on every rank at the same step instead (OLMo's GarbageCollector)."""
-
-    def __init__(self, interval):
-        self.interval, self.collections = interval, Every(interval)
-
-    def __enter__(self):
-        if self.interval:
-            gc.disable()
-        return self
-
-    def __exit__(self, *exc):
-        if self.interval:
-            gc.enable()
-
-    def step(self, step):
-        if self.collections.due(step):
-            gc.collect(1)
-
-
-def make_profiler(enabled, out_dir, rank, wait, warmup, active):
-    """torch.profiler over one window of steps; the trace (chrome://tracing, Perfetto, TensorBoard)
-    lands in <out_dir>/profiler/. The loop calls profiler.step() after every step."""
-    if not enabled:
-        return nullcontext(type("NoProfiler", (), {"step": lambda self: None})())
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(
-        activities=activities,
-        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(out_dir, "profiler"),
-                                                               worker_name=f"rank{rank}"),
-    )
 
 
 def save_environment(out_dir, world_size):

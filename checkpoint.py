@@ -411,8 +411,9 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
 @dataclass
 class TrainState:
     """What a checkpoint saves for the trainer, besides weights, optimizer and RNG states (the loop's
-    counters, as torchtitan checkpoints them like any other component). The loop advances it after every
-    step; `to_dict` is what trainer.pt holds, `from_dict` what a resume restores: one place each."""
+    counters, as torchtitan checkpoints them like any other component). The loop counts steps and tokens
+    in it, and Run.save reads the data position into it; `to_dict` is what trainer.pt holds, `from_dict` what
+    a resume restores: one place each."""
     step: int = 0  # optimizer steps completed
     tokens: int = 0  # training tokens consumed
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
@@ -423,9 +424,6 @@ class TrainState:
     # {file: hash} of the model's source (model_code): what the run trains with, by content (a resume with other
     # code that fits the weights is told so); a resume sets it to the code it runs now
     model_code: dict = field(default_factory=dict)
-
-    def advance(self, tokens, loader):
-        self.step, self.tokens, self.data = self.step + 1, self.tokens + tokens, loader.state_dict()
 
     def keep_best(self, val_loss):
         if val_loss is not None:

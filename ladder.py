@@ -10,14 +10,14 @@ to the small ones and check what it predicts for the largest (OLMo-core's ModelL
     python ladder.py fit         config/ladder_shakespeare.py                           # L(N, D), held-out check
     python ladder.py compare     config/ladder_shakespeare.py config/ladder_shakespeare_muon.py  # A against B
 
-fit and compare live in tools/ladder_fit.py.
+fit and compare live in ladder_fit.py.
 
 A ladder config file sets the `ladder` section and any training field every run shares (data, block
 size, evaluation, logging), with the same syntax and `--section.field=value` overrides as train.py.
 What the ladder derives from the size (shape, batch, LR, schedule, length, checkpoints) comes from
 configurator/model.py and configurator/run.py; setting one of those fields in the file is an error.
 Each size is an ordinary run: its config.json reproduces it with `python train.py <dir>/<size>/config.json`,
-and it resumes, lists (`checkpoint.py list`) and plots (`metrics.py plot`) like any other.
+and it resumes, lists (`checkpoint.py list`) and plots (`tools/plot_metrics.py`) like any other.
 """
 
 import argparse
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-# Before numpy loads (torch loads it): the fit (tools/ladder_fit.py) makes thousands of tiny numpy/scipy
+# Before numpy loads (torch loads it): the fit (ladder_fit.py) makes thousands of tiny numpy/scipy
 # calls, which OpenBLAS threads slow down tenfold on a busy machine (measured on 2 busy cores: 56 s a
 # fit, 6 s with one thread).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
@@ -46,7 +46,7 @@ from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # n
                                 sized_model)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
 from hellaswag_eval import check_names  # noqa: E402
-from tools import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
+import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
 from run_dir import changed_fields  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def run_config(cfg, plan):
 
 def dry_run(cfg, plans, as_json):
     from optimizer import build_schedule
-    from tools.dry_run import plot_schedule
+    from dry_run import plot_schedule
 
     for p in plans:
         b, r = p.batch, p.run

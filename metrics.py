@@ -9,9 +9,10 @@ thread over a CPU (gloo) group, as OLMo's async bookkeeping. `RowWriter` then wr
 back their console lines, which the loop prints (rank 0; with async bookkeeping its thread prints them).
 Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
 
-    python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]   # PNG curves, several runs overlaid
+Plots of the written rows are a tool's: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
 """
 
+import contextlib
 import json
 import os
 import sys
@@ -24,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from callbacks import nonfinite_message
-from config import UserError, redact_argv, run_command
+from callbacks import first_nonfinite
+from config import UserError, redact_argv
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -55,31 +56,26 @@ class MetricRecorder:
         reduction: rank 0's value). A metric recorded again in the same step is merged as OLMo-core
         does: warn (warn, keep the value already recorded), latest, oldest, mean (the average of the
         stored value and the new one), sum, max, min. Merging is tensor arithmetic: no host sync."""
-        assert reduce in REDUCTIONS and merge in MERGES, (reduce, merge)
-        if self.reductions.setdefault(name, reduce) != reduce:
-            raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} and now with "
-                             f"reduce={reduce!r}; a metric must keep one reduce type.")
-        value = value.detach() if torch.is_tensor(value) else value
-        if name not in self.step_values:
-            self.step_values[name] = value
-            return
-        old = self.step_values[name]
-        if merge == "warn":
-            warnings.warn(f"metric {name} recorded twice in one step; keeping the value already recorded")
-            return
-        if merge == "oldest":
-            return
-        if merge == "latest":
-            self.step_values[name] = value
-            return
-        old, value = (torch.as_tensor(v, dtype=torch.float64, device=self.device) for v in (old, value))
-        self.step_values[name] = {"mean": lambda: (old + value) / 2, "sum": lambda: old + value,
-                                  "max": lambda: torch.maximum(old, value),
-                                  "min": lambda: torch.minimum(old, value)}[merge]()
+        self.record_all({name: value}, reduce, merge)
 
-    def record_all(self, values, reduce="mean"):
+    def record_all(self, values, reduce="mean", merge="warn"):
+        """record_metric for each of {name: value}, in one call (the loop records a step's metrics so)."""
+        assert reduce in REDUCTIONS and merge in MERGES, (reduce, merge)
         for name, value in values.items():
-            self.record_metric(name, value, reduce)
+            if self.reductions.setdefault(name, reduce) != reduce:
+                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} and now with "
+                                 f"reduce={reduce!r}; a metric must keep one reduce type.")
+            value = value.detach() if torch.is_tensor(value) else value
+            if name not in self.step_values or merge == "latest":
+                self.step_values[name] = value
+            elif merge == "warn":
+                warnings.warn(f"metric {name} recorded twice in one step; keeping the value already recorded")
+            elif merge != "oldest":
+                old, new = (torch.as_tensor(v, dtype=torch.float64, device=self.device)
+                            for v in (self.step_values[name], value))
+                self.step_values[name] = {"mean": lambda: (old + new) / 2, "sum": lambda: old + new,
+                                          "max": lambda: torch.maximum(old, new),
+                                          "min": lambda: torch.minimum(old, new)}[merge]()
 
     def get(self, name):
         """This step's value of metric `name` as it will be logged: merged as recorded, then reduced over the ranks by
@@ -93,17 +89,14 @@ class MetricRecorder:
             value = self._reduce(value, [self.reductions[name]], group=None)
         return value.item()
 
-    def end_step(self, step):
-        if self.step_values:
-            self.pending.append((step, self.step_values))
-        self.step_values = {}
-
     def finish_step(self, step, collect, wait=False):
         """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to
         `on_rows`; with `wait` too, return only once they are handled (metrics.jsonl then holds every step
         up to this one: the loop asks for that before a checkpoint). Returns what `on_rows` returned for
         rows handled here (the console lines), or [] (nothing collected, or async bookkeeping)."""
-        self.end_step(step)
+        if self.step_values:
+            self.pending.append((step, self.step_values))
+        self.step_values = {}
         if not collect:
             return []
         start = time.perf_counter()
@@ -210,6 +203,58 @@ def warn_if_slow(what, seconds, soft_timeout):
               f"slow disk, bucket or network holds the loop.", file=sys.stderr, flush=True)
 
 
+# ----------------------------------------------------------------------------- the step's speed
+
+
+class StepClock:
+    """Step time measured between consecutive step ends (OLMo-core's speed monitor, torchtitan and nanoGPT
+    time steps the same way), so a run's step times add up to the loop's wall time: the host's waits for the
+    GPU (collecting metrics, once every log.metrics_collect_interval steps) count in the step after them.
+    Evaluation, checkpoint and sample time is measured apart (`aside`) and left out of the steps."""
+
+    def __init__(self, device):
+        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        self.last_end = time.perf_counter()
+        self.set_aside = {}  # kind -> seconds since the last step ended
+
+    def lap(self):
+        """At the end of a step: (its seconds, {kind: seconds set aside in its window})."""
+        now = time.perf_counter()
+        aside, self.set_aside = self.set_aside, {}
+        step_time, self.last_end = now - self.last_end - sum(aside.values()), now
+        return step_time, aside
+
+    @contextlib.contextmanager
+    def aside(self, kind):
+        """Time a block that is not training. The GPU finishes the step's queued work before the clock starts and
+        the block's own work before it stops, so neither spills into the other (two syncs, only around
+        evaluations, checkpoints, samples and traces)."""
+        self.synchronize()
+        start = time.perf_counter()
+        yield
+        self.synchronize()
+        self.set_aside[kind] = self.set_aside.get(kind, 0.0) + time.perf_counter() - start
+
+
+def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
+                  world_size, peak_flops):
+    """Throughput of one step from its StepClock time (on a GPU the host runs ahead between syncs, so a
+    single step is noisy, but the steps of a window between syncs add up to its wall time)."""
+    tokens_per_sec = tokens_per_step / step_time
+    values = {
+        "throughput/tokens_per_sec": tokens_per_sec,
+        "throughput/sequences_per_sec": tokens_per_sec / block_size,
+        "throughput/step_time_sec": step_time,
+        "throughput/data_time_sec": data_time,
+        # OLMo's global_train_petaflops: training compute spent so far (trained tokens only), all ranks together.
+        "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
+    }
+    if peak_flops:
+        # MFU (PaLM, appendix B): the model's training FLOP/s per device as a share of the device's peak.
+        values["throughput/mfu"] = flops_per_token * tokens_per_sec / world_size / peak_flops
+    return values
+
+
 # ----------------------------------------------------------------------------- what happens to collected rows
 
 
@@ -242,44 +287,47 @@ class RowWriter:
         if self.sinks:
             with self.writing:
                 self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
-                self.sinks.write(step, dict(values))
+                self.sinks.write([(step, dict(values))])
                 self.logged.update(values)
 
     def _write(self, rows):
+        """Each helper takes the whole batch of rows: a collection calls each once, whatever its number of steps."""
+        if not rows:
+            return []
+        self.spikes.flag(rows)
+        self.add_eta(rows)
         lines = []
-        for step, values in rows:
-            if "train/loss" in values and self.spikes.is_spike(values["train/loss"]):
-                values["train/loss_spike"] = 1.0
-            self.add_eta(step, values)
-            if self.sinks:
-                self.sinks.write(step, values)
-                if (self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
-                        or "val/loss" in values):
-                    lines.append(console_line(step, values))
-            self.nonfinite = self.nonfinite or nonfinite_message(step, values)
-            self.last_step = step
+        if self.sinks:
+            self.sinks.write(rows)
+            lines = [console_line(step, values) for step, values in rows
+                     if self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
+                     or "val/loss" in values]
+        self.nonfinite = self.nonfinite or first_nonfinite(rows)
+        self.last_step = rows[-1][0]
+        for _, values in rows:
             self.logged.update(values)
         if self.prints:
             for line in lines:
                 print(line, flush=True)
         return lines
 
-    def add_eta(self, step, values):
+    def add_eta(self, rows):
         """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
         evaluations, checkpoints, samples) x the steps left. It is measured on the times the rows carry, not on
         the clock: the rows of a collection window arrive together, long after most of their steps ended.
         The first step this process trains is left out: it holds torch.compile and the allocator's warm-up."""
-        if "throughput/step_time_sec" not in values:  # step 0 (evaluations before training), a skipped step
-            return
-        if not self.warm:
-            self.warm = True
-            return
-        self.timed_steps += 1
-        # The step's window: its step time and the eval/checkpoint/sample/trace time set aside in it (the data
-        # and compile times are parts of the step time).
-        self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
-                                  and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
-        values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
+        for step, values in rows:
+            if "throughput/step_time_sec" not in values:  # step 0 (evaluations before training), a skipped step
+                continue
+            if not self.warm:
+                self.warm = True
+                continue
+            self.timed_steps += 1
+            # The step's window: its step time and the eval/checkpoint/sample/trace time set aside in it (the data
+            # and compile times are parts of the step time).
+            self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
+                                      and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
+            values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
 
 
 # ----------------------------------------------------------------------------- sinks
@@ -378,26 +426,31 @@ class Sinks:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
-    def write(self, step, values):
-        for name in values:
-            if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
-                values[name] = int(values[name])  # counts, exact in float64
+    def write(self, rows):
+        """[(step, {name: value})] to metrics.jsonl (and a snapshot per evaluation, and W&B)."""
+        for _, values in rows:
+            for name in values:
+                if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
+                    values[name] = int(values[name])  # counts, exact in float64
         if self.failed:
             return
+        step = rows[0][0]
         try:
             with open(self.jsonl_path, "a") as f:
-                f.write(json.dumps({"step": step, **values}) + "\n")
-            if any(name.startswith(("val/", "eval/")) for name in values):
-                # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
-                tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
-                with open(tmp, "w") as f:
-                    json.dump({"step": step, **values}, f, indent=1)
-                os.replace(tmp, os.path.join(self.out_dir, f"metrics_step{step}.json"))
+                for step, values in rows:
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+                    if any(name.startswith(("val/", "eval/")) for name in values):
+                        # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
+                        tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
+                        with open(tmp, "w") as snapshot:
+                            json.dump({"step": step, **values}, snapshot, indent=1)
+                        os.replace(tmp, os.path.join(self.out_dir, f"metrics_step{step}.json"))
         except OSError as error:
             self.failed = f"writing metrics in {self.out_dir} failed at step {step} ({error.strerror or error})"
             return
         if self.wandb_run is not None:
-            self.wandb_run.log(values, step=step)
+            for step, values in rows:
+                self.wandb_run.log(values, step=step)
 
 
 def start_wandb(out_dir, log_cfg, config_dict):
@@ -429,14 +482,3 @@ def start_wandb(out_dir, log_cfg, config_dict):
         )
     finally:
         sys.argv = argv
-
-
-def main(argv):
-    """`python metrics.py plot RUN_DIR ...` (tools/plot_metrics.py draws them)."""
-    from tools.plot_metrics import main as plot
-
-    return plot(argv)
-
-
-if __name__ == "__main__":
-    run_command(main, sys.argv[1:])

@@ -1,10 +1,11 @@
 """The optimizer: AdamW (GPT-2's), or Muon for the transformer's matrices beside AdamW for the rest.
 
-    optim.name = "adamw"   AdamW over every parameter (GPT-3, nanoGPT): the default
+    optim.name = "adamw"   AdamW over every parameter (GPT-3, nanoGPT): the field's default (config.py)
     optim.name = "muon"    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the 2-D weights of the
                            transformer blocks, AdamW for the embeddings and the output layer, biases and
                            LayerNorm gains: the split of modded-nanogpt, nanochat's MuonAdamW and OLMo-core's
-                           muon ladder (the model says which parameter is what: GPT.param_groups)
+                           muon ladder (the model says which parameter is what: GPT.param_groups); the
+                           quick start's config/shakespeare.py chooses it
 
 Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of
 the update moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`,
@@ -159,14 +160,11 @@ class MuonAdamW:
 
 def set_lr(optimizer, lr, peak_lr):
     """The schedule's LR for this step (`lr`, of a schedule peaking at `peak_lr`) applied to every group:
-    each group keeps its own peak and follows the same curve."""
+    each group keeps its own peak and follows the same curve. Returns optim/lr/<group>: the LR each group uses
+    this step, read back from the optimizer itself; optim/lr is the main AdamW group's (the schedule's LR when the
+    config in force is what the optimizer uses)."""
     for group in optimizer.param_groups:
         group["lr"] = group["peak_lr"] * lr / peak_lr
-
-
-def lr_metrics(optimizer):
-    """optim/lr/<group>: the LR each group used this step, read from the optimizer itself; optim/lr is the
-    main AdamW group's (the schedule's LR when the config in force is what the optimizer uses)."""
     lrs = {f"optim/lr/{group['name']}": group["lr"] for group in optimizer.param_groups}
     return {"optim/lr": lrs["optim/lr/adamw"], **lrs}
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, check_warmup, duration_to_steps, in_ranges, parse_step_ranges
+from model import GPT, loss_slices
 
 
 @dataclass(frozen=True)
@@ -49,17 +50,11 @@ class Due:
     tasks: bool = False  # downstream tasks (HellaSwag is one of them)
     checkpoint: str | None = None  # the kind of checkpoint to save: fixed, permanent, ephemeral, or None
     sample: bool = False  # text samples (rank 0)
-    # metrics to the host and the sinks (always before a checkpoint: metrics.jsonl is then complete)
+    # metrics to the host and the sinks: at console lines and evaluations, so that a line prints on the step it
+    # describes, and before a checkpoint, so that metrics.jsonl is then complete
     collect: bool = False
-
-    @property
-    def evals(self):
-        return self.val or self.tasks
-
-    @property
-    def output(self):
-        """Anything that reads the model's state: the moment to check that the loss is finite."""
-        return self.evals or self.sample or bool(self.checkpoint)
+    evals: bool = False  # val or tasks
+    output: bool = False  # anything that reads the model's state: the moment to check that the loss is finite
 
 
 @dataclass(frozen=True)
@@ -78,6 +73,7 @@ class Plan:
     ephemeral_cooldown: int  # an ephemeral checkpoint this soon after a fixed or permanent one is skipped
     traces: Every  # debug.trace_steps: fixed steps only
     metrics: Every  # log.metrics_collect_interval: one sync and one collective each time
+    console: Every  # log.interval: a console line, so its metrics are collected at that step
     grad_norms: Every  # log.grad_norms_interval: per-layer gradient norms
     activations: Every  # log.activations_interval: activation statistics and parameter norms
     no_checkpoints: bool
@@ -91,22 +87,26 @@ class Plan:
         the checkpoint: a scheduler's grace period is short, and an evaluation could eat it."""
         if stop and not last:
             checkpoint = None if self.no_checkpoints else "permanent"
-            return Due(checkpoint=checkpoint, collect=True)
-        checkpoint = self.checkpoint_kind(step, last)
-        return Due(val=self.val.due(step, last), tasks=self.tasks.due(step, last), checkpoint=checkpoint,
-                   sample=self.samples.due(step, last), collect=self.metrics.due(step, last) or bool(checkpoint))
+            return Due(checkpoint=checkpoint, collect=True, output=bool(checkpoint))
+        checkpoint = None  # the kind of checkpoint due, if any
+        if self.no_checkpoints:
+            pass
+        elif step in self.fixed_checkpoints:
+            checkpoint = "fixed"
+        elif last or self.checkpoints.due(step):
+            checkpoint = "permanent"
+        elif self.ephemeral.due(step):
+            recent = range(max(1, step - self.ephemeral_cooldown + 1), step)  # OLMo-core's ephemeral_cooldown
+            if not any(s in self.fixed_checkpoints or self.checkpoints.due(s) for s in recent):
+                checkpoint = "ephemeral"
+        val, tasks, sample = self.val.due(step, last), self.tasks.due(step, last), self.samples.due(step, last)
+        evals = val or tasks
+        return Due(val=val, tasks=tasks, checkpoint=checkpoint, sample=sample, evals=evals,
+                   output=evals or sample or bool(checkpoint),
+                   collect=self.metrics.due(step, last) or self.console.due(step, last) or evals or bool(checkpoint))
 
     def checkpoint_kind(self, step, last=False):
-        if self.no_checkpoints:
-            return None
-        if step in self.fixed_checkpoints:
-            return "fixed"
-        if last or self.checkpoints.due(step):
-            return "permanent"
-        if not self.ephemeral.due(step):
-            return None
-        recent = range(max(1, step - self.ephemeral_cooldown + 1), step)  # OLMo-core's ephemeral_cooldown
-        return None if any(s in self.fixed_checkpoints or self.checkpoints.due(s) for s in recent) else "ephemeral"
+        return self.due(step, last).checkpoint
 
     def checkpoint_steps(self):
         """Every step a checkpoint will be saved at if the run is not stopped early (step 0 included)."""
@@ -150,7 +150,8 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
         ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
         traces=Every(0, tuple(cfg.debug.trace_steps)),
-        metrics=Every(cfg.log.metrics_collect_interval), grad_norms=Every(cfg.log.grad_norms_interval),
+        metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval),
+        grad_norms=Every(cfg.log.grad_norms_interval),
         activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
@@ -289,32 +290,23 @@ class Stopper:
     def poll(self, step):
         if not self.checks.due(step):
             return ""
-        return agree_on_stop(local_stop_reason(self.flag, self.out_dir, self.start_time, self.time_limit,
-                                               self.is_master, self.sinks), self.group)
+        reason = ""
+        if self.sinks is not None and self.sinks.failed:  # rank 0 cannot write its metrics: save, then stop
+            reason = "write error"
+        elif self.flag.received:
+            reason = "signal"
+        elif self.is_master and os.path.exists(os.path.join(self.out_dir, "CANCEL")):
+            reason = "cancel file"
+        elif self.time_limit and time.monotonic() - self.start_time > self.time_limit:
+            reason = "time limit"
+        if not dist.is_initialized():
+            return reason
+        code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)  # the reason any rank has: every rank
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)  # polls at the same steps
+        return REASONS[int(code)]
 
     def describe(self, reason):
         return describe_stop(reason, self.flag, self.out_dir)
-
-
-def local_stop_reason(flag, out_dir, start_time, time_limit, is_master, sinks=None):
-    if sinks is not None and sinks.failed:  # rank 0 cannot write its metrics: save what can be saved, then stop
-        return "write error"
-    if flag.received:
-        return "signal"
-    if is_master and os.path.exists(os.path.join(out_dir, "CANCEL")):
-        return "cancel file"
-    if time_limit and time.monotonic() - start_time > time_limit:
-        return "time limit"
-    return ""
-
-
-def agree_on_stop(reason, group=None):
-    """The reason to stop that any rank has (all ranks call this at the same steps)."""
-    if not dist.is_initialized():
-        return reason
-    code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)
-    dist.all_reduce(code, op=dist.ReduceOp.MAX, group=group)
-    return REASONS[int(code)]
 
 
 def describe_stop(reason, flag, out_dir):
@@ -323,3 +315,46 @@ def describe_stop(reason, flag, out_dir):
     if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
         return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
     return "stopped at the time limit (train.time_limit)"
+
+
+# ----------------------------------------------------------------------------- the plan, described
+
+
+def is_compiled(cfg, device_type):
+    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
+
+
+def shares_text(mix):
+    return ", ".join(f"{name} {share:.1%}" for name, share in mix)
+
+
+def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
+    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
+    from the model and the plan."""
+    params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
+    tokens = plan.max_steps * plan.tokens_per_step
+    stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
+    device_type = torch.device(device).type
+    compiled = is_compiled(cfg, device_type)
+    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
+            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
+            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
+            f"{'; torch.compile' if compiled else ''}\n"
+            f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
+            f"({tokens / non_embedding:.1f} per non-embedding parameter; "
+            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
+               else "data not prepared yet")
+            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
+            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
+                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
+                              device_type))
+
+
+def loss_description(raw_model, rows, device_type):
+    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
+    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
+    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
+        return "the model's own forward"
+    if raw_model.loss_path == "chunked":
+        return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
+    return raw_model.loss_path

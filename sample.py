@@ -194,7 +194,7 @@ def tokenizer_for(source, model):
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
                         f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
-                        f"dataset first (e.g. `python data.py shakespeare-char`).")
+                        f"dataset first (e.g. `python prepare_data.py shakespeare-char`).")
     tokenizer = tokenizer_of(data_dir)
     saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset) if path else None
     if saved and saved != fingerprint(data_dir):  # the ids would decode to other characters

@@ -6,12 +6,14 @@
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
 The story, in the order of this file: `main` reads and checks the config; `train` is the loop. Each step
-sets the learning rate, takes one `train_step` (forward and backward over the micro-steps, clip, optimizer
-step), records its metrics and prints the console line, then runs what the plan says is due, in a fixed
-order: evaluate, checkpoint, sample. Below the loop: the evaluations, then `build_run`, which sets the run
-up part by part (the processes, the model, where the run starts, the data, the optimizer, the `Plan`, the
-checkpoint to load), and last the dry run. Every feature lives in a small module and is called from a
-visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces) are imported where they are used.
+sets the learning rate, takes one `train_step` (right below the loop: forward and backward over the
+micro-steps, clip, optimizer step), records its metrics, then runs what the plan says is due, in a fixed
+order: evaluate, print the console line, checkpoint, sample. The step's rarely used parts (traces, skipped
+data, NaN skipping, GC, the profiler, ...) are behind one call, to step_extras.py. Below: the evaluations, then
+`build_run`, which sets the run up part by part (the processes, the model, where the run starts, the data,
+the optimizer, the `Plan`, the checkpoint to load). Every feature lives in a small module and is called from
+a visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces, the dry run, data preparation)
+are imported where they are used.
 """
 
 import dataclasses
@@ -29,17 +31,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, Notifier, StepClock, all_finite, check_finite,
-                       make_profiler, memory_metrics, nonfinite_stop, peak_flops_for_device, per_layer_grad_norms,
-                       register_stack_dump, save_environment, speed_metrics)
+from callbacks import (LossSpikeDetector, Notifier, all_finite, check_finite, memory_metrics, nonfinite_stop,
+                       peak_flops_for_device, register_stack_dump, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
                     with_defaults)
-from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
-from model import GPT, choose_loss_path, gpt_class, loss_slices
-from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
-from plan import Due, Every, Plan, SignalFlag, Stopper, describe_memory, make_plan, resolve_batch_size
+from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
+from metrics import StepClock, speed_metrics
+from model import GPT, choose_loss_path, gpt_class
+from optimizer import build_optimizer, build_schedule, set_lr
+from plan import (Due, Every, Plan, SignalFlag, Stopper, describe_run, is_compiled, make_plan, resolve_batch_size,
+                  shares_text)
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -74,8 +77,8 @@ def main(argv):
         check_source(cfg.stage2.reference, "stage2.reference")
     if cfg.checkpoint.load_path:
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
-    if "--dry_run" in argv:  # the plan, printed (tools/dry_run.py)
-        from tools.dry_run import dry_run
+    if "--dry_run" in argv:  # the plan, printed (dry_run.py)
+        from dry_run import dry_run
         return dry_run(cfg)
     train(cfg)
 
@@ -87,92 +90,61 @@ def train(cfg):
     """Train the run `cfg` describes (ladder.py calls this too, with a config it built)."""
     with ExitStack() as stack:
         run = build_run(cfg, stack)
-        plan, state, recorder = run.plan, run.state, run.recorder
+        plan, state, recorder, extras = run.plan, run.state, run.recorder, run.extras
         before_the_first_step(run)
-        clock, in_a_row = StepClock(run.device), 0  # in_a_row: non-finite steps skipped in a row
-        compiling, stop = run.compiled and state.step < plan.end_step, ""
+        clock = StepClock(run.device)  # the steps' times, with what runs beside them (evaluations, ...) set aside
+        mix, loader, objective = run.stages.at(state.step + 1)  # objective: None, or stage 2's CE + beta x KL
+        stop = ""
         while state.step < plan.end_step:
             step = state.step + 1  # the step being taken, as logged
-            mix, loader, objective = run.stages.at(step)  # objective: None, or stage 2's CE + beta x KL
-            set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group follows it from its own peak
-            if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (debug.py)
-                with clock.aside("trace"):  # (on every rank, as all record the same metrics: see below)
-                    if run.is_master:
-                        trace_step(run, loader, step)
-            if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
-                from debug import activation_stats
-                with clock.aside("activations"):
-                    recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
-            if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
-                loader.skip_batches(plan.grad_accum_steps)
-                step_metrics, data_time = {"train/skipped_data_step": 1.0}, 0.0
+            if step - 1 == plan.stage2_step:  # stage 2 begins: its data mixture and its objective (stage2.py)
+                mix, loader, objective = run.stages.at(step)
+            lrs = set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)  # each group from its own peak
+            if step in extras.steps:  # traces, skipped data, NaN skipping, compile time, GC, profiler: step_extras.py
+                step_metrics, data_time = extras.step(run, step, loader, objective, clock, train_step)
             else:
-                step_metrics, data_time = train_step(
-                    run.model, run.optimizer, loader, plan.grad_accum_steps, run.autocast,
-                    grad_clip=cfg.optim.grad_clip, nan_policy=cfg.train.nan_policy, objective=objective,
-                    layer_norms=plan.grad_norms.due(step))
-            # A step skipped for its data or for a non-finite loss trained nothing: no tokens, no throughput.
-            trained = "train/loss" in step_metrics and "train/skipped_nonfinite_step" not in step_metrics
-            state.advance(plan.tokens_per_step if trained else 0, loader)  # state.step == step
-            if compiling:
-                clock.synchronize()  # once: the compiled first step, GPU work included
+                step_metrics, data_time = train_step(run.model, run.optimizer, loader, plan.grad_accum_steps,
+                                                     run.autocast, grad_clip=cfg.optim.grad_clip, objective=objective)
+            trained = "train/loss" in step_metrics  # a step skipped (its data, a non-finite loss) trained nothing
+            state.step, state.tokens = step, state.tokens + plan.tokens_per_step * trained
             step_time, aside = clock.lap()  # from the end of the previous step, the GPU's work included
-            recorder.record_all({**step_metrics, **lr_metrics(run.optimizer), "tokens": state.tokens,
-                                 **loader.metrics()})
-            # The time beside the step (evaluation, samples, ...; a checkpoint's goes in its own step's row): every
-            # rank records the same names, as the ranks' values travel in one vector, and the slowest rank's time is
-            # the one the loop waited.
-            recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
-                                reduce="max")
-            if trained:
-                recorder.record_all(speed_metrics(
+            if trained:  # tokens/s, MFU, ...
+                step_metrics.update(speed_metrics(
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
                     block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
                     world_size=run.world_size, peak_flops=run.peak_flops))
-            if compiling:
-                recorder.record_all(compile_time(run, step, step_time))
-                compiling = False
-            if cfg.train.nan_policy == "skip":  # (skip mode reads the flag on the host: one sync per step)
-                in_a_row = in_a_row + 1 if "train/skipped_nonfinite_step" in step_metrics else 0
-                state.nonfinite_skipped += in_a_row > 0
-                recorder.record_all({"train/nonfinite_steps_skipped": state.nonfinite_skipped})
-            give_up = bool(cfg.train.nan_skip_limit) and in_a_row >= cfg.train.nan_skip_limit
+            # Every rank records the same names (the ranks' values travel in one vector); the time beside the step
+            # (evaluation, samples, ...) is the slowest rank's, the one the loop waited. A checkpoint's time goes in
+            # its own step's row (Run.save).
+            recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens, **loader.metrics()})
+            recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
+                                reduce="max")
 
             # ---- after the step, in this order: stop?, NaN?, evaluate, metrics, checkpoint, samples. A part that
             # fails cannot lose the training done, and NaN weights are caught before anything reads them. On a
             # stop (a scheduler's grace period is short) only the checkpoint runs.
             stop = run.stopper.poll(step)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
             due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
-            # One host sync, and only when something reads the weights: a non-finite loss or gradient cancels all
-            # of it, and the rows so far are written below (the first non-finite step among them is named).
+            # One host sync, only when something reads the weights; a non-finite step cancels it all (see below).
             nonfinite = due.output and cfg.train.nan_policy == "stop" and not all_finite(step_metrics)
-            if nonfinite:
-                due = Due()
+            due = Due() if nonfinite else due
             if due.evals:
                 with clock.aside("eval"):
                     scores = evaluate(run, due, mix)
                 recorder.record_all(scores)
                 state.keep_best(scores.get("val/loss"))
-            run.gc.step(step)
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
                 if cfg.checkpoint.remote_folder:  # the bucket's uploads (rank 0 uploads; every rank records them)
                     recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
-            # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
-            # non-finite steps) and come back as the console lines to print (rank 0).
-            collect, wait = due.collect or give_up or nonfinite, bool(due.checkpoint) or give_up or nonfinite
-            for line in recorder.finish_step(step, collect, wait):
+            # The rows collected go to metrics.jsonl and come back as the console lines to print (rank 0).
+            halt = nonfinite or bool(extras.give_up)  # the run ends below: its rows first
+            for line in recorder.finish_step(step, due.collect or halt, wait=bool(due.checkpoint) or halt):
                 print(line, flush=True)
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
                 print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
-            if run.writer.nonfinite and cfg.train.nan_policy == "stop":
-                raise nonfinite_stop(run.writer.nonfinite, cfg.train.out_dir)
-            if nonfinite:  # (the rows hold it: this names the step only if they somehow did not)
-                check_finite(step, step_metrics, cfg.train.out_dir)
-            if give_up:  # its rows are written: the steps that led here are on record
-                raise nonfinite_stop(f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step "
-                                     f"{step} (train.nan_policy=skip), so the weights are no longer trained",
-                                     cfg.train.out_dir, skip=False)
+            if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
+                stop_on_nonfinite(run, step, step_metrics, extras.give_up)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -180,7 +152,6 @@ def train(cfg):
                 with clock.aside("sample"):  # rank 0 writes them; under FSDP every rank runs the model's forwards
                     if run.is_master or is_sharded(run.model):
                         write_samples(run, step)
-            run.profiler.step()
             if stop:
                 run.end_early(stop)
                 break
@@ -192,6 +163,74 @@ def train(cfg):
         recorder.wait()  # the last metrics, when they are written on a thread
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- one optimizer step
+
+
+def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy="stop", objective=None,
+               layer_norms=False):
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
+    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
+    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
+    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
+    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip (step_extras.py passes it)."""
+    raw_model = model.module if isinstance(model, DDP) else model
+    sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (sharding.py)
+    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
+    sums = torch.zeros(len(names), device=loader.device)
+    data_time = 0.0
+    for micro_step in range(grad_accum_steps):
+        data_start = time.perf_counter()
+        x, y = loader.next_batch()
+        data_time += time.perf_counter() - data_start
+        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
+        # micro-step would send the same amount of data grad_accum_steps times.
+        last_micro_step = micro_step == grad_accum_steps - 1
+        if sharded:  # FSDP's no_sync: reduce-scatter the gradients on the last micro-step only
+            model.set_requires_gradient_sync(last_micro_step)
+        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
+            parts = objective(model, x, y) if objective else [model(x, y)]
+            loss = parts[0]
+        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
+        # summed gradients the mean over the whole batch, as if it were one big forward pass.
+        (loss / grad_accum_steps).backward()
+        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
+    step_metrics = dict(zip(names, sums))
+    if layer_norms:  # before clipping, as train/grad_norm is (log.grad_norms_interval: step_extras.py asks)
+        from step_extras import per_layer_grad_norms
+        step_metrics.update(per_layer_grad_norms(raw_model))
+    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
+    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
+    if sharded:  # FSDP: the global norm of each rank's pieces, as a DTensor; the same number on every rank
+        grad_norm = grad_norm.full_tensor()
+    # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
+    # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
+    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
+        step_metrics = {"train/skipped_nonfinite_step": 1.0}
+    else:
+        optimizer.step()
+        step_metrics["train/grad_norm"] = grad_norm
+    optimizer.zero_grad(set_to_none=True)
+    return step_metrics, data_time
+
+
+def rank_line(rank, step, step_metrics):
+    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
+    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
+    on the steps it prints."""
+    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
+    return f"[rank {rank}] {metrics.console_line(step, own)}"
+
+
+def stop_on_nonfinite(run, step, step_metrics, give_up):
+    """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows, or
+    by this step's own numbers), or train.nan_skip_limit skipped steps in a row (step_extras.py), ends the run."""
+    if run.writer.nonfinite and run.cfg.train.nan_policy == "stop":
+        raise nonfinite_stop(run.writer.nonfinite, run.cfg.train.out_dir)
+    if give_up:
+        raise nonfinite_stop(give_up, run.cfg.train.out_dir, skip=False)
+    check_finite(step, step_metrics, run.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
 
 
 def before_the_first_step(run):
@@ -221,76 +260,6 @@ def before_the_first_step(run):
               f"longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
-
-
-def compile_time(run, step, seconds):
-    """The first step of a compiled model waits for torch.compile: its StepClock time, compiling included."""
-    if run.is_master:
-        print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
-    return {"throughput/compile_time_sec": seconds}
-
-
-# ----------------------------------------------------------------------------- one optimizer step
-
-
-def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy, objective=None,
-               layer_norms=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
-    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
-    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
-    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
-    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip."""
-    raw_model = model.module if isinstance(model, DDP) else model
-    names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
-    sums = torch.zeros(len(names), device=loader.device)
-    data_time = 0.0
-    for micro_step in range(grad_accum_steps):
-        data_start = time.perf_counter()
-        x, y = loader.next_batch()
-        data_time += time.perf_counter() - data_start
-        # Gradients are all-reduced across ranks only on the last micro-step; syncing on every
-        # micro-step would send the same amount of data grad_accum_steps times.
-        last_micro_step = micro_step == grad_accum_steps - 1
-        if is_sharded(model):  # FSDP's no_sync: reduce-scatter the gradients on the last micro-step only
-            model.set_requires_gradient_sync(last_micro_step)
-        with model.no_sync() if isinstance(model, DDP) and not last_micro_step else nullcontext(), autocast:
-            parts = objective(model, x, y) if objective else [model(x, y)]
-            loss = parts[0]
-        # The loss is a mean over one micro-batch; dividing by the number of micro-steps makes the
-        # summed gradients the mean over the whole batch, as if it were one big forward pass.
-        (loss / grad_accum_steps).backward()
-        sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
-    step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm is
-        step_metrics.update(per_layer_grad_norms(raw_model))
-    # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
-    grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
-    if is_sharded(model):  # FSDP: the global norm of each rank's pieces, as a DTensor; the same number on every rank
-        grad_norm = grad_norm.full_tensor()
-    # nan_policy=skip must know now, which costs one host-device sync per step. Every rank decides alike: a rank's
-    # non-finite loss makes its gradients non-finite, and the all-reduced gradient norm with them.
-    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
-        step_metrics = {"train/skipped_nonfinite_step": 1.0}
-    else:
-        optimizer.step()
-        step_metrics["train/grad_norm"] = grad_norm
-    optimizer.zero_grad(set_to_none=True)
-    return step_metrics, data_time
-
-
-def rank_line(rank, step, step_metrics):
-    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
-    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
-    on the steps it prints."""
-    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
-    return f"[rank {rank}] {metrics.console_line(step, own)}"
-
-
-def trace_step(run, loader, step):
-    """debug.trace_steps: rank 0 saves every module's inputs and outputs for the step's first micro-batch."""
-    import debug
-
-    debug.trace_forward(run.raw_model, loader, run.autocast, run.cfg.train.out_dir, step, run.cfg.debug.trace_sequences)
 
 
 # ----------------------------------------------------------------------------- evaluation and samples
@@ -397,8 +366,7 @@ class Run:
     writer: metrics.RowWriter
     checkpointer: Checkpointer
     stopper: Stopper
-    gc: GarbageCollector
-    profiler: object
+    extras: object  # step_extras.StepExtras: the step's optional parts, and the steps they run at
     flops_per_token: int
     peak_flops: float | None
     notifier: Notifier  # told how the run ended (log.slack_webhook)
@@ -410,6 +378,7 @@ class Run:
         self.checkpointer.wait()  # the previous async save first: at most one snapshot in CPU memory
         metrics.warn_if_slow("waiting for the previous checkpoint", time.perf_counter() - stall_start,
                              self.cfg.log.bookkeeping_soft_timeout)
+        self.state.data = self.stages.loader_at(self.state.step).state_dict()  # where the next step reads
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
         snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master,
                                  unsharded=Every(self.cfg.checkpoint.unsharded_interval).due(self.state.step))
@@ -452,6 +421,8 @@ def build_run(cfg, stack):
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
+    for name in dataset_names(cfg):  # rank 0 prepares a missing built-in dataset first; the others find it done
+        rank0_first(lambda: prepare_on_first_use(dataset_dir(cfg.data.data_root, name)), procs.rank, procs.world_size)
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
@@ -468,15 +439,14 @@ def build_run(cfg, stack):
     state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
     recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
+    from step_extras import StepExtras
+    extras = StepExtras(cfg, plan, state.step + 1, compiled, procs.is_master, stack)
     return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
                is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
                compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
                val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
                sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
-               stopper=stopper, gc=stack.enter_context(GarbageCollector(cfg.train.gc_interval)),
-               profiler=stack.enter_context(make_profiler(cfg.log.profile and procs.is_master, cfg.train.out_dir,
-                                                          procs.rank, cfg.log.profile_wait, cfg.log.profile_warmup,
-                                                          cfg.log.profile_active)),
+               stopper=stopper, extras=extras,
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
                peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier,
                tokenizer=tokenizer)
@@ -513,7 +483,8 @@ def start_processes(cfg):
 def setup_distributed(device_choice, timeout):
     """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
     Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements.
-    A collective that waits `timeout` seconds for a rank that never comes ends the run (see main)."""
+    A collective that waits `timeout` seconds for a rank that never comes ends the run
+    (`collective_failure`, at the end of this file, says so)."""
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # a plain `python train.py`
         device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
@@ -530,6 +501,13 @@ def setup_distributed(device_choice, timeout):
     return rank, dist.get_world_size(), device, cpu_group
 
 
+def prepare_on_first_use(path):
+    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error."""
+    if not shard_paths(path, "train"):
+        from prepare_data import ensure_dataset
+        ensure_dataset(path)
+
+
 def rank0_first(work, rank, world_size):
     """Rank 0 does `work` (prepare data, download) while the others wait; then the others do it too and find it
     done. Returns this rank's result."""
@@ -537,10 +515,6 @@ def rank0_first(work, rank, world_size):
     if world_size > 1:
         dist.barrier()
     return work() if rank != 0 else result
-
-
-def is_compiled(cfg, device_type):
-    return cfg.train.compile == "true" or (cfg.train.compile == "auto" and device_type == "cuda")
 
 
 def build_model(cfg, procs):
@@ -633,43 +607,6 @@ def confirm_batch_size(cfg, procs, raw_model):
                   f"takes {size // 2} (halved once; set data.batch_size to choose it yourself).", flush=True)
 
 
-def shares_text(mix):
-    return ", ".join(f"{name} {share:.1%}" for name, share in mix)
-
-
-def build_loaders(cfg, rank, world_size, device):
-    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2;
-    and the val loaders by metric prefix. A run with several datasets reads each stage through a
-    MixtureLoader (so positions carry over by name between stages). Rank 0 prepares a missing built-in
-    dataset first."""
-    mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
-    stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
-    names = list(dict.fromkeys(name for name, _ in mix + stage2_mix))
-    for name in names:
-        rank0_first(lambda: ensure_dataset(dataset_dir(cfg.data.data_root, name)), rank, world_size)
-    loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
-                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
-
-    def mixture_loader(mixture):
-        return MixtureLoader(cfg.data.data_root, mixture, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
-                             sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size, **loader_args)
-
-    # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
-    # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
-    several = bool(cfg.data.mix or stage2_mix)
-    val_names = {f"val/{name}": name for name in names} if several else {"val": names[0]}
-    val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
-    val_loaders = {prefix: TokenLoader(dataset_dir(cfg.data.data_root, name), "val", **loader_args)
-                   for prefix, name in val_names.items()}
-    if several:
-        stages = [(mix, mixture_loader(mix))]
-    else:
-        stages = [(mix, TokenLoader(dataset_dir(cfg.data.data_root, cfg.data.dataset), "train",
-                                    shuffle=cfg.data.shuffle, seed=cfg.train.seed, **loader_args))]
-    if stage2_mix:
-        stages.append((stage2_mix, mixture_loader(stage2_mix)))
-    return stages, val_loaders
-
 
 class Stages:
     """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one
@@ -689,6 +626,10 @@ class Stages:
         saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
         self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
         self.resumed_inside = saved_by == 1
+
+    def loader_at(self, step):
+        """The loader step `step` (0: none yet) read from."""
+        return self.loaders[-1 if self.stage2_step is not None and step > self.stage2_step else 0][1]
 
     def at(self, step):
         """(mixture, loader, objective) for step `step` (1-based, the step being taken); the objective is None in
@@ -817,38 +758,6 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
 def async_bookkeeping(cfg, procs):
     """log.async_bookkeeping resolved: auto is on where a gloo group exists, that is with more than one rank."""
     return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
-
-
-def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
-    from the model and the plan."""
-    params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
-    tokens = plan.max_steps * plan.tokens_per_step
-    stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
-    device_type = torch.device(device).type
-    compiled = is_compiled(cfg, device_type)
-    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
-            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
-            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
-            f"{'; torch.compile' if compiled else ''}\n"
-            f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
-            f"({tokens / non_embedding:.1f} per non-embedding parameter; "
-            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
-               else "data not prepared yet")
-            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
-            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
-                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
-                              device_type))
-
-
-def loss_description(raw_model, rows, device_type):
-    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
-    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
-    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
-        return "the model's own forward"
-    if raw_model.loss_path == "chunked":
-        return f"chunked in {loss_slices(rows, raw_model.lm_head.weight.size(0), device_type)} slice(s) per micro-step"
-    return raw_model.loss_path
 
 
 # ----------------------------------------------------------------------------- the start's shape and the end

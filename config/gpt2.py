@@ -1,5 +1,5 @@
 # GPT-2 (124M) on FineWeb-Edu 10B tokens: the build-nanogpt reproduction.
-# Prepare the data once: python data.py fineweb-edu --name sample-10BT
+# Prepare the data once: python prepare_data.py fineweb-edu --name sample-10BT
 # Run: torchrun --nproc-per-node=8 train.py config/gpt2.py
 model.n_layer = 12
 model.n_head = 12

@@ -1,5 +1,5 @@
 # The GPT-2 model ladder on FineWeb-Edu, for a node of 8 GPUs: five sizes up to GPT-2 (124M), each to
-# 4 Chinchilla durations. Prepare the data once: python data.py fineweb-edu --name sample-10BT
+# 4 Chinchilla durations. Prepare the data once: python prepare_data.py fineweb-edu --name sample-10BT
 #   python ladder.py dry-run config/ladder_gpt2.py
 #   python ladder.py run-all config/ladder_gpt2.py     (each size starts torchrun with its planned GPUs)
 #   python ladder.py fit config/ladder_gpt2.py

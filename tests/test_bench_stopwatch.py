@@ -61,7 +61,7 @@ def test_stopwatch_on_train_py_counts_its_steps_and_matches_its_own_step_times(t
     timing = bench_gpu.read_stopwatch(str(record))
     assert timing["last_step"] - timing["first_step"] == 3 and timing["tokens"] == 3 * 128
     assert timing["seconds"] > 0
-    # train.py times each step from the end of the step before (callbacks.StepClock); on a CPU nothing runs
+    # train.py times each step from the end of the step before (metrics.StepClock); on a CPU nothing runs
     # ahead, so its steps 3 to 5 add up to the stopwatch's window. A window one step off would differ by a
     # whole step.
     own = {row["step"]: row["throughput/step_time_sec"] for row in read_metrics(out) if row["step"] in (3, 4, 5)}

@@ -255,7 +255,7 @@ def test_messages_name_the_right_thing(data_root, tmp_path, s3):
 
 @pytest.mark.parametrize("content", ["[1, 2]\n", "random", "folder", ""])
 def test_plotting_a_metrics_file_that_is_no_such_file_is_one_sentence(tmp_path, content):
-    import metrics
+    from tools import plot_metrics
     run = tmp_path / "run"
     run.mkdir()
     if content == "folder":
@@ -264,7 +264,7 @@ def test_plotting_a_metrics_file_that_is_no_such_file_is_one_sentence(tmp_path, 
         (run / "metrics.jsonl").write_bytes(bytes(range(128, 256)) * 4)
     else:
         (run / "metrics.jsonl").write_text(content)
-    assert_one_sentence(run_in_process(["plot", str(run)], metrics.main))
+    assert_one_sentence(run_in_process([str(run)], plot_metrics.main))
 
 
 def test_a_checkpoints_time_is_in_its_own_steps_row_the_last_one_included(data_root, tmp_path):

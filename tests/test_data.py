@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from data import EOT_TOKEN, DataError, TokenLoader, get_tokenizer
-from tools.prepare_data import play_to_text, prepare_text, write_shard, write_shards
+from prepare_data import play_to_text, prepare_text, write_shard, write_shards
 
 
 def make_dataset(tmp_path, n_train=1000, n_val=200, shards=2):
@@ -85,7 +85,7 @@ def test_loader_wraps_counts_epochs_and_restores_its_position(tmp_path):
 
 
 def test_missing_data_says_which_command_prepares_it(tmp_path):
-    with pytest.raises(DataError, match=r"python data.py fineweb-edu"):
+    with pytest.raises(DataError, match=r"python prepare_data.py fineweb-edu"):
         TokenLoader(str(tmp_path / "fineweb-edu"), "train", batch_size=2, block_size=8)
 
 
@@ -156,7 +156,7 @@ def test_interrupted_shard_writing_resumes_where_it_stopped(tmp_path):
 def test_fineweb_edu_streams_and_resumes_after_an_interruption(tmp_path, monkeypatch):
     import datasets
 
-    from tools import prepare_data
+    import prepare_data
 
     rows = [{"text": f"Educational web page number {i}. " * 30} for i in range(40)]
     local = tmp_path / "fineweb.jsonl"

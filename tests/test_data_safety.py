@@ -1,4 +1,4 @@
-"""Preparing data never destroys a user's files, and a refused `python data.py ...` changes nothing.
+"""Preparing data never destroys a user's files, and a refused `python prepare_data.py ...` changes nothing.
 
 A dataset folder is replaced whole when it is prepared again, so data.py (and train.py, which prepares
 the built-in datasets on first use) replaces only a folder it made itself; any other folder, a dataset
@@ -11,8 +11,7 @@ import os
 import numpy as np
 import pytest
 
-import data
-from tools import prepare_data
+import prepare_data
 from conftest import TINY, assert_one_sentence, run_in_process, run_train
 
 
@@ -33,12 +32,12 @@ def snapshot(root):
 
 
 def run_data(*args):
-    return run_in_process(args, data.main)
+    return run_in_process(args, prepare_data.main)
 
 
 @pytest.fixture
 def essays(tmp_path):
-    """A folder of the user's own writing, the input of `python data.py text`."""
+    """A folder of the user's own writing, the input of `python prepare_data.py text`."""
     folder = tmp_path / "essays"
     folder.mkdir()
     for i in range(3):
@@ -181,7 +180,7 @@ def test_a_users_empty_folder_keeps_its_permissions_when_a_dataset_is_prepared_i
     target = tmp_path / "mine"
     target.mkdir(mode=0o755)
     os.chmod(target, 0o755)
-    result = run_in_process(["text", str(tmp_path / "in.txt"), "--out_dir", str(target)], data.main)
+    result = run_in_process(["text", str(tmp_path / "in.txt"), "--out_dir", str(target)], prepare_data.main)
     assert result.returncode == 0, result.stderr
     umask = os.umask(0)
     os.umask(umask)

@@ -200,9 +200,9 @@ def test_your_own_folder_of_text_files_is_the_data(tmp_path, data_root):
         (texts / ("more" if i % 2 else "") / f"{source.stem}.txt").write_text(source.read_text(encoding="utf-8"))
     project = fork_of_the_project(tmp_path / "project")
     (project / "config" / "mine.py").write_text(
-        "# My own texts: `python data.py text my_texts --out_dir data/mine` prepared them.\n"
+        "# My own texts: `python prepare_data.py text my_texts --out_dir data/mine` prepared them.\n"
         'data.dataset = "mine"\n' + "".join(f"{setting(line)}\n" for line in TINY))
-    prepared = run(project, "data.py", "text", texts, "--out_dir", tmp_path / "data" / "mine")
+    prepared = run(project, "prepare_data.py", "text", texts, "--out_dir", tmp_path / "data" / "mine")
     assert "text: 40 documents" in prepared.stdout
     run_dir, _ = train_stop_resume(project, tmp_path, "config/mine.py", f"--data.data_root={tmp_path / 'data'}")
     assert metrics(run_dir)[-1]["val/loss"] < metrics(run_dir)[2]["val/loss"]  # it learns the texts

@@ -171,10 +171,10 @@ def test_a_notifier_that_cannot_post_is_a_warning_and_the_run_goes_on(data_root,
 
 @pytest.fixture(scope="module")
 def char_root(tmp_path_factory):
-    """The plays as characters, `python data.py shakespeare-char`, prepared once."""
-    import data
+    """The plays as characters, `python prepare_data.py shakespeare-char`, prepared once."""
+    import prepare_data
     root = tmp_path_factory.mktemp("char")
-    result = run_in_process(["shakespeare-char", "--out_dir", str(root / "shakespeare-char")], data.main)
+    result = run_in_process(["shakespeare-char", "--out_dir", str(root / "shakespeare-char")], prepare_data.main)
     assert "as 82 characters (model.vocab_size=82)" in result.stdout, result.stdout + result.stderr
     return root
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from callbacks import LossSpikeDetector
-from config import ConfigError, duration_to_steps, parse_step_ranges
+from config import ConfigError, duration_to_steps, parse_args, parse_step_ranges
 from conftest import ROOT, TINY, read_metrics, run_train
 from metrics import MetricRecorder
 from model import GPT, GPTConfig
@@ -32,7 +32,7 @@ def test_merge_rules_for_a_metric_recorded_twice_in_a_step(merge, expected):
     recorder = MetricRecorder("cpu")
     for value in (1.0, 2.0, 3.0):
         recorder.record_metric("x", torch.tensor(value), merge=merge)
-    recorder.end_step(1)
+    recorder.finish_step(1, collect=False)
     assert recorder.collect() == [(1, {"x": expected})]
 
 
@@ -42,14 +42,14 @@ def test_default_merge_warns_every_time_and_keeps_the_value_already_recorded():
     for value in (2.0, 3.0):
         with pytest.warns(UserWarning, match="recorded twice"):
             recorder.record_metric("x", value)
-    recorder.end_step(1)
+    recorder.finish_step(1, collect=False)
     assert recorder.collect() == [(1, {"x": 1.0})]
 
 
 def test_a_metric_recorded_with_another_reduce_type_is_an_error():
     recorder = MetricRecorder("cpu")
     recorder.record_metric("x", 1.0, reduce="sum")
-    recorder.end_step(1)
+    recorder.finish_step(1, collect=False)
     with pytest.raises(ValueError, match="must keep one reduce type"):
         recorder.record_metric("x", 1.0, reduce="max")
 
@@ -57,7 +57,7 @@ def test_a_metric_recorded_with_another_reduce_type_is_an_error():
 def test_large_counts_survive_collection_exactly():
     recorder = MetricRecorder("cpu")
     recorder.record_metric("tokens", 10_000_000_001)
-    recorder.end_step(1)
+    recorder.finish_step(1, collect=False)
     assert recorder.collect()[0][1]["tokens"] == 10_000_000_001
 
 
@@ -123,7 +123,7 @@ def test_monitors_write_their_metrics_snapshots_environment_and_profile(data_roo
 
 
 def test_extra_validation_sets_are_evaluated_at_interval_and_fixed_steps(data_root, tmp_path):
-    from tools.prepare_data import prepare_text
+    from prepare_data import prepare_text
 
     (tmp_path / "poem.txt").write_text("Shall I compare thee to a summer's day?\n" * 400)
     prepare_text(str(tmp_path / "root" / "sonnets"), [str(tmp_path / "poem.txt")], 10_000, 0.5, workers=1)
@@ -218,15 +218,15 @@ def test_step_ranges_parse_and_reject_nonsense():
 
 def test_loss_spike_is_flagged_against_the_recent_mean():
     detector = LossSpikeDetector(threshold=1.0)
-    assert not any(detector.is_spike(3.0 + 0.01 * i) for i in range(20))
-    assert detector.is_spike(4.5)
-    assert not detector.is_spike(3.2)
+    rows = [(i, {"train/loss": loss}) for i, loss in enumerate([3.0 + 0.01 * i for i in range(20)] + [4.5, 3.2])]
+    detector.flag(rows)
+    assert [step for step, values in rows if "train/loss_spike" in values] == [20]
 
 
 def test_plot_command_writes_non_empty_pngs(data_root, tmp_path):
     run_train(base(data_root, tmp_path / "a", "--train.max_steps=4", "--eval.interval=2"))
     run_train(base(data_root, tmp_path / "b", "--train.max_steps=4", "--eval.interval=2", "--optim.lr=1e-3"))
-    result = subprocess.run([sys.executable, "metrics.py", "plot", str(tmp_path / "a"), str(tmp_path / "b"),
+    result = subprocess.run([sys.executable, "tools/plot_metrics.py", str(tmp_path / "a"), str(tmp_path / "b"),
                              "--out", str(tmp_path / "plots")], cwd=ROOT, capture_output=True, text=True, check=True)
     png = tmp_path / "plots" / "loss_vs_step.png"
     assert str(png) in result.stdout
@@ -236,17 +236,22 @@ def test_plot_command_writes_non_empty_pngs(data_root, tmp_path):
 
 def test_garbage_collector_disables_automatic_gc_and_collects_every_n_steps(monkeypatch):
     import gc
+    from contextlib import ExitStack
+    from types import SimpleNamespace
 
-    from callbacks import GarbageCollector
+    from plan import make_plan
+    from step_extras import StepExtras
 
     collected_at = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected_at.append(generation))
-    with GarbageCollector(interval=3) as collector:
-        assert not gc.isenabled()
-        for step in range(1, 10):
-            collector.step(step)
-            if step % 3 == 0:
-                assert len(collected_at) == step // 3
-    assert gc.isenabled() and collected_at == [1, 1, 1]
-    GarbageCollector(interval=0).step(3)  # 0 leaves Python's automatic GC alone
-    assert gc.isenabled() and len(collected_at) == 3
+    for interval in (3, 0):  # 0 leaves Python's automatic GC alone
+        cfg = parse_args([f"--train.gc_interval={interval}", "--train.max_steps=9", "--optim.warmup_steps=1"])
+        plan = make_plan(cfg, 1, 10**6, 10**6)
+        run = SimpleNamespace(model=None, optimizer=None, autocast=None)
+        with ExitStack() as stack:
+            extras = StepExtras(cfg, plan, 1, compiled=False, is_master=True, stack=stack)
+            assert gc.isenabled() == (interval == 0)
+            assert extras.steps == ({3, 6, 9} if interval else set())  # the loop calls extras.step at these alone
+            for step in sorted(extras.steps):
+                extras.step(run, step, None, None, None, lambda *args, **kwargs: ({}, 0.0))
+        assert gc.isenabled() and collected_at == [1, 1, 1]

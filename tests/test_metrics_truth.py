@@ -1,5 +1,5 @@
 """The metrics say what is true: the ETA follows the steps' own times, the peak memory is never below the
-current, and `metrics.py plot` refuses a file for a folder and keeps runs whose folders share a name apart."""
+current, and `tools/plot_metrics.py` refuses a file for a folder and keeps runs whose folders share a name apart."""
 
 import json
 import time
@@ -98,7 +98,7 @@ def test_plot_refuses_an_existing_file_as_out_in_one_sentence(tmp_path):
     write_run(tmp_path / "run", [4.0, 3.0])
     taken = tmp_path / "notes.txt"
     taken.write_text("mine\n")
-    result = run_in_process(["plot", str(tmp_path / "run"), f"--out={taken}"], metrics.main)
+    result = run_in_process([str(tmp_path / "run"), f"--out={taken}"], plot_metrics.main)
     assert result.returncode == 1
     assert "Traceback" not in result.stderr and result.stderr.startswith("error: ") and str(taken) in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -125,8 +125,8 @@ def test_plot_draws_every_run_when_folders_share_a_name(tmp_path, monkeypatch):
         return savefig(fig, path, **kwargs)
 
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig", spy)
-    result = run_in_process(["plot", str(tmp_path / "ladders" / "adamw" / "2x32"),
-                             str(tmp_path / "ladders" / "muon" / "2x32"), f"--out={tmp_path / 'plots'}"], metrics.main)
+    result = run_in_process([str(tmp_path / "ladders" / "adamw" / "2x32"), str(tmp_path / "ladders" / "muon" / "2x32"),
+                             f"--out={tmp_path / 'plots'}"], plot_metrics.main)
     assert result.returncode == 0, result.stderr
     assert drawn["loss_vs_step.png"] == {"adamw/2x32 train/loss": [4.0, 3.0, 2.5],
                                          "muon/2x32 train/loss": [4.0, 2.8, 2.2]}

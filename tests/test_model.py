@@ -63,7 +63,7 @@ def test_flops_per_token_is_6n_plus_attention():
     c = model.config
     n = model.num_params(non_embedding=True) + c.n_embd * c.vocab_size
     assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
-    from callbacks import speed_metrics
+    from metrics import speed_metrics
 
     speed = speed_metrics(step_time=1.0, data_time=0.0, tokens_per_step=1000, block_size=c.block_size, tokens_seen=1000,
                           flops_per_token=model.flops_per_token(), world_size=1, peak_flops=1e12)

@@ -17,7 +17,7 @@ from config import ConfigError, parse_args
 import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train
 from data import DataError, TokenLoader
-from tools.prepare_data import prepare_text, write_shard
+from prepare_data import prepare_text, write_shard
 
 
 def args(data_root, out, *extra):
@@ -287,7 +287,8 @@ def test_12_13_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
 ])
 def test_13_bad_text_inputs_are_one_sentence_naming_file_and_line(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
-    result = warm_python.python(["data.py", "text", str(tmp_path / name), "--out_dir", str(tmp_path / "out")], ROOT)
+    result = warm_python.python(["prepare_data.py", "text", str(tmp_path / name), "--out_dir", str(tmp_path / "out")],
+                                ROOT)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
 

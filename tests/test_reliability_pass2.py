@@ -130,10 +130,10 @@ def test_18_the_flagships_plan_is_shown_before_its_data_is_downloaded(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "1 micro-step(s) x 8 rank(s) = 524,288 tokens per step" in result.stdout
-    assert "python data.py fineweb-edu --name sample-10BT" in result.stdout
+    assert "python prepare_data.py fineweb-edu --name sample-10BT" in result.stdout
     epochs = warm_python.python([ROOT / "train.py", "config/gpt2.py", f"--data.data_root={tmp_path}",
                                  "--train.max_duration=1epochs", "--dry_run"], ROOT)
-    assert epochs.returncode == 1 and "python data.py fineweb-edu --name sample-10BT" in epochs.stderr
+    assert epochs.returncode == 1 and "python prepare_data.py fineweb-edu --name sample-10BT" in epochs.stderr
 
 
 # ----------------------------------------------------------------------------- a lab run's needs: rewind, shared folder

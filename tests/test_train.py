@@ -62,7 +62,7 @@ def test_missing_dataset_names_the_command_that_prepares_it(tmp_path):
     result = run_train(TINY + [f"--data.data_root={tmp_path}", "--data.dataset=fineweb-edu",
                                f"--train.out_dir={tmp_path / 'out'}"], check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
-    assert "python data.py fineweb-edu" in result.stderr
+    assert "python prepare_data.py fineweb-edu" in result.stderr
 
 
 def test_no_checkpoints_and_no_evals_switch_them_off(data_root, tmp_path):
@@ -204,9 +204,11 @@ def test_train_step_never_waits_for_the_device_unless_nan_policy_skip(monkeypatc
 
 
 def test_the_loop_syncs_only_when_it_collects_metrics(data_root, tmp_path, monkeypatch):
-    """8 steps, metrics collected every 4: the metrics' two collections are the only copies to the host."""
+    """8 steps, metrics collected every 4 (and a console line every 4, which collects too): the metrics' two
+    collections are the only copies to the host."""
     syncs = SyncCounter(monkeypatch)
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=8",
-                      "--log.metrics_collect_interval=4", "--eval.interval=0", "--train.no_checkpoints=true"])
+                      "--log.metrics_collect_interval=4", "--log.interval=4", "--eval.interval=0",
+                      "--train.no_checkpoints=true"])
     assert syncs.calls == {"metrics.py": 2}, syncs.calls
     assert len(read_metrics(tmp_path)) == 8

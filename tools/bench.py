@@ -49,7 +49,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the projec
 sys.path.insert(0, ROOT)  # `python tools/bench.py` imports the project's modules
 
 from config import UserError, run_command  # noqa: E402 - after the line above
-from data import ensure_dataset  # noqa: E402
+from prepare_data import ensure_dataset  # noqa: E402
 
 SHAPE = dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch_size=12)
 UNTIMED_STEPS = 10  # the first steps warm up caches and allocators: their times are left out

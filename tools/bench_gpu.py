@@ -75,7 +75,8 @@ def prepare(anchor):
     """Everything a GPU machine without network needs: the Shakespeare shards, tiktoken's GPT-2 files in
     its cache layout (build-nanogpt calls tiktoken.get_encoding("gpt2"), which downloads them), a copy
     of build-nanogpt, and 1,000 real HellaSwag examples as jsonl."""
-    from data import ensure_dataset, gpt2_tokenizer_files
+    from data import gpt2_tokenizer_files
+    from prepare_data import ensure_dataset
 
     ensure_dataset(os.path.join(BENCH, "data", "shakespeare"))
     cache = os.path.join(BENCH, "tiktoken")

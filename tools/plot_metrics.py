@@ -1,4 +1,4 @@
-"""Curves of one or more runs: `python metrics.py plot RUN_DIR [RUN_DIR ...] [--out DIR]` runs this file's `main`.
+"""Curves of one or more runs: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
 
 One PNG per plot (loss, HellaSwag, tasks, LR, throughput) and x axis (step, tokens), every run overlaid, read
 from each run's metrics.jsonl (metrics.read_jsonl: a cut-off last line is dropped with a warning).
@@ -73,7 +73,6 @@ def plot_runs(run_dirs, out_dir):
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Plot the metrics of one or more runs.")
-    parser.add_argument("command", choices=["plot"])
     parser.add_argument("run_dirs", nargs="+", help="run folders holding metrics.jsonl")
     parser.add_argument("--out", help="where to write the PNGs (default: <first run>/plots)")
     args = parser.parse_args(argv)

@@ -11,11 +11,11 @@ import math
 import os
 import re
 
-from hellaswag_eval import TASKS
-from tools import scaling_law
+import scaling_law
 from checkpoint import is_complete_checkpoint
 from config import UserError
 from configurator.model import PARAMS
+from hellaswag_eval import TASKS
 
 
 # ----------------------------------------------------------------------------- reading what the runs wrote

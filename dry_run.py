@@ -6,20 +6,15 @@ duration is in epochs), the batch, the schedule, the optimizer's groups and the 
 """
 
 import os
-import sys
 import tempfile
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
-sys.path.insert(0, ROOT)
-
-from config import get, parse_duration, parse_mix  # noqa: E402 - after the line above
-from data import dataset_dir, dataset_ready, prepare_hint  # noqa: E402
-from model import choose_loss_path, gpt_class  # noqa: E402
-from optimizer import build_schedule, param_groups  # noqa: E402
-from plan import make_plan, resolve_batch_size  # noqa: E402
-from train import build_loaders, describe_run, is_compiled, shares_text  # noqa: E402
+from config import get, parse_duration, parse_mix
+from data import build_loaders, dataset_dir, dataset_ready, prepare_hint
+from model import choose_loss_path, gpt_class
+from optimizer import build_schedule, param_groups
+from plan import describe_run, is_compiled, make_plan, resolve_batch_size, shares_text
 
 
 def dry_run(cfg):
@@ -34,7 +29,10 @@ def dry_run(cfg):
                  if get(cfg, key) and parse_duration(get(cfg, key), key)[1] == "epochs"]
     sequences_per_epoch = None
     if not missing or in_epochs:
-        stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")  # a missing dataset here is one sentence
+        from prepare_data import ensure_dataset
+        for name, _ in mix + stage2_mix:  # a missing dataset here is one sentence (a built-in one is prepared)
+            ensure_dataset(dataset_dir(cfg.data.data_root, name))
+        stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")
         sequences_per_epoch = stage_loaders[0][1].num_sequences
     device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device_type = torch.device(device).type

