@@ -3,7 +3,8 @@
     python exercises/check.py 3                   # exercise 3: "passed" and exit status 0, or what differs and 1
     python exercises/check.py all                 # every exercise, in order, one line each
     python exercises/check.py 5 --data_root=DIR   # where the prepared Shakespeare data lives (default: data/)
-    python exercises/check.py 3 --hint            # the first hint; --hint=2 the next, --hint=3 the code
+    python exercises/check.py 3 --hint            # the first hint; --hint=2 the idea, --hint=3 the code
+    python exercises/check.py 3 --hint=3 --against=TEACHER  # (a student) the code, from the teacher's copy
     python exercises/check.py 3 --student=COPY    # (the teacher) grade the answers in a student's copy
     python exercises/check.py 3 --against=TEACHER # (a student) have the teacher's copy grade these answers
 
@@ -45,7 +46,20 @@ def check_of(number):
 
 
 def grade(number, folder=HERE, data_root=""):
-    """(passed, the line to print) for exercise `number`, its answers read from `folder`."""
+    """(passed, the line to print) for exercise `number`, its answers read from `folder`; refused when a grading
+    file (room.fingerprint) changed meanwhile, as an answer could make it where the platform lets it."""
+    from exercises.room import changed_file, fingerprint
+
+    before = fingerprint()
+    passed, line = grade_once(number, folder, data_root)
+    changed = changed_file(before, fingerprint())
+    if changed:  # whatever the answer printed, the grade cannot be trusted
+        return False, (f"exercise {number} cannot be graded: {changed} of the grading copy changed while the answer "
+                       f"ran; restore it (git checkout -- {changed}) and grade again.")
+    return passed, line
+
+
+def grade_once(number, folder, data_root):
     from exercises.checking import ExerciseFailed, NotDone
     from exercises.grading import Answers
 
@@ -83,17 +97,18 @@ def main(argv):
     parser.add_argument("exercise", choices=[str(n) for n in CHECKS] + ["all"], help="the exercise's number, or all")
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
-    parser.add_argument("--hint", type=int, nargs="?", const=1, default=0,
+    parser.add_argument("--hint", type=int, nargs="?", const=1, default=None,
                         help="print hint number HINT (1: where to look, 2: how, 3: the code) instead of checking")
     parser.add_argument("--student", default=None,
                         help="a student's copy of the project: grade its answer files with this copy's checks")
     parser.add_argument("--against", default=None,
                         help="the teacher's untouched copy of the project: it grades this copy's answers")
     args = parser.parse_args(argv)
-    if args.hint:
+    if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
         if args.exercise == "all":
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")
-        return print_hint(int(args.exercise), args.hint)
+        if args.against is None or args.hint != 3:
+            return print_hint(int(args.exercise), args.hint)
     if args.against is not None:
         return hand_to_teacher(args)
     folder = HERE
@@ -149,7 +164,8 @@ def hand_to_teacher(args):
     if not (teacher / "exercises" / "check.py").is_file():
         return refuse(f"--against={args.against} holds no exercises/check.py; give the folder of the teacher's "
                       f"untouched copy of the project.")
-    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise, f"--student={HERE.parent}"]
+    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise]
+    command += [f"--hint={args.hint}"] if args.hint is not None else [f"--student={HERE.parent}"]
     if args.data_root:
         command.append(f"--data_root={args.data_root}")
     return subprocess.run(command).returncode

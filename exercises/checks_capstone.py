@@ -200,7 +200,7 @@ def check_capstone(answers, data_root="", steps=12, quick_start=True):
     reference = GPT(GPTConfig(**shape), loss_path="full").eval()
     compare_weights(mine["weights"], reference)
     compare_gpt(mine, reference, inputs)
-    running = answers.start(training_answers, (str(data_root), steps, quick_start))
+    running = answers.start(training_answers, (answers.data_root(data_root), steps, quick_start))
     with tempfile.TemporaryDirectory() as out:
         want = [row["train/loss"] for row in run_training(training_args(data_root, steps, quick_start, out))]
     curve = running.result()

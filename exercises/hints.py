@@ -1,9 +1,10 @@
 """The hints of every exercise, printed one level at a time by `python exercises/check.py N --hint[=LEVEL]`.
 
-Level 1 says where to look, level 2 how to go about it, level 3 is the code, for a student who gives up:
-the reference answer's functions, read (never run) from the project's answer file, or, in a student's
-copy, from exercises/solutions/ (make_student_copy.py puts the project's answer files there). The
-exercise files themselves hold only the goal and the signatures, so a student reads a hint only by
+Level 1 says where to look, level 2 the idea (without the code or its exact constants), level 3 is the
+code, for a student who gives up: the reference answer's functions, read (never run) from the project's
+answer file. A student's copy holds no reference (make_student_copy.py blanks the answers and copies no
+solutions), so there level 3 comes from the teacher's copy (`check.py N --hint=3 --against=TEACHER`).
+The exercise files themselves hold only the goal and the signatures, so a student reads a hint only by
 asking for it.
 """
 
@@ -119,13 +120,13 @@ HINTS = {
 
 
 def reference_file(number):
-    """The reference answers of exercise `number`: exercises/solutions/ in a student's copy, else the project's
-    own answer file."""
-    for folder in (HERE / "solutions", HERE):
-        found = sorted(folder.glob(f"{number:02d}_*.py"))
-        if found:
-            return found[0]
-    raise ValueError(f"this copy holds no answer file of exercise {number}.")
+    """The reference answers of exercise `number`: the project's own answer file. A student's copy holds none
+    (make_student_copy.py blanks them), so there level 3 is asked of the teacher's copy."""
+    found = sorted(HERE.glob(f"{number:02d}_*.py"))
+    if not found or f"NotImplementedError('exercise {number}: write" in found[0].read_text(encoding="utf-8"):
+        raise ValueError(f"this copy holds no reference answer of exercise {number} (a student's copy holds none); "
+                         f"ask the teacher's copy: check.py {number} --hint=3 --against=TEACHER.")
+    return found[0]
 
 
 def reference_code(number):
