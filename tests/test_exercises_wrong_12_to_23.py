@@ -64,14 +64,14 @@ def summed_over_the_ranks(model, world_size):
         dist.all_reduce(p.grad)
 
 
-def attention_of_unscaled_scores(q, k, v, allowed=None):
+def attention_of_unscaled_scores(q, k, v, allowed=None, dropout=0.0):
     Tq, Tk = q.size(-2), k.size(-2)
     if allowed is None:
         allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
     return (q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-def attention_blind_to_the_cache(q, k, v, allowed=None):  # a square's mask: the new queries see the first keys
+def attention_blind_to_the_cache(q, k, v, allowed=None, dropout=0.0):  # a square's mask: the new queries see the first keys
     if allowed is None:
         allowed = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
@@ -91,6 +91,23 @@ def hidden_states_from_position_0(self, idx, kv_cache=None, pos=None, attn_mask=
     for block in self.transformer.h:
         x = block(x, kv_cache, attn_mask)
     return self.transformer.ln_f(x)
+
+
+def hidden_states_blind_to_packed_rows(self, idx, kv_cache=None, pos=None, attn_mask=None):
+    x = self.transformer.drop(parts.embed(self, idx, 0 if kv_cache is None else kv_cache.length))
+    for block in self.transformer.h:  # pos and attn_mask never used: hellaswag_eval.py's packed rows go wrong
+        x = block(x, kv_cache)
+    return self.transformer.ln_f(x)
+
+
+def attention_forward_without_its_dropout(self, x, kv_cache=None, attn_mask=None):
+    B, T, C = x.size()
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+    if kv_cache is not None:
+        k, v = kv_cache.append(k, v)
+    y = attention(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, C)  # no dropout on the weights
+    return self.resid_dropout(self.c_proj(y))
 
 
 def bf16_modules_with_the_layernorms(gpt):
@@ -255,6 +272,8 @@ WRONG = [
     (16, {"attention": attention_blind_to_the_cache}, "tril(diagonal=Tk - Tq)"),
     (16, {"Block.__init__": block_built_attention_first}, "create the modules in model.py's order"),
     (16, {"GPT.hidden_states": hidden_states_from_position_0}, "start the positions at kv_cache.length"),
+    (16, {"GPT.hidden_states": hidden_states_blind_to_packed_rows}, "embed each token at its given `pos`"),
+    (16, {"CausalSelfAttention.forward": attention_forward_without_its_dropout}, "the attention weights"),
     (17, {"bf16_modules": bf16_modules_with_the_layernorms}, "keeps normalisations in float32"),
     (17, {"bf16_step": bf16_step_without_the_upcast}, "upcast the logits to float32"),
     (17, {"bf16_step": bf16_step_without_autocast}, "run the forward under torch.autocast"),
@@ -276,6 +295,14 @@ WRONG = [
     (23, {"rewind_step": rewind_to_the_checkpoint_before_the_spike}, "holds step 40's update, which made the spike"),
 ]
 CODE = [  # wrong answers that are not one function
+    # the answer's process patches the check's helper so that train.py's run logs no loss (issue 49, hole 3)
+    (16, "import exercises.checks_capstone as _check\n_check.run_training = lambda args: []\n",
+     "your run logged 0 losses where model.py's logs 6"),
+    # ... or trains model.py's GPT instead of the answer's, which has no dropout on its attention weights
+    (16, "import exercises.checks_capstone as _check\n_train = _check.run_training\n"
+         "_check.run_training = lambda args: _train([a for a in args if 'model_module' not in a])\n"
+         "_attention = attention\nattention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
+     "the attention weights"),
     (21, "KVCache.length = property(lambda self: 0)  # a cache that never says how far it got\n",
      "your cache's length is 0 where sample.py's says 3"),
 ]
