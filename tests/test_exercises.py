@@ -299,7 +299,7 @@ def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(
     (tmp_path / "exercises" / "checks_step.py").write_text("def check_schedule(answers): ...\n")
     monkeypatch.setattr(exercises.room, "ROOT", tmp_path)
 
-    def tampering(number, folder, data_root):
+    def tampering(number, folder, data_root, seed):
         with open(tmp_path / "exercises" / "checks_step.py", "a") as f:
             f.write("def check_schedule(answers): return 'passed'\n")
         return True, "exercise 1 passed: anything."

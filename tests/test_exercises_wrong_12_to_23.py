@@ -250,6 +250,20 @@ def suggest_from_the_raw_losses(lrs, losses):
     return lrs[losses.index(min(losses))] / 10
 
 
+def suggest_without_stopping(lrs, losses):
+    average, best, best_lr = 0.0, float("inf"), lrs[0]
+    for i, (lr, loss) in enumerate(zip(lrs, losses), 1):  # reads on past the divergence
+        average = 0.9 * average + 0.1 * loss
+        if average / (1 - 0.9 ** i) < best:
+            best, best_lr = average / (1 - 0.9 ** i), lr
+    return best_lr / 10
+
+
+def spikes_after_the_first_jump(losses, threshold, window=50):
+    jumps = [step for step in range(11, len(losses) + 1) if losses[step - 1] > losses[step - 2] + threshold]
+    return list(range(jumps[0], len(losses) + 1)) if jumps else []
+
+
 def spikes_against_the_previous_loss(losses, threshold, window=50):
     return [step for step in range(2, len(losses) + 1) if losses[step - 1] > losses[step - 2] + threshold]
 
@@ -291,8 +305,10 @@ WRONG = [
     (21, {"generate": generate_past_block_size}, "> block_size"),
     (22, {"suggest_lr": suggest_the_minimum_itself, "_suggest": suggest}, "suggest a tenth of it"),
     (22, {"suggest_lr": suggest_from_the_raw_losses}, "smooth the losses first"),
-    (23, {"find_spikes": spikes_against_the_previous_loss}, "above the mean of the previous `window` losses"),
-    (23, {"rewind_step": rewind_to_the_checkpoint_before_the_spike}, "holds step 40's update, which made the spike"),
+    (22, {"suggest_lr": suggest_without_stopping}, "stop reading once the smoothed loss exceeds 4 times"),
+    (23, {"find_spikes": spikes_after_the_first_jump}, "each step is judged on its own"),
+    (23, {"find_spikes": spikes_against_the_previous_loss}, "above the mean of the previous `window` finite"),
+    (23, {"rewind_step": rewind_to_the_checkpoint_before_the_spike}, "holds step 40's update, which may have made"),
 ]
 CODE = [  # wrong answers that are not one function
     # the answer's process patches the check's helper so that train.py's run logs no loss (issue 49, hole 3)
@@ -320,3 +336,25 @@ def test_a_wrong_answer_fails_in_one_sentence_that_fits_the_mistake(number, wron
 def test_a_wrong_answer_of_several_lines_fails_in_one_sentence_that_fits_the_mistake(number, code, words, data_root,
                                                                                      tmp_path):
     failed_with(number, answer_folder(tmp_path, number, code=code), words, data_root)
+
+
+# Answers that read the one case a fixed check used to give (issue 49, hole 4): each fails on at least 9 of 10
+# gradings, and a failure names its seed, which draws the same cases, and the same sentence, again.
+HARD_CODED = [
+    (22, "def suggest_lr(lrs, losses):\n    return lrs[42] / 10\n"),
+    (23, "def find_spikes(losses, threshold, window=50):\n    return list(range(41, 61))\n"),
+    (23, "def rewind_step(spike_step, checkpoint_steps):\n    return 38\n"),
+]
+
+
+def test_hard_coded_answers_fail_on_nine_gradings_of_ten_and_a_seed_replays_the_failure(data_root, tmp_path):
+    from exercises.check import grade
+
+    for i, (number, code) in enumerate(HARD_CODED):
+        (tmp_path / str(i)).mkdir()
+        folder = answer_folder(tmp_path / str(i), number, code=code)
+        lines = [grade(number, folder, data_root, seed)[1] for seed in range(10)]
+        assert sum(line.startswith(f"exercise {number} failed") for line in lines) >= 9, lines
+        failing = next(seed for seed, line in enumerate(lines) if "failed" in line)
+        assert f"--seed={failing} draws these cases again" in lines[failing]
+        assert grade(number, folder, data_root, failing)[1] == lines[failing]
