@@ -204,10 +204,11 @@ def compare_spikes(cases, found):
         previous = [loss for loss in losses[:step - 1] if loss == loss][-window:]
         flags = step in flagged
         what = "the real run" if number == 1 else f"curve {number} of {len(cases)}"
+        mean = sum(previous) / len(previous)
         raise ExerciseFailed(f"in {what} (threshold {threshold:g}, window {window}) the trainer "
                              f"{'flags' if flags else 'does not flag'} step {step} (loss {losses[step - 1]:.4g}, the "
-                             f"mean of the {len(previous)} finite losses before it {sum(previous) / len(previous):.4g}) "
-                             f"and your find_spikes {'does not' if flags else 'does'}: a spike is a loss above the mean "
+                             f"mean of the {len(previous)} finite losses before it {mean:.4g}) and your find_spikes "
+                             f"{'does not' if flags else 'does'}: a spike is a loss above the mean "
                              f"of the previous `window` finite losses (not counting itself) plus the threshold, once "
                              f"at least 10 are there; each step is judged on its own.")
 

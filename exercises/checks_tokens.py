@@ -63,7 +63,8 @@ def check_bpe(answers):
 
     _, encoder = gpt2_files()
     enc = get_tokenizer()
-    pieces = regex.findall(r50k_pat_str, shakespeare(20_000, random.Random(random.getrandbits(64))))[:500] + [" unsubstantiated", " 1234567"]
+    text = shakespeare(20_000, random.Random(random.getrandbits(64)))
+    pieces = regex.findall(r50k_pat_str, text)[:500] + [" unsubstantiated", " 1234567"]
     for piece, mine in zip(pieces, answers.run(bpe_answers, pieces)):
         want = enc.encode_ordinary(piece)
         ids = [encoder.get(p) if isinstance(p, str) else None for p in mine] if isinstance(mine, list) else mine
