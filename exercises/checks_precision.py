@@ -96,7 +96,7 @@ def dtype_advice(name, module_kind, says_bf16):
 
 
 def check_autocast(answers):
-    # A loss computed in bfloat16 is a multiple of 2^-5 between 4 and 8 (the drawn vocabularies give 4.9 to 6.2): on about 1 seed in 60 it falls within the loss's
+    # A loss computed in bfloat16 is a multiple of 2^-5 between 4 and 8 (the vocabularies drawn give 4.9 to 6.2):
     # tolerance (5e-5) of train.py's by chance, and a step that forgets the upcast would pass it. Such seeds are
     # drawn again, so that the bfloat16 loss is always 4 times the tolerance away.
     rng = random.Random(random.getrandbits(64))
