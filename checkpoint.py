@@ -25,6 +25,7 @@ around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
 """
 
 import argparse
+import ast
 import dataclasses
 import hashlib
 import io
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import UserError, config_from_dict, keys_with_role, run_command
+from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
 from model import gpt_class
 
 MARKER = "COMPLETE"
@@ -376,6 +377,9 @@ class TrainState:
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
     # {dataset name: data.fingerprint}: what the run trains on, by content (a resume on other data is refused)
     data_fingerprint: dict = field(default_factory=dict)
+    # {file: hash} of the model's source (model_code): what the run trains with, by content (a resume with other
+    # code that fits the weights is told so); a resume sets it to the code it runs now
+    model_code: dict = field(default_factory=dict)
 
     def advance(self, tokens, loader):
         self.step, self.tokens, self.data = self.step + 1, self.tokens + tokens, loader.state_dict()
@@ -386,17 +390,60 @@ class TrainState:
 
     def to_dict(self):
         return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data,
-                "nonfinite_skipped": self.nonfinite_skipped, "data_fingerprint": self.data_fingerprint}
+                "nonfinite_skipped": self.nonfinite_skipped, "data_fingerprint": self.data_fingerprint,
+                "model_code": self.model_code}
 
     @classmethod
     def from_dict(cls, saved):
         return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"],
-                   saved["data_fingerprint"])
+                   saved["data_fingerprint"], saved.get("model_code", {}))  # (none in checkpoints from before it)
 
 
 def read_trainer_state(path):
-    """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU."""
-    return torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU. Its config
+    has every field of this version: one added since the checkpoint was saved takes its default (config.py)."""
+    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    trainer["config"] = with_defaults(trainer["config"])
+    return trainer
+
+
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
+
+
+def model_code(model_module):
+    """{file: hash of its code} for the model's source: model.py (GPTConfig, and the GPT unless train.model_module
+    names a file of your own) and that file. The hash is of the parsed code without docstrings, so an edit to a
+    comment, a docstring or the layout is no change; one that changes what the model computes is, even with the
+    same weights (QK-norm, a soft cap on the logits)."""
+    files = {"model.py": MODEL_FILE}
+    if model_module != "model":
+        files[os.path.realpath(model_module)] = model_module
+    return {name: code_hash(path) for name, path in files.items()}
+
+
+def code_hash(path):
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):  # a docstring, as a comment, says what the code does and changes nothing it does
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def code_change_note(saved_code, model_module, path):
+    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its
+    weights fit (check_weights_fit said so first): the run goes on with the code as it is now, which may compute
+    another function of the same weights. "" when it is the same, or the checkpoint kept no hash (older runs)."""
+    if not saved_code:
+        return ""
+    now = model_code(model_module)
+    changed = [name for name in {**saved_code, **now} if saved_code.get(name) != now.get(name)]
+    if not changed:
+        return ""
+    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its weights fit, so the run "
+            f"goes on with the code as it is now")
 
 
 def to_cpu(obj):

@@ -359,19 +359,21 @@ def check_fsdp(cfg):
 
 def validate(cfg):
     """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
-    own section declares its checks the same way), formats."""
+    own section declares its checks the same way), the model's checks across its fields (GPTConfig.checks), formats."""
     for key in all_keys(cfg):
         value, choices = get(cfg, key), literal_choices(field_type(cfg, key))
         wanted = field_metadata(cfg, key).get("check")
         if choices and value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}; pick one of those.")
+        if value is None:  # a field typed `int | None`, at None: there is no number to check
+            continue
         numbers = value if isinstance(value, list) else [value]
         infinite = any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
         if wanted and (infinite or not CHECKS[wanted](value)):
             raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
-    if cfg.model.n_embd % cfg.model.n_head:
-        raise ConfigError(f"model.n_embd={cfg.model.n_embd} is not divisible by model.n_head={cfg.model.n_head}; "
-                          f"every head gets n_embd / n_head dimensions, so pick values that divide.")
+    for holds, sentence in cfg.model.checks():  # checks across the model's fields, declared beside them (model.py)
+        if not holds:
+            raise ConfigError(sentence)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the floor of the "
                           f"schedule must not exceed its peak.")
@@ -538,13 +540,24 @@ def unknown_key_error(cfg, key, where):
     return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
 
 
-def parse_value(text, type_, key):
-    """Convert a command-line string to the field's type; `none` is accepted where None is."""
+def without_none(type_):
+    """(the type, whether None is allowed): `int | None` -> (int, True), `int` -> (int, False). A field a fork adds
+    as `n_kv_head: int | None = None` takes None (its default: "as before") and ints."""
     args = typing.get_args(type_)
     if typing.get_origin(type_) in (typing.Union, types.UnionType) and type(None) in args:
-        if text.lower() in ("none", "null", ""):
-            return None
-        type_ = next(a for a in args if a is not type(None))
+        return next(a for a in args if a is not type(None)), True
+    return type_, False
+
+
+def type_name(type_, optional=False):
+    return getattr(type_, "__name__", str(type_)) + " or None" * optional
+
+
+def parse_value(text, type_, key):
+    """Convert a command-line string to the field's type; `none` (any case) is accepted where None is."""
+    type_, optional = without_none(type_)
+    if optional and text.lower() in ("none", "null", ""):
+        return None
     try:
         if type_ is bool:
             if text.lower() not in TRUE_WORDS | FALSE_WORDS:
@@ -559,11 +572,14 @@ def parse_value(text, type_, key):
             return [parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
         return text  # str and Literal words (validate() checks the words)
     except ValueError:
-        raise ConfigError(f"{key}={text!r} is not a valid {getattr(type_, '__name__', type_)}.") from None
+        raise ConfigError(f"{key}={text!r} is not a valid {type_name(type_, optional)}.") from None
 
 
 def check_value(key, value, type_):
     """Values set by config files are Python objects: check them against the field's type."""
+    type_, optional = without_none(type_)
+    if optional and value is None:
+        return None
     if literal_choices(type_):
         type_ = str
     if type_ is str and key in DURATION_FIELDS and isinstance(value, int) and not isinstance(value, bool):
@@ -578,7 +594,7 @@ def check_value(key, value, type_):
             return list(value)
         raise ConfigError(f"{key} must be a list of {item_type.__name__}, got {value!r}.")
     if type(value) is not type_:
-        raise ConfigError(f"{key} must be a {type_.__name__}, got {value!r}.")
+        raise ConfigError(f"{key} must be a {type_name(type_, optional)}, got {value!r}.")
     return value
 
 
@@ -736,6 +752,14 @@ def as_override(key, value):
 
 def config_to_dict(cfg):
     return dataclasses.asdict(cfg)
+
+
+def with_defaults(saved):
+    """A config a run saved (config_to_dict: trainer.pt, config.json) with every field of this version: one added
+    since it was saved takes its default, which is the model (or run) as it was then (model.py's GPTConfig says so),
+    so a checkpoint from before a new field resumes. A field this version lacks stays, as it was saved."""
+    defaults = config_to_dict(Config())
+    return {name: {**defaults.get(name, {}), **saved.get(name, {})} for name in {**defaults, **saved}}
 
 
 def config_from_dict(data):

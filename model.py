@@ -35,6 +35,19 @@ class GPTConfig:
     dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False, "check": "in [0, 1)"})
     # biases in Linear and LayerNorm layers, as in GPT-2
     bias: bool = field(default=True, metadata={"role": "identity", "ladder": False})
+    # A field you add resumes the runs saved before it: their checkpoints lack the key, which then takes its default.
+    # So the default is the model as it was (`n_kv_head: int | None = None`: as many as n_head; `qk_norm = False`).
+
+    def checks(self):
+        """Checks across fields, as (whether it holds, the sentence that says what to do when it does not). config.py
+        refuses a run with the first that fails, before anything is written; each field's own range is checked
+        before these run (so n_head is at least 1 here). A field you add that must agree with others adds its check
+        here, e.g. `(self.n_head % self.n_kv_head == 0, f"model.n_head={self.n_head} is not divisible by ...")`."""
+        return [
+            (self.n_embd % self.n_head == 0,
+             f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; every head gets n_embd / "
+             f"n_head dimensions, so pick values that divide."),
+        ]
 
 
 class CausalSelfAttention(nn.Module):

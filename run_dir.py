@@ -27,9 +27,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, find_checkpoints,
-                        find_start_checkpoint, newest_valid_checkpoint, read_trainer_state, verify_checkpoint)
-from config import as_override, keys_with_role, parse_duration, parse_mix
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, code_change_note,
+                        find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_trainer_state,
+                        verify_checkpoint)
+from config import as_override, keys_with_role, parse_duration, parse_mix, with_defaults
 from metrics import truncate_jsonl
 
 LOCK = ".lock"
@@ -114,7 +115,9 @@ def pid_alive(pid):
 
 def identity(config_dict):
     """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
-    stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture."""
+    stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field the config was
+    saved without (added since) is at its default."""
+    config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
     if str(values["train.model_module"]).endswith(".py"):  # one file, by a relative path or an absolute one
         values["train.model_module"] = os.path.realpath(values["train.model_module"])
@@ -127,8 +130,8 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs."""
-    changes = {}
+    """{'section.field': (old, new)} for every field that differs (a field one was saved without: its default)."""
+    old, new, changes = with_defaults(old), with_defaults(new), {}
     for section in sorted(set(old) | set(new)):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
             a, b = old.get(section, {}).get(name), new.get(section, {}).get(name)
@@ -274,7 +277,10 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
             check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, or leave it "
                                            "empty to train from scratch.")
-    return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note])
+    # Weights that fit may still meet other code (QK-norm adds none): said, and the run goes on.
+    saved_code = read_trainer_state(path).get("model_code") if resuming or ours else None
+    changed_code = code_change_note(saved_code, run_config["train"]["model_module"], path)
+    return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note, changed_code])
 
 
 def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg):

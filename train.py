@@ -33,8 +33,9 @@ from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notif
                        make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
-                        load_checkpoint, newest_checkpoint, read_trainer_state)
-from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
+                        load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
+from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
+                    with_defaults)
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
@@ -652,7 +653,7 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
         state.best_val_loss = state.best_val_loss.to(procs.device)
         stages.resume_at(state.step, state.data)  # the data position is global: any world size works
         check_start_step(cfg, start, state, plan, fingerprints)
-    state.data_fingerprint = fingerprints
+    state.data_fingerprint, state.model_code = fingerprints, model_code(cfg.train.model_module)
     replaced = []
     if procs.world_size > 1:
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
@@ -782,7 +783,7 @@ def use_load_path_shape(cfg, default_config):
     if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
         import remote
         bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        saved = bucket_config if bucket_steps else None
+        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
     if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
         use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
                          default_config)
