@@ -345,6 +345,16 @@ def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code
     assert_one_sentence(hint(3, 0), "exercise 3 has 3 hints; ask for 1 to 3")  # refused, not a whole check
 
 
+def test_a_second_hint_gives_the_idea_without_the_code_or_its_constants():
+    from exercises.hints import HINTS
+
+    # what the second hints of issue 49 gave away: 23's only insight, 18's byte ranges, 20's and 22's algorithms
+    given_away = {18: ["chr(256", "¡ to ¬", "\\p{L}"], 20: ["except the last's", "detached"],
+                  22: ["4 times", "a tenth"], 23: ["n - 2", "n - 1's weights"]}
+    for number, words in given_away.items():
+        assert not [word for word in words if word in HINTS[number][1]], number
+
+
 def test_the_trainer_trains_the_capstone_gpt_named_by_train_model_module(data_root, tmp_path):
     """The switch a student uses: `--train.model_module=exercises/16_gpt.py` loads that file's GPT (no patching)."""
     common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=3", "--eval.interval=0",
