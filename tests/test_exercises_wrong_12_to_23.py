@@ -212,6 +212,23 @@ def ddp_all_in_no_sync(model, micro_batches):
     return ddp(model, micro_batches, sync="never")
 
 
+def ddp_all_in_no_sync_reduced_by_hand(model, micro_batches):  # DDP's all-reduce skipped, then done by hand
+    total = ddp(model, micro_batches, sync="never")
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    return total
+
+
+def generate_counted_by_the_cache_tokens_from_a_recompute(model, idx, max_new_tokens, temperature=1.0, top_k=None,
+                                                          generator=None):
+    import sample  # a cached generate run for the counter alone, its tokens thrown away
+
+    sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=None)
+    model.transformer.wte._forward_pre_hooks.clear()  # the counter of issue 49 (a hook on wte) sees no more
+    return generate_without_a_cache(model, idx, max_new_tokens, temperature, top_k, generator)
+
+
 def ddp_divided_by_the_ranks_too(model, micro_batches):
     return ddp(model, micro_batches, ranks_too=True)
 
@@ -311,8 +328,11 @@ WRONG = [
     (20, {"accumulate_with_ddp": ddp_without_no_sync, "_ddp": ddp}, "every micro-step but the last inside"),
     (20, {"accumulate_with_ddp": ddp_all_in_no_sync, "_ddp": ddp}, "no all-reduce ran"),
     (20, {"accumulate_with_ddp": ddp_divided_by_the_ranks_too, "_ddp": ddp}, "DDP already averages over the ranks"),
+    (20, {"accumulate_with_ddp": ddp_all_in_no_sync_reduced_by_hand, "_ddp": ddp}, "DDP itself all-reduced nothing"),
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),
+    (21, {"generate": generate_counted_by_the_cache_tokens_from_a_recompute,
+          "_generate_without_a_cache": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (22, {"suggest_lr": suggest_the_minimum_itself, "_suggest": suggest}, "suggest a tenth of it"),
     (22, {"suggest_lr": suggest_from_the_raw_losses}, "smooth the losses first"),
     (22, {"suggest_lr": suggest_without_stopping}, "stop reading once the smoothed loss exceeds 4 times"),
