@@ -82,7 +82,7 @@ def grade_once(number, folder, data_root, seed):
     except NotDone as missing:
         return False, f"exercise {number} is not done yet: {missing}"
     except ExerciseFailed as failure:
-        return False, f"exercise {number} failed: {failure} (--seed={seed} draws these cases again)"
+        return False, f"exercise {number} failed (--seed={seed} draws these cases again): {failure}"
     except Exception as error:  # noqa: BLE001 - the check itself stopped: still one sentence, naming where
         return False, f"exercise {number} {stopped(error)}"
     return True, f"exercise {number} passed: {summary}"

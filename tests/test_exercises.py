@@ -140,7 +140,8 @@ def test_nothing_of_the_students_copy_but_its_answer_files_takes_part_in_grading
     assert teacher_grades(10, copy).stdout.startswith("exercise 10 passed")
     (copy / "exercises" / "01_schedule.py").write_text("def lr_at(schedule, n):\n    return schedule.lr\n")
     failed = teacher_grades(1, copy)
-    assert failed.returncode == 1 and failed.stdout.startswith("exercise 1 failed: lr_at(step ")
+    assert failed.returncode == 1 and failed.stdout.startswith("exercise 1 failed (--seed=")
+    assert "draws these cases again): lr_at(step " in failed.stdout
 
 
 def test_a_copy_whose_check_py_says_passed_still_fails_under_the_teachers_grading(tmp_path):
