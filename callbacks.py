@@ -29,7 +29,7 @@ from contextlib import nullcontext
 
 import torch
 
-from config import UserError
+from config import CHECKS, ConfigError, UserError, redact_argv
 from plan import Every
 
 # ----------------------------------------------------------------------------- speed
@@ -142,25 +142,47 @@ class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
 
 
+def nonfinite_stop(what, out_dir, skip=True):
+    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on that holds for this run: resume from
+    its last checkpoint, or start again when it has none (a resume from nothing is no advice). `skip`: also offer
+    train.nan_policy=skip (a run that skips already has its limit instead)."""
+    from checkpoint import newest_checkpoint
+
+    last = newest_checkpoint(out_dir) if out_dir else None
+    restart = f"resume from its last checkpoint, {os.path.basename(last)}," if last else \
+        "start again (the run has no checkpoint to resume)"
+    then = ", or set train.nan_policy=skip to skip such steps" if skip else \
+        " (train.nan_skip_limit sets how many in a row)"
+    return NonFiniteLoss(f"{what}; {restart} with a lower optim.lr{then}.")
+
+
 def nonfinite_message(step, values):
-    """The sentence for a NaN/Inf train/loss or train/grad_norm among host `values`, else None."""
+    """What is non-finite among host `values` (train/loss, train/grad_norm) and at which step, else None."""
     for name in ("train/loss", "train/grad_norm"):
         if name in values and not math.isfinite(values[name]):
-            return (f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it; resume from "
-                    f"the last checkpoint (or, with none yet, start again) with a lower optim.lr, or set "
-                    f"train.nan_policy=skip to skip such steps.")
+            return f"{name} is {values[name]} at step {step}, so no checkpoint was saved after it"
     return None
 
 
-def check_finite(step, values):
-    """train.nan_policy=stop: never keep training on garbage. `values` may be device tensors: one host
-    sync for all of them, so the loop calls this only when something is about to read the weights."""
+def host_values(values):
+    """train/loss and train/grad_norm of `values` (which may be device tensors) on the host: one sync for both."""
     names = [name for name in ("train/loss", "train/grad_norm") if name in values]
-    if names:
-        host = torch.stack([torch.as_tensor(values[name]).float().reshape(()) for name in names]).tolist()
-        message = nonfinite_message(step, dict(zip(names, host)))
-        if message:
-            raise NonFiniteLoss(message)
+    if not names:
+        return {}
+    return dict(zip(names, torch.stack([torch.as_tensor(values[name]).float().reshape(()) for name in names]).tolist()))
+
+
+def all_finite(values):
+    """Whether the step's train/loss and train/grad_norm are finite: one host sync, so the loop asks only when
+    something is about to read the weights (train.nan_policy=stop never keeps training on garbage)."""
+    return nonfinite_message(0, host_values(values)) is None
+
+
+def check_finite(step, values, out_dir=None):
+    """NonFiniteLoss, naming `step`, if the step's train/loss or train/grad_norm is not finite."""
+    message = nonfinite_message(step, host_values(values))
+    if message:
+        raise nonfinite_stop(message, out_dir)
 
 
 # ----------------------------------------------------------------------------- system
@@ -236,7 +258,7 @@ def save_environment(out_dir, world_size):
     env = {
         "git_commit": git("rev-parse", "HEAD"),
         "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "command": sys.argv,
+        "command": redact_argv(sys.argv),  # a secret on the command line (log.slack_webhook) is "***"
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
@@ -298,10 +320,16 @@ class Notifier:
     A context manager: entered as the loop is about to start; on leaving, it posts `outcome`, or the error."""
 
     def __init__(self, url, name, is_master):
-        self.url = (url or os.environ.get("SLACK_WEBHOOK_URL", "")) if is_master else ""
+        url = url or os.environ.get("SLACK_WEBHOOK_URL", "")  # (log.slack_webhook is checked with the config)
+        webhook = "an http:// or https:// URL, or empty"  # the setting's own check (config.py)
+        if not CHECKS[webhook](url):  # on every rank, so that all stop
+            raise ConfigError(f"the SLACK_WEBHOOK_URL environment variable must be {webhook} (its value is not shown: "
+                              f"a secret); set it to the webhook's https:// URL, or unset it.")
+        self.url = url if is_master else ""
         self.name, self.outcome = name, "ended"
 
-    def post(self, text):
+    def post(self, text, ending=False):
+        """Post `text`; `ending`: the run's last message (a failure is then not followed by "training goes on")."""
         if not self.url:
             return
         import urllib.request
@@ -312,7 +340,8 @@ class Notifier:
             urllib.request.urlopen(request, timeout=10).close()
         except Exception as error:  # noqa: BLE001 - a notification is never worth the run
             print(f"warning: the run notifier could not post to its webhook ({type(error).__name__}: {error}); "
-                  f"training goes on.", file=sys.stderr, flush=True)
+                  + ("the run's outcome is as printed above." if ending else "training goes on."), file=sys.stderr,
+                  flush=True)
 
     def __enter__(self):
         self.post("started")
@@ -320,6 +349,6 @@ class Notifier:
 
     def __exit__(self, kind, error, traceback):
         if error is None:
-            self.post(self.outcome)
+            self.post(self.outcome, ending=True)
         else:
-            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}")
+            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}", ending=True)

@@ -32,12 +32,12 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
 import sys
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,8 +82,14 @@ def is_complete_checkpoint(path):
         return True
     if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
         WARNED.add(path)
-        warnings.warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
+        warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
     return False
+
+
+def warn(message):
+    """A warning for the person running the command: one line on stderr (a Python warning would add its source
+    line, which tells a user nothing)."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def find_checkpoints(run_dir):
@@ -99,7 +105,8 @@ def find_checkpoints(run_dir):
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError unless every file matches the checksum in the marker."""
+    """Raise CheckpointError unless every file matches the checksum in the marker; an FSDP run's .metadata must
+    also be DCP's own (check_sharded_metadata), which is checked before any file is loaded."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -110,6 +117,38 @@ def verify_checkpoint(path):
             raise CheckpointError(f"{file_path} is missing")
         if sha256_file(file_path) != expected:
             raise CheckpointError(f"{file_path} does not match its checksum (truncated or corrupt)")
+    check_sharded_metadata(path, files)
+
+
+class UntrustedCheckpoint(CheckpointError):
+    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
+
+
+def check_sharded_metadata(path, files):
+    """An FSDP run's sharded/.metadata, read as data (sharding.read_metadata allows DCP's own classes only: a pickle
+    that asks for anything else, os.system say, is refused before it can run), and every piece file it names listed
+    in the marker `files`. One sentence naming the file otherwise."""
+    folder = os.path.join(path, SHARDED)
+    if not os.path.isdir(folder):
+        return
+    import sharding
+
+    metadata_file = os.path.join(folder, ".metadata")
+    if f"{SHARDED}/.metadata" not in files:
+        raise UntrustedCheckpoint(f"{metadata_file} is not listed in {os.path.join(path, MARKER)}, so it is not "
+                                  f"read; give a checkpoint this trainer saved whole.")
+    try:
+        metadata = sharding.read_metadata(folder)
+    except sharding.MetadataRefused as refused:
+        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
+                                  f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
+                                  f"or give another one.") from None
+    pieces = {info.relative_path for info in metadata.storage_data.values()}
+    unlisted = sorted(name for name in pieces if f"{SHARDED}/{name}" not in files)
+    if unlisted:
+        raise UntrustedCheckpoint(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, MARKER)} does not "
+                                  f"list (a piece deleted after the save); get the checkpoint again from where it was "
+                                  f"made, or give another one.")
 
 
 def newest_valid_checkpoint(run_dir):
@@ -118,8 +157,10 @@ def newest_valid_checkpoint(run_dir):
         try:
             verify_checkpoint(path)
             return path
+        except UntrustedCheckpoint:
+            raise
         except CheckpointError as error:
-            warnings.warn(f"skipping checkpoint: {error}; falling back to the previous one")
+            warn(f"skipping checkpoint: {error}; falling back to the previous one")
     return None
 
 
@@ -128,6 +169,8 @@ def resolve_checkpoint(source):
     if is_complete_checkpoint(source):
         try:
             verify_checkpoint(source)
+        except UntrustedCheckpoint:
+            raise
         except CheckpointError as error:
             raise CheckpointError(f"{error}; give the run folder instead to fall back to its newest good "
                                   f"checkpoint.") from None
@@ -402,9 +445,47 @@ class TrainState:
 def read_trainer_state(path):
     """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU. Its config
     has every field of this version: one added since the checkpoint was saved takes its default (config.py)."""
-    trainer = torch.load(os.path.join(path, "trainer.pt"), map_location="cpu", weights_only=True)
+    trainer = read_file(path, "trainer.pt")
     trainer["config"] = with_defaults(trainer["config"])
     return trainer
+
+
+def holds_weights(obj):
+    return isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+
+
+def holds_optimizer_state(obj):  # an optimizer's state_dict, or MuonAdamW's {name: state_dict}
+    return isinstance(obj, dict) and (
+        ("state" in obj and "param_groups" in obj) or (bool(obj) and all(map(holds_optimizer_state, obj.values()))))
+
+
+def holds_trainer_state(obj):
+    return isinstance(obj, dict) and isinstance(obj.get("config"), dict) and isinstance(obj.get("step"), int) \
+        and isinstance(obj.get("rng"), list)
+
+
+# What each file of a checkpoint holds, in words and as a check: a file that passes its checksum may still hold
+# anything torch.load(weights_only=True) can build (a list, a number), which would fail later in a traceback.
+FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
+                 "optim.pt": ("an optimizer's state", holds_optimizer_state),
+                 "trainer.pt": ("the trainer's state", holds_trainer_state)}
+
+
+def read_file(path, name, device="cpu", mmap=False):
+    """torch.load(weights_only=True) of checkpoint file `name` in `path`: one sentence when it is not what this
+    trainer writes there (an object weights_only refuses to build, or another kind of value)."""
+    file_path = os.path.join(path, name)
+    what, holds = FILE_CONTENTS[name]
+    try:
+        obj = torch.load(file_path, map_location=device, weights_only=True, mmap=mmap)
+    except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as error:
+        first_line = (str(error).splitlines() or [""])[0][:150]
+        raise UntrustedCheckpoint(f"{file_path} cannot be read as {what} ({type(error).__name__}: {first_line}); "
+                                  f"give a checkpoint this trainer saved.") from None
+    if not holds(obj):
+        raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a checkpoint this "
+                                  f"trainer saved.")
+    return obj
 
 
 MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
@@ -481,10 +562,15 @@ def set_rng_state(state, sample_generator):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master):
+def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master, unsharded=False):
     """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG
     states of all ranks are gathered (ranks draw different dropout masks). A sharded model's weights and
-    optimizer are not in it: each rank writes its own pieces (Checkpointer.save)."""
+    optimizer are not in it: each rank writes its own pieces (Checkpointer.save); with `unsharded`
+    (checkpoint.unsharded_interval) its whole weights are gathered on rank 0 too, written as model.pt beside them."""
+    whole = None
+    if unsharded and is_sharded(raw_model):
+        import sharding
+        whole = sharding.gather_weights(raw_model, tied=set(ties(raw_model)))  # every rank sends its pieces
     rng = rng_state(sample_generator)
     if dist.is_initialized():
         all_rng = [None] * dist.get_world_size()
@@ -494,7 +580,7 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
     if not is_master:
         return None
     if is_sharded(raw_model):
-        return to_cpu({"trainer": {**trainer_state, "rng": all_rng}})
+        return to_cpu({**({"model": whole} if whole else {}), "trainer": {**trainer_state, "rng": all_rng}})
     return to_cpu({"model": model_weights(raw_model), "optim": optimizer.state_dict(),
                    "trainer": {**trainer_state, "rng": all_rng}})
 
@@ -531,19 +617,20 @@ def model_weights(model):
 def saved_shapes(path):
     """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt is
     memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata."""
-    if os.path.isdir(os.path.join(path, SHARDED)):
+    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
         return {name: shape for name, (shape, _) in sharding.tensor_shapes(os.path.join(path, SHARDED)).items()}
-    saved = torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True, mmap=True)
+    saved = read_file(path, "model.pt", mmap=True)
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
 def saved_weights(path, device):
-    """{name: tensor} of the weights in checkpoint `path`: model.pt, or an FSDP run's pieces put together."""
-    if os.path.isdir(os.path.join(path, SHARDED)):
+    """{name: tensor} of the weights in checkpoint `path`: model.pt (an FSDP run's too, with
+    checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
+    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
         return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
-    return torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+    return read_file(path, "model.pt", device)
 
 
 def check_weights_fit(path, model, advice):
@@ -584,7 +671,7 @@ def load_optimizer_state(optimizer, path, device):
     """The optimizer's moments from `path`, with this run's settings kept: `load_state_dict` would also bring
     back the saved groups' LR peak, weight decay, betas, eps and momentum, so the settings the config asks
     for are put back after it, and the config in force is what the optimizer uses."""
-    saved = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True)
+    saved = read_file(path, "optim.pt", device)
     check_group_layout(saved, optimizer, path)
     keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
 
@@ -654,11 +741,10 @@ def load_with_shards(path, model, optimizer, device):
             check_group_layout(optim_state, optimizer, path)
         full = False
     else:
-        model_state = torch.load(os.path.join(path, "model.pt"), map_location=device, weights_only=True)
+        model_state = read_file(path, "model.pt", device)
         for name, first in ties(model).items():
             model_state.setdefault(name, model_state[first])
-        optim_state = torch.load(os.path.join(path, "optim.pt"), map_location=device, weights_only=True) \
-            if optimizer is not None else None
+        optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
         if optim_state is not None:
             check_group_layout(optim_state, optimizer, path)
         model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
@@ -688,9 +774,9 @@ def check_source(source, key):
     or an OpenAI GPT-2 name (then transformers must be installed). Returns the checkpoint folder, or None.
     Cheap: no weights read, except from a bucket (an s3:// or gs:// URL), downloaded once into a cache."""
     from hf import OPENAI_MODELS, is_hf_folder
-    if "://" in source:  # a bucket (remote.py)
+    if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
         import remote
-        return remote.local_copy(source, key)
+        return resolve_checkpoint(remote.local_copy(source, key))
     if source in OPENAI_MODELS:
         import importlib.util
         if importlib.util.find_spec("transformers") is None:

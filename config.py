@@ -72,6 +72,7 @@ ROLES = ("identity", "applied", "free")
 
 CHECKS = {
     "at least 1": lambda v: v >= 1,
+    "at least 1, or auto": lambda v: v == "auto" or (isinstance(v, int) and v >= 1),
     "0 or more": lambda v: v >= 0,
     "greater than 0": lambda v: v > 0,
     "in [0, 1)": lambda v: 0 <= v < 1,
@@ -81,14 +82,17 @@ CHECKS = {
     "steps of 1 or more": lambda v: all(s >= 1 for s in v),
     "steps of 0 (before training) or more": lambda v: all(s >= 0 for s in v),
     "auto, cpu, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v),
+    # a webhook is posted to with urllib, which would also open file:// and ftp:// URLs
+    "an http:// or https:// URL, or empty": lambda v: v == "" or re.fullmatch(r"https?://[^\s/?#]+\S*", v),
 }
 
 
-def setting(role, default, check=None, ladder=False):
-    """A dataclass field with its role, its range check (a word of CHECKS) and whether ladder.py derives it; a
-    list default is copied for every Config. ladder.py's own section has no role (None)."""
+def setting(role, default, check=None, ladder=False, secret=False):
+    """A dataclass field with its role, its range check (a word of CHECKS), whether ladder.py derives it, and whether
+    its value is a secret (a credential: no record holds it, see config_to_dict); a list default is copied for every
+    Config. ladder.py's own section has no role (None)."""
     assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
-    metadata = {"role": role, "ladder": ladder, "check": check}
+    metadata = {"role": role, "ladder": ladder, "check": check, "secret": secret}
     if isinstance(default, list):
         return field(default_factory=lambda: list(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -102,8 +106,8 @@ def applied(default, check=None, ladder=False):
     return setting("applied", default, check, ladder)
 
 
-def free(default, check=None, ladder=False):
-    return setting("free", default, check, ladder)
+def free(default, check=None, ladder=False, secret=False):
+    return setting("free", default, check, ladder, secret)
 
 
 @dataclass(slots=True)
@@ -111,8 +115,9 @@ class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
     # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     data_root: str = free("")
-    # sequences per rank per micro-step (lower it if you run out of memory)
-    batch_size: int = applied(16, "at least 1", ladder=True)
+    # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
+    # up to 64 whose estimated memory fits the GPU (plan.auto_batch_size; docs/fsdp.md)
+    batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
     # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
     # data.dataset alone)
@@ -250,6 +255,9 @@ class DebugConfig:
 @dataclass(slots=True)
 class LogConfig:
     interval: int = free(10, "at least 1")  # steps between console lines
+    # ranks other than 0 also print a line every log.interval steps, prefixed with their rank: their own loss, before
+    # the mean over ranks (to find a rank whose data or hardware differs); off: rank 0 alone prints
+    all_ranks: bool = free(False)
     # steps between collecting metrics to the host (one sync and one collective each)
     metrics_collect_interval: int = free(10, "at least 1")
     # reduce and write metrics on a background thread over a gloo group; auto: on where a gloo group exists (more than
@@ -261,8 +269,9 @@ class LogConfig:
     # from one extra forward pass of the step's first micro-batch; 0 = off
     activations_interval: int = free(0, "0 or more")
     # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
-    # SLACK_WEBHOOK_URL environment variable, or no messages
-    slack_webhook: str = free("")
+    # SLACK_WEBHOOK_URL environment variable (preferred: the URL is the credential), or no messages. A secret: every
+    # record (config.json, checkpoints, W&B, environment.json's command line) holds "***" in its place
+    slack_webhook: str = free("", "an http:// or https:// URL, or empty", secret=True)
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
     wandb_project: str = free("nanogpt-lab")  # W&B project
@@ -288,6 +297,9 @@ class CheckpointConfig:
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
     # copy state to CPU in the step, write it on a background thread
     async_save: bool = free(False, ladder=True)
+    # FSDP: a checkpoint saved at a multiple of this many steps also holds the whole model.pt (gathered on rank 0)
+    # beside its pieces, for sample.py, export-hf and tools that read one file (docs/fsdp.md); 0 = never
+    unsharded_interval: int = free(0, "0 or more")
     # if_available: resume from out_dir when it has a checkpoint
     load: Literal["if_available", "always", "never"] = free("if_available")
     load_path: str = free("")  # checkpoint or run folder to start from when out_dir has none (fine-tuning)
@@ -343,9 +355,7 @@ def check_warmup(warmup_steps, max_steps):
 
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"optim.name=muon": (cfg.optim.name == "muon", "torch.optim.Muon takes whole matrices, not the pieces "
-                                  "FSDP leaves on each rank", "--optim.name=adamw"),
-              "stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
+    cannot = {"stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
                                "leave stage2.start empty"),
               "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
                                     "leave debug.trace_steps empty"),
@@ -370,7 +380,8 @@ def validate(cfg):
         numbers = value if isinstance(value, list) else [value]
         infinite = any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
         if wanted and (infinite or not CHECKS[wanted](value)):
-            raise ConfigError(f"{key} must be {wanted} (got {value!r}); set it to a value in range.")
+            shown = "a value not shown: a secret" if field_metadata(cfg, key).get("secret") else repr(value)  # (logs)
+            raise ConfigError(f"{key} must be {wanted} (got {shown}); set it to a value in range.")
     for holds, sentence in cfg.model.checks():  # checks across the model's fields, declared beside them (model.py)
         if not holds:
             raise ConfigError(sentence)
@@ -558,6 +569,8 @@ def parse_value(text, type_, key):
     type_, optional = without_none(type_)
     if optional and text.lower() in ("none", "null", ""):
         return None
+    if typing.get_args(type_) == (int, str):  # a number or a word (data.batch_size=auto): the range check says which
+        return int(text) if re.fullmatch(r"-?\d+", text) else text
     try:
         if type_ is bool:
             if text.lower() not in TRUE_WORDS | FALSE_WORDS:
@@ -567,9 +580,11 @@ def parse_value(text, type_, key):
             return int(float(text)) if re.fullmatch(r"-?\d+(\.0*)?e\d+", text) else int(text)
         if type_ is float:
             return float(text)
-        if typing.get_origin(type_) is list:
-            item_type = typing.get_args(type_)[0]
-            return [parse_value(item.strip(), item_type, key) for item in text.split(",") if item.strip()]
+        if typing.get_origin(type_) is list:  # 3,6 or, as --help shows a list, [3, 6]
+            item_type, items = typing.get_args(type_)[0], text.strip()
+            if items.startswith("[") and items.endswith("]"):
+                items = items[1:-1]
+            return [parse_value(item.strip().strip("'\""), item_type, key) for item in items.split(",") if item.strip()]
         return text  # str and Literal words (validate() checks the words)
     except ValueError:
         raise ConfigError(f"{key}={text!r} is not a valid {type_name(type_, optional)}.") from None
@@ -577,6 +592,8 @@ def parse_value(text, type_, key):
 
 def check_value(key, value, type_):
     """Values set by config files are Python objects: check them against the field's type."""
+    if typing.get_args(type_) == (int, str) and type(value) in (int, str):  # data.batch_size: a number or auto
+        return value
     type_, optional = without_none(type_)
     if optional and value is None:
         return None
@@ -750,8 +767,33 @@ def as_override(key, value):
     return f"--{key}={value}"
 
 
+REDACTED = "***"  # what every record holds in place of a secret's value
+
+
+def secret_keys(cfg=None):
+    """Every `section.field` declared secret (log.slack_webhook: the URL is the credential)."""
+    cfg = cfg or Config()
+    return [key for key in all_keys(cfg) if field_metadata(cfg, key).get("secret")]
+
+
 def config_to_dict(cfg):
-    return dataclasses.asdict(cfg)
+    """The config as every record saves it (config.json, each checkpoint's trainer.pt, W&B's run config): plain
+    data, each secret that is set replaced by "***" and named under "redacted". The run itself uses `cfg`, which
+    keeps the value; a resume takes it from its own command line or environment again."""
+    data = dataclasses.asdict(cfg)
+    redacted = [key for key in secret_keys(cfg) if get(cfg, key)]
+    for key in redacted:
+        section, name = key.split(".")
+        data[section][name] = REDACTED
+    if redacted:
+        data["redacted"] = {key: "a secret: not recorded" for key in redacted}
+    return data
+
+
+def redact_argv(argv):
+    """The command line as records keep it (environment.json, W&B): each secret's value replaced by "***"."""
+    secrets = tuple(f"--{key}=" for key in secret_keys())
+    return [f"{arg.split('=', 1)[0]}={REDACTED}" if str(arg).startswith(secrets) else arg for arg in argv]
 
 
 def with_defaults(saved):
@@ -766,8 +808,9 @@ def config_from_dict(data):
     """Rebuild a Config saved with config_to_dict (checkpoints store the config this way)."""
     cfg = Config()
     for section_name, values in data.items():
-        section = sections(cfg).get(section_name)
+        section = sections(cfg).get(section_name)  # None for "redacted", config_to_dict's note
         for name, value in values.items():
-            if section is not None and hasattr(section, name):
+            if section is not None and hasattr(section, name) and not field_metadata(cfg, f"{section_name}.{name}").get(
+                    "secret"):  # a secret's "***" is no value: it stays unset
                 setattr(section, name, value)
     return cfg

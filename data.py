@@ -99,8 +99,16 @@ def tokenizer_of(data_dir):
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
         return get_tokenizer()
-    with open(path) as f:
-        return CharTokenizer(json.load(f)["vocab"])
+    try:
+        with open(path) as f:
+            chars = json.load(f)["vocab"]
+        if not (isinstance(chars, (str, list)) and all(isinstance(c, str) and len(c) == 1 for c in chars)
+                and len(set(chars)) == len(chars)):
+            raise ValueError("its vocab is not a string of distinct characters")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is not a readable character vocabulary ({type(error).__name__}: {error}); "
+                        f"{prepare_hint(data_dir)}") from None
+    return CharTokenizer(chars)
 
 
 # ----------------------------------------------------------------------------- datasets on disk
@@ -150,8 +158,14 @@ def ensure_dataset(data_dir):
 
 def fingerprint(data_dir):
     """What a prepared dataset is, by content rather than by its folder's name: a hash of its shards' names and
-    sizes and of the first and last 64 KiB of each. Cheap (no full read), and different for other text."""
+    sizes and of the first and last 64 KiB of each, and of a character-level dataset's meta.json (its ids mean those
+    characters in that order: the same characters reordered is another dataset). Cheap (no full read), and different
+    for other text. A run stores it (TrainState.data_fingerprint): a resume or sample.py refuses another."""
     digest = hashlib.sha256()
+    meta = os.path.join(data_dir, "meta.json")
+    if os.path.exists(meta):
+        with open(meta, "rb") as f:
+            digest.update(b"meta.json:" + f.read())
     for path in shard_paths(data_dir, "train") + shard_paths(data_dir, "val"):
         size = os.path.getsize(path)
         with open(path, "rb") as f:
@@ -235,8 +249,9 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def metrics(self):
-        """data/epoch: the epoch the next sequence belongs to (a host number: no sync)."""
-        return {"data/epoch": self.epoch}
+        """data/epoch: the epoch the next sequence belongs to, counted from 1 as OLMo-core's docs count (a host
+        number: no sync)."""
+        return {"data/epoch": self.epoch + 1}
 
     def state_dict(self):
         return {"position": self.position, "epoch": self.epoch}  # the epoch follows from the position
@@ -266,8 +281,14 @@ def open_shard(path, vocab_limit):
         raise DataError(f"shard {path} is a {shard.ndim}-D {shard.dtype} array, not the 1-D uint16 token ids "
                         f"data.py writes; prepare the dataset again with data.py.")
     if len(shard) and int(shard.max()) >= vocab_limit:
-        raise DataError(f"shard {path} holds token id {int(shard.max())}, beyond the {vocab_limit} ids of the "
-                        f"vocabulary; prepare the dataset again with data.py.")
+        largest, data_dir = int(shard.max()), os.path.dirname(path)
+        advice = "prepare the dataset again with data.py"  # ids beyond GPT-2's: not what data.py writes
+        if vocab_limit < GPT2_VOCAB_SIZE:  # a model.vocab_size below the data's: the setting is what to change
+            chars = tokenizer_of(data_dir).n_vocab if os.path.exists(os.path.join(data_dir, "meta.json")) else 0
+            advice = (f"set --model.vocab_size={chars}, the number of characters in its meta.json" if chars > largest
+                      else f"set model.vocab_size above {largest}")
+        raise DataError(f"shard {path} holds token id {largest}, beyond the {vocab_limit} ids of the vocabulary "
+                        f"(model.vocab_size={vocab_limit}); {advice}.")
     return shard
 
 
@@ -326,11 +347,11 @@ class MixtureLoader:
         return first
 
     def metrics(self):
-        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: whole passes over
-        all the sources' sequences so far (host numbers: no sync)."""
+        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: the pass over all
+        the sources' sequences under way, counted from 1 (host numbers: no sync)."""
         return {**{f"data/{name}/sequences": count - skipped
                    for name, count, skipped in zip(self.names, self.counts, self.skipped)},
-                "data/epoch": sum(self.counts) // self.num_sequences}
+                "data/epoch": sum(self.counts) // self.num_sequences + 1}
 
     def state_dict(self):
         return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),

@@ -263,7 +263,7 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 
 def named_state(path):
     """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
-    from checkpoint import SHARDED, read_trainer_state, resolve_checkpoint
+    from checkpoint import SHARDED, read_file, read_trainer_state, resolve_checkpoint
 
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
@@ -277,9 +277,9 @@ def named_state(path):
             if moments.dim() > 0:
                 state[f"optim/{param}/{key}"] = moments
         return path, state
-    state = dict(torch.load(os.path.join(path, "model.pt"), map_location="cpu", weights_only=True))
+    state = dict(read_file(path, "model.pt"))
     trainer = read_trainer_state(path)
-    optim = torch.load(os.path.join(path, "optim.pt"), map_location="cpu", weights_only=True)
+    optim = read_file(path, "optim.pt")
     # The optimizer numbers parameters in the order of its groups: rebuild them to name the moments.
     cfg = config_from_dict(trainer["config"])
     model = GPT(cfg.model)

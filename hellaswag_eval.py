@@ -45,7 +45,6 @@ from config import UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer
 from sample import KVCache, check_device
 
-SCORE_ROWS = 2**22 // GPT2_VOCAB_SIZE  # output-layer rows per slice: 16 MB of float32 logits, as the training loss
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
 # cores the two are equally fast (docs/measurements.md).
 BATCH_SIZE = 64
@@ -332,8 +331,8 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
     and values serve every choice; the choices are packed one after another into a single row, each
     attending to the context and to its own earlier tokens only, with its own positions, so there is
     no padding between them; examples are batched with others of the same context length (no padding
-    there either) and similar packed length; and the output layer runs only on positions whose next
-    token is scored, in slices that bound its memory."""
+    there either) and similar packed length; and the model (`GPT.score_tokens`) makes logits only where
+    a next token is scored, in slices that bound their memory."""
     plan = sorted((shared_prefix(ex), sum(len(row) - 1 for row in ex.rows), i) for i, ex in enumerate(examples))
     batches, batch = [], []
     for prefix, _, i in plan:
@@ -346,9 +345,10 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
     for batch in batches:
         prefix, chosen = batch[0][0], [examples[i] for _, i in batch]
         cache = None
-        if prefix:
-            cache = KVCache(model.config.n_layer)
-            model.hidden_states(torch.tensor([ex.rows[0][:prefix] for ex in chosen], device=device), cache)
+        if prefix:  # the shared context, run once into the cache: nothing in it is scored
+            cache = KVCache(len(model.blocks))
+            context = torch.tensor([ex.rows[0][:prefix] for ex in chosen], device=device)
+            model.score_tokens(context, torch.full_like(context, -1), kv_cache=cache)
         width = max(sum(len(row) - 1 - prefix for row in ex.rows) for ex in chosen)
         inputs, positions, segments = [], [], []
         where, targets, owner = [], [], []  # scored tokens: where their prediction is, what, whose
@@ -371,13 +371,11 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
         mask = (segments[:, :, None] == segments[:, None, :]) & causal
         mask = torch.cat([torch.ones(len(chosen), width, prefix, dtype=torch.bool, device=device), mask], dim=2)
-        hidden = model.hidden_states(torch.tensor(inputs, device=device), cache,
-                                     torch.tensor(positions, device=device), mask[:, None]).flatten(0, 1)
-        hidden = hidden[torch.tensor(where, device=device)]
-        targets = torch.tensor(targets, device=device)
-        log_probs = torch.cat([
-            model.lm_head(h)[:, :GPT2_VOCAB_SIZE].float().log_softmax(-1).gather(1, t[:, None]).squeeze(1)
-            for h, t in zip(hidden.split(SCORE_ROWS), targets.split(SCORE_ROWS))])
+        scored = torch.full((len(chosen) * width,), -1, dtype=torch.long)
+        scored[torch.tensor(where)] = torch.tensor(targets)
+        log_probs = model.score_tokens(torch.tensor(inputs, device=device), scored.view(len(chosen), width).to(device),
+                                       torch.tensor(positions, device=device), mask[:, None], cache,
+                                       GPT2_VOCAB_SIZE).flatten()[torch.tensor(where, device=device)]
         # Summed on the CPU (the sums are needed there next): deterministic, unlike index_add_ on CUDA.
         sums = torch.zeros(first_choice[-1], dtype=torch.float64)
         sums = sums.index_add_(0, torch.tensor(owner), log_probs.double().cpu()).tolist()

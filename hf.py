@@ -7,8 +7,10 @@ folder that `GPT2LMHeadModel.from_pretrained` and `GPT2TokenizerFast.from_pretra
 HF's GPT-2 stores its linear layers as `Conv1D`, whose weight is the transpose of `nn.Linear`'s; that
 is the only difference in layout. Both ways go by weight name, so a fork of model.py maps where GPT-2 can hold
 it: an untied output layer exports as GPT-2 with `tie_word_embeddings=False`, a model without a position table
-(NoPE) as GPT-2 with all-zero position embeddings (the same logits), and a weight GPT-2 has no place for is
-refused in one sentence. `transformers` is optional: only these paths need it.
+(NoPE) or without biases as GPT-2 with those weights zero (the same logits). An export is checked by its result:
+the folder GPT-2 loads must give the model's own logits, or it is refused in one sentence and not written (a fork
+that computes something else: RoPE, a soft-cap, RMSNorm); so is a weight GPT-2 has no place for, or of another
+shape. `transformers` is optional: only these paths need it.
 """
 
 import dataclasses
@@ -16,6 +18,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 from config import UserError
 from data import EOT_TOKEN, GPT2_VOCAB_SIZE, gpt2_tokenizer_files
@@ -172,42 +175,83 @@ def check_export_target(out_dir):
 
 
 def export_hf(model, out_dir):
-    """Write `model` (a GPT on the CPU) as a Hugging Face GPT-2 folder (weights, config, tokenizer)."""
+    """Write `model` (a GPT on the CPU) as a Hugging Face GPT-2 folder (weights, config, tokenizer), checked by its
+    result: the folder is written beside `out_dir` under a temporary name, loaded back with `transformers`, and
+    renamed to `out_dir` only when its logits are the model's own (`model.logits`) on a fixed batch. A fork GPT-2
+    cannot compute (RoPE, a soft-cap, RMSNorm, another MLP) is refused in one sentence, and nothing is left behind."""
     transformers = require_transformers()
     check_export_target(out_dir)
     c = model.config
-    if not c.bias:
-        raise WeightsError("Hugging Face GPT-2 always has biases; this model was trained with model.bias=False.")
     ours = model.state_dict()
-    tied = ours["lm_head.weight"].data_ptr() == ours.get("transformer.wte.weight", ours["lm_head.weight"]).data_ptr()
+    tied = "lm_head.weight" in ours and ours["lm_head.weight"].data_ptr() == ours.get(
+        "transformer.wte.weight", ours["lm_head.weight"]).data_ptr()
     hf_config = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                                         bos_token_id=EOT_TOKEN, eos_token_id=EOT_TOKEN, tie_word_embeddings=tied)
-    layout = transformers.GPT2LMHeadModel(hf_config).state_dict()
-    no_place = [key for key in ours if key not in layout]
-    if no_place:
-        raise WeightsError(f"this model has weights a Hugging Face GPT-2 has no place for ({', '.join(no_place[:3])}"
-                           f"{' ...' if len(no_place) > 3 else ''}); export-hf writes GPT-2's layout, so teach "
-                           f"hf.export_hf where they go, or keep the checkpoint as it is.")
     hf_model = transformers.GPT2LMHeadModel(hf_config)
     hf_state = hf_model.state_dict()
-    for key, value in ours.items():
-        if key in ("transformer.wte.weight", "lm_head.weight"):
-            value = value[:GPT2_VOCAB_SIZE]  # drop the rows that only pad the vocabulary
-        hf_state[key].copy_(value.t() if key.endswith(CONV1D_SUFFIXES) else value)
-    if "transformer.wpe.weight" not in ours:  # no position table (NoPE): GPT-2 adding zeros computes the same
-        hf_state["transformer.wpe.weight"].zero_()
-    os.makedirs(out_dir, exist_ok=True)
-    hf_model.save_pretrained(out_dir)
-    # GPT-2's tokenizer files under the names HF expects (vocab.json = encoder.json, merges.txt = vocab.bpe).
-    data = gpt2_tokenizer_files()
-    shutil.copyfile(os.path.join(data, "encoder.json"), os.path.join(out_dir, "vocab.json"))
-    shutil.copyfile(os.path.join(data, "vocab.bpe"), os.path.join(out_dir, "merges.txt"))
-    # Loading from the folder (the same call in transformers 4 and 5) and saving adds tokenizer.json
-    # and tokenizer_config.json, so AutoTokenizer finds everything.
-    transformers.AutoTokenizer.from_pretrained(out_dir).save_pretrained(out_dir)
-    print(f"wrote a Hugging Face GPT-2 model to {out_dir}")
+    gpt2_form = {key: gpt2_form_of(key, value) for key, value in ours.items()}
+    for key, value in gpt2_form.items():
+        if key not in hf_state:
+            raise WeightsError(f"this model has a weight a Hugging Face GPT-2 has no place for ({key}, "
+                               f"{tuple(value.shape)}); export-hf writes GPT-2's layout, so keep the checkpoint as it "
+                               f"is, or teach hf.export_hf where it goes.")
+        if value.shape != hf_state[key].shape:
+            raise WeightsError(f"this model's {key} is {tuple(value.shape)} where a Hugging Face GPT-2's is "
+                               f"{tuple(hf_state[key].shape)}, so GPT-2 cannot hold it; keep the checkpoint as it is, "
+                               f"or teach hf.export_hf where it goes.")
+        hf_state[key].copy_(value)
+    for key in hf_state.keys() - gpt2_form.keys() - {"lm_head.weight"}:
+        # Without biases (model.bias=False) or a position table (NoPE), GPT-2 adding zeros computes the same;
+        # anything else missing is left to the check below.
+        if key.endswith(".bias") or key == "transformer.wpe.weight":
+            hf_state[key].zero_()
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.", dir=parent)
+    try:
+        hf_model.save_pretrained(staging)
+        check_same_logits(model, transformers.GPT2LMHeadModel.from_pretrained(staging))
+        # GPT-2's tokenizer files under the names HF expects (vocab.json = encoder.json, merges.txt = vocab.bpe).
+        data = gpt2_tokenizer_files()
+        shutil.copyfile(os.path.join(data, "encoder.json"), os.path.join(staging, "vocab.json"))
+        shutil.copyfile(os.path.join(data, "vocab.bpe"), os.path.join(staging, "merges.txt"))
+        # Loading from the folder (the same call in transformers 4 and 5) and saving adds tokenizer.json
+        # and tokenizer_config.json, so AutoTokenizer finds everything.
+        transformers.AutoTokenizer.from_pretrained(staging).save_pretrained(staging)
+        os.rename(staging, out_dir)  # onto a missing or empty folder (check_export_target): all of it, or nothing
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    print(f"wrote a Hugging Face GPT-2 model to {out_dir} (its logits checked against the model's)")
+
+
+def gpt2_form_of(key, value):
+    """One of our weights as GPT-2 stores it: Conv1D's transpose, and GPT-2's 50,257 vocabulary rows."""
+    if key in ("transformer.wte.weight", "lm_head.weight"):
+        value = value[:GPT2_VOCAB_SIZE]  # drop the rows that only pad the vocabulary
+    return value.t() if key.endswith(CONV1D_SUFFIXES) and value.dim() == 2 else value
+
+
+def check_same_logits(model, hf_model, tolerance=1e-4):
+    """One sentence unless GPT-2 in transformers gives `model`'s logits over GPT-2's vocabulary on a fixed batch
+    (two rows of random tokens as long as the model reads, at most 64), within float32's tolerance."""
+    import torch
+
+    length = min(64, model.config.block_size)
+    idx = torch.randint(0, GPT2_VOCAB_SIZE, (2, length), generator=torch.Generator().manual_seed(0))
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        ours = model(idx)[..., :GPT2_VOCAB_SIZE].float()  # the model's forward, through its `logits`
+        theirs = hf_model.eval()(idx).logits.float()
+    model.train(was_training)
+    difference = (ours - theirs).abs().max().item()
+    if not difference <= tolerance * max(1.0, ours.abs().max().item()):  # NaN fails too
+        raise WeightsError(f"the exported GPT-2 gives other logits than this model (they differ by up to "
+                           f"{difference:.3g} on a fixed batch), so GPT-2 does not compute what it computes (a fork "
+                           f"of its layers, attention or logits); nothing was written, and the checkpoint serves as "
+                           f"it is.")
 
 
 # ----------------------------------------------------------------------------- fine-tuning: GPT-2's weights as a start
@@ -242,7 +286,7 @@ def use_source_shape(shape, model_config, source, what, default_config=False, ke
             setattr(model_config, name, value)
         elif mine != value and not (name == "block_size" and mine < value):
             grow = " (it may shrink, to crop the position embeddings, never grow)" if name == "block_size" else ""
-            where = " in config/shakespeare.py, the default config file," if default_config else ""
+            where = " (in config/shakespeare.py, the default config file)" if default_config else ""
             raise WeightsError(f"{key}={source} is {what} with model.{name}={value}, and this run sets "
                                f"model.{name}={mine}{where}{grow}; the shape comes from the weights, so leave it "
                                f"out, as `python train.py config/finetune_shakespeare.py --{key}={source}` does.")

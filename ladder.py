@@ -39,10 +39,11 @@ from typing import Literal
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
-from config import (Config, ConfigError, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
+from config import (Config, ConfigError, LogConfig, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
                     ladder_derived_keys, parse_args, run_command, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
-                                configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of)
+                                configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of,
+                                sized_model)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
 from hellaswag_eval import check_names  # noqa: E402
 from tools import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
@@ -148,13 +149,15 @@ class SizePlan:
 
 
 def plan_size(cfg, size):
-    L, seq = cfg.ladder, cfg.model.block_size
-    params = param_counts(size, seq)
+    L = cfg.ladder
+    model = sized_model(size, cfg.model, cfg.train.model_module)  # the run's own GPT, on the meta device
+    params = param_counts(model)
     n = params["non_embedding"]
     # Muon tolerates a larger batch: OLMo-core's muon ladder doubles OLMo's target batch.
     target = L.batch_tokens or round(target_batch_tokens(n) * (L.muon_batch_multiplier if L.optimizer == "muon" else 1))
-    min_world_size, min_dp_world_size = configure_minimal_device_mesh_spec(size, seq, L.device)
-    batch = plan_batch(target, configure_rank_microbatch_size(size, seq, L.device), seq, min_world_size,
+    min_world_size, min_dp_world_size = configure_minimal_device_mesh_spec(model, size, L.device)
+    seq = cfg.model.block_size
+    batch = plan_batch(target, configure_rank_microbatch_size(model, L.device), seq, min_world_size,
                        min_dp_world_size, L.max_devices, size)
     run = plan_run(n, batch.batch_tokens, chinchilla_multiple=L.chinchilla_multiple,
                    tokens_per_param=L.tokens_per_param, lr_multiplier=L.lr_multiplier, decay_fraction=L.decay_fraction,
@@ -176,8 +179,7 @@ def run_config(cfg, plan):
     for name, section in sections(cfg).items():
         if name != "ladder":
             setattr(run, name, copy.deepcopy(section))
-    L, shape = cfg.ladder, model_config(plan.size, cfg.model.block_size)
-    run.model.n_layer, run.model.n_head, run.model.n_embd = shape.n_layer, shape.n_head, shape.n_embd
+    L, run.model = cfg.ladder, model_config(plan.size, cfg.model)  # the run's model section, at this size
     run.data.batch_size = plan.batch.micro_batch_tokens // cfg.model.block_size
     run.train.total_batch_size, run.train.max_steps = plan.batch.batch_tokens, plan.run.max_steps
     run.train.out_dir, run.train.seed = os.path.join(L.dir, plan.size), L.seed
@@ -192,6 +194,8 @@ def run_config(cfg, plan):
     c = run.checkpoint  # ephemeral ones between them (only the newest kept), saved on a thread of their own
     c.ephemeral_interval, c.ephemeral_cooldown, c.async_save = L.ephemeral_interval, L.ephemeral_cooldown, True
     run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))  # val batches are whole global batches
+    default_project = LogConfig().wandb_project  # the ladder's runs go to a W&B project of its name, unless set
+    run.log.wandb_project = L.name if run.log.wandb_project == default_project else run.log.wandb_project
     run.log.wandb_group = run.log.wandb_group or L.name
     run.log.wandb_name = run.log.wandb_name or f"{L.name}-{plan.size}"
     validate(run)
@@ -218,7 +222,8 @@ def dry_run(cfg, plans, as_json):
                               "max_steps": r.max_steps, "checkpoints": checkpoints}))
             continue
         seq, muon = cfg.model.block_size, cfg.ladder.optimizer == "muon"
-        ddp, fsdp, memory, verdict = memory_fit(p.size, seq, cfg.ladder.device, b.micro_batch_tokens, b.devices)
+        model = sized_model(p.size, cfg.model, cfg.train.model_module)
+        ddp, fsdp, memory, verdict = memory_fit(model, cfg.ladder.device, b.micro_batch_tokens, b.devices)
         schedule = build_schedule(run_config(cfg, p).optim, r.max_steps)
         png = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png"),
                             [(step, name) for name, step in r.checkpoints[1:]])
@@ -405,6 +410,9 @@ def benchmark(cfg, plan):
 
 
 def show_checkpoints(cfg, plans, as_json):
+    for folder in ladder_fit.missing_alternative_dirs(cfg):  # (on stderr: --json's lines stay JSON)
+        print(f"note: ladder.alternative_dirs has {folder}, which does not exist; no checkpoint was looked for there.",
+              file=sys.stderr)
     for p in plans:
         for c in ladder_fit.checkpoint_rows(cfg, p):
             if as_json:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from callbacks import nonfinite_message
-from config import UserError, run_command
+from config import UserError, redact_argv, run_command
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -80,6 +80,18 @@ class MetricRecorder:
     def record_all(self, values, reduce="mean"):
         for name, value in values.items():
             self.record_metric(name, value, reduce)
+
+    def get(self, name):
+        """This step's value of metric `name` as it will be logged: merged as recorded, then reduced over the ranks by
+        its reduce type (OLMo-core's get_metric), as a float; None when it was not recorded this step. For a callback
+        or a fork that acts on a number of this step (a loss threshold, a custom stop): it costs one collective and
+        one host sync, so ask only when the number is needed, and on every rank alike (all take part)."""
+        if name not in self.step_values:
+            return None
+        value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device).reshape(1)
+        if self.world_size > 1:
+            value = self._reduce(value, [self.reductions[name]], group=None)
+        return value.item()
 
     def end_step(self, step):
         if self.step_values:
@@ -194,7 +206,7 @@ class MetricRecorder:
 def warn_if_slow(what, seconds, soft_timeout):
     """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that holds the loop this long is said, with its time."""
     if seconds > soft_timeout:
-        print(f"warning: {what} took {seconds:.1f} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
+        print(f"warning: {what} took {seconds:.3g} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
               f"slow disk, bucket or network holds the loop.", file=sys.stderr, flush=True)
 
 
@@ -401,16 +413,22 @@ def start_wandb(out_dir, log_cfg, config_dict):
         run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
         with open(id_path, "w") as f:
             f.write(run_id)
-    return wandb.init(
-        project=log_cfg.wandb_project,
-        name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
-        group=log_cfg.wandb_group or None,
-        tags=log_cfg.wandb_tags or None,
-        id=run_id,
-        resume="allow",
-        dir=out_dir,
-        config=config_dict,
-    )
+    # W&B records the command line (sys.argv) in its run's metadata and logs: it reads the one with secrets redacted
+    # (config.redact_argv), as `config_dict` holds them redacted (config.config_to_dict).
+    argv, sys.argv = sys.argv, redact_argv(sys.argv)
+    try:
+        return wandb.init(
+            project=log_cfg.wandb_project,
+            name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
+            group=log_cfg.wandb_group or None,
+            tags=log_cfg.wandb_tags or None,
+            id=run_id,
+            resume="allow",
+            dir=out_dir,
+            config=config_dict,
+        )
+    finally:
+        sys.argv = argv
 
 
 def main(argv):

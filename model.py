@@ -3,12 +3,14 @@
 This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
 blocks, learned position embeddings, a GELU(tanh) MLP and an output layer that shares its weights
 with the token embedding. `model(idx)` gives the logits, `model(idx, targets)` the loss: train.py
-calls the second, sampling and evaluation the first.
+calls the second, sampling the first, and the evaluations `score_tokens`. Every one of them makes its
+logits with `logits`, the one seam between the hidden states and the vocabulary.
 
 What only the model knows stays here, so a fork edits this file alone: which parameters are embeddings,
-matrices or gains (`param_groups`, which the optimizer groups by), its blocks (per-layer metrics), its size
-and FLOPs. The rest of the trainer names no layer. At the bottom: the chunked loss, the same cross-entropy
-computed a slice of rows at a time (`train.loss_path`), which `forward` calls as one visible branch.
+matrices or gains (`param_groups`, and what each kind is to the trainer: PARAM_KINDS, which the counts and
+the optimizer read), its blocks (per-layer metrics), its size and FLOPs. The rest of the trainer names no
+layer. At the bottom: the chunked loss, the same cross-entropy computed a slice of rows at a time
+(`train.loss_path`), which `forward` calls as one visible branch.
 """
 
 from dataclasses import dataclass, field
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 # Beside each field, as config.py's settings say it: its role when a run resumes (config.py explains roles; the
 # model's shape is what the run *is*), whether ladder.py derives it from the model size, and its range check.
@@ -116,7 +119,30 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+@dataclass(frozen=True)
+class ParamKind:
+    in_n: bool  # counts in N, the non-embedding parameters (num_params, flops_per_token, the ladder, plan.py)
+    muon: bool  # with optim.name=muon, Muon steps it; otherwise (and always with AdamW) AdamW does
+    decay: bool | None  # AdamW's weight decay; None: as optim.decay_embeddings says
+
+
+# What each kind of parameter (GPT.param_groups) is to the rest of the trainer, in one table: the counts, the
+# optimizer (optimizer.py) and weight decay all read it. Decay only the matrices of matmuls and embeddings, not
+# biases or gains, which shrinking towards zero only hurts (GPT-3, nanoGPT); Muon takes the blocks' matrices and
+# leaves the embeddings and the output layer to AdamW (modded-nanogpt, nanochat). A fork with a kind of
+# parameter of its own adds a row here (a GPT of your own, train.model_module, sets `param_kinds` to
+# `{**model.PARAM_KINDS, "kind": ParamKind(...)}`).
+PARAM_KINDS = {
+    "embedding": ParamKind(in_n=False, muon=False, decay=None),
+    "output": ParamKind(in_n=True, muon=False, decay=True),
+    "matrix": ParamKind(in_n=True, muon=True, decay=True),
+    "vector": ParamKind(in_n=True, muon=False, decay=False),
+}
+
+
 class GPT(nn.Module):
+    param_kinds = PARAM_KINDS  # what each kind of parameter in param_groups is to the trainer (above)
+
     def __init__(self, config: GPTConfig, loss_path="chunked"):
         super().__init__()
         self.config = config
@@ -153,11 +179,34 @@ class GPT(nn.Module):
         (the loader shifted the targets by one; targets of -1 are not scored)."""
         x = self.hidden_states(idx, kv_cache)
         if targets is None:
-            return self.lm_head(x)
+            return self.logits(x)
         if self.loss_path == "chunked":  # the same loss a slice of rows at a time, never all the logits (below)
-            return chunked_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1))
-        logits = self.lm_head(x)
+            return chunked_cross_entropy(self.logits, x.reshape(-1, x.size(-1)), targets.reshape(-1),
+                                         self.config.vocab_size)
+        logits = self.logits(x)
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1), ignore_index=-1)
+
+    def logits(self, h):
+        """Final hidden states (..., n_embd) to logits (..., vocabulary): the one place they are made. The full
+        and the chunked loss, sampling, the evaluations and export-hf's check all call it, so a fork that edits
+        the logits here (a soft-cap, a temperature) trains, samples and is scored as the same model everywhere."""
+        return self.lm_head(h)
+
+    def score_tokens(self, idx, targets, pos=None, attn_mask=None, kv_cache=None, vocab_size=None):
+        """The log-probability of each target token (-1: not scored, 0 returned), float32, for evaluation.
+        `idx` may pack several sequences in a row: then `pos` gives each token's position and `attn_mask`
+        (B, 1, T, past + T) the keys each token may attend to, after the keys in `kv_cache`. Only the
+        positions with a target go through `logits`, a slice at a time, so the logits are never all held. With
+        `vocab_size`, only the first that many logits enter the softmax (the rest pad the vocabulary)."""
+        h = self.hidden_states(idx, kv_cache, pos, attn_mask)
+        scored = targets != -1
+        h, t = h[scored], targets[scored]
+        log_probs = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
+        step = loss_slice_rows(h.device.type, self.config.vocab_size)
+        log_probs[scored] = torch.cat([
+            self.logits(h[i:i + step])[:, :vocab_size].float().log_softmax(-1).gather(1, t[i:i + step, None]).squeeze(1)
+            for i in range(0, h.size(0), step)] or [h.new_zeros(0)])
+        return log_probs
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
         """The final layer-normed hidden state of every position, before the output layer. The
@@ -182,15 +231,15 @@ class GPT(nn.Module):
         return self.transformer.h
 
     def param_groups(self):
-        """Every parameter once, by what it is; optimizer.py decides from this which ones decay and which
-        go to Muon (nanoGPT's `configure_optimizers` decides here too):
+        """Every parameter once, by its kind (PARAM_KINDS above says what each kind is to the trainer):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
           output     an output layer with weights of its own (untied)
           matrix     the other weights of two or more dimensions: the matmuls of the blocks
           vector     biases and LayerNorm gains
-        Each list is in the model's own parameter order."""
+        A fork may name a kind of its own, once it adds it to param_kinds. Each list is in the model's
+        own parameter order."""
         modules = dict(self.named_modules())
-        groups = {"embedding": [], "output": [], "matrix": [], "vector": []}
+        groups = {kind: [] for kind in self.param_kinds}
         for name, p in self.named_parameters():  # a tied weight comes once, under its first name
             owner = modules[name.rpartition(".")[0]]
             kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if owner is self.lm_head
@@ -199,12 +248,16 @@ class GPT(nn.Module):
         return groups
 
     def num_params(self, non_embedding=False):
-        """Parameter count, a tied weight once. Non-embedding (Kaplan et al. 2020) leaves out the lookup
-        tables (token and position embeddings); it is the N in scaling laws, Chinchilla's 20 tokens per
-        parameter and the ladder. An untied output layer is a matmul, and counts."""
-        groups = self.param_groups()
-        kinds = [kind for kind in groups if not (non_embedding and kind == "embedding")]
-        return sum(p.numel() for kind in kinds for p in groups[kind])
+        """Parameter count, a tied weight once. Non-embedding (Kaplan et al. 2020) counts only the kinds that
+        PARAM_KINDS counts in N: not the lookup tables (token and position embeddings). It is the N in scaling
+        laws, Chinchilla's 20 tokens per parameter and the ladder. An untied output layer is a matmul, and counts."""
+        return sum(p.numel() for _, p, kind in parameter_kinds(self) if kind.in_n or not non_embedding)
+
+    def num_params_with_output(self):
+        """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian et al. 2024
+        point out that the output layer is real compute). An untied output layer is already in N."""
+        tied = any(p is self.lm_head.weight for _, p, kind in parameter_kinds(self) if not kind.in_n)
+        return self.num_params(non_embedding=True) + (self.lm_head.weight.numel() if tied else 0)
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
@@ -213,9 +266,29 @@ class GPT(nn.Module):
         parameters plus a tied output layer (the embedding lookup is free, the output matmul is not).
         12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
         c = self.config
-        tied = any(p is self.lm_head.weight for p in self.param_groups()["embedding"])
-        n = self.num_params(non_embedding=True) + (self.lm_head.weight.numel() if tied else 0)
-        return 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
+        return 6 * self.num_params_with_output() + 12 * c.n_layer * c.n_embd * c.block_size
+
+
+def parameter_kinds(model):
+    """[(name, parameter, ParamKind)] for every parameter of `model`, once, from its `param_groups`. A kind
+    PARAM_KINDS does not list, or a parameter in no group, is one sentence naming the parameter."""
+    from config import ConfigError
+
+    names = {id(p): name for name, p in model.named_parameters()}
+    kind_of = {}
+    table = model.param_kinds
+    for kind, params in model.param_groups().items():
+        for p in params:
+            if kind not in table:
+                raise ConfigError(f"the model's param_groups puts {names.get(id(p), 'a parameter')} under the kind "
+                                  f"{kind!r}, which its param_kinds (model.PARAM_KINDS) does not list; add a row for "
+                                  f"it there (counts in N, Muon, weight decay), or give it one of {', '.join(table)}.")
+            kind_of[id(p)] = kind
+    unplaced = [name for name, p in model.named_parameters() if id(p) not in kind_of]
+    if unplaced:
+        raise ConfigError(f"the model's param_groups gives {unplaced[0]} no kind; put every parameter in one of its "
+                          f"groups, so the counts and the optimizer know what it is.")
+    return [(name, p, table[kind_of[id(p)]]) for name, p in model.named_parameters()]
 
 
 def gpt_class(module="model"):
@@ -241,13 +314,14 @@ def gpt_class(module="model"):
     return loaded.GPT
 
 
-WHAT_THE_TRAINER_ASKS = ("forward", "blocks", "param_groups", "num_params", "flops_per_token")
+WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",
+                         "num_params_with_output", "flops_per_token")
 
 
 # ----------------------------------------------------------------------------- the chunked loss
-# The same mean cross-entropy as `F.cross_entropy(lm_head(x), targets)`, computed a slice of rows at a time,
-# gradients included, so the (tokens x vocabulary) logits are never held at once: on a CPU that is faster, on
-# a GPU it saves their memory. `train.loss_path` chooses; both are tested to float tolerance.
+# The same mean cross-entropy as `F.cross_entropy(logits(x), targets)`, computed a slice of rows at a time,
+# so the (tokens x vocabulary) logits are never held at once: on a GPU it saves their memory. `train.loss_path`
+# chooses; both are tested to float tolerance, a fork of `logits` included.
 
 # How many logits the chunked loss computes at once, by device type (why these sizes: docs/measurements.md).
 # CPU: 16 MB of float32, small enough that each slice reuses the memory of the one before. CUDA: 2 GiB, so
@@ -274,64 +348,24 @@ def loss_slices(rows, vocab_size, device_type):
     return -(-rows // loss_slice_rows(device_type, vocab_size))
 
 
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """The output layer and the mean cross-entropy in one step, a slice of rows at a time.
+def chunked_cross_entropy(logits, hidden, targets, vocab_size):
+    """Mean cross-entropy of `logits(hidden)` against `targets` (-1: not scored), never holding the full logits.
+    logits: the model's `logits` (hidden states to logits); hidden: (tokens, n_embd); targets: (tokens,);
+    vocab_size: the width of the logits (it sets how many rows a slice has).
 
-    `F.cross_entropy(hidden @ weight.T, targets)` writes a (tokens x vocabulary) float32 tensor, reads
-    it for the softmax, and writes its gradient again in the backward pass. Here each slice of rows
-    computes its logits, its loss, and at once its gradients (softmax minus one-hot, divided by the
-    number of scored tokens), then is thrown away; the backward pass only scales the stored gradients.
-    The same sums as the full computation (tested to float tolerance, float32 and bf16 autocast),
-    padded vocabulary rows included: they are rows of the tied embedding and get their true gradient.
-    Targets of -1 are not scored (`ignore_index=-1`)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_rows, need_grad):
-        device_type = hidden.device.type
-        # Under autocast the matmuls run in its dtype, as the unfused nn.Linear would; sums stay float32.
-        dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-        scored = targets != -1
-        n_scored = scored.sum()
-        with torch.autocast(device_type, enabled=False):
-            w = weight.to(dtype)
-            loss_sum = torch.zeros((), device=hidden.device)
-            grad_hidden = torch.empty_like(hidden) if need_grad else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
-            for start in range(0, hidden.size(0), chunk_rows):
-                h, t = hidden[start:start + chunk_rows].to(dtype), targets[start:start + chunk_rows]
-                s, safe_t = scored[start:start + chunk_rows], t.clamp(min=0)
-                logits = (h @ w.t()).float()
-                target_logit = logits.gather(1, safe_t[:, None])
-                # log-sum-exp with one exp pass, kept for the gradient: exp(logits - max) / its sum is the softmax.
-                top = logits.amax(dim=1, keepdim=True)
-                exp = logits.sub_(top).exp_()
-                total = exp.sum(dim=1, keepdim=True)
-                loss_sum += ((total.log() + top - target_logit).squeeze(1) * s).sum()
-                if need_grad:  # d(mean loss)/d(logits) = (softmax - one_hot(target)) / n_scored
-                    weight_of_row = s[:, None] / n_scored
-                    g = exp.mul_(weight_of_row / total)
-                    g.scatter_add_(1, safe_t[:, None], -weight_of_row)
-                    g = g.to(dtype)
-                    grad_hidden[start:start + chunk_rows] = g @ w
-                    if dtype == torch.float32:
-                        grad_weight.addmm_(g.t(), h)
-                    else:
-                        grad_weight += (g.t() @ h).float()
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss_sum / n_scored
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss, None, None, None
+    Each slice of rows runs under activation checkpointing: its forward keeps only its inputs (the hidden
+    states), not its (rows x vocabulary) logits and softmax, and the backward pass computes that slice's logits
+    again, then their gradient. Autograd does the rest, so whatever a fork's `logits` computes (a soft-cap, a
+    temperature, a bias) gets its true gradient, on every device. It is one more matmul per slice than a
+    gradient computed in the forward pass would be; measured against that, side by side: docs/measurements.md."""
+    rows = loss_slice_rows(hidden.device.type, vocab_size)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, hidden.size(0), rows):
+        h, t = hidden[start:start + rows], targets[start:start + rows]
+        total = total + checkpoint(slice_loss, logits, h, t, use_reentrant=False)
+    return total / (targets != -1).sum()
 
 
-def chunked_cross_entropy(hidden, weight, targets):
-    """Mean cross-entropy of `hidden @ weight.T` against `targets` (-1: not scored), never holding the
-    full logits. hidden: (tokens, n_embd); weight: (vocabulary, n_embd); targets: (tokens,)."""
-    # Whether a backward pass can follow is decided here: inside forward() grad mode is always off, and
-    # ctx.needs_input_grad is True for a parameter even under torch.no_grad(). Without this, every
-    # validation pass would also compute the gradients (twice the output layer's work, for nothing).
-    need_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
-    return ChunkedCrossEntropy.apply(hidden, weight, targets, loss_slice_rows(hidden.device.type, weight.size(0)),
-                                     need_grad)
+def slice_loss(logits, hidden, targets):
+    """The summed cross-entropy of one slice of rows, in float32 (as the full path: its logits upcast)."""
+    return F.cross_entropy(logits(hidden).float(), targets, ignore_index=-1, reduction="sum")

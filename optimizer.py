@@ -24,25 +24,22 @@ from dataclasses import dataclass
 import torch
 
 from config import ConfigError
+from model import parameter_kinds
 
 
 def param_groups(model, optim):
     """{group name: [parameters]}: which optimizer owns what (the dry run prints this), from what the model says
-    each parameter is (`model.param_groups()`), in the model's parameter order."""
-    # Decay the matrices (weights of matmuls and embeddings), not biases or LayerNorm gains: shrinking
-    # those towards zero only hurts (as in GPT-3 and nanoGPT). optim.decay_embeddings=false also spares
-    # the embeddings (OLMo-core's ladder); a tied output layer is the token embedding, so it is spared as a
-    # whole. Muon takes the blocks' matrices; embeddings and an untied output layer stay with AdamW, as in
-    # modded-nanogpt and nanochat.
-    kind_of = {id(p): kind for kind, params in model.param_groups().items() for p in params}
+    each parameter is (`model.param_groups()`) and what its table says of that kind (model.PARAM_KINDS: Muon or
+    AdamW, weight decay or not), in the model's parameter order."""
+    # A kind's decay of None follows optim.decay_embeddings: false spares the embeddings (OLMo-core's ladder);
+    # a tied output layer is the token embedding, so it is spared as a whole.
     groups = {"muon": [], "decay": [], "no_decay": []}
-    for p in model.parameters():
-        kind = kind_of[id(p)]
+    for _, p, kind in parameter_kinds(model):
         if not p.requires_grad:
             continue
-        if optim.name == "muon" and kind == "matrix":
+        if optim.name == "muon" and kind.muon:
             groups["muon"].append(p)
-        elif kind in ("matrix", "output") or (kind == "embedding" and optim.decay_embeddings):
+        elif kind.decay or (kind.decay is None and optim.decay_embeddings):
             groups["decay"].append(p)
         else:
             groups["no_decay"].append(p)
@@ -68,19 +65,31 @@ def build_optimizer(model, optim, device_type):
 
 
 class Muon(torch.optim.Muon):
-    """torch.optim.Muon, with its Newton-Schulz iterations in float32 on a CPU. Torch runs them in bfloat16, which
-    suits a GPU; a CPU without bfloat16 matrix units (AVX2) multiplies bfloat16 about 13x slower than float32, and
-    Muon's step took 1.96x AdamW's at the quick start's shape, 1.03x in float32 (docs/measurements.md). On a GPU
-    the step is torch's own. The state (`momentum_buffer`), the groups and the update rule are torch's."""
+    """torch.optim.Muon, with its Newton-Schulz iterations in float32 on a CPU, and on FSDP's pieces of each matrix.
+
+    On a CPU: torch runs the iterations in bfloat16, which suits a GPU; a CPU without bfloat16 matrix units (AVX2)
+    multiplies bfloat16 about 13x slower than float32, and Muon's step took 1.96x AdamW's at the quick start's shape,
+    1.03x in float32 (docs/measurements.md). On a GPU the step of whole matrices is torch's own.
+
+    Under FSDP (train.data_parallel=fsdp) each rank holds a piece of each matrix (a DTensor) and of its gradient,
+    already averaged over the ranks (reduce-scattered). The momentum is elementwise, so each rank keeps its own piece
+    of it; the orthogonalisation needs the whole matrix, so each rank all-gathers the matrix's update (the momentum
+    mixed with the gradient), orthogonalises it whole, and applies its own rows: the same numbers as DDP's step
+    (docs/fsdp.md says why gather, and what it costs). The state (`momentum_buffer`), the groups and the update rule
+    are torch's."""
 
     @torch.no_grad()
     def step(self, closure=None):
-        if any(p.device.type != "cpu" for group in self.param_groups for p in group["params"]):
+        sharded = any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"])  # DTensors
+        on_gpu = any(p.device.type != "cpu" for group in self.param_groups for p in group["params"])
+        if on_gpu and not sharded:
             return super().step(closure)
         loss = None
         if closure is not None:  # as torch's step: the closure recomputes the loss and its gradients
             with torch.enable_grad():
                 loss = closure()
+        # torch's GPU step orthogonalises in bfloat16; the CPU's in float32 (above)
+        dtype = torch.bfloat16 if on_gpu else torch.float32
         for group in self.param_groups:
             lr, momentum = group["lr"], group["momentum"]
             for p in group["params"]:
@@ -92,18 +101,23 @@ class Muon(torch.optim.Muon):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - momentum)
                 update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                if sharded:  # every rank's piece gathered: the whole matrix (an all-gather)
+                    update = update.full_tensor()
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"], dtype)
+                if sharded:  # this rank's rows of it (cut locally: every rank has the whole)
+                    from torch.distributed.tensor import distribute_tensor
+                    update = distribute_tensor(update.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None)
                 p.mul_(1 - lr * group["weight_decay"])
                 # Moonshot's scale (adjust_lr_fn="match_rms_adamw", Liu et al. 2025): the update's RMS is AdamW's
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
         return loss
 
 
-def orthogonalize(matrix, coefficients, steps, eps):
-    """Newton-Schulz's quintic iteration (torch.optim.Muon's, Jordan et al. 2024) in float32: the matrix with its
+def orthogonalize(matrix, coefficients, steps, eps, dtype=torch.float32):
+    """Newton-Schulz's quintic iteration (torch.optim.Muon's, Jordan et al. 2024) in `dtype`: the matrix with its
     singular values pushed to about 1 (0.5 to 1.5), its singular vectors kept."""
     a, b, c = coefficients
-    x = matrix.float()
+    x = matrix.to(dtype)
     if x.size(0) > x.size(1):  # iterate on the wide side: the Gram matrix x @ x.T is the smaller square
         x = x.T
     x = x / x.norm().clamp(min=eps)  # the spectral norm at most 1
@@ -116,7 +130,7 @@ def orthogonalize(matrix, coefficients, steps, eps):
 class MuonAdamW:
     """Muon and AdamW stepped as one optimizer (nanochat's MuonAdamW): the loop, the checkpoint and the
     schedule see one object. Gradients are all-reduced by DDP before `step`, so every rank computes the
-    same update of the whole matrix."""
+    same update of the whole matrix (under FSDP, of its piece: Muon above)."""
 
     name = "muon"  # optim.name: what a checkpoint's optimizer state belongs to
 

@@ -143,13 +143,23 @@ def step_folders(fs, root):
     return sorted(int(name[4:]) for name in names if name.startswith("step") and name[4:].isdigit())
 
 
+WARNED = set()  # damaged markers in a bucket already reported (one warning each)
+
+
 def complete_checkpoints(fs, root):
-    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable."""
+    """{step: marker} of the checkpoints in the bucket whose COMPLETE marker is there and readable. A marker that is
+    there and damaged (not a dict of files) is not a checkpoint either, with one warning, as checkpoint.py treats a
+    local one: a resume or a reader that falls back to an older step says so."""
     found = {}
     for step in step_folders(fs, root):
-        marker = read_marker(fs, f"{root}/step{step}/{MARKER}")
-        if marker is not None:  # else an upload cut short, or a damaged marker: not a checkpoint
+        path = f"{root}/step{step}/{MARKER}"
+        marker = read_marker(fs, path)
+        if marker is not None:  # else an upload cut short (no marker), or a damaged marker: not a checkpoint
             found[step] = marker
+        elif path not in WARNED and fs.exists(path):
+            WARNED.add(path)
+            print(f"warning: {fs.unstrip_protocol(path)} is no readable {MARKER} marker, so step{step} is not used as "
+                  f"a checkpoint; delete that step from the bucket, or upload it again.", file=sys.stderr, flush=True)
     return found
 
 
@@ -384,6 +394,11 @@ class Uploader:
             if self.fs.exists(f"{self.root}/step{old}/{MARKER}"):
                 self.fs.rm_file(f"{self.root}/step{old}/{MARKER}")
         self.fs.put_file(os.path.join(folder, MARKER), f"{remote}/{MARKER}")
+        if self.replaced:  # the other run's record goes too (its metrics_step<N>.json...): this run's replaces it whole
+            ours = {os.path.basename(path) for path in self.records()}
+            for entry in self.fs.ls(self.root, detail=True):
+                if entry["type"] == "file" and os.path.basename(entry["name"].rstrip("/")) not in ours:
+                    self.fs.rm_file(entry["name"])
         self._records()
         for old in self.replaced:
             if old != step:
@@ -408,8 +423,9 @@ class Uploader:
             except Exception as error:  # each store raises its own kinds; the run must go on
                 if pause is None:
                     self.failures += 1
+                    going_on = "the run is not affected" if self.closing else "training goes on"  # (closing: it ended)
                     print(f"warning: uploading checkpoint step{step} to {self.url} failed {attempt + 1} times "
-                          f"({describe_failure(error)}); training goes on, and the checkpoint is in "
+                          f"({describe_failure(error)}); {going_on}, and the checkpoint is in "
                           f"train.out_dir.", file=sys.stderr, flush=True)
                     try:  # what reached the bucket of this step is not a checkpoint: it goes
                         if not self.fs.exists(f"{self.root}/step{step}/{MARKER}"):

@@ -27,10 +27,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_weights_fit, code_change_note,
-                        find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_trainer_state,
-                        verify_checkpoint)
-from config import as_override, keys_with_role, parse_duration, parse_mix, with_defaults
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata,
+                        check_weights_fit, code_change_note, find_checkpoints, find_start_checkpoint,
+                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
+from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
 LOCK = ".lock"
@@ -130,12 +130,14 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs (a field one was saved without: its default)."""
-    old, new, changes = with_defaults(old), with_defaults(new), {}
-    for section in sorted(set(old) | set(new)):
+    """{'section.field': (old, new)} for every field that differs (a field one was saved without: its default).
+    Secrets (config.secret_keys) are left out, and so is config_to_dict's note of them: a record holds "***" for
+    them, and a new webhook URL is no changed setting."""
+    old, new, changes, secrets = with_defaults(old), with_defaults(new), {}, set(secret_keys())
+    for section in sorted((set(old) | set(new)) - {"redacted"}):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
             a, b = old.get(section, {}).get(name), new.get(section, {}).get(name)
-            if a != b:
+            if a != b and f"{section}.{name}" not in secrets:
                 changes[f"{section}.{name}"] = (a, b)
     return changes
 
@@ -191,7 +193,7 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
     if c.remote_folder:
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite)
+        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
     rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
@@ -200,8 +202,8 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
             if not c.save_overwrite:
-                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints (steps "
-                                      f"{', '.join(map(str, bucket_steps[-3:]))}) and this run starts afresh, which "
+                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
+                                      f"({steps_text(bucket_steps)}) and this run starts afresh, which "
                                       f"would mix two runs there; resume them (checkpoint.load=if_available), give "
                                       f"another remote folder, or pass --checkpoint.save_overwrite=true.")
             start.replace_bucket = bucket_steps
@@ -215,15 +217,33 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     return start
 
 
-def read_bucket(url, run_config, save_overwrite):
+def steps_text(steps):
+    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
+    if len(steps) <= 3:
+        return f"steps {', '.join(map(str, steps))}"
+    return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+def read_bucket(url, run_config, save_overwrite, out_dir):
     """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite."""
+    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
+    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
     import remote
 
     saved, steps = remote.read_run(url)
     if saved is None and not steps:
         return steps, True
     difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
+    own = os.path.join(out_dir, "config.json")
+    if difference and saved is not None and os.path.exists(own):
+        with open(own) as f:
+            ours = json.load(f)
+        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
+            key, old, new = difference
+            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
+                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
+                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
+                                  f"and remote folder.")
     if difference and not save_overwrite:
         key, old, new = difference
         raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
@@ -252,7 +272,8 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir)).get(rewind_to, fetched), True, ""
         verify_checkpoint(path)
-    elif fetched:
+    elif fetched:  # its files passed their checksums as they came; an FSDP run's .metadata is checked as data now
+        check_sharded_metadata(fetched, read_marker(fetched)["files"])
         path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
@@ -283,9 +304,10 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note, changed_code])
 
 
-def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg):
+def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
     """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
-    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print."""
+    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print. `trains`:
+    False when the run has nothing left to train (a resume past its end): no change of settings is recorded."""
     c, lines = checkpoint_cfg, []
     if start.fetched:  # the download becomes the folder's own checkpoint (remote.py)
         import remote
@@ -299,7 +321,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     save_overwrite = c.save_overwrite
     replaced = []
     if start.resumed:
-        accept_resume(out_dir, saved_config, run_config, step)
+        accept_resume(out_dir, saved_config, run_config, step, trains)
     else:
         replaced = claim_for_fresh_start(out_dir, run_config, save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
@@ -330,11 +352,11 @@ def check_identity(out_dir, saved_config, run_config):
             f"pass --checkpoint.save_overwrite=true to replace it).")
 
 
-def accept_resume(out_dir, saved_config, run_config, step):
+def accept_resume(out_dir, saved_config, run_config, step, trains=True):
     """Rank 0, resuming: note and record every change of a setting that may change (check_identity has
-    refused the others)."""
+    refused the others), unless the run trains nothing (no step runs under them)."""
     changes = changed_fields(saved_config, run_config)
-    if changes:
+    if changes and trains:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
         with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:

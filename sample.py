@@ -20,7 +20,7 @@ from torch.nn import functional as F
 
 from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
-from data import GPT2_VOCAB_SIZE, dataset_dir, get_tokenizer, tokenizer_of
+from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer, tokenizer_of
 
 
 class KVCache:
@@ -76,13 +76,13 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     the k most likely tokens, top_p the smallest set of tokens whose probability reaches p
     (Holtzman et al. 2019). Generation stops early once every row has produced `stop_token`.
     A `generator` of its own keeps sampling from disturbing the training RNG (exact resume)."""
-    kv_cache = KVCache(model.config.n_layer)
+    kv_cache = KVCache(len(model.blocks))
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     new = idx
     for _ in range(max_new_tokens):
         if kv_cache.length + new.size(1) > model.config.block_size:
             # The context is full: start a fresh cache over the last block_size - 1 tokens.
-            kv_cache = KVCache(model.config.n_layer)
+            kv_cache = KVCache(len(model.blocks))
             new = idx[:, -(model.config.block_size - 1) :]
         logits = model(new, kv_cache=kv_cache)
         logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p, vocab_size=vocab_size)
@@ -143,7 +143,7 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     finished; the search ends when no live beam can beat the finished ones or the length is reached."""
     device = next(model.parameters()).device
     assert len(prompt_tokens) + max_new_tokens <= model.config.block_size, "prompt + new tokens > block_size"
-    cache = KVCache(model.config.n_layer)
+    cache = KVCache(len(model.blocks))
     logits = model(torch.tensor([prompt_tokens], device=device), kv_cache=cache)
     beams = torch.tensor([prompt_tokens], device=device)  # (live beams, T)
     scores = torch.zeros(1, device=device)  # total log-probability of each live beam
@@ -195,7 +195,13 @@ def tokenizer_for(source, model):
         raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
                         f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
                         f"dataset first (e.g. `python data.py shakespeare-char`).")
-    return tokenizer_of(data_dir)
+    tokenizer = tokenizer_of(data_dir)
+    saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset) if path else None
+    if saved and saved != fingerprint(data_dir):  # the ids would decode to other characters
+        raise UserError(f"the dataset under {data_dir} is not the one {path} trained on (its meta.json or shards "
+                        f"differ), so its ids would decode to other characters; prepare that run's dataset again, or "
+                        f"point data.data_root at it.")
+    return tokenizer
 
 
 def check_args(args):

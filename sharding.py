@@ -5,28 +5,40 @@ block's weights just before the block runs and frees them after, and reduce-scat
 rank keeps its own piece. PyTorch does the work (FSDP2's `fully_shard`, and torch.distributed.checkpoint, "DCP",
 for checkpoints that each rank writes its own piece of); this file only calls it where the trainer needs it:
 
+    build_on_meta(...)        train.py's build_model: the model's shapes, no weights, and a record of how it drew them
     shard(model, ...)         train.py's wrap_model: each block, then the whole model
+    materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
     save_shards(...)          every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py)
+    gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
     full_into_sharded(...)    model.pt/optim.pt (a DDP run's) into a sharded model: DDP runs resume as FSDP
     apply(...)                what was read, put into the model and optimizer
     read_tensors(folder)      a sharded checkpoint's tensors put together in one process (sample.py, export-hf,
                               debug.py compare-state)
+    read_metadata(folder)     its .metadata, unpickled with DCP's own classes only: a checkpoint is data, never code
+
+DCP reads `.metadata` with a plain pickle.load and the optimizer's small values (lr, betas, names) with
+torch.load(weights_only=False): a checkpoint handed over by anyone could run any code it likes. Every read here goes
+through `Reader` and `Planner` instead, which allow only the classes a real checkpoint holds.
 
 Imported only by runs and tools that meet FSDP: `import train` does not load it.
 """
 
 import os
+import pickle
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard, distribute_tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
 
@@ -46,6 +58,183 @@ def shard(model, bf16, compiled):
     return model
 
 
+# ----------------------------------------------------------------------------- sharded initialisation
+# A model too big for one GPU cannot be built whole on one first. So the model is built on the `meta` device (shapes,
+# no numbers), sharded, and then each rank fills its own pieces (OLMo-core's and torchtitan's order). The pieces must
+# equal what a whole build draws with the same seed (DDP's start, and what a resume on another world size expects):
+# while the model is built on meta, every operation that creates or initialises a tensor is recorded in order (its
+# constructor's inits, then the model's own _init_weights); `materialise` replays them on the CPU, drawing the same
+# random numbers in the same order, but holds a whole tensor only from the last operation that overwrites all of it to
+# its last operation, then keeps this rank's piece. For GPT-2 that is one parameter at a time: a rank's peak is its
+# pieces plus the largest tensor (docs/fsdp.md measures it). A model whose init the record cannot replay (an
+# operation that reads another tensor, such as copy_ from a table it computed, or a buffer) is built whole on the CPU
+# instead, as before, and the run says so.
+
+
+@dataclass
+class Operation:
+    """One recorded operation: `func` (aten) on the tensor `uid` (a view of `size`, `stride`, `offset` into a storage
+    of `numel` elements), or creating it (`creates`), with its other arguments (no tensors)."""
+    func: object
+    uid: int
+    creates: bool
+    size: tuple
+    stride: tuple
+    offset: int
+    numel: int
+    dtype: torch.dtype
+    args: tuple
+    kwargs: dict
+    overwrites: bool  # every element of the storage gets a value that does not depend on the old ones
+
+
+@dataclass
+class InitRecord:
+    """What building the model on meta did, in order, and which recorded tensor each parameter is."""
+    operations: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)  # parameter name -> uid of the tensor holding it
+    unreplayable: str = ""  # why the record cannot be replayed ("" when it can)
+
+
+class RecordInit(TorchDispatchMode):
+    """Records the operations that create or initialise tensors while a model is built on meta."""
+
+    def __init__(self):
+        super().__init__()
+        self.record, self.uids = InitRecord(), {}  # uids: a live storage -> the uid of the tensor it holds
+        self.uids_given = []
+        self.computed = set()  # uids of tensors computed from other tensors (mul, a table from arange, ...)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        schema = func._schema.arguments
+        in_place = bool(tensors) and schema and schema[0].alias_info is not None and schema[0].alias_info.is_write
+        if in_place:
+            target = args[0]
+            uid = self.uids.get(key(target))
+            if len(tensors) > 1 or uid is None:  # e.g. copy_ from a computed table: not replayed
+                self.refuse(f"{func} reads another tensor")
+            else:
+                whole = target.numel() == storage_numel(target)
+                self.add(func, uid, target, args[1:], kwargs, creates=False,
+                         overwrites=whole and (seeded or func in OVERWRITING))
+            return out
+        for result in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(result, torch.Tensor) and all(key(result) != key(t) for t in tensors):  # a new storage
+                self.uids[key(result)] = uid = len(self.uids_given)  # a storage freed and reused gets a new uid
+                self.uids_given.append(uid)
+                if tensors:  # not replayed: a parameter made so is refused (build_on_meta)
+                    self.computed.add(uid)
+                    if seeded:
+                        self.refuse(f"{func} draws random numbers from a tensor's values")
+                else:
+                    self.add(func, uid, result, args, kwargs, creates=True, overwrites=True)
+        return out
+
+    def add(self, func, uid, tensor, args, kwargs, creates, overwrites):
+        self.record.operations.append(Operation(func, uid, creates, tuple(tensor.shape), tuple(tensor.stride()),
+                                                tensor.storage_offset(), storage_numel(tensor), tensor.dtype,
+                                                tuple(args), dict(kwargs), overwrites))
+
+    def refuse(self, why):
+        self.record.unreplayable = self.record.unreplayable or why
+
+
+OVERWRITING = {torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default}  # (the random inits are tagged seeded)
+
+
+def key(tensor):
+    return tensor.untyped_storage()._cdata  # the storage, shared by views and by a Parameter and its data
+
+
+def storage_numel(tensor):
+    return tensor.untyped_storage().nbytes() // tensor.element_size()
+
+
+def build_on_meta(make_model):
+    """(model on meta, InitRecord): `make_model()` run on the meta device, with the record of how it initialised."""
+    recorder = RecordInit()
+    with torch.device("meta"), recorder:
+        model = make_model()
+    record, computed = recorder.record, recorder.computed
+    record.params = {name: recorder.uids.get(key(p)) for name, p in model.named_parameters()}
+    if not record.unreplayable:
+        written = {op.uid for op in record.operations if op.overwrites}
+        odd = [name for name, uid in record.params.items() if uid is None or uid in computed or uid not in written]
+        if odd:
+            record.unreplayable = f"parameter {odd[0]} is computed from other tensors"
+        elif any(True for _ in model.buffers()):
+            record.unreplayable = "the model has buffers"
+    return model, record
+
+
+@torch.no_grad()
+def materialise(model, record, seed, device):
+    """Give the sharded meta `model` storage on `device` and fill each rank's pieces: the record replayed on the CPU
+    from `seed` (build_model's), each whole tensor held only while it is being initialised. The global random state
+    is left as it was."""
+    places = {}  # a parameter held under several names (a tied output layer): where each name is
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            places.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for (first_module, first_name), *others in places.values():  # to_empty gives a plain model's names new tensors
+        for module, name in others:
+            if getattr(module, name) is not getattr(first_module, first_name):
+                setattr(module, name, getattr(first_module, first_name))
+    params = dict(model.named_parameters())
+    wanted = {uid: name for name, uid in record.params.items()}
+    last_write, last_use = {}, {}
+    for i, op in enumerate(record.operations):
+        last_use[op.uid] = i
+        if op.overwrites:
+            last_write[op.uid] = i
+    saved = torch.get_rng_state()
+    torch.manual_seed(seed)
+    whole = {}  # uid -> the whole tensor's storage, as a flat CPU tensor, while it is being initialised
+    for i, op in enumerate(record.operations):
+        seeded = torch.Tag.nondeterministic_seeded in op.func.tags
+        if i < last_write.get(op.uid, -1):  # overwritten later: only the random numbers it draws matter
+            if seeded:
+                run(op, torch.empty(op.numel, dtype=op.dtype))
+            continue
+        if op.uid not in whole:
+            whole[op.uid] = run(op, None) if op.creates else torch.empty(op.numel, dtype=op.dtype)
+        if not op.creates:
+            run(op, whole[op.uid])
+        if i == last_use[op.uid]:
+            storage = whole.pop(op.uid)
+            if op.uid in wanted:
+                fill_piece(params[wanted[op.uid]], storage.as_strided(op.size, op.stride, op.offset))
+    torch.set_rng_state(saved)
+    return model
+
+
+def run(op, storage):
+    """Replay `op` on the CPU: into `storage` (a flat tensor viewed as the op's target), or creating a new tensor."""
+    if op.creates:
+        return op.func(*op.args, **{**op.kwargs, "device": torch.device("cpu")}).reshape(-1)
+    return op.func(storage.as_strided(op.size, op.stride, op.offset), *op.args, **op.kwargs)
+
+
+def fill_piece(param, full):
+    """Copy this rank's piece of the whole tensor `full` into `param` (a DTensor sharded by FSDP, or a plain one)."""
+    if not hasattr(param, "device_mesh"):
+        param.copy_(full)
+        return
+    mesh, placements = param.device_mesh, param.placements
+    if tuple(placements) == (Shard(0),):  # FSDP2 cuts dim 0 as torch.chunk does
+        chunks = torch.chunk(full, mesh.size(), dim=0)
+        rank = mesh.get_local_rank()
+        piece = chunks[rank] if rank < len(chunks) else full[:0]
+    else:  # every rank holds the same whole tensor: no communication needed
+        piece = distribute_tensor(full, mesh, placements, src_data_rank=None).to_local()
+    param.to_local().copy_(piece)
+
+
 # ----------------------------------------------------------------------------- saving and loading
 
 
@@ -56,12 +245,19 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
     group of the checkpoint's own, so that an async save's collectives never meet the training's. `tied`: second
     names of a tied weight, left out as model.pt leaves them out (a load puts them back where the model ties)."""
     weights = {name: tensor for name, tensor in get_model_state_dict(model).items() if name not in tied}
-    state = {"model": weights, "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": weights, "optim": get_optimizer_state_dict(model, parts(optimizer))}
     where = os.path.join(partial, FOLDER)
     if async_save:
         return dcp.async_save(state, checkpoint_id=where, process_group=group)
     dcp.save(state, checkpoint_id=where, process_group=group)
     return None
+
+
+def gather_weights(model, tied=()):
+    """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on the other ranks):
+    checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied weight, left out as model.pt does."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return {name: t for name, t in get_model_state_dict(model, options=options).items() if name not in tied}
 
 
 def load_shards(path, model, optimizer, tied=None):
@@ -72,23 +268,34 @@ def load_shards(path, model, optimizer, tied=None):
     tied = tied or {}
     state = {"model": {name: t for name, t in get_model_state_dict(model).items() if name not in tied}}
     if optimizer is not None:  # (the template creates AdamW's state, with step 0, for DCP to fill)
-        state["optim"] = get_optimizer_state_dict(model, optimizer)
+        state["optim"] = get_optimizer_state_dict(model, parts(optimizer))
     read_into(state, os.path.join(path, FOLDER))
     for name, first in tied.items():
         state["model"][name] = state["model"][first]
     return state["model"], state.get("optim")
 
 
+def parts(optimizer):
+    """The torch optimizers DCP sees: MuonAdamW's two (their states keyed by parameter name, groups one after the
+    other, as MuonAdamW.param_groups lists them), or the one optimizer."""
+    return list(optimizer.optimizers.values()) if hasattr(optimizer, "optimizers") else optimizer
+
+
 def full_into_sharded(model, optimizer, model_state, optim_state):
-    """A DDP run's model.pt and optim.pt (whole tensors; the optimizer's state numbered in the order of its
-    groups' parameters) as the states `apply(..., full=True)` puts into a sharded model, by parameter name."""
+    """A DDP run's model.pt and optim.pt (whole tensors; each optimizer's state numbered in the order of its
+    groups' parameters; MuonAdamW's, one such state per optimizer) as the states `apply(..., full=True)` puts into a
+    sharded model, by parameter name."""
     if optim_state is None:
         return model_state, None
     names = {id(p): name for name, p in model.named_parameters()}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    return model_state, {"state": {order[int(i)]: moments for i, moments in optim_state["state"].items()},
-                         "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]}
-                                          for g in optim_state["param_groups"]]}
+    by_name = {"state": {}, "param_groups": []}
+    inner = optim_state if "param_groups" not in optim_state else {"": optim_state}
+    for part, saved in zip(parts(optimizer) if hasattr(optimizer, "optimizers") else [optimizer], inner.values()):
+        order = [names[id(p)] for group in part.param_groups for p in group["params"]]
+        by_name["state"].update({order[int(i)]: moments for i, moments in saved["state"].items()})
+        by_name["param_groups"] += [{**g, "params": [order[int(i)] for i in g["params"]]}
+                                    for g in saved["param_groups"]]
+    return model_state, by_name
 
 
 def apply(model, optimizer, model_state, optim_state, full=False):
@@ -96,7 +303,7 @@ def apply(model, optimizer, model_state, optim_state, full=False):
     options = StateDictOptions(full_state_dict=full)
     set_model_state_dict(model, model_state, options=options)
     if optim_state is not None:
-        set_optimizer_state_dict(model, optimizer, optim_state, options=options)
+        set_optimizer_state_dict(model, parts(optimizer), optim_state, options=options)
 
 
 # ----------------------------------------------------------------------------- reading in one process
@@ -105,7 +312,7 @@ def apply(model, optimizer, model_state, optim_state, full=False):
 def tensor_shapes(folder, prefix="model."):
     """{name: (shape, dtype)} of the tensors under `prefix` in a sharded checkpoint folder, read from .metadata
     alone (no weights are read)."""
-    metadata = FileSystemReader(folder).read_metadata().state_dict_metadata
+    metadata = read_metadata(folder).state_dict_metadata
     return {key[len(prefix):]: (tuple(meta.size), meta.properties.dtype) for key, meta in metadata.items()
             if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
 
@@ -125,4 +332,78 @@ def read_into(state, folder):
     DCP announces in a warning that tells a user nothing here)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=folder, no_dist=not torch.distributed.is_initialized())
+        dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
+                 no_dist=not torch.distributed.is_initialized())
+
+
+# ----------------------------------------------------------------------------- reading without running code
+
+# What a .metadata may build: DCP's own metadata classes and the torch and standard types they are made of (read off
+# the .metadata of a real 2-rank FSDP checkpoint of this trainer, torch 2.13: tests/test_fsdp.py makes one). A dtype
+# is any torch.<dtype> (see allowed). Each of these only holds values: building one runs no code of the file's.
+METADATA_CLASSES = {
+    *(("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # which file and bytes hold each piece
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # torch.strided by its name (a lookup in torch's own table)
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),  # StorageMeta.checkpoint_id: where it was saved
+    ("collections", "OrderedDict"),
+}
+
+
+class MetadataRefused(ValueError):
+    """A .metadata that is not DCP's metadata; the message says what it holds instead."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle's Unpickler that builds only METADATA_CLASSES (and torch dtypes): any other name a file asks for, such
+    as os.system, is refused before it is looked up (the pickle docs' "Restricting Globals")."""
+
+    def find_class(self, module, name):
+        if (module, name) in METADATA_CLASSES or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                     torch.dtype)):
+            return super().find_class(module, name)
+        raise MetadataRefused(f"it asks to run {module}.{name}")
+
+
+def read_metadata(folder):
+    """A sharded checkpoint folder's .metadata (DCP's Metadata), unpickled with DCP's own classes only; MetadataRefused
+    (what the file holds instead) for anything else: another class, another object, bytes that are no pickle."""
+    path = os.path.join(folder, ".metadata")
+    with open(path, "rb") as f:
+        try:
+            metadata = MetadataUnpickler(f).load()
+        except MetadataRefused:
+            raise
+        except Exception as error:  # noqa: BLE001 - random bytes make pickle raise any of several kinds
+            raise MetadataRefused(f"it is no pickle DCP wrote ({type(error).__name__})") from None
+    if not isinstance(metadata, Metadata):
+        raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+class Reader(FileSystemReader):
+    """DCP's file reader, with .metadata read by read_metadata instead of pickle.load (as FileSystemReader does
+    otherwise: the storage_meta and load_id it sets are kept)."""
+
+    def read_metadata(self, *args, **kwargs):
+        metadata = read_metadata(str(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class Planner(DefaultLoadPlanner):
+    """DCP's load planner, with the non-tensor values (the optimizer's lr, betas, group names) read by
+    torch.load(weights_only=True), which builds only tensors and plain values, instead of weights_only=False."""
+
+    def load_bytes(self, read_item, value):
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            from torch.distributed.checkpoint._traverse import set_element
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded

@@ -29,8 +29,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (GarbageCollector, LossSpikeDetector, NonFiniteLoss, Notifier, StepClock, check_finite,
-                       make_profiler, memory_metrics, peak_flops_for_device, per_layer_grad_norms,
+from callbacks import (GarbageCollector, LossSpikeDetector, Notifier, StepClock, all_finite, check_finite,
+                       make_profiler, memory_metrics, nonfinite_stop, peak_flops_for_device, per_layer_grad_norms,
                        register_stack_dump, save_environment, speed_metrics)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
@@ -39,7 +39,7 @@ from config import (ConfigError, check_torch, check_warmup, config_to_dict, pars
 from data import MixtureLoader, TokenLoader, dataset_dir, ensure_dataset, fingerprint, tokenizer_of
 from model import GPT, choose_loss_path, gpt_class, loss_slices
 from optimizer import build_optimizer, build_schedule, lr_metrics, set_lr
-from plan import Plan, SignalFlag, Stopper, describe_memory, make_plan
+from plan import Due, Every, Plan, SignalFlag, Stopper, describe_memory, make_plan, resolve_batch_size
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -143,8 +143,11 @@ def train(cfg):
             # stop (a scheduler's grace period is short) only the checkpoint runs.
             stop = run.stopper.poll(step)  # a signal, CANCEL, the time limit or a write error, agreed by every rank
             due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
-            if due.output and cfg.train.nan_policy == "stop":
-                check_finite(step, step_metrics)  # one host sync, and only when something reads the weights
+            # One host sync, and only when something reads the weights: a non-finite loss or gradient cancels all
+            # of it, and the rows so far are written below (the first non-finite step among them is named).
+            nonfinite = due.output and cfg.train.nan_policy == "stop" and not all_finite(step_metrics)
+            if nonfinite:
+                due = Due()
             if due.evals:
                 with clock.aside("eval"):
                     scores = evaluate(run, due, mix)
@@ -157,17 +160,19 @@ def train(cfg):
                     recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
             # The rows collected now go to metrics.jsonl (every step, before a checkpoint is saved or a stop for
             # non-finite steps) and come back as the console lines to print (rank 0).
-            collect, wait = due.collect or give_up, bool(due.checkpoint) or give_up
+            collect, wait = due.collect or give_up or nonfinite, bool(due.checkpoint) or give_up or nonfinite
             for line in recorder.finish_step(step, collect, wait):
                 print(line, flush=True)
+            if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
+                print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
             if run.writer.nonfinite and cfg.train.nan_policy == "stop":
-                raise NonFiniteLoss(run.writer.nonfinite)
+                raise nonfinite_stop(run.writer.nonfinite, cfg.train.out_dir)
+            if nonfinite:  # (the rows hold it: this names the step only if they somehow did not)
+                check_finite(step, step_metrics, cfg.train.out_dir)
             if give_up:  # its rows are written: the steps that led here are on record
-                raise NonFiniteLoss(
-                    f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step {step} "
-                    f"(train.nan_policy=skip), so the weights are no longer trained; resume from the last checkpoint "
-                    f"(or, with none yet, start again) with a lower optim.lr (train.nan_skip_limit sets how many in a "
-                    f"row).")
+                raise nonfinite_stop(f"the loss or gradient was non-finite at {in_a_row} steps in a row up to step "
+                                     f"{step} (train.nan_policy=skip), so the weights are no longer trained",
+                                     cfg.train.out_dir, skip=False)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -210,8 +215,10 @@ def before_the_first_step(run):
                 f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
             print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
     elif state.step >= plan.end_step and run.is_master:
-        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do (raise "
-              f"train.max_steps to train longer).")
+        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
+            if plan.end_step < plan.max_steps else "raise train.max_steps"
+        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
+              f"longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
 
@@ -269,6 +276,14 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         step_metrics["train/grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)
     return step_metrics, data_time
+
+
+def rank_line(rank, step, step_metrics):
+    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
+    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
+    on the steps it prints."""
+    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
+    return f"[rank {rank}] {metrics.console_line(step, own)}"
 
 
 def trace_step(run, loader, step):
@@ -396,7 +411,8 @@ class Run:
         metrics.warn_if_slow("waiting for the previous checkpoint", time.perf_counter() - stall_start,
                              self.cfg.log.bookkeeping_soft_timeout)
         trainer_state = {**self.state.to_dict(), "config": config_to_dict(self.cfg)}
-        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master)
+        snapshot = capture_state(self.raw_model, self.optimizer, trainer_state, self.sample_generator, self.is_master,
+                                 unsharded=Every(self.cfg.checkpoint.unsharded_interval).due(self.state.step))
         self.checkpointer.save(self.state.step, snapshot, kind, self.raw_model, self.optimizer)
         stalled = time.perf_counter() - stall_start
         if self.is_master and self.state.step > 0:
@@ -412,12 +428,16 @@ class Run:
             failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
             raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
                                     f"then run the same command again to resume.")
-        self.notifier.outcome = f"{self.stopper.describe(reason)} after step {self.state.step}; its checkpoint is saved"
+        saved = not self.cfg.train.no_checkpoints  # (a benchmark saves none)
+        self.notifier.outcome = (f"{self.stopper.describe(reason)} after step {self.state.step}; "
+                                 + ("its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)"))
         if self.is_master:
             if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
                 os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
-            print(f"{self.stopper.describe(reason)} after step {self.state.step}; the checkpoint is saved: run the "
-                  f"same command again to resume.", flush=True)
+            print(f"{self.stopper.describe(reason)} after step {self.state.step}; " + (
+                "the checkpoint is saved: run the same command again to resume." if saved else
+                "train.no_checkpoints saved no checkpoint, so running the command again starts from step 0."),
+                flush=True)
 
 
 def build_run(cfg, stack):
@@ -429,16 +449,16 @@ def build_run(cfg, stack):
                           "process; start it with torchrun --nproc-per-node=N, or set --train.data_parallel=ddp.")
     name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
     notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
-    raw_model = build_model(cfg, procs)  # the same initial weights on every rank
+    raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
+    model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
     if cfg.eval.tasks and tokenizer.eot_token is None:
         raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
                           f"character-level; leave eval.tasks empty for this run.")
     task_examples = load_task_examples(cfg, procs)
-    model, compiled = wrap_model(cfg, procs, raw_model)
     optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
     plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
@@ -524,30 +544,93 @@ def is_compiled(cfg, device_type):
 
 
 def build_model(cfg, procs):
-    """The GPT (train.model_module's class) with the same initial weights on every rank, on the device."""
+    """(the GPT (train.model_module's class) with the same initial weights on every rank, on the device; the record
+    of its initialisation or None). Under FSDP it is built on `meta` (shapes, no numbers) and its record is kept:
+    wrap_model shards it, then each rank fills only its own pieces (sharding.py), so no rank holds the whole model."""
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
-    raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path).to(procs.device)
+    make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
+    record = None
+    if cfg.train.data_parallel == "fsdp":
+        from sharding import build_on_meta
+        raw_model, record = build_on_meta(make)
+        if record.unreplayable:  # a fork's init the record cannot replay: built whole, as DDP does
+            if procs.is_master:
+                print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
+                      f"which sharded initialisation cannot replay; docs/fsdp.md).")
+            raw_model, record = make(), None
+    else:
+        raw_model = make()
+    raw_model = raw_model if record else raw_model.to(procs.device)
+    auto = cfg.data.batch_size == "auto"
+    if auto:  # the largest micro-batch the estimate fits on this GPU (plan.py)
+        cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, procs.world_size, procs.device,
+                                                      isinstance(procs.autocast, torch.autocast))
+        if procs.is_master:
+            print(why, flush=True)
     torch.manual_seed(cfg.train.seed + procs.rank)  # from here on each rank draws its own dropout masks
     if raw_model.config != cfg.model or len(raw_model.blocks) != cfg.model.n_layer:  # a model file that ignores it
-        raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT built {len(raw_model.blocks)} blocks "
-                          f"from a config other than the run's model section (model.n_layer={cfg.model.n_layer}); "
-                          f"build the model from the GPTConfig it is given, so that its checkpoints load again.")
-    return raw_model
+        differs = [f"model.{f.name}={getattr(cfg.model, f.name)}, it built {getattr(raw_model.config, f.name, None)}"
+                   for f in dataclasses.fields(cfg.model)
+                   if getattr(raw_model.config, f.name, None) != getattr(cfg.model, f.name)]
+        if len(raw_model.blocks) != cfg.model.n_layer and not any(d.startswith("model.n_layer=") for d in differs):
+            differs.append(f"model.n_layer={cfg.model.n_layer}, it built {len(raw_model.blocks)} blocks")
+        raise ConfigError(f"train.model_module={cfg.train.model_module}'s GPT was built from a config other than the "
+                          f"run's model section ({'; '.join(differs)}); build the model from the GPTConfig it is "
+                          f"given, so that its checkpoints load again.")
+    return raw_model, record, auto
 
 
-def wrap_model(cfg, procs, raw_model):
+def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
     gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
-    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once."""
+    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once; a
+    model built on meta (`init_record`) then gets its pieces, drawn as a whole build would draw them. `confirm_batch`
+    (data.batch_size=auto): one trial micro-batch first (confirm_batch_size)."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":
-        from sharding import shard
-        return shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled), compiled
+        from sharding import materialise, shard
+        model = shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
+        if init_record is not None:
+            materialise(model, init_record, cfg.train.seed, procs.device)
+        if confirm_batch:
+            confirm_batch_size(cfg, procs, model)
+        return model, compiled
+    if confirm_batch:
+        confirm_batch_size(cfg, procs, raw_model)
     model = torch.compile(raw_model) if compiled else raw_model
     if procs.world_size > 1:
         model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
     return model, compiled
+
+
+def confirm_batch_size(cfg, procs, raw_model):
+    """data.batch_size=auto on a GPU: the estimate is an estimate, so one forward and backward of the chosen micro-batch
+    runs before the first step; on an out-of-memory error the micro-batch is halved, once, with a warning (the ranks
+    agree on the smaller). Nothing is trained: the gradients are dropped and the random state is put back. Under FSDP
+    the ranks hold equal shares and so, as a rule, run out together; one that ran out alone would leave the others
+    waiting in a collective until train.dist_timeout."""
+    size, fits = cfg.data.batch_size, 1
+    tokens = torch.zeros(size, cfg.model.block_size, dtype=torch.long, device=procs.device)
+    with torch.random.fork_rng(devices=[procs.device]):
+        try:
+            with procs.autocast:
+                loss = raw_model(tokens, tokens)
+            loss.backward()
+        except torch.OutOfMemoryError:
+            fits = 0
+        loss = None
+    raw_model.zero_grad(set_to_none=True)
+    torch.cuda.empty_cache()
+    if procs.world_size > 1:
+        agreed = torch.tensor(fits)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=procs.cpu_group)
+        fits = int(agreed)
+    if not fits and size > 1:
+        cfg.data.batch_size = size // 2
+        if procs.is_master:
+            print(f"warning: data.batch_size=auto: {size} sequences ran out of GPU memory in a trial step, so the run "
+                  f"takes {size // 2} (halved once; set data.batch_size to choose it yourself).", flush=True)
 
 
 def shares_text(mix):
@@ -659,7 +742,8 @@ def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if procs.is_master:
         replaced, lines = run_dir.carry_out_start(out_dir, start, saved["config"] if start.resumed else None,
-                                                  config_to_dict(cfg), state.step, ck)
+                                                  config_to_dict(cfg), state.step, ck,
+                                                  trains=state.step < plan.end_step or not start.resumed)
         save_environment(out_dir, procs.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=procs.world_size, device=procs.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))

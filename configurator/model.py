@@ -12,16 +12,19 @@ of 64 from there. Any such name is a size; two dials list the ones the shipped l
   grows 4x per step of the dial for 1.3x to 2.5x the time per token. Doubling depth instead (2x64 to
   4x64) did not lower the loss at these durations, so the fit saw no N effect (docs/ladder.md).
 
-Parameter counts come from the real model built on the meta device (no memory, no initialisation).
+Parameter counts come from the run's own model (`train.model_module`, with the whole `model.*` section, overrides
+kept, and only the shape set from the size), built on the meta device (no memory, no initialisation), and asked
+what it has (`num_params`); nothing here names a layer, so a fork's ladder counts the fork.
 """
 
+import dataclasses
 import math
 import re
 
 import torch
 
 from config import ConfigError
-from model import GPT, GPTConfig
+from model import gpt_class
 
 GPT2_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
 CPU_DIAL = ["2x32", "2x64", "2x128", "2x256"]
@@ -47,20 +50,29 @@ def shape_of(size):
     return int(match.group(1)), width
 
 
-def model_config(size, block_size):
+def model_config(size, base):
+    """The run's model section `base` (a GPTConfig, or a fork's) with the shape of `size`: n_layer and n_embd from
+    the name, 64-wide heads. Every other field (block_size, a fork's own) stays as the run set it."""
     n_layer, n_embd = shape_of(size)
-    return GPTConfig(n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64), block_size=block_size)
+    return dataclasses.replace(base, n_layer=n_layer, n_embd=n_embd, n_head=max(1, n_embd // 64))
 
 
-def param_counts(size, block_size):
-    """{non_embedding, with_output, total} parameters of the real model. non_embedding is Kaplan et al.'s N
-    (no token or position embeddings); with_output adds the output layer (the tied token embedding,
-    which every token multiplies: nanochat's N, and Porian et al.'s point that it is real compute);
-    total adds the position embedding too."""
+def sized_model(size, base, model_module="model"):
+    """The run's GPT (`train.model_module`) at `size`, on the meta device: its counts without its memory."""
+    try:
+        cls = gpt_class(model_module)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     with torch.device("meta"):
-        model = GPT(model_config(size, block_size))
-    non_embedding = model.num_params(non_embedding=True)
-    return {"non_embedding": non_embedding, "with_output": non_embedding + model.transformer.wte.weight.numel(),
+        return cls(model_config(size, base))
+
+
+def param_counts(model):
+    """{non_embedding, with_output, total} parameters of a model, as it counts them (model.PARAM_KINDS).
+    non_embedding is Kaplan et al.'s N (no token or position embeddings); with_output adds a tied output layer
+    (which every token multiplies: nanochat's N, and Porian et al.'s point that it is real compute); total is
+    every parameter once."""
+    return {"non_embedding": model.num_params(non_embedding=True), "with_output": model.num_params_with_output(),
             "total": model.num_params()}
 
 
@@ -71,7 +83,7 @@ def device_memory_gib(device_type):
     return DEVICE_MEMORY_GIB[device_type]
 
 
-def configure_rank_microbatch_size(size, sequence_length, device_type):
+def configure_rank_microbatch_size(model, device_type):
     """Tokens one device processes per micro-step (OLMo's configure_rank_microbatch_size): the largest
     power-of-two number of sequences whose activations fit beside the weights and AdamW state.
 
@@ -79,22 +91,19 @@ def configure_rank_microbatch_size(size, sequence_length, device_type):
     token and layer about 34 x width bytes of bf16 activations (Korthikanti et al. 2022, table 2, with
     flash attention, which keeps no sequence x sequence scores); float32 on a CPU doubles it. The fused
     loss never holds the logits. Half the memory is left for the allocator, the compiler and the rest."""
-    n_layer, n_embd = shape_of(size)
-    total = param_counts(size, sequence_length)["total"]
-    budget = device_memory_gib(device_type) * 2**30 / 2 - 16 * total
-    bytes_per_token = 34 * n_embd * n_layer * (2 if device_type == "cpu" else 1) + 16 * n_embd
+    c, sequence_length = model.config, model.config.block_size
+    budget = device_memory_gib(device_type) * 2**30 / 2 - 16 * model.num_params()
+    bytes_per_token = 34 * c.n_embd * c.n_layer * (2 if device_type == "cpu" else 1) + 16 * c.n_embd
     sequences = max(1, budget // (bytes_per_token * sequence_length))
     sequences = 2 ** int(math.log2(min(sequences, 64)))  # 64 sequences per device is plenty for throughput
     return sequences * sequence_length
 
 
-def memory_fit(size, sequence_length, device_type, micro_batch_tokens, devices):
+def memory_fit(model, device_type, micro_batch_tokens, devices):
     """(GB per device with DDP, GB per device with FSDP on `devices`, the device's GB, "fits with DDP" / "needs
-    FSDP" / "does not fit"): plan.memory_per_rank, the estimate a run prints at start, for this size."""
+    FSDP" / "does not fit"): plan.memory_per_rank, the estimate a run prints at start, for this model."""
     from plan import memory_per_rank
 
-    with torch.device("meta"):
-        model = GPT(model_config(size, sequence_length))
     bf16, kind = device_type != "cpu", "cpu" if device_type == "cpu" else "cuda"
     ddp = memory_per_rank(model, micro_batch_tokens, devices, False, bf16, kind)["total"] / 1e9
     fsdp = memory_per_rank(model, micro_batch_tokens, devices, True, bf16, kind)["total"] / 1e9
@@ -103,11 +112,11 @@ def memory_fit(size, sequence_length, device_type, micro_batch_tokens, devices):
     return ddp, fsdp, memory, verdict
 
 
-def configure_minimal_device_mesh_spec(size, sequence_length, device_type):
+def configure_minimal_device_mesh_spec(model, size, device_type):
     """(min_world_size, min_dp_world_size) as OLMo's configure_minimal_device_mesh_spec. This trainer
     is data-parallel (DDP): every device holds the whole model, so more devices never make a model fit;
     one device is the minimum when the weights and AdamW state fit in it, and none suffices otherwise."""
-    total = param_counts(size, sequence_length)["total"]
+    total = model.num_params()
     if 16 * total > device_memory_gib(device_type) * 2**30 / 2:
         raise ConfigError(f"size {size} ({total:,} parameters) does not fit on one {device_type} with DDP; "
                           f"pick a smaller size or a device with more memory.")

@@ -135,3 +135,5 @@ class GPT(nn.Module):
     # by its module types, so they fit this GPT as they fit model.py's.
     blocks = model.GPT.blocks
     param_groups, num_params, flops_per_token = model.GPT.param_groups, model.GPT.num_params, model.GPT.flops_per_token
+    logits, score_tokens, param_kinds = model.GPT.logits, model.GPT.score_tokens, model.GPT.param_kinds
+    num_params_with_output = model.GPT.num_params_with_output

@@ -50,12 +50,15 @@ def test_another_run_in_the_bucket_is_refused_and_save_overwrite_replaces_it_who
     refused = run_train(args(data_root, tmp_path / "c", *common, "--checkpoint.load=never"), check=False)
     assert_one_sentence(refused, "holds checkpoints (steps 4, 6, 8) and this run starts afresh")
     assert bucket_listing(url) == before
-    # save_overwrite: B replaces A in the bucket, whole, once its first checkpoint is up.
+    # save_overwrite: B replaces A in the bucket, whole, once its first checkpoint is up, A's record included.
+    fs, root = remote.filesystem(url)
+    fs.pipe_file(f"{root}/metrics_step8.json", b"{}")  # A's evaluation at step 8 (this test's runs evaluate nothing)
     replaced = run_train(args(data_root, tmp_path / "b", *common, "--train.seed=7", "--train.hard_stop=2",
                               "--checkpoint.save_overwrite=true"))
     assert f"replacing the run in {url}" in replaced.stdout
     assert bucket_steps(url) == [2]  # A's 4, 6 and 8 are gone, none of B's went to A's retention
-    fs, root = remote.filesystem(url)
+    fs.invalidate_cache()
+    assert not fs.exists(f"{root}/metrics_step8.json")
     assert json.loads(fs.cat_file(f"{root}/config.json"))["train"]["seed"] == 7
     fresh = run_train(args(data_root, tmp_path / "fresh", *common, "--train.seed=7"))  # a fresh node resumes B
     assert "downloaded step2" in fresh.stdout and bucket_steps(url) == [4, 6, 8]
@@ -225,7 +228,8 @@ def test_a_model_file_that_ignores_its_config_is_refused_and_one_file_is_one_mod
                         "        super().__init__(dataclasses.replace(config, n_layer=1), loss_path)\n")
     result = run_train(args(data_root, tmp_path / "run", "--train.max_steps=2", f"--train.model_module={stubborn}"),
                        check=False)
-    assert_one_sentence(result, "built 1 blocks from a config other than the run's model section")
+    assert_one_sentence(result, "was built from a config other than the run's model section (model.n_layer=2, it "
+                                "built 1)")
     own = ROOT / "tests" / "gpt_of_your_own.py"
     run_train(args(data_root, tmp_path / "mine", "--train.max_steps=4", "--train.hard_stop=2",
                    f"--train.model_module={own}"))

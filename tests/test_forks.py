@@ -208,3 +208,166 @@ def test_your_own_folder_of_text_files_is_the_data(tmp_path, data_root):
     assert metrics(run_dir)[-1]["val/loss"] < metrics(run_dir)[2]["val/loss"]  # it learns the texts
     samples(project, run_dir)
     exports_with_its_logits(project, run_dir, tmp_path / "hf")
+
+
+# ----------------------------------------------------------------------------- forks that every tool must ask
+# Each fork below is a GPT of one's own (train.model_module), or an edit of model.py, that GPT-2's layout does not
+# show: every tool must ask the model (its `logits`, `score_tokens`, parameter kinds) to get it right. Each trains,
+# resumes, evaluates a task (in the run), samples, runs a ladder dry run and exports, or is refused in one sentence.
+
+SOFT_CAP = """import torch, model
+class GPT(model.GPT):
+    def logits(self, h):  # Gemma 2's soft-cap: 30 * tanh(logits / 30), and no new weight
+        return 30 * torch.tanh(super().logits(h) / 30)
+"""
+RELU_MLP = """import torch.nn as nn, model
+class GPT(model.GPT):
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        for block in self.blocks:
+            block.mlp.gelu = nn.ReLU()  # another function, the same weights
+"""
+OUTPUT_GAIN = """import torch, torch.nn as nn, model
+class GPT(model.GPT):
+    # a learned gain before the output layer, a kind of parameter of its own: not in N, AdamW without decay
+    param_kinds = {**model.PARAM_KINDS, "gain": model.ParamKind(in_n=False, muon=False, decay=False)}
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        self.out_gain = nn.Parameter(torch.ones(config.n_embd))
+    def logits(self, h):
+        return super().logits(h * self.out_gain)
+    def param_groups(self):
+        groups = super().param_groups()
+        groups["vector"] = [p for p in groups["vector"] if p is not self.out_gain]
+        return {**groups, "gain": [self.out_gain]}
+"""
+
+
+def ladder_file(tmp_path, data_root, *lines, size="1x64"):
+    path = tmp_path / "ladder_of_the_fork.py"
+    path.write_text("\n".join([f'ladder.name = "fork"', f'ladder.dir = "{tmp_path / "ladder"}"',
+                               f'ladder.sizes = ["{size}"]', "ladder.batch_tokens = 256", "ladder.duration_tokens = 8192",
+                               "ladder.chinchilla_multiple = 1", "ladder.warmup_tokens = 512",
+                               "model.block_size = 32", f'data.data_root = "{data_root}"', *lines]) + "\n")
+    return path
+
+
+def tools_on_the_fork(tmp_path, args, run_dir, ladder_lines):
+    """The task evaluated in the run, a sample, the ladder's N: what every tool gives for the fork (in this process)."""
+    import ladder
+    from checkpoint import load_model
+    from conftest import run_in_process
+    from sample import generate_text
+
+    rows = metrics(run_dir)
+    assert "eval/hellaswag/acc" in rows[-1]  # scored through the fork's score_tokens, in the run
+    model = load_model(str(run_dir), "cpu", "the fork")
+    generator = torch.Generator().manual_seed(0)
+    text, = generate_text(model, "ROMEO:", num_samples=1, max_new_tokens=4, temperature=1.0, top_k=0, device="cpu",
+                          generator=generator)
+    assert text.startswith("ROMEO:") and len(text) > len("ROMEO:")
+    file = ladder_file(tmp_path, args[-1].split("=", 1)[1], *ladder_lines)
+    planned = run_in_process(["dry-run", file, "--json"], ladder.main)
+    assert planned.returncode == 0, planned.stderr
+    return model, json.loads(planned.stdout.splitlines()[0])
+
+
+def exported_or_refused(model, folder, refusal):
+    """export-hf's result: GPT-2 with the fork's own logits, or (refusal) one sentence and no folder."""
+    pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
+    import hf
+    from config import UserError
+
+    if refusal is None:
+        hf.export_hf(model, str(folder))  # which checks the logits itself
+        assert (folder / "config.json").exists()
+        return
+    with pytest.raises(UserError) as refused:
+        hf.export_hf(model, str(folder))
+    sentence = str(refused.value)
+    assert refusal in sentence and "\n" not in sentence and sentence.endswith(".")
+    assert not folder.exists() and not any(p.name.startswith(f".{folder.name}.") for p in folder.parent.iterdir())
+
+
+@pytest.mark.parametrize("source, refusal", [(SOFT_CAP, "differ by up to"), (RELU_MLP, "differ by up to"),
+                                             (OUTPUT_GAIN, "has no place for (out_gain")],
+                         ids=["soft-cap", "relu-mlp", "parameter-kind"])
+def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_exported_or_refused(
+        tmp_path, args, source, refusal):
+    from conftest import run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(source)
+    run_dir = tmp_path / "run"
+    own = [f"--train.model_module={module}", "--train.max_steps=3", "--checkpoint.interval=2", "--eval.interval=3",
+           "--eval.tasks=hellaswag", "--eval.tasks_interval=3", "--eval.tasks_limit=2", f"--eval.tasks_data_dir={tiny_task_data()}",
+           f"--train.out_dir={run_dir}"]
+    run_train([*args[:-1], *own, "--train.hard_stop=2", args[-1]])
+    resumed = run_train([*args[:-1], *own, args[-1]])
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    model, plan = tools_on_the_fork(tmp_path, args, run_dir, [f'train.model_module = "{module}"'])
+    from configurator.model import param_counts, sized_model
+    from model import GPTConfig
+    assert plan["non_embedding_params"] == param_counts(sized_model("1x64", GPTConfig(block_size=32), str(module)))[
+        "non_embedding"]
+    if source is OUTPUT_GAIN:  # its kind of its own: not in N, and AdamW's group without decay
+        from config import OptimConfig
+        from optimizer import param_groups
+        assert model.num_params() - model.num_params(non_embedding=True) == 50304 * 32 + 32 * 32 + 32
+        assert any(p is model.out_gain for p in param_groups(model, OptimConfig())["no_decay"])
+    exported_or_refused(model, tmp_path / "hf", refusal)
+
+
+def test_a_kind_of_parameter_the_table_does_not_list_is_one_sentence_naming_it(tmp_path, args):
+    from conftest import run_train
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(OUTPUT_GAIN.replace("    param_kinds = ", "    unused = "))
+    refused = run_train([*args, f"--train.model_module={module}", f"--train.out_dir={tmp_path / 'run'}"], check=False)
+    assert_one_sentence(refused, "puts out_gain under the kind 'gain'", "model.PARAM_KINDS")
+    assert not (tmp_path / "run").exists()
+
+
+GQA = [("model.py", "    n_embd: int = field(",
+        "    # key and value heads (grouped-query attention, Ainslie et al. 2023); 0: as many as n_head\n"
+        "    n_kv_head: int = field(default=0, metadata={\"role\": \"identity\", \"ladder\": False, "
+        "\"check\": \"0 or more\"})\n    n_embd: int = field("),
+       ("model.py", "        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)",
+        "        self.n_kv_head = config.n_kv_head or config.n_head\n"
+        "        self.kv_width = self.n_kv_head * config.n_embd // config.n_head\n"
+        "        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width, bias=config.bias)"),
+       ("model.py", "        q, k, v = self.c_attn(x).split(C, dim=2)\n"
+                    "        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))",
+        "        q, k, v = self.c_attn(x).split([C, self.kv_width, self.kv_width], dim=2)\n"
+        "        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n"
+        "        k, v = (t.view(B, T, self.n_kv_head, C // self.n_head).transpose(1, 2) for t in (k, v))\n"
+        "        k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))")]
+
+
+def test_grouped_query_attention_with_a_new_identity_field_serves_every_tool(tmp_path, args):
+    """An edit of model.py (a new field, n_kv_head, beside the model's config): trains, resumes, samples, is laddered
+    with the fork's N (fewer key and value heads, fewer parameters), and export-hf refuses it in one sentence."""
+    from conftest import tiny_task_data
+
+    project = fork_of_the_project(tmp_path / "project", *GQA)
+    run_dir = tmp_path / "run"
+    gqa = ["--model.n_kv_head=1", "--train.max_steps=3", "--checkpoint.interval=2", f"--train.out_dir={run_dir}",
+           "--eval.tasks=hellaswag", "--eval.tasks_interval=3", "--eval.tasks_limit=2",
+           f"--eval.tasks_data_dir={tiny_task_data()}"]
+    run(project, "train.py", *args, *gqa, "--train.hard_stop=2")
+    resumed = run(project, "train.py", *args, *gqa)
+    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert weights(run_dir / "step3")["transformer.h.0.attn.c_attn.weight"].shape == (32 + 2 * 16, 32)
+    assert "eval/hellaswag/acc" in metrics(run_dir)[-1]
+    samples(project, run_dir)
+    file = ladder_file(tmp_path, args[-1].split("=", 1)[1], size="1x128")  # two 64-wide heads
+    n = json.loads(run(project, "ladder.py", "dry-run", file, "--json", "--model.n_kv_head=1").stdout)
+    from configurator.model import param_counts, sized_model
+    from model import GPTConfig
+    all_heads = param_counts(sized_model("1x128", GPTConfig(block_size=32)))["non_embedding"]  # n_kv_head = n_head
+    assert n["non_embedding_params"] == all_heads - 2 * 64 * (128 + 1)  # a key and a value head fewer, with biases
+    pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
+    refused = run(project, "checkpoint.py", "export-hf", run_dir, tmp_path / "hf", check=False)
+    assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (32, 64) where a Hugging Face GPT-2's is "
+                                 "(32, 96)")
+    assert not (tmp_path / "hf").exists()

@@ -110,7 +110,7 @@ def test_the_epoch_is_a_metric_and_resumes_with_the_position(tmp_path):
     run_train(common + ["--train.hard_stop=12"])
     run_train(common)
     epochs = [r["data/epoch"] for r in read_metrics(tmp_path / "run")]  # 80 sequences, 4 per step: 20 steps an epoch
-    assert epochs == [0] * 19 + [1] * 5 and all(isinstance(e, int) for e in epochs)
+    assert epochs == [1] * 19 + [2] * 5 and all(isinstance(e, int) for e in epochs)  # counted from 1
     trainer = torch.load(tmp_path / "run" / "step24" / "trainer.pt", weights_only=True)
     assert trainer["data"] == {"position": 96, "epoch": 1}
 

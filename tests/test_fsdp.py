@@ -1,5 +1,6 @@
-"""train.data_parallel=fsdp for real, on 2 gloo ranks under torchrun: FSDP's losses against DDP's, each rank's half of
-the weights and of AdamW's state, a kill -9 in the middle of a sharded save and the bit-exact resume after it, a
+"""train.data_parallel=fsdp for real, on 2 gloo ranks under torchrun: sharded initialisation (equal to DDP's, and each
+rank's peak memory at the start under the bound), FSDP's losses against DDP's (Muon and AdamW), each rank's half of
+the weights and of the optimizer's state, a kill -9 in the middle of a sharded save and the bit-exact resume after it, a
 resume on 1 process and a DDP checkpoint resumed as FSDP, the sharded checkpoint read by every reader (sample.py,
 export-hf, compare-state, list, the bucket), and each refusal. The runs are made once for the module (torchrun's
 start-up is most of their time)."""
@@ -22,9 +23,11 @@ pytestmark = pytest.mark.xdist_group("fsdp")
 
 # 6 steps of 2 micro-steps per rank (the gradient sync skipped on the first), evaluated, checkpointed and sampled at
 # step 3 (a mid-run sample: every rank's metrics must still line up) and at the end.
+# Muon (the quick start's optimizer; AdamW takes the embeddings, gains and biases beside it), so every test below holds
+# for Muon's gathered update and AdamW's sharded one at once.
 COMMON = TINY + ["--train.max_steps=6", "--train.total_batch_size=512", "--eval.interval=3",
                  "--checkpoint.interval=3", "--eval.sample_interval=3", "--eval.sample_tokens=4",
-                 "--eval.num_samples=1"]
+                 "--eval.num_samples=1", "--optim.name=muon"]
 FSDP = "--train.data_parallel=fsdp"
 
 
@@ -49,13 +52,15 @@ def runs(data_root, tmp_path_factory):
     base = tmp_path_factory.mktemp("fsdp")
     common = [*COMMON, f"--data.data_root={data_root}"]
     found = {name: base / name for name in ("ddp", "fsdp", "killed", "one", "ddp_to_fsdp")}
-    run_train([*common, f"--train.out_dir={found['ddp']}"], nproc=2)
+    found["ddp_output"] = run_train([*common, f"--train.out_dir={found['ddp']}", "--log.all_ranks=true"],
+                                    nproc=2).stdout
     store = bucket()
     with store if store is not None else open(os.devnull) as env:
         s3 = env if store is not None else None
         remote = ["--checkpoint.remote_folder=s3://runs/fsdp"] if s3 else []
         found["fsdp_output"] = run_train([*common, FSDP, f"--train.out_dir={found['fsdp']}",
-                                          "--checkpoint.async_save=true", *remote], nproc=2, env=s3 or {}).stdout
+                                          "--checkpoint.async_save=true", "--checkpoint.unsharded_interval=6",
+                                          *remote], nproc=2, env=s3 or {}).stdout
         if s3:  # what the bucket holds, and the model read back from it (downloaded: every file its marker lists)
             import checkpoint
             import remote as bucket_files
@@ -98,6 +103,24 @@ def column(out_dir, name):
     return {row["step"]: row[name] for row in read_metrics(out_dir) if name in row}
 
 
+# 25.5M parameters (97 MB in fp32) in 8 blocks and a small vocabulary, so that the largest tensor (4 MB) is small beside
+# the whole: the bound then sits well under a whole build. docs/fsdp.md measures 124M and 354M models the same way.
+START_MODEL = ["--model.n_layer=8", "--model.n_head=8", "--model.n_embd=512", "--model.block_size=64",
+               "--model.vocab_size=512"]
+
+
+def test_sharded_initialisation_equals_ddps_and_no_rank_holds_the_whole_model():
+    result = subprocess.run(torchrun(ROOT / "tests" / "fsdp_start.py", "fsdp", *START_MODEL), cwd=ROOT,
+                            capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ranks = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(rank["rank"] for rank in ranks) == [0, 1]
+    for rank in ranks:
+        assert rank["equal"] is True  # bit for bit, every tensor
+        assert rank["peak_mb"] <= rank["bound_mb"] < rank["whole_mb"], rank
+
+
 def test_fsdp_trains_as_ddp_does(runs):
     ddp, fsdp = column(runs["ddp"], "train/loss"), column(runs["fsdp"], "train/loss")
     assert sorted(ddp) == sorted(fsdp) == [1, 2, 3, 4, 5, 6]
@@ -112,7 +135,14 @@ def test_fsdp_trains_as_ddp_does(runs):
     assert (runs["fsdp"] / "samples.txt").read_text().count("--- step") == 2  # rank 0 wrote them, once each
 
 
-def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
+def test_log_all_ranks_prints_each_other_ranks_own_line(runs):
+    ranked = [line for line in runs["ddp_output"].splitlines() if line.startswith("[rank ")]
+    assert [line.split("]")[0] for line in ranked] == ["[rank 1"] * 6  # log.interval=1: one line a step
+    assert all("| loss " in line for line in ranked)
+    assert not any(line.startswith("[rank ") for line in runs["fsdp_output"].splitlines())  # off by default
+
+
+def test_each_rank_holds_half_of_the_weights_and_of_the_optimizer_state(runs):
     assert sorted(runs["held"]) == [0, 1]
     for held in runs["held"].values():
         assert abs(held["weights"] / held["all_weights"] - 0.5) < 0.01
@@ -122,11 +152,15 @@ def test_each_rank_holds_half_of_the_weights_and_of_adamw(runs):
 def test_a_sharded_checkpoint_is_atomic_checksummed_and_async(runs):
     from checkpoint import MARKER, find_checkpoints, verify_checkpoint
 
-    step6 = runs["fsdp"] / "step6"
-    marker = json.loads((step6 / MARKER).read_text())
+    step3, step6 = runs["fsdp"] / "step3", runs["fsdp"] / "step6"
+    marker = json.loads((step3 / MARKER).read_text())
     assert sorted(marker["files"]) == ["sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp",
                                        "trainer.pt"]
-    assert not (step6 / "model.pt").exists()  # nothing gathered on one rank
+    assert not (step3 / "model.pt").exists()  # nothing gathered on one rank
+    # checkpoint.unsharded_interval=6: step 6 also holds the whole model.pt, under the marker's checksums
+    assert sorted(json.loads((step6 / MARKER).read_text())["files"]) == [
+        "model.pt", "sharded/.metadata", "sharded/__0_0.distcp", "sharded/__1_0.distcp", "trainer.pt"]
+    verify_checkpoint(step6)
     assert "checkpoint step6 (permanent, async)" in runs["fsdp_output"]
     assert "with FSDP on 2 rank(s)" in runs["fsdp_output"]  # the memory estimate, said at the start
     broken = runs["fsdp"].parent / "broken"
@@ -172,9 +206,14 @@ def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
     sampled = run_in_process(["--init_from", str(runs["fsdp"]), "--num_samples=1", "--max_new_tokens=4",
                               "--device=cpu"], sample.main)
     assert sampled.returncode == 0 and "sample 0" in sampled.stdout, sampled.stderr
-    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")
+    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")  # step6's model.pt (unsharded_interval)
     pieces = read_tensors(str(runs["fsdp"] / "step6" / "sharded"))
+    whole = torch.load(runs["fsdp"] / "step6" / "model.pt", weights_only=True)
+    assert whole.keys() == pieces.keys() and all(torch.equal(whole[name], pieces[name]) for name in pieces)
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in pieces.items())
+    from_pieces = checkpoint.load_model(str(runs["fsdp"] / "step3"), "cpu", "--init_from")  # no model.pt there
+    assert all(torch.equal(from_pieces.state_dict()[name], tensor)
+               for name, tensor in read_tensors(str(runs["fsdp"] / "step3" / "sharded")).items())
     compared = run_in_process(["compare-state", str(runs["ddp"] / "step6"), str(runs["fsdp"] / "step6")], debug.main)
     # the same 84 tensors by name (weights and AdamW moments) on both sides; they differ where clipping did (above)
     assert "Traceback" not in compared.stderr and "only in" not in compared.stdout, compared.stdout + compared.stderr
@@ -200,10 +239,93 @@ def test_the_bucket_holds_a_sharded_checkpoint_and_gives_it_back(runs):
     assert all(torch.equal(local[name], runs["from_bucket"][name]) for name in local)
 
 
+def run_code_instead_of_metadata(checkpoint_dir, marker_file):
+    """Replace checkpoint_dir's sharded/.metadata with a pickle that runs `touch marker_file` when unpickled, and
+    recompute the checksums in COMPLETE, as anyone handing over a checkpoint can."""
+    import hashlib
+    import pickle
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker_file}",)
+
+    (checkpoint_dir / "sharded" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+    marker["files"] = {name: hashlib.sha256((checkpoint_dir / name).read_bytes()).hexdigest()
+                       for name in marker["files"]}
+    (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+
+def test_a_sharded_metadata_that_runs_code_is_refused_by_every_entry_point(runs, data_root, tmp_path):
+    import checkpoint
+    import debug
+    import hellaswag_eval
+    import sample
+    import train
+
+    crafted, ran = tmp_path / "crafted", tmp_path / "the_payload_ran"
+    shutil.copytree(runs["fsdp"], crafted, symlinks=True)
+    for step in crafted.glob("step[0-9]*"):
+        run_code_instead_of_metadata(step, ran)
+    common = [*COMMON, f"--data.data_root={data_root}"]
+    own = tmp_path / "own"  # the crafted run as a run folder to resume
+    shutil.copytree(crafted, own, symlinks=True)
+    calls = [(sample.main, ["--init_from", crafted, "--num_samples=1", "--max_new_tokens=2", "--device=cpu"]),
+             (hellaswag_eval.main, ["--init_from", crafted, "--device=cpu"]),
+             (train.main, [*common, f"--train.out_dir={tmp_path / 'a'}", f"--checkpoint.load_path={crafted}"]),
+             (train.main, [*common, f"--train.out_dir={tmp_path / 'b'}", "--stage2.start=3steps",
+                           f"--stage2.reference={crafted}"]),
+             (train.main, [*common, f"--train.out_dir={own}"]),
+             (checkpoint.main, ["export-hf", crafted, tmp_path / "hf"]),
+             (debug.main, ["compare-state", crafted / "step6", runs["fsdp"] / "step6"])]
+    if runs["s3"]:  # the same checkpoint from a bucket
+        import remote
+        fs, root = remote.filesystem("s3://runs/crafted")
+        fs.put(str(crafted / "step6"), f"{root}/step6", recursive=True)
+        calls += [(sample.main, ["--init_from", "s3://runs/crafted", "--device=cpu"]),
+                  (train.main, [*common, f"--train.out_dir={tmp_path / 'c'}",
+                                "--checkpoint.load_path=s3://runs/crafted/step6"]),
+                  (train.main, [*common, f"--train.out_dir={tmp_path / 'd'}",  # a fresh node resuming the bucket's
+                                "--checkpoint.remote_folder=s3://runs/crafted"])]
+    before = sorted(os.listdir(own))
+    for main, args in calls:
+        result = run_in_process(args, main)
+        assert_one_sentence(result, "sharded/.metadata is not the metadata torch.distributed.checkpoint writes "
+                                    "(it asks to run posix.system)")
+        assert not ran.exists(), (args, result.stdout)
+    assert sorted(os.listdir(own)) == before and not (tmp_path / "a").exists() and not (tmp_path / "hf").exists()
+
+
+def test_sharded_files_that_pass_their_checksums_but_hold_no_checkpoint_are_one_sentence(runs, data_root, tmp_path):
+    import hashlib
+
+    import sample
+    import train
+
+    def rewrite_marker(checkpoint_dir, drop=()):
+        marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+        marker["files"] = {name: hashlib.sha256((checkpoint_dir / name).read_bytes()).hexdigest()
+                           for name in marker["files"] if name not in drop}
+        (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+    noise = tmp_path / "noise" / "step6"  # random bytes as .metadata: stage2.reference is refused at the start
+    shutil.copytree(runs["fsdp"] / "step6", noise)
+    (noise / "sharded" / ".metadata").write_bytes(os.urandom(256))
+    rewrite_marker(noise)
+    result = run_in_process([*COMMON, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                             "--stage2.start=3steps", f"--stage2.reference={noise}"], train.main)
+    assert_one_sentence(result, "stage2.reference", "sharded/.metadata is not the metadata", "no pickle DCP wrote")
+    assert not (tmp_path / "run").exists()
+    gone = tmp_path / "gone" / "step6"  # a rank's piece deleted and taken out of the marker
+    shutil.copytree(runs["fsdp"] / "step6", gone)
+    (gone / "sharded" / "__1_0.distcp").unlink()
+    rewrite_marker(gone, drop={"sharded/__1_0.distcp"})
+    result = run_in_process(["--init_from", gone, "--device=cpu"], sample.main)
+    assert_one_sentence(result, "names __1_0.distcp, which", "does not list (a piece deleted after the save)")
+
+
 @pytest.mark.parametrize("setting, phrase", [
     ([], "this is a plain python process"),
-    (["--optim.name=muon"], "cannot run with optim.name=muon: torch.optim.Muon takes whole matrices, not the "
-                            "pieces FSDP leaves on each rank; set --train.data_parallel=ddp or --optim.name=adamw."),
     (["--stage2.start=3steps"], "cannot run with stage2.start"),
     (["--debug.trace_steps=2"], "cannot run with debug.trace_steps"),
     (["--log.activations_interval=2"], "cannot run with log.activations_interval"),

@@ -14,6 +14,10 @@ def reference_loss(hidden, weight, targets):
     return F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=-1)
 
 
+def chunked_loss(hidden, weight, targets):
+    return chunked_cross_entropy(lambda h: F.linear(h, weight), hidden, targets, weight.size(0))
+
+
 def loss_and_grads(fn, hidden, weight, targets, autocast_dtype):
     hidden = hidden.detach().clone().requires_grad_()
     weight = weight.detach().clone().requires_grad_()
@@ -31,7 +35,7 @@ def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tol
     hidden, weight = torch.randn(50, 16), torch.randn(1000, 16) * 0.5
     targets = torch.randint(0, 1000, (50,))
     targets[::3] = -1  # ignore_index=-1: not scored, no gradient
-    ours = loss_and_grads(chunked_cross_entropy, hidden, weight, targets, autocast_dtype)
+    ours = loss_and_grads(chunked_loss, hidden, weight, targets, autocast_dtype)
     theirs = loss_and_grads(reference_loss, hidden, weight, targets, autocast_dtype)
     for a, b in zip(ours, theirs):
         assert a.dtype == b.dtype
@@ -40,8 +44,8 @@ def test_same_loss_and_gradients_as_full_logits(monkeypatch, autocast_dtype, tol
 
 
 def test_without_grad_the_fused_loss_does_the_forward_work_only():
-    """Validation runs under torch.no_grad(): the loss alone, one matmul per slice, not the gradients'
-    two more (a parameter still has requires_grad there, so the Function must be told)."""
+    """Validation runs under torch.no_grad(): the loss alone, one matmul per slice, not the gradients' two more
+    (nor, under checkpointing, a second forward)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     hidden, weight = torch.randn(256, 32, requires_grad=True), torch.randn(GPT2_VOCAB_SIZE, 32, requires_grad=True)
@@ -50,10 +54,11 @@ def test_without_grad_the_fused_loss_does_the_forward_work_only():
     counted = {}
     for mode, context in (("train", torch.enable_grad()), ("eval", torch.no_grad())):
         with context, FlopCounterMode(display=False) as counter:
-            loss = chunked_cross_entropy(hidden, weight, targets)
+            loss = chunked_loss(hidden, weight, targets)
+            if loss.requires_grad:
+                loss.backward()
         counted[mode] = (counter.get_total_flops(), loss.item())
-    # Training adds at least the hidden states' gradient matmul (the counter skips the in-place addmm_).
-    assert counted["eval"][0] == forward_flops and counted["train"][0] >= 2 * forward_flops
+    assert counted["eval"][0] == forward_flops and counted["train"][0] >= 3 * forward_flops
     assert counted["eval"][1] == counted["train"][1]  # the same loss either way
 
 
@@ -79,17 +84,49 @@ def test_padded_vocabulary_rows_get_their_true_gradient():
         assert torch.allclose(fused[name], full[name], rtol=1e-4, atol=1e-7), name
 
 
-def test_training_forward_builds_no_logits_and_eval_paths_still_get_them():
+def test_training_forward_builds_no_full_logits_and_eval_paths_still_get_them(monkeypatch):
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", 5 * 50304)  # 5 rows of logits at a time
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
     outputs = []
-    net.lm_head.register_forward_hook(lambda module, inputs, output: outputs.append(output))
+    net.lm_head.register_forward_hook(lambda module, inputs, output: outputs.append(output.shape))
     loss = net(x, x)
-    assert loss.ndim == 0 and outputs == []  # the chunked loss never runs the output layer as a whole
+    loss.backward()
+    assert loss.ndim == 0 and outputs and all(shape[0] <= 5 for shape in outputs)  # slices only, never all 16 rows
+    outputs.clear()
     logits = net(x)
-    assert logits.shape == (2, 8, net.config.vocab_size) and len(outputs) == 1
+    assert logits.shape == (2, 8, net.config.vocab_size) and outputs == [logits.shape]
     with torch.no_grad():  # validation: the loss alone, and no gradient work
         assert torch.allclose(net(x, x), loss, rtol=1e-5)
+
+
+class SoftCapped(GPT):
+    """A fork that edits the logits, as Gemma 2 does: 30 * tanh(logits / 30) (Team Gemma 2024)."""
+
+    def logits(self, h):
+        return 30 * torch.tanh(super().logits(h) / 30)
+
+
+def test_a_fork_of_logits_trains_the_same_model_on_the_chunked_and_the_full_path(monkeypatch):
+    monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", 7 * 1000)  # several slices, a ragged last one
+    x, y = torch.randint(0, 1000, (2, 16)), torch.randint(0, 1000, (2, 16))
+    y[0, :3] = -1
+    results = {}
+    for cls in (SoftCapped, GPT):
+        for path in ("chunked", "full"):
+            torch.manual_seed(0)
+            net = cls(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=1000), loss_path=path)
+            with torch.no_grad():
+                net.lm_head.weight.mul_(200)  # logits of a few tens: where the cap bites
+            loss = net(x, y)
+            loss.backward()
+            results[cls, path] = (loss.detach(), [p.grad for p in net.parameters()])
+    for cls in (SoftCapped, GPT):
+        (loss, grads), (full_loss, full_grads) = results[cls, "chunked"], results[cls, "full"]
+        assert torch.allclose(loss, full_loss, rtol=1e-5)
+        for a, b in zip(grads, full_grads):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(results[SoftCapped, "chunked"][0], results[GPT, "chunked"][0], rtol=1e-2)  # it bites
 
 
 def test_torch_compile_traces_the_fused_loss_without_graph_breaks():

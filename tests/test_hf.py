@@ -15,6 +15,7 @@ from config import UserError  # noqa: E402
 import warm_python
 from conftest import ROOT, TINY, run_train  # noqa: E402
 from data import get_tokenizer  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
 
 
 @pytest.fixture
@@ -130,3 +131,42 @@ def test_a_run_folder_whose_config_json_is_cut_off_still_loads(data_root, tmp_pa
     (run / "config.json").write_text(config[: len(config) // 2])  # cut off (a full disk, a killed copy)
     after = load_model(str(run), "cpu", "--init_from")  # from the checkpoint, which holds its own copy of the settings
     assert all(torch.equal(a, b) for a, b in zip(before.state_dict().values(), after.state_dict().values()))
+
+
+class SoftCapped(GPT):
+    """A fork GPT-2 cannot compute: Gemma 2's logit soft-cap, 30 * tanh(logits / 30), and no new weight."""
+
+    def logits(self, h):
+        return 30 * torch.tanh(super().logits(h) / 30)
+
+
+def tiny(cls=GPT, **fields):
+    torch.manual_seed(0)
+    net = cls(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, **fields))
+    with torch.no_grad():
+        net.lm_head.weight.mul_(100)  # logits of tens, where the cap bites
+    return net
+
+
+def test_export_is_checked_by_its_logits_and_a_fork_gpt2_cannot_compute_leaves_nothing(tmp_path):
+    with pytest.raises(UserError) as refused:
+        hf.export_hf(tiny(SoftCapped), str(tmp_path / "export"))
+    message = str(refused.value)
+    assert "differ by up to" in message and message.count(". ") == 0 and message.endswith(".")
+    assert sorted(tmp_path.iterdir()) == []  # neither the folder nor its temporary sibling
+    net = tiny(bias=False)  # no biases: GPT-2 with zero biases computes the same, and the check says so
+    hf.export_hf(net, str(tmp_path / "export"))
+    theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "export").eval()
+    x = torch.randint(0, 50257, (2, 16))
+    with torch.no_grad():
+        assert torch.allclose(net(x)[..., :50257], theirs(x).logits, atol=1e-3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
+
+
+def test_a_weight_of_another_shape_is_one_sentence_naming_it_and_both_shapes(tmp_path):
+    net = tiny()
+    net.transformer.h[0].attn.c_attn = torch.nn.Linear(32, 64)  # grouped-query attention: fewer keys and values
+    with pytest.raises(UserError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is \(32, 64\) where a Hugging Face "
+                                        r"GPT-2's is \(32, 96\)"):
+        hf.export_hf(net, str(tmp_path / "export"))
+    assert sorted(tmp_path.iterdir()) == []

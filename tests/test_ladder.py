@@ -11,9 +11,9 @@ import pytest
 
 from config import ConfigError
 from conftest import run_ladder, run_train
-from configurator.model import CPU_DIAL, SIZES, model_config, param_counts
+from configurator.model import CPU_DIAL, SIZES, model_config, param_counts, sized_model
 from configurator.run import beta2, peak_lr, period_multiples, plan_batch, plan_run, target_batch_tokens
-from model import GPT
+from model import GPT, GPTConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -22,27 +22,43 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_size_names_follow_their_rule_and_gpt2_is_on_the_dial():
-    gpt2 = model_config("12x768", 1024)
+    gpt2 = model_config("12x768", GPTConfig())
     assert (gpt2.n_layer, gpt2.n_embd, gpt2.n_head) == (12, 768, 12)
-    assert model_config("gpt2", 1024) == gpt2
-    assert (model_config("gpt2-xl", 1024).n_layer, model_config("gpt2-xl", 1024).n_head) == (48, 25)
-    assert model_config("4x32", 64).n_head == 1  # narrower than one 64-wide head
+    assert model_config("gpt2", GPTConfig()) == gpt2
+    assert (model_config("gpt2-xl", GPTConfig()).n_layer, model_config("gpt2-xl", GPTConfig()).n_head) == (48, 25)
+    assert model_config("4x32", GPTConfig(block_size=64)).n_head == 1  # narrower than one 64-wide head
+    assert model_config("4x32", GPTConfig(block_size=64, bias=False)).bias is False  # the run's other fields stay
     with pytest.raises(ConfigError, match="unknown model size"):
-        model_config("3x33x", 64)
+        model_config("3x33x", GPTConfig())
+
+
+def counts(size, block_size, model_module="model", **fields):
+    return param_counts(sized_model(size, GPTConfig(block_size=block_size, **fields), model_module))
 
 
 def test_parameter_counts_are_the_real_models():
-    counts = param_counts("12x768", 1024)
-    real = GPT(model_config("12x768", 1024))
-    assert (counts["non_embedding"], counts["total"]) == (real.num_params(non_embedding=True), real.num_params())
-    assert counts["total"] == 124_475_904  # GPT-2 (124M) with the 50,304-row padded vocabulary, as nanoGPT prints
-    assert counts["with_output"] == counts["non_embedding"] + 50304 * 768  # the output layer is the tied embedding
-    cpu = [param_counts(size, 64)["non_embedding"] for size in CPU_DIAL]
+    gpt2 = counts("12x768", 1024)
+    real = GPT(model_config("12x768", GPTConfig()))
+    assert (gpt2["non_embedding"], gpt2["total"]) == (real.num_params(non_embedding=True), real.num_params())
+    assert gpt2["total"] == 124_475_904  # GPT-2 (124M) with the 50,304-row padded vocabulary, as nanoGPT prints
+    assert gpt2["with_output"] == gpt2["non_embedding"] + 50304 * 768  # the output layer is the tied embedding
+    cpu = [counts(size, 64)["non_embedding"] for size in CPU_DIAL]
     assert all(3.9 < b / a < 4.1 for a, b in zip(cpu, cpu[1:]))  # the CPU dial: width doubles, N grows 4x
     assert len(SIZES) == len(set(SIZES))
-    assert model_config("3x192", 64).n_head == 3  # any <layers>x<width> of the rule is a size
+    assert model_config("3x192", GPTConfig()).n_head == 3  # any <layers>x<width> of the rule is a size
     with pytest.raises(ConfigError, match="a multiple of 32 below 64 and of 64 from there"):
-        model_config("2x96", 64)
+        model_config("2x96", GPTConfig())
+
+
+def test_parameter_counts_are_the_runs_own_model_with_its_overrides(tmp_path):
+    """The ladder counts the model the run trains: train.model_module's GPT, with every model.* field the run
+    set (model.bias=False here), not model.py's GPT-2 of that size."""
+    assert counts("2x64", 64, bias=False)["total"] < counts("2x64", 64)["total"]
+    untied = tmp_path / "untied.py"
+    untied.write_text("import torch.nn as nn, model\nclass GPT(model.GPT):\n    def __init__(self, config, "
+                      "loss_path='chunked'):\n        super().__init__(config, loss_path)\n"
+                      "        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)\n")
+    assert counts("2x64", 64, str(untied))["non_embedding"] == counts("2x64", 64)["non_embedding"] + 50304 * 64
 
 
 # ----------------------------------------------------------------------------- run configurator
@@ -135,7 +151,7 @@ def test_dry_run_json_has_exactly_the_documented_keys(tmp_path, data_root):
                              "micro_batch_tokens", "min_devices", "devices", "dp_world_size", "grad_accum_steps",
                              "lr", "beta2", "warmup_tokens", "duration_tokens", "max_steps", "checkpoints"}
     p = plans[0]
-    assert p["non_embedding_params"] == param_counts("1x32", 32)["non_embedding"]
+    assert p["non_embedding_params"] == counts("1x32", 32)["non_embedding"]
     assert p["target_batch_tokens"] == p["batch_tokens"] == 256  # ladder.batch_tokens, not OLMo's rule from N
     assert p["lr"] == peak_lr(p["non_embedding_params"], lr_multiplier=0.1) and p["beta2"] == 0.99
     assert p["warmup_tokens"] == 512 and p["duration_tokens"] == 8192  # the fixed duration unit, 1x
@@ -232,6 +248,9 @@ def test_the_time_left_scales_the_last_sizes_speed_by_tokens_and_parameters(tmp_
     minutes = sum(p.params["with_output"] for p in plans[1:]) / plans[0].params["with_output"]  # 1 min for the first
     assert ladder_module.ladder_eta([(plans[0], 60.0)], plans[1:]) == f", about {minutes:.0f} min left for the ladder"
     assert minutes > 2 * 1.5  # the two larger sizes cost more than the first one's minute each
+    assert ladder_module.run_config(cfg, plans[0]).log.wandb_project == "micro"  # the ladder's W&B project: its name
+    cfg.log.wandb_project = "mine"
+    assert ladder_module.run_config(cfg, plans[0]).log.wandb_project == "mine"  # unless set
 
 
 def test_fit_with_too_few_finished_sizes_says_what_is_missing(tmp_path, data_root):
@@ -263,7 +282,10 @@ def test_every_ladder_config_file_plans_and_says_which_sizes_need_fsdp(config_fi
 def test_a_size_past_one_device_with_ddp_is_said_to_need_fsdp():
     from configurator.model import memory_fit
 
-    assert memory_fit("2x64", 64, "cpu", 512, 1)[3] == "fits with DDP"
-    ddp, fsdp, memory, verdict = memory_fit("gpt2-xl", 1024, "A10G", 1024, 8)  # 1.5B on 24 GiB cards
+    def model(size, block_size):
+        return sized_model(size, GPTConfig(block_size=block_size))
+
+    assert memory_fit(model("2x64", 64), "cpu", 512, 1)[3] == "fits with DDP"
+    ddp, fsdp, memory, verdict = memory_fit(model("gpt2-xl", 1024), "A10G", 1024, 8)  # 1.5B on 24 GiB cards
     assert ddp > memory >= fsdp and verdict == "needs FSDP"
-    assert memory_fit("gpt2-xl", 1024, "T4", 65536, 1)[3] == "does not fit"
+    assert memory_fit(model("gpt2-xl", 1024), "T4", 65536, 1)[3] == "does not fit"

@@ -18,7 +18,7 @@ from config import get, parse_duration, parse_mix  # noqa: E402 - after the line
 from data import dataset_dir, dataset_ready, prepare_hint  # noqa: E402
 from model import choose_loss_path, gpt_class  # noqa: E402
 from optimizer import build_schedule, param_groups  # noqa: E402
-from plan import make_plan  # noqa: E402
+from plan import make_plan, resolve_batch_size  # noqa: E402
 from train import build_loaders, describe_run, is_compiled, shares_text  # noqa: E402
 
 
@@ -41,6 +41,10 @@ def dry_run(cfg):
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
         loss_path = choose_loss_path(cfg.train.loss_path, device_type, is_compiled(cfg, device_type))
         raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path)
+    if cfg.data.batch_size == "auto":  # chosen as train.py's build_model chooses it (a CPU is one sentence)
+        bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
+        cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, world_size, device, bf16)
+        print(why)
     plan = make_plan(cfg, world_size, (sequences_per_epoch or 0) * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))
     schedule = build_schedule(cfg.optim, plan.max_steps)

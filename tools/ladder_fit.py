@@ -27,6 +27,23 @@ def size_folders(cfg, size):
     return [os.path.join(cfg.ladder.dir, size)] + [f"{d.rstrip('/')}/{size}" for d in cfg.ladder.alternative_dirs]
 
 
+def missing_alternative_dirs(cfg):
+    """The ladder.alternative_dirs (folders or bucket URLs) that do not exist: nothing is found there, which a listing
+    of "✘" alone would not say."""
+    missing = []
+    for folder in cfg.ladder.alternative_dirs:
+        if "://" in folder:
+            import remote
+
+            fs, root = remote.filesystem(folder, "ladder.alternative_dirs")
+            exists = fs.exists(root)
+        else:
+            exists = os.path.isdir(folder)
+        if not exists:
+            missing.append(folder)
+    return missing
+
+
 def listing(folder):
     """(complete checkpoint steps, metrics_step<N>.json steps) of a local folder or a bucket URL ({} when missing)."""
     if "://" in folder:
