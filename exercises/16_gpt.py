@@ -10,8 +10,10 @@ In the project: model.py (`CausalSelfAttention`, whose forward calls F.scaled_do
 `Block`, `GPT.__init__`, `GPT.hidden_states`, `GPT.forward`), sample.py's `KVCache`.
 Check: python exercises/check.py 16
 (your attention against F.scaled_dot_product_attention, values and gradients, with and without a cache; your
-GPT against model.py's on the same seed: its weights, logits, loss and every gradient; then train.py trains
-your GPT and model.py's at the quick start's shape, and the two loss curves must match)
+GPT against model.py's on the same seed: its weights, logits, loss and every gradient, on packed rows (`pos`
+and `attn_mask`, as hellaswag_eval.py sends them) and in training mode with dropout 0.1 (the same seed draws
+the same masks when the dropouts come in model.py's order); then train.py trains your GPT and model.py's at the
+quick start's shape, and the two whole loss curves must match)
 """
 
 import math
@@ -25,25 +27,27 @@ from exercises import answers_of
 parts = answers_of(10, __file__)  # your mlp, block_forward, embed, tie_weights, init_weights, next_token_loss
 
 
-def attention(q, k, v, allowed=None):
+def attention(q, k, v, allowed=None, dropout=0.0):
     """Scaled dot-product attention, written out: queries q (B, heads, Tq, head size) against keys and values k, v
     (B, heads, Tk, head size), Tq <= Tk. `allowed` (booleans that broadcast to (B, heads, Tq, Tk)) says which keys
     each query may see; without it, attention is causal: the queries are the last Tq of the Tk positions (the
-    first Tk - Tq are cached), and each sees its own position and those before it. Returns (B, heads, Tq, head
-    size)."""
+    first Tk - Tq are cached), and each sees its own position and those before it. `dropout` is the probability
+    of zeroing each attention weight (torch.nn.functional.dropout, applied to the softmaxed weights before they
+    mix the values, as F.scaled_dot_product_attention's dropout_p does). Returns (B, heads, Tq, head size)."""
     Tq, Tk = q.size(-2), k.size(-2)
     if allowed is None:
         allowed = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(diagonal=Tk - Tq)
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
-    return scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1) @ v
+    weights = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+    return torch.nn.functional.dropout(weights, dropout) @ v if dropout else weights @ v
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         """model.py's attention modules, named and ordered as there (c_attn, c_proj marked residual_projection,
-        resid_dropout), and the number of heads as `n_head`."""
+        resid_dropout), the number of heads as `n_head` and the attention's dropout as `dropout`."""
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.dropout = config.n_head, config.dropout
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.c_proj.residual_projection = True
@@ -52,13 +56,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, kv_cache=None, attn_mask=None):
         """x (B, T, C) -> (B, T, C): queries, keys and values of every head, the keys and values appended to
         `kv_cache` when there is one (its `append(k, v)` returns all the keys and values so far), your attention
-        (with `attn_mask` as `allowed` when given), the heads side by side again, then c_proj."""
+        (with `attn_mask` as `allowed` when given; dropping out its weights while training, as model.py does
+        without a mask or a cache), the heads side by side again, then c_proj."""
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-        y = attention(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, C)
+        dropout = self.dropout if self.training and attn_mask is None and kv_cache is None else 0.0
+        y = attention(q, k, v, attn_mask, dropout).transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

@@ -9,9 +9,13 @@ loss computed in float32.
 In the project: train.py, `start_processes` (the autocast context), `train_step` (`with ... autocast:`);
 model.py, `GPT.forward`'s full path (`F.cross_entropy(logits.float(), ...)`) and the chunked loss (its sums
 in float32).
+The check builds model.py's GPT with loss_path="full" (model.GPT(config, loss_path="full")), the loss path
+whose forward runs lm_head on every position; the trainer's default path, "chunked", computes the loss from
+lm_head's weight a slice at a time and never calls lm_head as a module.
 Check: python exercises/check.py 17
-(the output dtype of every module, recorded by hooks while train.py's train_step runs under bf16 autocast; then
-your step's loss and gradients against train_step's with that autocast, on the CPU)
+(the output dtype of every module, recorded by hooks while train.py's train_step runs under bf16 autocast, in
+two GPTs of random depth and width; then your step's loss and gradients against train_step's with that
+autocast, on the CPU)
 """
 
 import torch
@@ -22,8 +26,9 @@ import model
 
 
 def bf16_modules(gpt):
-    """The names (as gpt.named_modules() gives them) of the modules of `gpt`, a model.GPT, whose output is
-    bfloat16 when the trainer's step runs it under bf16 autocast; every other module that runs gives float32."""
+    """The names (as gpt.named_modules() gives them) of the modules of `gpt`, a model.GPT built with
+    loss_path="full" (of any depth and width), whose output is bfloat16 when the trainer's step runs it under
+    bf16 autocast; every other module that runs gives float32."""
     names = set()
     for name, module in gpt.named_modules():
         inside = ".attn" in name or ".mlp" in name  # after a matmul: bf16 flows on to the block's sum

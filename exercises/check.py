@@ -3,7 +3,9 @@
     python exercises/check.py 3                   # exercise 3: "passed" and exit status 0, or what differs and 1
     python exercises/check.py all                 # every exercise, in order, one line each
     python exercises/check.py 5 --data_root=DIR   # where the prepared Shakespeare data lives (default: data/)
-    python exercises/check.py 3 --hint            # the first hint; --hint=2 the next, --hint=3 the code
+    python exercises/check.py 3 --hint            # the first hint; --hint=2 the idea, --hint=3 the code
+    python exercises/check.py 3 --hint=3 --against=TEACHER  # (a student) the code, from the teacher's copy
+    python exercises/check.py 3 --seed=1234       # the cases a failure was graded on, drawn again
     python exercises/check.py 3 --student=COPY    # (the teacher) grade the answers in a student's copy
     python exercises/check.py 3 --against=TEACHER # (a student) have the teacher's copy grade these answers
 
@@ -16,6 +18,7 @@ COPY runs, so what grades is what the teacher holds.
 
 import argparse
 import os
+import random
 import sys
 from pathlib import Path
 
@@ -44,12 +47,34 @@ def check_of(number):
     return getattr(importlib.import_module(f"exercises.checks_{module}"), name)
 
 
-def grade(number, folder=HERE, data_root=""):
-    """(passed, the line to print) for exercise `number`, its answers read from `folder`."""
+def grade(number, folder=HERE, data_root="", seed=None):
+    """(passed, the line to print) for exercise `number`, its answers read from `folder`, its cases drawn from
+    `seed` (None: a fresh one, printed when the answer fails, so that --seed replays the grading); refused when
+    a grading file (room.fingerprint) changed meanwhile, as an answer could make it where the platform lets it."""
+    from exercises.room import changed_file, fingerprint
+
+    seed = random.randrange(2**32) if seed is None else seed
+    before = fingerprint()
+    passed, line = grade_once(number, folder, data_root, seed)
+    changed = changed_file(before, fingerprint())
+    if changed:  # whatever the answer printed, the grade cannot be trusted
+        return False, (f"exercise {number} cannot be graded: {changed} of the grading copy changed while the answer "
+                       f"ran; restore it (git checkout -- {changed}) and grade again.")
+    return passed, line
+
+
+def grade_once(number, folder, data_root, seed):
+    import numpy as np
+    import torch
+
     from exercises.checking import ExerciseFailed, NotDone
     from exercises.grading import Answers
 
     options = {"data_root": data_root} if number in TRAINS else {}
+    # Every check draws its cases from these generators (or from random.Random(random.getrandbits(64))).
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
     try:
         answers = Answers(number, folder)
         answers.check_written()
@@ -57,7 +82,7 @@ def grade(number, folder=HERE, data_root=""):
     except NotDone as missing:
         return False, f"exercise {number} is not done yet: {missing}"
     except ExerciseFailed as failure:
-        return False, f"exercise {number} failed: {failure}"
+        return False, f"exercise {number} failed (--seed={seed} draws these cases again): {failure}"
     except Exception as error:  # noqa: BLE001 - the check itself stopped: still one sentence, naming where
         return False, f"exercise {number} {stopped(error)}"
     return True, f"exercise {number} passed: {summary}"
@@ -83,17 +108,20 @@ def main(argv):
     parser.add_argument("exercise", choices=[str(n) for n in CHECKS] + ["all"], help="the exercise's number, or all")
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
-    parser.add_argument("--hint", type=int, nargs="?", const=1, default=0,
+    parser.add_argument("--hint", type=int, nargs="?", const=1, default=None,
                         help="print hint number HINT (1: where to look, 2: how, 3: the code) instead of checking")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="draw the cases of a grading again: the seed a failure printed (default: a fresh one)")
     parser.add_argument("--student", default=None,
                         help="a student's copy of the project: grade its answer files with this copy's checks")
     parser.add_argument("--against", default=None,
                         help="the teacher's untouched copy of the project: it grades this copy's answers")
     args = parser.parse_args(argv)
-    if args.hint:
+    if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
         if args.exercise == "all":
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")
-        return print_hint(int(args.exercise), args.hint)
+        if args.against is None or args.hint != 3:
+            return print_hint(int(args.exercise), args.hint)
     if args.against is not None:
         return hand_to_teacher(args)
     folder = HERE
@@ -111,7 +139,7 @@ def main(argv):
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
     results = []
     for number in numbers:
-        passed, line = grade(number, folder, args.data_root)
+        passed, line = grade(number, folder, args.data_root, args.seed)
         print(line, flush=True)
         results.append(passed)
     return 0 if all(results) else 1
@@ -149,9 +177,12 @@ def hand_to_teacher(args):
     if not (teacher / "exercises" / "check.py").is_file():
         return refuse(f"--against={args.against} holds no exercises/check.py; give the folder of the teacher's "
                       f"untouched copy of the project.")
-    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise, f"--student={HERE.parent}"]
+    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise]
+    command += [f"--hint={args.hint}"] if args.hint is not None else [f"--student={HERE.parent}"]
     if args.data_root:
         command.append(f"--data_root={args.data_root}")
+    if args.seed is not None:
+        command.append(f"--seed={args.seed}")
     return subprocess.run(command).returncode
 
 

@@ -3,9 +3,13 @@
 1. The student's `attention` against F.scaled_dot_product_attention on random queries, keys and values: causal,
    with a cache (fewer queries than keys), and with a given mask; values, then the gradients of q, k and v.
 2. The student's GPT against model.py's, built on the same seed: the same parameters by name, order and value,
-   the same logits (with and without sample.py's KV cache), loss, and gradient of every weight.
+   the same logits (with and without sample.py's KV cache), loss, and gradient of every weight; the same hidden
+   states on packed rows (`pos` and `attn_mask`); in training mode with dropout 0.1, the same loss and
+   gradients on the same seed.
 3. The real trainer trains the student's GPT (`train.model_module`, in the answer's process) and model.py's (in
-   this one, meanwhile) on the same seed and data, and the two loss curves must match.
+   this one, meanwhile) on the same seed and data, and the two whole loss curves must match. The answer's
+   process could fake this curve (it runs the answer's code), so what only training uses (dropout, the
+   training mode) is also checked from data in 2: the curve shows the trainer takes the student's GPT.
 """
 
 import random
@@ -118,7 +122,36 @@ def assembly_answers(answers, inputs):
     loss = gpt(idx, targets)
     loss.backward()
     results["loss"], results["grads"] = loss, {name: p.grad for name, p in gpt.named_parameters()}
+    with torch.no_grad():
+        results["packed"] = gpt.hidden_states(idx, pos=inputs["pos"], attn_mask=inputs["attn_mask"])
+    results["dropout"] = trained_with_dropout(answers.GPT, inputs)
     return results
+
+
+def trained_with_dropout(gpt_class, inputs):
+    """The loss and gradients of a GPT of `gpt_class` in training mode at dropout 0.1, on the inputs' seed."""
+    from model import GPTConfig
+
+    torch.manual_seed(inputs["seed"])
+    gpt = gpt_class(GPTConfig(**inputs["config"], dropout=0.1)).train()
+    torch.manual_seed(inputs["seed"] + 1)
+    loss = gpt(inputs["idx"], inputs["targets"])
+    loss.backward()
+    return {"loss": loss, "grads": {name: p.grad for name, p in gpt.named_parameters()}}
+
+
+def packed_rows(rng, T):
+    """(pos, attn_mask) of two rows that each pack documents of random lengths, as hellaswag_eval.py packs its
+    endings: each token sees the tokens of its own document up to itself, at positions counted from 0 in it."""
+    pos, mask = torch.zeros(2, T, dtype=torch.long), torch.zeros(2, 1, T, T, dtype=torch.bool)
+    for row in range(2):
+        start = 0
+        while start < T:
+            end = min(T, start + rng.randint(2, T - 1))
+            pos[row, start:end] = torch.arange(end - start)
+            mask[row, 0, start:end, start:end] = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+            start = end
+    return pos, mask
 
 
 def compare_weights(mine, reference):
@@ -165,6 +198,28 @@ def compare_gpt(mine, reference, inputs):
         wrong = gradient_advice(name, mine["grads"].get(name), p.grad)
         if wrong:
             raise ExerciseFailed(f"your GPT: {wrong}.")
+    with torch.no_grad():
+        packed = reference.hidden_states(idx, pos=inputs["pos"], attn_mask=inputs["attn_mask"])
+    if not (torch.is_tensor(mine["packed"]) and mine["packed"].shape == packed.shape
+            and torch.allclose(mine["packed"], packed, rtol=1e-4, atol=1e-5)):
+        raise ExerciseFailed("on packed rows (several documents in a row, as hellaswag_eval.py sends them) your GPT's "
+                             "hidden_states differ from model.py's: embed each token at its given `pos`, and give "
+                             "`attn_mask` to every block's attention as `allowed`.")
+
+
+def compare_dropout(mine, inputs):
+    from model import GPT
+
+    want = trained_with_dropout(lambda config: GPT(config, loss_path="full"), inputs)
+    dropped = ("the embeddings (transformer.drop), then in each block the attention weights (model.py's dropout_p), "
+               "the attention's output (resid_dropout) and the MLP's output (mlp.dropout), in that order")
+    if not (torch.is_tensor(mine["loss"]) and is_close(mine["loss"].item(), want["loss"].item(), rel=1e-5)):
+        raise ExerciseFailed(f"in training mode with dropout 0.1 your GPT's loss differs from model.py's on the same "
+                             f"seed, though it matched without dropout: model.py drops out {dropped}.")
+    for name, grad in want["grads"].items():
+        wrong = gradient_advice(name, mine["grads"].get(name), grad)
+        if wrong:
+            raise ExerciseFailed(f"your GPT in training mode with dropout 0.1: {wrong}.")
 
 
 # ----------------------------------------------------------------------------- 3. trained by train.py
@@ -187,23 +242,30 @@ def check_capstone(answers, data_root="", steps=12, quick_start=True):
     start's shape (config/shakespeare.py: 4 layers x 128 wide) or, with quick_start=False, a tiny one (tests)."""
     from model import GPT, GPTConfig
 
-    rng = random.Random()
+    rng = random.Random(random.getrandbits(64))
     heads = rng.choice([1, 2, 4])
     shape = dict(n_layer=rng.randint(1, 3), n_head=heads, n_embd=heads * rng.choice([8, 16]), block_size=16,
                  vocab_size=rng.choice([64, 100]), bias=rng.random() < 0.7)
     tokens = torch.randint(0, shape["vocab_size"], (2, 13))
+    pos, attn_mask = packed_rows(rng, 12)
     inputs = {"attention": attention_cases(rng), "config": shape, "seed": rng.randint(0, 10**6),
-              "idx": tokens[:, :-1], "targets": tokens[:, 1:]}
+              "idx": tokens[:, :-1], "targets": tokens[:, 1:], "pos": pos, "attn_mask": attn_mask}
     mine = answers.run(assembly_answers, inputs)
     compare_attention(inputs["attention"], mine["attention"])
     torch.manual_seed(inputs["seed"])
     reference = GPT(GPTConfig(**shape), loss_path="full").eval()
     compare_weights(mine["weights"], reference)
     compare_gpt(mine, reference, inputs)
-    running = answers.start(training_answers, (str(data_root), steps, quick_start))
+    compare_dropout(mine["dropout"], inputs)
+    running = answers.start(training_answers, (answers.data_root(data_root), steps, quick_start))
     with tempfile.TemporaryDirectory() as out:
         want = [row["train/loss"] for row in run_training(training_args(data_root, steps, quick_start, out))]
     curve = running.result()
+    if not isinstance(curve, list) or len(curve) != len(want):
+        logged = len(curve) if isinstance(curve, list) else "no"
+        raise ExerciseFailed(f"trained by train.py for {steps} steps, your run logged {logged} losses where model.py's "
+                             f"logs {len(want)}: train.py must run every step with your GPT (--train.model_module), "
+                             f"and the whole curve is compared.")
     for step, (got, expected) in enumerate(zip(curve, want), 1):
         if not is_close(got, expected, rel=1e-5 if step == 1 else 1e-3):
             got, expected = shown(got, expected)

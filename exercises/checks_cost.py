@@ -161,7 +161,7 @@ def expected_ratios(data_root):
 
 
 def check_metric(answers, data_root=""):
-    running = answers.start(metric_answers, str(data_root))
+    running = answers.start(metric_answers, answers.data_root(data_root))
     expected = expected_ratios(str(data_root))
     mine = running.result()
     if mine["syncs"]:

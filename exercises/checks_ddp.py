@@ -162,6 +162,10 @@ def check_no_sync(answers):
                 advice = "each micro-step adds loss / micro-steps into .grad, and DDP averages over the ranks"
             raise ExerciseFailed(f"at step {step} the ranks agree, but not with one process over all {2 * micro_steps} "
                                  f"micro-batches: {advice}.")
+        if not all_reduces:  # the ranks agree only because the answer all-reduced by hand: DDP's work, done twice
+            raise ExerciseFailed(f"at step {step} DDP itself all-reduced nothing (the gradients agree, so they were "
+                                 f"reduced by hand): run the last micro-step outside model.no_sync(), where DDP "
+                                 f"all-reduces each bucket once, overlapping backward; no all-reduce of your own.")
         early = [micro for micro in all_reduces if micro < micro_steps]
         if early:
             raise ExerciseFailed(f"at step {step} DDP all-reduced during micro-step {early[0]} of {micro_steps} "

@@ -124,7 +124,7 @@ def run_that_never_stopped(data_root):
 
 
 def check_resume(answers, data_root=""):
-    running = answers.start(resume_answers, str(data_root))
+    running = answers.start(resume_answers, answers.data_root(data_root))
     full = run_that_never_stopped(str(data_root))
     mine = running.result()
     if mine["saved"] is not None:

@@ -1,6 +1,7 @@
 """The check of exercise 21: sampling with a KV cache. The truth is sample.py: its KVCache on the same keys and
 values, and its generate on the same small GPT with a generator seeded alike, so the same draws give the same
-tokens. A forward pre-hook counts the positions each generate runs through the model: the cache's saving.
+tokens. The model's own blocks count the positions each generate runs through the model (the cache's saving),
+so that a call made only to feed a counter, beside a full recompute for the tokens, counts both.
 """
 
 import random
@@ -21,25 +22,31 @@ def cache_steps(cache_class, keys):
     return answers
 
 
-def positions_counted(model):
-    """A list that grows by the number of positions each forward pass reads (the token ids it embeds)."""
+def counting_gpt(seed):
+    """tiny_gpt(seed) whose own forward counts the positions it computes, in every block: a hook on one module
+    (the embedding, as this check once had) can be fed by a call made only for it, or removed."""
+    from model import Block
+
+    model = tiny_gpt(seed).eval()
     counted = []
-    model.transformer.wte.register_forward_pre_hook(lambda module, args: counted.append(args[0].numel()))
-    return counted
+    for block in model.transformer.h:
+        block.__class__ = type("CountedBlock", (Block,), {
+            "forward": lambda self, x, *args, **kwargs: (counted.append(x.shape[0] * x.shape[1]),
+                                                         Block.forward(self, x, *args, **kwargs))[1]})
+    return model, counted
 
 
-def run_generate(generate, model, case, prompt, seed):
+def run_generate(generate, seed, case, prompt):
     rows, _, new, temperature, top_k = case
-    counted = positions_counted(model)
+    model, counted = counting_gpt(seed)
     tokens = generate(model, prompt, new, temperature=temperature, top_k=top_k,
                       generator=torch.Generator().manual_seed(seed))
-    return {"tokens": tokens, "positions": sum(counted)}
+    return {"tokens": tokens, "positions": sum(counted) // len(model.transformer.h)}
 
 
 def sampling_answers(answers, inputs):
-    model = tiny_gpt(inputs["seed"]).eval()
     return {"cache": cache_steps(answers.KVCache, inputs["keys"]),
-            "generated": [run_generate(answers.generate, model, case, prompt, inputs["seed"])
+            "generated": [run_generate(answers.generate, inputs["seed"], case, prompt)
                           for case, prompt in zip(CASES, inputs["prompts"])]}
 
 
@@ -73,9 +80,8 @@ def check_kv_cache(answers):
     prompts = [torch.randint(0, 512, (rows, length), generator=generator) for rows, length, *_ in CASES]
     mine = answers.run(sampling_answers, {"seed": seed, "keys": keys, "prompts": prompts})
     compare_cache(mine["cache"], cache_steps(sample.KVCache, keys))
-    model = tiny_gpt(seed).eval()
     for case, prompt, got in zip(CASES, prompts, mine["generated"]):
-        want = run_generate(sample.generate, model, case, prompt, seed)
+        want = run_generate(sample.generate, seed, case, prompt)
         rows, length, new, temperature, top_k = case
         what = (f"{new} new tokens after a prompt of {length}" + (" (past block_size 16)" if length + new > 16 else "")
                 + (", greedy" if temperature == 0 else f", temperature {temperature}, top_k {top_k}"))

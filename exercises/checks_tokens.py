@@ -63,7 +63,8 @@ def check_bpe(answers):
 
     _, encoder = gpt2_files()
     enc = get_tokenizer()
-    pieces = regex.findall(r50k_pat_str, shakespeare(20_000, random.Random()))[:500] + [" unsubstantiated", " 1234567"]
+    text = shakespeare(20_000, random.Random(random.getrandbits(64)))
+    pieces = regex.findall(r50k_pat_str, text)[:500] + [" unsubstantiated", " 1234567"]
     for piece, mine in zip(pieces, answers.run(bpe_answers, pieces)):
         want = enc.encode_ordinary(piece)
         ids = [encoder.get(p) if isinstance(p, str) else None for p in mine] if isinstance(mine, list) else mine
@@ -92,7 +93,7 @@ def check_pre_tokenizer(answers):
 
     from data import get_tokenizer
 
-    text = shakespeare(6_000, random.Random()) + EDGES
+    text = shakespeare(6_000, random.Random(random.getrandbits(64))) + EDGES
     mine = answers.run(pre_tokenizer_answers, text)
     want = byte_characters()
     characters = mine["characters"]
@@ -195,7 +196,7 @@ def check_learned_merges(answers):
     except ImportError:
         raise ExerciseFailed("this check compares with the Hugging Face tokenizers library, which is not installed: "
                              "run `pip install tokenizers`, then check again.") from None
-    texts = [(VERSE, 30), (shakespeare(15_000, random.Random()), 120)]
+    texts = [(VERSE, 30), (shakespeare(15_000, random.Random(random.getrandbits(64))), 120)]
     inputs = [{"words": word_counts(text), "count": count} for text, count in texts]
     for (text, count), case, mine in zip(texts, inputs, answers.run(learned_answers, inputs)):
         compare_merges(mine, hf_merges(text, count), case["words"], count)

@@ -2,13 +2,15 @@
 
 The teacher's check.py computes every reference (model.py's outputs and gradients, torch's AdamW, tiktoken's
 ids, one process's DDP step, ...) in its own process, which never imports an answer file. An answer runs in a
-process of its own: `python exercises/runner.py` (the teacher's runner, with the teacher's project first on
-its path, so the answer's `import model` is the teacher's model.py) loads the answer file, runs the check's
-answer side on the inputs the check saved, and saves what came back as plain data. The check loads that with
-torch.load(weights_only=True), which reads tensors, numbers and strings and runs no code. So an answer file
-that patches torch or the project at import changes only its own process; and nothing of the student's copy
-but its answer files runs at all (not its check.py, checking.py, checks or project modules). Answers run one
-after another, each in a child forked by one zygote (runner.py says why); under torchrun, two per answer.
+process of its own, started in the room (room.py): a fresh copy of the project without the teacher's answers,
+solutions or hints, where the answer's `import model` is the room's model.py and the teacher's tree is not on
+the path (on Linux as root, not even readable, and the answer's user cannot write it). There the room's
+runner.py loads a copy of the answer file, runs the check's answer side on the inputs the check saved, and
+saves what came back as plain data. The check loads that with torch.load(weights_only=True), which reads
+tensors, numbers and strings and runs no code. So an answer file that patches torch or the project changes
+only its own process; and nothing of the student's copy but its answer files runs at all (not its check.py,
+checking.py, checks or project modules). Answers run one after another, each in a child forked by one zygote
+(runner.py says why); under torchrun, two per answer.
 """
 
 import ast
@@ -19,16 +21,15 @@ import queue
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
 
 from exercises.checking import ExerciseFailed, NotDone
+from exercises.room import ROOM, ROOT, answer_folder, give_to_answer, unprivileged
 
 HERE = Path(__file__).resolve().parent  # the grading copy's exercises/
-RUNNER = HERE / "runner.py"
 
 
 def answer_file(number, folder=HERE):
@@ -84,25 +85,34 @@ class Answers:
         """`run`, started: the check computes its reference meanwhile, then calls `.result()`."""
         return Running(self, side, inputs, timeout, ranks)
 
+    @staticmethod
+    def data_root(data_root):
+        """The data root to give an answer side that trains: a copy in the room of `data_root`'s Shakespeare."""
+        return ROOM.data_root(data_root)
+
 
 class Running:
     """An answer process (or two, under torchrun) under way."""
 
     def __init__(self, answers, side, inputs, timeout, ranks):
         self.answers, self.timeout, self.ranks = answers, timeout, ranks
-        self.folder = tempfile.TemporaryDirectory()
+        # In a folder of its own, beside the room, holding copies of the answer files: nothing the answer writes
+        # lands in the project, and it reads no answer file but the student's.
+        self.folder = answer_folder(answers.folder)
         self.inputs, self.outputs = (os.path.join(self.folder.name, name) for name in ("in.pt", "out.pt"))
         torch.save(inputs, self.inputs)
-        job = [str(answers.path), f"{side.__module__}:{side.__name__}", self.inputs, self.outputs]
-        if ranks == 1 and hasattr(os, "fork"):
+        give_to_answer(self.folder.name)
+        job = [str(Path(self.folder.name) / "exercises" / answers.path.name), f"{side.__module__}:{side.__name__}",
+               self.inputs, self.outputs]
+        if hasattr(os, "fork"):
             self.process = None
-            self.child = ZYGOTE.start(job, self.folder.name)
+            self.child = ZYGOTE.start(job, self.folder.name, ranks)
             return
         start = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={ranks}"]
-        # In a folder of its own, so that nothing the answer writes lands in the project.
-        self.process = subprocess.Popen(start + [str(RUNNER), *job], cwd=self.folder.name, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, env=runner_environment())
+        self.process = subprocess.Popen(start + [str(ROOM.build() / "exercises" / "runner.py"), *job],
+                                        cwd=self.folder.name, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, env=runner_environment())
 
     def wait(self):
         """(exit status, its output), or None when the answer ran past the time limit (and was stopped)."""
@@ -158,18 +168,20 @@ class Zygote:
     def __init__(self):
         self.process, self.replies, self.running = None, None, None
 
-    def start(self, job, folder):
-        """Start `job` in a new child; returns the child's pid."""
+    def start(self, job, folder, ranks=1):
+        """Start `job` in a new child (torchrun's, with ranks > 1), shut in (runner.isolate); returns its pid."""
         if self.running is not None:  # a check that stopped before reading its answer's end
             self.wait(self.running, None)
         if self.process is None or self.process.poll() is not None:
-            self.process = subprocess.Popen([sys.executable, str(RUNNER), "--zygote"], stdin=subprocess.PIPE,
-                                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                                            env=runner_environment(), cwd=tempfile.gettempdir())
+            room = ROOM.build()
+            self.process = subprocess.Popen([sys.executable, str(room / "exercises" / "runner.py"), "--zygote"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                            text=True, env=runner_environment(), cwd=room)
             self.replies = queue.Queue()
             threading.Thread(target=self.read, args=(self.process.stdout, self.replies), daemon=True).start()
             atexit.register(self.process.stdin.close)
-        self.process.stdin.write(json.dumps({"job": job, "folder": folder}) + "\n")
+        request = {"job": job, "folder": folder, "ranks": ranks, "hidden": [str(ROOT)], "user": unprivileged()}
+        self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         self.running = self.reply(None)["pid"]
         return self.running
@@ -179,7 +191,7 @@ class Zygote:
         try:
             status = self.reply(timeout)["status"]
         except queue.Empty:
-            os.kill(pid, signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)  # the child leads a process group: torchrun's ranks go with it
             self.reply(None)
             status = None
         self.running = None

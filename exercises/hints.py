@@ -1,9 +1,10 @@
 """The hints of every exercise, printed one level at a time by `python exercises/check.py N --hint[=LEVEL]`.
 
-Level 1 says where to look, level 2 how to go about it, level 3 is the code, for a student who gives up:
-the reference answer's functions, read (never run) from the project's answer file, or, in a student's
-copy, from exercises/solutions/ (make_student_copy.py puts the project's answer files there). The
-exercise files themselves hold only the goal and the signatures, so a student reads a hint only by
+Level 1 says where to look, level 2 the idea (without the code or its exact constants), level 3 is the
+code, for a student who gives up: the reference answer's functions, read (never run) from the project's
+answer file. A student's copy holds no reference (make_student_copy.py blanks the answers and copies no
+solutions), so there level 3 comes from the teacher's copy (`check.py N --hint=3 --against=TEACHER`).
+The exercise files themselves hold only the goal and the signatures, so a student reads a hint only by
 asking for it.
 """
 
@@ -92,40 +93,42 @@ HINTS = {
          "cross-entropy."),
     18: ("GPT-2's encoder.py (`bytes_to_unicode` and its `pat`); tiktoken_ext's `r50k_pat_str` is the same "
          "pattern.",
-         "The printable bytes are ! to ~, ¡ to ¬ and ® to ÿ, and stand for themselves; every other byte, in order, "
-         "gets chr(256 + n). The pattern's alternatives, in order: contractions, an optional space and letters, an "
-         "optional space and digits, an optional space and other symbols, whitespace not followed by a non-space, "
-         "whitespace (`regex`, not `re`: \\p{L} and \\p{N})."),
+         "GPT-2 wants every byte to be a character that is neither whitespace nor a control character: the bytes "
+         "that already print stay as they are, the others move, in order, to characters past the first 256. The "
+         "pre-tokenizer is one regular expression whose alternatives are tried in order, from the most specific "
+         "(contractions) to the most general (whitespace); mind that its letter and digit classes need `regex`."),
     19: ("Sennrich et al. 2016 (Algorithm 1); the tokenizers library's BpeTrainer.",
          "Keep each word's current pieces. Each round: count the adjacent pairs of all words, weighted by the "
          "words' counts; take the most frequent, ties broken by when the pieces were made; replace it everywhere "
          "by the merged piece; note when that piece was made."),
     20: ("train.py, `train_step` (the `no_sync` line and its comment); torch's DistributedDataParallel.no_sync.",
-         "Every micro-step's forward and backward runs inside model.no_sync() except the last's; divide each loss "
-         "by the number of micro-steps (DDP averages over the ranks itself); return the mean loss, detached."),
+         "DDP all-reduces the gradients while backward runs, unless the model is inside no_sync(): only the last "
+         "micro-step needs the reduction, since the earlier ones only add to .grad. Scale the losses as in "
+         "exercise 2, remembering what DDP already does across the ranks."),
     21: ("sample.py, `KVCache` and `generate`; model.py's attention (`kv_cache.append`) and "
          "`GPT.hidden_states` (`kv_cache.length`).",
          "The cache keeps one (keys, values) pair per layer and a counter of the layer the next append is for, "
          "concatenating along the positions. The loop feeds the prompt first, then only the token it just drew; "
          "when the cache is full it starts over with the last block_size - 1 tokens."),
     22: ("Smith 2017, section 3.3; fastai's `lr_find` and its `minimum` suggestion.",
-         "Walk the steps once, keeping the moving average, its corrected value, and the lowest so far with its LR; "
-         "stop at the first smoothed loss above 4 times the lowest; return a tenth of the LR of the lowest."),
+         "Read the curve as fastai's lr_find does: a smoothed loss (the goal names the average and its "
+         "correction), read from the start and no further than where it clearly diverged; the best LR sits near "
+         "the bottom of the smoothed curve, and the suggestion leaves room below it."),
     23: ("callbacks.py, `LossSpikeDetector`; docs/checkpoints-and-reliability.md, \"Rewinding in place\".",
-         "Keep the finite losses seen so far and compare each loss with the mean of the last `window` of them, "
-         "before adding it. The spike at step n was measured with step n - 1's weights, so that update may be "
-         "the cause: take the latest checkpoint at or before step n - 2."),
+         "A spike is judged against the recent past, not against the step before: keep what the trainer's "
+         "detector keeps and test each loss before it joins. For the rewind, ask which update made the weights "
+         "that measured the spiking loss, and keep no checkpoint that already holds it."),
 }
 
 
 def reference_file(number):
-    """The reference answers of exercise `number`: exercises/solutions/ in a student's copy, else the project's
-    own answer file."""
-    for folder in (HERE / "solutions", HERE):
-        found = sorted(folder.glob(f"{number:02d}_*.py"))
-        if found:
-            return found[0]
-    raise ValueError(f"this copy holds no answer file of exercise {number}.")
+    """The reference answers of exercise `number`: the project's own answer file. A student's copy holds none
+    (make_student_copy.py blanks them), so there level 3 is asked of the teacher's copy."""
+    found = sorted(HERE.glob(f"{number:02d}_*.py"))
+    if not found or f"NotImplementedError('exercise {number}: write" in found[0].read_text(encoding="utf-8"):
+        raise ValueError(f"this copy holds no reference answer of exercise {number} (a student's copy holds none); "
+                         f"ask the teacher's copy: check.py {number} --hint=3 --against=TEACHER.")
+    return found[0]
 
 
 def reference_code(number):

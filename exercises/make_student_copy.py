@@ -6,10 +6,11 @@ DEST (a new or empty folder) gets the project's files: those git tracks or would
 prepared data, runs or caches (the copy prepares its data on first use, as the project does). In
 every exercises/NN_name.py, the body of each answer function, and of each method of an answer class,
 becomes `raise NotImplementedError("exercise N: ...")`; its signature and docstring (what it must do)
-stay. The project's answer files go to exercises/solutions/, which only `check.py N --hint=3` reads
-(the code, for a student who gives up). tests/test_exercises*.py are left out: they check that the
-project's own answers pass, which a student's copy is not meant to do yet. The project itself is only
-read.
+stay. The project's answers are copied nowhere (no solutions/ folder): an answer running in the copy, or
+a student, would find them; `check.py N --hint=3 --against=TEACHER` prints the code from the teacher's copy.
+A folder named solutions/ in the project is left out too. tests/test_exercises*.py are left out: they
+check that the project's own answers pass, which a student's copy is not meant to do yet. The project
+itself is only read.
 
 In DEST, `python train.py` trains as in the project, and `python exercises/check.py N` says "not done
 yet" in one sentence until the student writes exercise N.
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from config import UserError, run_command  # noqa: E402 - needs the line above
 
-NOT_COPIED = "tests/test_exercises*.py"  # the tests that the project's answers pass
+NOT_COPIED = ("tests/test_exercises*.py", "exercises/solutions/*")  # tests the answers pass; old copies' answers
 # Without git (a project unpacked from an archive): every file except these folders.
 SKIPPED_FOLDERS = {".git", "__pycache__", ".pytest_cache", "data", "out", "wandb"}
 
@@ -42,7 +43,8 @@ def project_files(root):
     except (OSError, subprocess.CalledProcessError):
         names = [str(path.relative_to(root)) for path in root.rglob("*")
                  if path.is_file() and not SKIPPED_FOLDERS & set(path.relative_to(root).parts)]
-    return sorted({name for name in names if (root / name).is_file() and not fnmatch.fnmatch(name, NOT_COPIED)})
+    return sorted({name for name in names if (root / name).is_file()
+                   and not any(fnmatch.fnmatch(name, pattern) for pattern in NOT_COPIED)})
 
 
 def blank_answers(source, number):
@@ -81,8 +83,6 @@ def make_student_copy(dest, root=ROOT):
         number = path.name.split("_", 1)[0]
         if path.parent == Path("exercises") and path.suffix == ".py" and number.isdigit():
             target.write_text(blank_answers((root / name).read_text(), int(number)))
-            (dest / "exercises" / "solutions").mkdir(exist_ok=True)
-            shutil.copy2(root / name, dest / "exercises" / "solutions" / path.name)
             blanked.append(name)
         else:
             shutil.copy2(root / name, target)

@@ -1,10 +1,12 @@
 """The process an answer runs in (grading.py starts it; torchrun starts two for the checks of data parallelism).
 
-    python exercises/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
-    python exercises/runner.py --zygote        # forks one such process per job read from stdin (grading.py)
+    python ROOM/exercises/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
+    python ROOM/exercises/runner.py --zygote   # forks one such process per job read from stdin (grading.py)
 
-It puts this copy's project first on the path (so the answer's `import model` is this copy's model.py, whatever
-folder the answer file sits in), loads the answer file, calls FUNCTION(answers, inputs), the check's answer
+It runs from the room (room.py: a copy of the project without the teacher's answers), puts the room's project
+first on the path (so the answer's `import model` is the room's model.py, whatever folder the answer file sits
+in), shuts itself in (`isolate`: on Linux as root, the teacher's tree hidden and the user dropped to nobody),
+loads the answer file, calls FUNCTION(answers, inputs), the check's answer
 side, and saves {"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet
 or raised, {"not_done": ...} or {"failed": ...}, one sentence that names the function and its line. Under
 torchrun each rank does the same, rank r > 0 into OUTPUTS.r.
@@ -75,6 +77,48 @@ def describe_error(path, error):
                       f"your answers in exercises/{path.name} returned.")
 
 
+# Linux's mount(2) and unshare(2) flags (<sys/mount.h>, <sched.h>): Python 3.11's os has no unshare.
+CLONE_NEWNS, MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
+    0x20000, 0x1, 0x2, 0x4, 0x8, 0x1000, 0x2000, 0x4000, 0x40000
+
+
+def isolate(hidden, user):
+    """Shut this process in before the answer loads, as far as the platform allows (room.py lists what holds
+    where): with `user` (uid, gid; given when the grader is root on Linux), in a mount namespace of this
+    process's own, cover each folder of `hidden` (the teacher's project) with an empty unreadable one, then
+    become `user`, who can write neither the room nor the teacher's tree. Returns the folders it could not hide
+    (then the user is dropped all the same)."""
+    if user is None:
+        return list(hidden)
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    alone = libc.unshare(CLONE_NEWNS) == 0 and libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+    if alone:
+        reach_python(libc, Path(sys.prefix))
+    missed = [path for path in hidden if not alone or libc.mount(
+        b"tmpfs", str(path).encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, b"size=4k,mode=000")]
+    os.setgroups([])
+    os.setgid(user[1])
+    os.setuid(user[0])
+    return missed
+
+
+def reach_python(libc, prefix):
+    """Let the unprivileged user reach Python's own folder where a folder above it is closed to others (Python
+    installed in root's home, mode 700): in this namespace, cover the highest closed folder with an empty one
+    open to all and put `prefix` back inside it. What else that folder held stays out of reach."""
+    closed = next((p for p in reversed(prefix.parents) if p != Path("/") and not os.stat(p).st_mode & 0o001), None)
+    if closed is None:
+        return
+    stage = Path(os.getcwd()) / ".python"
+    stage.mkdir()
+    if libc.mount(str(prefix).encode(), str(stage).encode(), None, MS_BIND | MS_REC, None) == 0 and libc.mount(
+            b"tmpfs", str(closed).encode(), b"tmpfs", MS_NOSUID | MS_NODEV, b"size=64k,mode=755") == 0:
+        prefix.mkdir(parents=True)
+        libc.mount(str(stage).encode(), str(prefix).encode(), None, MS_MOVE, None)
+
+
 def run_job(answer_path, side, inputs_path, outputs_path):
     import torch
 
@@ -107,9 +151,11 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 
 
 def zygote():
-    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS], "folder": ...}), and
-    run each in a forked child, in `folder`, its output in folder/output.txt; write {"pid": ...} when the child
-    starts and {"status": its exit status} when it ends."""
+    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS], "folder": ...,
+    "ranks": 1 or 2, "hidden": [...], "user": [uid, gid] or null}), and run each in a forked child, in `folder`,
+    shut in (`isolate`), its output in folder/output.txt; with ranks=2 the child becomes torchrun, which starts
+    two such runners. Write {"pid": ...} when the child starts (the leader of a process group: stopping it stops
+    torchrun's ranks too) and {"status": its exit status} when it ends."""
     replies = os.fdopen(os.dup(1), "w")  # the grader reads replies here; anything else printed goes to stderr
     os.dup2(2, 1)
     for name in PRELOADED:
@@ -126,11 +172,17 @@ def zygote():
             status = 1
             try:
                 replies.close()
+                os.setsid()
                 os.chdir(request["folder"])
                 output = os.open(os.path.join(request["folder"], "output.txt"), os.O_WRONLY | os.O_CREAT)
                 os.dup2(output, 1)
                 os.dup2(output, 2)
                 sys.stdin.close()
+                isolate(request.get("hidden", []), request.get("user"))
+                os.environ["HOME"] = request["folder"]
+                if request.get("ranks", 1) > 1:
+                    os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                              f"--nproc-per-node={request['ranks']}", __file__, *request["job"]])
                 run_job(*request["job"])
                 status = 0
             except BaseException:  # noqa: BLE001 - said where the grader reads it, as a process would say it

@@ -140,7 +140,8 @@ def test_nothing_of_the_students_copy_but_its_answer_files_takes_part_in_grading
     assert teacher_grades(10, copy).stdout.startswith("exercise 10 passed")
     (copy / "exercises" / "01_schedule.py").write_text("def lr_at(schedule, n):\n    return schedule.lr\n")
     failed = teacher_grades(1, copy)
-    assert failed.returncode == 1 and failed.stdout.startswith("exercise 1 failed: lr_at(step ")
+    assert failed.returncode == 1 and failed.stdout.startswith("exercise 1 failed (--seed=")
+    assert "draws these cases again): lr_at(step " in failed.stdout
 
 
 def test_a_copy_whose_check_py_says_passed_still_fails_under_the_teachers_grading(tmp_path):
@@ -250,6 +251,67 @@ def test_an_answer_built_on_another_exercise_names_the_function_still_to_write(t
         grade(16, folder, "")
 
 
+# A student's answer to exercise 1 that tries every way out of its room at once (issue 49's holes 1 and 2): it
+# rewrites the teacher's check to pass anything, and writes the teacher's project, at its path and beside the
+# `exercises` package it imports; its lr_at is the teacher's reference, loaded from either place; blank if none.
+ESCAPING_ANSWER = """
+import exercises as _package
+from pathlib import Path as _Path
+from exercises import answers_of as _answers_of
+
+_TEACHER = _Path({teacher!r})
+_PLACES = [_Path(_package.__file__).parent, _TEACHER / "exercises"]
+for _place in _PLACES:
+    for _name in ("checks_step.py", "../optimizer.py"):
+        try:
+            with open(_place / _name, "a") as _file:
+                _file.write("\\ndef check_schedule(answers):\\n    return 'anything (tampered)'\\n")
+        except OSError:
+            pass
+
+
+def lr_at(schedule, n):
+    for _place in _PLACES:
+        try:
+            return _answers_of(1, _place / "x.py").lr_at(schedule, n)
+        except (OSError, StopIteration):
+            pass
+    raise NotImplementedError("exercise 1: write lr_at")
+"""
+
+
+def test_an_answer_can_neither_write_nor_read_nor_import_the_teachers_tree(tmp_path):
+    from exercises.check import grade as check_grade
+
+    folder = answer_folder(tmp_path)
+    (folder / "01_schedule.py").write_text(ESCAPING_ANSWER.format(teacher=str(ROOT)))
+    before = digest(ROOT)
+    passed, line = check_grade(1, folder)
+    assert digest(ROOT) == before, line  # byte-identical: checks, project, answers
+    assert not passed and line.startswith("exercise 1 is not done yet: write lr_at"), line
+
+
+def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(tmp_path, monkeypatch):
+    """Where the platform lets an answer write the teacher's tree (no root, no Linux), the fingerprint catches it."""
+    import exercises.check
+    import exercises.room
+
+    (tmp_path / "exercises").mkdir()
+    (tmp_path / "exercises" / "checks_step.py").write_text("def check_schedule(answers): ...\n")
+    monkeypatch.setattr(exercises.room, "ROOT", tmp_path)
+
+    def tampering(number, folder, data_root, seed):
+        with open(tmp_path / "exercises" / "checks_step.py", "a") as f:
+            f.write("def check_schedule(answers): return 'passed'\n")
+        return True, "exercise 1 passed: anything."
+
+    monkeypatch.setattr(exercises.check, "grade_once", tampering)
+    passed, line = exercises.check.grade(1)
+    assert not passed and line == ("exercise 1 cannot be graded: exercises/checks_step.py of the grading copy changed "
+                                   "while the answer ran; restore it (git checkout -- exercises/checks_step.py) and "
+                                   "grade again.")
+
+
 # ----------------------------------------------------------------------------- the command, hints, the copy
 
 
@@ -266,8 +328,8 @@ def test_a_data_root_that_does_not_exist_is_one_sentence_and_creates_nothing(tmp
     assert not missing.exists() and list(tmp_path.iterdir()) == []
 
 
-def hint(number, level, cwd=ROOT):
-    return warm_python.python(["exercises/check.py", str(number), f"--hint={level}"], cwd, timeout=60)
+def hint(number, level, cwd=ROOT, *more):
+    return warm_python.python(["exercises/check.py", str(number), f"--hint={level}", *more], cwd, timeout=60)
 
 
 def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code(student_copy):
@@ -275,10 +337,23 @@ def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code
     assert first.stdout.startswith("exercise 3, hint 1 of 3 (more: --hint=2): model.py, `CausalSelfAttention")
     assert "masked_fill" not in first.stdout + hint(3, 2).stdout  # where, then how: not the code
     assert "masked_fill" not in Answers(3).path.read_text().split("def ")[0]  # the exercise's goal is no dictation
-    code = hint(3, 3, cwd=student_copy)  # in a student's copy, from the solutions
+    # a student's copy holds no reference: the code comes from the teacher's copy, asked with --against
+    assert_one_sentence(hint(3, 3, student_copy), "this copy holds no reference answer of exercise 3")
+    code = hint(3, 3, student_copy, f"--against={ROOT}")
     assert code.stdout.startswith("exercise 3, hint 3 of 3 (the last one): the reference answer "
-                                  "(exercises/solutions/03_attention.py):") and "masked_fill" in code.stdout
+                                  "(exercises/03_attention.py):") and "masked_fill" in code.stdout
     assert_one_sentence(hint(3, 4), "exercise 3 has 3 hints; ask for 1 to 3")
+    assert_one_sentence(hint(3, 0), "exercise 3 has 3 hints; ask for 1 to 3")  # refused, not a whole check
+
+
+def test_a_second_hint_gives_the_idea_without_the_code_or_its_constants():
+    from exercises.hints import HINTS
+
+    # what the second hints of issue 49 gave away: 23's only insight, 18's byte ranges, 20's and 22's algorithms
+    given_away = {18: ["chr(256", "¡ to ¬", "\\p{L}"], 20: ["except the last's", "detached"],
+                  22: ["4 times", "a tenth"], 23: ["n - 2", "n - 1's weights"]}
+    for number, words in given_away.items():
+        assert not [word for word in words if word in HINTS[number][1]], number
 
 
 def test_the_trainer_trains_the_capstone_gpt_named_by_train_model_module(data_root, tmp_path):
@@ -297,7 +372,8 @@ def test_the_trainer_trains_the_capstone_gpt_named_by_train_model_module(data_ro
 
 def digest(folder):
     return {path.relative_to(folder): hashlib.sha256(path.read_bytes()).hexdigest()
-            for path in sorted(folder.rglob("*")) if path.is_file() and "__pycache__" not in path.parts}
+            for path in sorted(folder.rglob("*")) if path.is_file()
+            and not {"__pycache__", ".git", "data", ".pytest_cache"} & set(path.relative_to(folder).parts)}
 
 
 def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(tmp_path, data_root):
@@ -308,6 +384,7 @@ def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(t
     blanked = make_student_copy(copy)
     assert digest(ROOT / "exercises") == before
     assert len(blanked) == len(CHECKS) and not list((copy / "tests").glob("test_exercises*.py"))
+    assert not (copy / "exercises" / "solutions").exists()  # no reference answer anywhere in the copy
     assert (copy / "train.py").read_bytes() == (ROOT / "train.py").read_bytes()
     # No check ships an answer: exercise 7's RTE prompt is read from OLMo's own tasks.py, not written here.
     assert "True or False?" not in "\n".join(p.read_text() for p in (copy / "exercises").glob("checks*.py"))
@@ -323,7 +400,6 @@ def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(t
             assert mine.__doc__ == theirs.__doc__, written
             with pytest.raises(NotImplementedError, match=f"exercise {number}: write {written}"):
                 mine(*[None] * len(inspect.signature(mine).parameters))
-        assert (copy / "exercises" / "solutions" / name.split("/")[1]).read_bytes() == (ROOT / name).read_bytes()
     result = warm_python.python(["exercises/check.py", "1"], copy, timeout=120)
     assert result.returncode == 1
     assert result.stdout == ("exercise 1 is not done yet: write lr_at in exercises/01_schedule.py (its docstring says "

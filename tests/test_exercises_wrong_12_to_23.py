@@ -64,14 +64,14 @@ def summed_over_the_ranks(model, world_size):
         dist.all_reduce(p.grad)
 
 
-def attention_of_unscaled_scores(q, k, v, allowed=None):
+def attention_of_unscaled_scores(q, k, v, allowed=None, dropout=0.0):
     Tq, Tk = q.size(-2), k.size(-2)
     if allowed is None:
         allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)
     return (q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf")).softmax(-1) @ v
 
 
-def attention_blind_to_the_cache(q, k, v, allowed=None):  # a square's mask: the new queries see the first keys
+def attention_blind_to_the_cache(q, k, v, allowed=None, dropout=0.0):  # a square's mask: new queries see the first keys
     if allowed is None:
         allowed = torch.ones(q.size(-2), k.size(-2), dtype=torch.bool).tril()
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))
@@ -91,6 +91,32 @@ def hidden_states_from_position_0(self, idx, kv_cache=None, pos=None, attn_mask=
     for block in self.transformer.h:
         x = block(x, kv_cache, attn_mask)
     return self.transformer.ln_f(x)
+
+
+def hidden_states_blind_to_packed_rows(self, idx, kv_cache=None, pos=None, attn_mask=None):
+    x = self.transformer.drop(parts.embed(self, idx, 0 if kv_cache is None else kv_cache.length))
+    for block in self.transformer.h:  # pos and attn_mask never used: hellaswag_eval.py's packed rows go wrong
+        x = block(x, kv_cache)
+    return self.transformer.ln_f(x)
+
+
+def attention_forward_without_its_dropout(self, x, kv_cache=None, attn_mask=None):
+    B, T, C = x.size()
+    q, k, v = self.c_attn(x).split(C, dim=2)
+    q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+    if kv_cache is not None:
+        k, v = kv_cache.append(k, v)
+    y = attention(q, k, v, attn_mask).transpose(1, 2).contiguous().view(B, T, C)  # no dropout on the weights
+    return self.resid_dropout(self.c_proj(y))
+
+
+def bf16_step_of_a_model_cast_back(gpt, x, y):
+    gpt.to(torch.bfloat16)  # the whole model in bfloat16 for the step, then float32 again
+    logits = gpt(x)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1), ignore_index=-1)
+    loss.backward()
+    gpt.to(torch.float32)
+    return loss.detach()
 
 
 def bf16_modules_with_the_layernorms(gpt):
@@ -186,6 +212,23 @@ def ddp_all_in_no_sync(model, micro_batches):
     return ddp(model, micro_batches, sync="never")
 
 
+def ddp_all_in_no_sync_reduced_by_hand(model, micro_batches):  # DDP's all-reduce skipped, then done by hand
+    total = ddp(model, micro_batches, sync="never")
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    return total
+
+
+def generate_counted_by_the_cache_tokens_from_a_recompute(model, idx, max_new_tokens, temperature=1.0, top_k=None,
+                                                          generator=None):
+    import sample  # a cached generate run for the counter alone, its tokens thrown away
+
+    sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=None)
+    model.transformer.wte._forward_pre_hooks.clear()  # the counter of issue 49 (a hook on wte) sees no more
+    return generate_without_a_cache(model, idx, max_new_tokens, temperature, top_k, generator)
+
+
 def ddp_divided_by_the_ranks_too(model, micro_batches):
     return ddp(model, micro_batches, ranks_too=True)
 
@@ -233,6 +276,20 @@ def suggest_from_the_raw_losses(lrs, losses):
     return lrs[losses.index(min(losses))] / 10
 
 
+def suggest_without_stopping(lrs, losses):
+    average, best, best_lr = 0.0, float("inf"), lrs[0]
+    for i, (lr, loss) in enumerate(zip(lrs, losses), 1):  # reads on past the divergence
+        average = 0.9 * average + 0.1 * loss
+        if average / (1 - 0.9 ** i) < best:
+            best, best_lr = average / (1 - 0.9 ** i), lr
+    return best_lr / 10
+
+
+def spikes_after_the_first_jump(losses, threshold, window=50):
+    jumps = [step for step in range(11, len(losses) + 1) if losses[step - 1] > losses[step - 2] + threshold]
+    return list(range(jumps[0], len(losses) + 1)) if jumps else []
+
+
 def spikes_against_the_previous_loss(losses, threshold, window=50):
     return [step for step in range(2, len(losses) + 1) if losses[step - 1] > losses[step - 2] + threshold]
 
@@ -255,10 +312,13 @@ WRONG = [
     (16, {"attention": attention_blind_to_the_cache}, "tril(diagonal=Tk - Tq)"),
     (16, {"Block.__init__": block_built_attention_first}, "create the modules in model.py's order"),
     (16, {"GPT.hidden_states": hidden_states_from_position_0}, "start the positions at kv_cache.length"),
+    (16, {"GPT.hidden_states": hidden_states_blind_to_packed_rows}, "embed each token at its given `pos`"),
+    (16, {"CausalSelfAttention.forward": attention_forward_without_its_dropout}, "the attention weights"),
     (17, {"bf16_modules": bf16_modules_with_the_layernorms}, "keeps normalisations in float32"),
     (17, {"bf16_step": bf16_step_without_the_upcast}, "upcast the logits to float32"),
     (17, {"bf16_step": bf16_step_without_autocast}, "run the forward under torch.autocast"),
     (17, {"bf16_step": bf16_step_of_a_bf16_model}, "autocast casts each matmul's inputs, never the model"),
+    (17, {"bf16_step": bf16_step_of_a_model_cast_back}, "even if cast back after"),
     (18, {"byte_characters": bytes_as_themselves}, "is moved to a character of its own"),
     (18, {"pre_tokenize": split_at_spaces}, "joined together are not the text"),
     (18, {"pre_tokenize": pre_tokens_whose_spaces_stay_together}, "leaves its last whitespace character"),
@@ -268,14 +328,28 @@ WRONG = [
     (20, {"accumulate_with_ddp": ddp_without_no_sync, "_ddp": ddp}, "every micro-step but the last inside"),
     (20, {"accumulate_with_ddp": ddp_all_in_no_sync, "_ddp": ddp}, "no all-reduce ran"),
     (20, {"accumulate_with_ddp": ddp_divided_by_the_ranks_too, "_ddp": ddp}, "DDP already averages over the ranks"),
+    (20, {"accumulate_with_ddp": ddp_all_in_no_sync_reduced_by_hand, "_ddp": ddp}, "DDP itself all-reduced nothing"),
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),
+    (21, {"generate": generate_counted_by_the_cache_tokens_from_a_recompute,
+          "_generate_without_a_cache": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (22, {"suggest_lr": suggest_the_minimum_itself, "_suggest": suggest}, "suggest a tenth of it"),
     (22, {"suggest_lr": suggest_from_the_raw_losses}, "smooth the losses first"),
-    (23, {"find_spikes": spikes_against_the_previous_loss}, "above the mean of the previous `window` losses"),
-    (23, {"rewind_step": rewind_to_the_checkpoint_before_the_spike}, "holds step 40's update, which made the spike"),
+    (22, {"suggest_lr": suggest_without_stopping}, "stop reading once the smoothed loss exceeds 4 times"),
+    (23, {"find_spikes": spikes_after_the_first_jump}, "each step is judged on its own"),
+    (23, {"find_spikes": spikes_against_the_previous_loss}, "above the mean of the previous `window` finite"),
+    (23, {"rewind_step": rewind_to_the_checkpoint_before_the_spike}, "holds step 40's update, which may have made"),
 ]
 CODE = [  # wrong answers that are not one function
+    # the answer's process patches the check's helper so that train.py's run logs no loss (issue 49, hole 3)
+    (16, "import exercises.checks_capstone as _check\n_check.run_training = lambda args: []\n",
+     "your run logged 0 losses where model.py's logs 6"),
+    # ... or trains model.py's GPT instead of the answer's, which has no dropout on its attention weights
+    (16, "import exercises.checks_capstone as _check\n_train = _check.run_training\n"
+         "_check.run_training = lambda args: _train([a for a in args if 'model_module' not in a])\n"
+         "_attention = attention\n"
+         "attention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
+     "the attention weights"),
     (21, "KVCache.length = property(lambda self: 0)  # a cache that never says how far it got\n",
      "your cache's length is 0 where sample.py's says 3"),
 ]
@@ -293,3 +367,28 @@ def test_a_wrong_answer_fails_in_one_sentence_that_fits_the_mistake(number, wron
 def test_a_wrong_answer_of_several_lines_fails_in_one_sentence_that_fits_the_mistake(number, code, words, data_root,
                                                                                      tmp_path):
     failed_with(number, answer_folder(tmp_path, number, code=code), words, data_root)
+
+
+# Answers that read the one case a fixed check used to give (issue 49, hole 4): each fails on at least 9 of 10
+# gradings, and a failure names its seed, which draws the same cases, and the same sentence, again.
+HARD_CODED = [
+    (22, "def suggest_lr(lrs, losses):\n    return lrs[42] / 10\n", 10),
+    (23, "def find_spikes(losses, threshold, window=50):\n    return list(range(41, 61))\n", 10),
+    (23, "def rewind_step(spike_step, checkpoint_steps):\n    return 38\n", 10),
+    # the 19 names of the one 2-layer GPT the check used to build; two depths are drawn now, so it always fails
+    (17, "NAMES = sorted(bf16_modules(model.GPT(model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, "
+         "vocab_size=512))))\ndef bf16_modules(gpt):\n    return set(NAMES)\n", 3),
+]
+
+
+def test_hard_coded_answers_fail_on_nine_gradings_of_ten_and_a_seed_replays_the_failure(data_root, tmp_path):
+    from exercises.check import grade
+
+    for i, (number, code, gradings) in enumerate(HARD_CODED):
+        (tmp_path / str(i)).mkdir()
+        folder = answer_folder(tmp_path / str(i), number, code=code)
+        lines = [grade(number, folder, data_root, seed)[1] for seed in range(gradings)]
+        assert sum(line.startswith(f"exercise {number} failed") for line in lines) >= 0.9 * gradings, lines
+        failing = next(seed for seed, line in enumerate(lines) if "failed" in line)
+        assert f"--seed={failing} draws these cases again" in lines[failing]
+        assert grade(number, folder, data_root, failing)[1] == lines[failing]

@@ -1,0 +1,138 @@
+"""The room an answer runs in: a fresh copy of the project that holds nothing of the teacher's but the project.
+
+grading.py runs every answer in a process of its own (runner.py), and that process starts in this room, not in
+the teacher's tree: a temporary folder holding a copy of the project's modules (model.py, train.py, sample.py,
+..., config/, tools/) and of exercises/ only what runs an answer (runner.py, checking.py, and the checks'
+modules, whose answer sides feed the answer its inputs; they hold no answer). It holds no answer file of the
+teacher's (the references), no solutions/, no hints.py, no tests. Each answer gets a folder of its own beside
+it holding copies of the student's answer files (an answer may build on another: 16 on 10) and the inputs.
+So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent` is the room's
+exercises/, where no reference lies.
+
+What else holds the answer in, by platform (runner.py's `isolate`, run in the answer's process before the
+answer file loads):
+- Linux, grader run as root: the answer's process gets a mount namespace of its own in which the teacher's
+  project folder is covered by an empty, unreadable folder, then drops to the unprivileged user `nobody`, who
+  may write only its own folder and /tmp. So the teacher's tree can be neither read nor written.
+- Linux as another user, macOS, other Unixes: the room only. The answer runs with the grader's rights, so it
+  could still find the teacher's tree by its absolute path; `fingerprint` (below) then catches any change to
+  the grading files, and check.py refuses the grade, naming the file.
+- Windows (no fork): the same, each answer in a fresh `python runner.py` in the room.
+"""
+
+import atexit
+import hashlib
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent  # the teacher's project: the copy that grades
+
+# Of exercises/, what the answer's process needs: the runner, the helpers, the checks' answer sides.
+RUNS_ANSWERS = ("__init__.py", "runner.py", "checking.py")
+
+
+def kept(name):
+    """Whether project file `name` (relative, with /) goes into the room."""
+    parts = name.split("/")
+    if parts[0] in ("tests", "docs", ".github"):
+        return False
+    if parts[0] != "exercises":
+        return True
+    return len(parts) == 2 and (parts[1] in RUNS_ANSWERS or (parts[1].startswith("checks_")
+                                                               and parts[1].endswith(".py")))
+
+
+def project_files(root=ROOT):
+    from exercises.make_student_copy import project_files as listed
+
+    return [name for name in listed(root) if kept(name.replace(os.sep, "/"))]
+
+
+def unprivileged():
+    """(uid, gid) of the user an answer runs as when the grader is root on Linux; None elsewhere."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None
+    import pwd
+
+    try:
+        entry = pwd.getpwnam("nobody")
+        return entry.pw_uid, entry.pw_gid
+    except KeyError:
+        return 65534, 65534
+
+
+def give_to_answer(folder):
+    """Make `folder` (an answer's own) writable by the user the answer runs as."""
+    user = unprivileged()
+    if user is None:
+        return
+    for path in [Path(folder), *Path(folder).rglob("*")]:
+        os.chown(path, *user)
+
+
+class Room:
+    """The room, built at the first answer and removed when this process ends."""
+
+    def __init__(self):
+        self.path, self.data = None, {}
+
+    def build(self):
+        if self.path is None:
+            path = Path(tempfile.mkdtemp(prefix="exercise-room-"))
+            atexit.register(shutil.rmtree, path, True)
+            for name in project_files():
+                target = path / name
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(ROOT / name, target)
+            for folder in [path, *(p for p in path.rglob("*") if p.is_dir())]:
+                folder.chmod(0o755)  # readable by the answer's user, writable by none but this process
+            self.path = path
+        return self.path
+
+    def data_root(self, data_root):
+        """A copy in the room of `data_root`'s prepared Shakespeare (prepared first if it is not yet), for the
+        answers that train: the answer's process cannot read the teacher's data/, nor write it."""
+        from data import dataset_dir, ensure_dataset
+
+        source = dataset_dir(str(data_root), "shakespeare")
+        if source not in self.data:
+            ensure_dataset(source)
+            copy = self.build() / "data" / f"{len(self.data)}"
+            shutil.copytree(source, copy / "shakespeare")
+            for folder in (copy.parent, copy, copy / "shakespeare"):
+                folder.chmod(0o755)
+            self.data[source] = str(copy)
+        return self.data[source]
+
+
+ROOM = Room()
+
+
+def answer_folder(graded):
+    """A new folder of one answer's own, beside the room: copies of the answer files in `graded` (the
+    student's exercises/), under exercises/ so the answer's messages name them as the student knows them."""
+    folder = tempfile.TemporaryDirectory(prefix="exercise-answer-")
+    (Path(folder.name) / "exercises").mkdir()
+    for path in Path(graded).glob("[0-9][0-9]_*.py"):
+        shutil.copy(path, Path(folder.name) / "exercises" / path.name)
+    return folder
+
+
+# ----------------------------------------------------------------------------- the grading files, before and after
+
+
+def fingerprint(root=None):
+    """{file: sha256} of what grades in `root`: the project's modules and exercises/ (the checks, the runner, the
+    reference answers), so a change made while an answer ran is caught whatever the platform let it do."""
+    root, hashes = Path(root or ROOT), {}
+    for name in sorted([*root.glob("*.py"), *(root / "exercises").glob("*.py"), *(root / "config").glob("*.py")]):
+        hashes[str(name.relative_to(root))] = hashlib.sha256(name.read_bytes()).hexdigest()
+    return hashes
+
+
+def changed_file(before, after):
+    """The first grading file that differs between two fingerprints (added, removed or changed), or None."""
+    return next((name for name in sorted(set(before) | set(after)) if before.get(name) != after.get(name)), None)
