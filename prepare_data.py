@@ -143,7 +143,7 @@ def check_replaceable(out_dir):
                      if not (entry.is_file() and OUR_FILES.fullmatch(entry.name)))
     if foreign:
         names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise DataError(f"{out_dir} holds {names}, which data.py did not write, and data.py writes only into a "
+        raise DataError(f"{out_dir} holds {names}, which prepare_data.py did not write, and it writes only into a "
                         f"new or empty folder or one it prepared; move those files elsewhere or prepare the "
                         f"dataset into a new folder.")
 

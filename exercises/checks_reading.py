@@ -176,7 +176,9 @@ def flagged_by_the_trainer(losses, threshold, window):
     from callbacks import LossSpikeDetector
 
     detector = LossSpikeDetector(threshold, window)
-    return [step for step, loss in enumerate(losses, 1) if detector.is_spike(loss)]
+    rows = [(step, {"train/loss": loss}) for step, loss in enumerate(losses, 1)]
+    detector.flag(rows)
+    return [step for step, values in rows if "train/loss_spike" in values]
 
 
 def rewind_cases(first, checkpoints, rng):

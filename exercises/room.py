@@ -95,7 +95,8 @@ class Room:
     def data_root(self, data_root):
         """A copy in the room of `data_root`'s prepared Shakespeare (prepared first if it is not yet), for the
         answers that train: the answer's process cannot read the teacher's data/, nor write it."""
-        from data import dataset_dir, ensure_dataset
+        from data import dataset_dir
+        from prepare_data import ensure_dataset
 
         source = dataset_dir(str(data_root), "shakespeare")
         if source not in self.data:

@@ -75,6 +75,7 @@ def run_in_process(args, main=None):
 
     import train
     from config import UserError
+    from model import ModelError
 
     main = main or train.main
 
@@ -92,7 +93,7 @@ def run_in_process(args, main=None):
             try:
                 returned = main(list(map(str, args)))
                 code = returned if isinstance(returned, int) else 0  # as run_command's sys.exit(main(argv))
-            except UserError as error:
+            except (UserError, ModelError) as error:  # as run_command prints them
                 print(f"error: {error}", file=sys.stderr)
                 code = 1
             except SystemExit as exit_:

@@ -81,7 +81,8 @@ def test_traces_hold_every_module_and_leave_training_unchanged(traced_runs):
     assert index["calls"][0]["inputs"] == [[4, 32]] and index["calls"][0]["output"] == [[4, 32, 32]]
     assert sorted(os.listdir(traced_runs / "a" / "traces")) == ["step1", "step3"]
     first = json.loads((traced_runs / "first" / "traces" / "step3" / "index.json").read_text())
-    assert first["calls"][0]["inputs"] == [[1, 32]] and len(first["calls"]) == len(index["calls"])
+    # The same modules; the output layer runs once per slice of the chunked loss, so its calls follow the rows.
+    assert first["calls"][0]["inputs"] == [[1, 32]] and {c["name"] for c in first["calls"]} == set(names)
     traced, untraced = read_metrics(traced_runs / "a"), read_metrics(traced_runs / "untraced")
     assert [r["train/loss"] for r in traced] == [r["train/loss"] for r in untraced]  # bit for bit
 

@@ -7,6 +7,7 @@ start-up is most of their time)."""
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -136,9 +137,9 @@ def test_fsdp_trains_as_ddp_does(runs):
 
 
 def test_log_all_ranks_prints_each_other_ranks_own_line(runs):
-    ranked = [line for line in runs["ddp_output"].splitlines() if line.startswith("[rank ")]
-    assert [line.split("]")[0] for line in ranked] == ["[rank 1"] * 6  # log.interval=1: one line a step
-    assert all("| loss " in line for line in ranked)
+    # Found anywhere in the output: the two ranks share it, and rank 0's text may be cut where rank 1's line lands.
+    steps = re.findall(r"\[rank 1\] step +(\d+) \| loss ", runs["ddp_output"])
+    assert steps == [str(step) for step in range(1, 7)]  # log.interval=1: one line a step
     assert not any(line.startswith("[rank ") for line in runs["fsdp_output"].splitlines())  # off by default
 
 

@@ -159,12 +159,12 @@ def test_a_run_without_checkpoints_that_stops_early_does_not_promise_a_resume(da
 
 @pytest.fixture(scope="module")
 def char_run(tmp_path_factory):
-    """`python data.py shakespeare-char` and a 2-step run on it: (data root, run folder)."""
-    import data
+    """`python prepare_data.py shakespeare-char` and a 2-step run on it: (data root, run folder)."""
+    import prepare_data
     import train
 
     root = tmp_path_factory.mktemp("char")
-    run_in_process(["shakespeare-char", "--out_dir", str(root / "data" / "shakespeare-char")], data.main)
+    run_in_process(["shakespeare-char", "--out_dir", str(root / "data" / "shakespeare-char")], prepare_data.main)
     out = root / "run"
     result = run_in_process(["config/shakespeare_char.py", *TINY, "--eval.interval=0", "--train.max_steps=2",
                              f"--data.data_root={root / 'data'}", f"--train.out_dir={out}"], train.main)
@@ -197,7 +197,7 @@ def test_a_corrupt_or_reordered_vocabulary_is_one_sentence_in_sample_and_on_resu
         assert not (out / "step3").exists()
 
     meta.write_text('{"vocab": ["a", ')  # cut short
-    run_both("meta.json is not a readable character vocabulary", "python data.py shakespeare-char")
+    run_both("meta.json is not a readable character vocabulary", "python prepare_data.py shakespeare-char")
     meta.write_text(json.dumps({"vocab": vocab[::-1], "vocab_size": len(vocab)}))  # the same characters, reordered
     run_both("the dataset shakespeare-char", "is not the one this run trained on")
     import checkpoint
