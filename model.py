@@ -391,9 +391,10 @@ def chunked_cross_entropy(logits, hidden, targets, vocab_size):
             if not need_grad:
                 continue
             if weight is not None:  # the two gradient matmuls of z = h @ weight.T, the weight's accumulated in place
-                if not params:
+                if not params:  # (the weight in the matmuls' dtype once, not once a slice)
                     params, param_grads = [weight], [torch.zeros_like(weight, dtype=torch.float32)]
-                w, grad_z = weight.to(z.dtype), grad_z.to(z.dtype)
+                    w = weight.to(z.dtype)
+                grad_z = grad_z.to(z.dtype)
                 grad_hidden[start:start + rows] = grad_z @ w
                 if z.dtype == torch.float32:
                     torch.addmm(param_grads[0], grad_z.t(), h, out=param_grads[0])  # in place
