@@ -116,7 +116,7 @@ class DataConfig:
     # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
     data_root: str = free("")
     # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
-    # up to 64 whose estimated memory fits the GPU (plan.auto_batch_size; docs/fsdp.md)
+    # up to 64 whose estimated memory fits the GPU (auto_batch.py; docs/fsdp.md)
     batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
     # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:

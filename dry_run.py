@@ -14,7 +14,8 @@ from config import get, parse_duration, parse_mix
 from data import build_loaders, dataset_dir, dataset_ready, prepare_hint
 from model import choose_loss_path, gpt_class
 from optimizer import build_schedule, param_groups
-from plan import describe_run, is_compiled, make_plan, resolve_batch_size, shares_text
+from auto_batch import resolve_batch_size
+from plan import describe_run, is_compiled, make_plan, shares_text
 
 
 def dry_run(cfg):

@@ -192,48 +192,6 @@ def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device
             "total": weights + gradients + optimizer + activations}
 
 
-# data.batch_size=auto leaves this share of the GPU's memory free beside the estimate: the estimate ran up to 12% low
-# against measured peaks (docs/measurements.md), and the CUDA context, the allocator's fragmentation and NCCL's
-# buffers are not in it.
-AUTO_HEADROOM = 0.2
-
-
-def auto_batch_size(model, block_size, sequences_per_rank, world_size, sharded, bf16, device_bytes):
-    """data.batch_size=auto: the largest micro-batch, a power of two up to 64 sequences (plenty for a GPU's
-    throughput; the ladder's cap too) that divides the `sequences_per_rank` of a step, whose memory_per_rank estimate
-    fits in (1 - AUTO_HEADROOM) of `device_bytes`; 0 when not even one sequence fits."""
-    budget = (1 - AUTO_HEADROOM) * device_bytes
-    for sequences in (64, 32, 16, 8, 4, 2, 1):
-        if sequences_per_rank % sequences == 0 and memory_per_rank(
-                model, sequences * block_size, world_size, sharded, bf16, "cuda")["total"] <= budget:
-            return sequences
-    return 0
-
-
-def resolve_batch_size(cfg, model, world_size, device, bf16, device_bytes=None):
-    """(micro-batch, the line that says why) for data.batch_size=auto on `device`; `device_bytes`: the GPU's memory
-    (None: asked of the GPU). A CPU, or a model that fits no micro-batch, is one sentence (ConfigError)."""
-    if torch.device(device).type != "cuda":
-        raise ConfigError("data.batch_size=auto fits the micro-batch to a GPU's memory, and this run is on the CPU, "
-                          "which has no such limit to fit; set data.batch_size to a number (the quick start's is 8).")
-    device_bytes = device_bytes or torch.cuda.get_device_properties(device).total_memory
-    per_rank, rest = divmod(cfg.train.total_batch_size, cfg.model.block_size * world_size)
-    sharded = cfg.train.data_parallel == "fsdp"
-    chosen = auto_batch_size(model, cfg.model.block_size, per_rank, world_size, sharded, bf16, device_bytes) \
-        if not rest else 0
-    mode = f"FSDP on {world_size}" if sharded else f"DDP on {world_size}"
-    if not chosen:
-        raise ConfigError(f"data.batch_size=auto found no micro-batch that divides train.total_batch_size="
-                          f"{cfg.train.total_batch_size} tokens among {world_size} rank(s) of {cfg.model.block_size}-"
-                          f"token sequences and fits {1 - AUTO_HEADROOM:.0%} of the GPU's {device_bytes / 1e9:.1f} GB "
-                          f"with {mode}; use train.data_parallel=fsdp or more GPUs, or set data.batch_size.")
-    estimate = memory_per_rank(model, chosen * cfg.model.block_size, world_size, sharded, bf16, "cuda")["total"]
-    return chosen, (f"data.batch_size=auto: {chosen} sequences per rank per micro-step, the largest power of two up "
-                    f"to 64 that fits: {estimate / 1e9:.1f} GB by the estimate ({mode}) within "
-                    f"{1 - AUTO_HEADROOM:.0%} of the GPU's {device_bytes / 1e9:.1f} GB ({AUTO_HEADROOM:.0%} "
-                    f"headroom)")
-
-
 def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
     """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size."""
     ddp = memory_per_rank(model, micro_batch_tokens, world_size, False, bf16, device_type)

@@ -27,9 +27,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata,
-                        check_weights_fit, code_change_note, find_checkpoints, find_start_checkpoint,
-                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
+                        code_change_note, find_checkpoints, find_start_checkpoint, read_marker, read_trainer_state,
+                        verify_checkpoint)
 from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
@@ -192,12 +192,16 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     folder and the bucket exactly as they were."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
-    if c.remote_folder:
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
-    rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
+    if c.remote_folder:  # (remote.py)
+        import remote
+        bucket_steps, same_run = remote.read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
+    rewind_to, rewind_folder, rewind_note = 0, "", ""
+    if c.resume_step:  # (rewind.py)
+        from rewind import plan_rewind
+        rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
-        fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
+        fetched = remote.fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
@@ -222,49 +226,6 @@ def steps_text(steps):
     if len(steps) <= 3:
         return f"steps {', '.join(map(str, steps))}"
     return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
-
-
-def read_bucket(url, run_config, save_overwrite, out_dir):
-    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
-    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
-    import remote
-
-    saved, steps = remote.read_run(url)
-    if saved is None and not steps:
-        return steps, True
-    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
-    own = os.path.join(out_dir, "config.json")
-    if difference and saved is not None and os.path.exists(own):
-        with open(own) as f:
-            ours = json.load(f)
-        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
-            key, old, new = difference
-            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
-                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
-                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
-                                  f"and remote folder.")
-    if difference and not save_overwrite:
-        key, old, new = difference
-        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
-                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
-                              f"to replace that run there.")
-    return steps, not difference
-
-
-def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
-    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
-    to a step only the bucket has, that step."""
-    import remote
-
-    own = newest_valid_checkpoint(out_dir)
-    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
-    if rewind_to:
-        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
-    else:
-        wanted = [s for s in reversed(bucket_steps) if s > own_step]
-    return remote.download_newest(url, wanted, out_dir, fall_back=not rewind_to)
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
@@ -317,6 +278,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
         import remote
         remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
     if start.rewind_to:
+        from rewind import rewind
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
     save_overwrite = c.save_overwrite
     replaced = []
@@ -441,71 +403,6 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
         raise CheckpointError(f"rank(s) {', '.join(blind)} do not see the files rank 0 writes in "
                               f"train.out_dir={out_dir}: every node must reach the run folder on one shared "
                               f"filesystem (an NFS or Lustre path, not a node-local disk); set train.out_dir to one.")
-
-
-def plan_rewind(out_dir, step, number, bucket_steps=()):
-    """checkpoint.resume_step: (step to rewind to or 0, the folder the newer checkpoints go to, a note). Reads only.
-    `bucket_steps`: the complete checkpoints of checkpoint.remote_folder, which the rewind covers too (a step only the
-    bucket has is downloaded to rewind to; newer ones there move aside in the bucket).
-    A rewind is done once per (step, checkpoint.rewind_number), as rewinds.jsonl records it: the same command
-    again (a preempted job that restarts) resumes as usual; a higher rewind_number rewinds to the step again.
-    A rewind that a kill cut short left its `.partial` folder: it is finished there, not started anew."""
-    if not step:
-        return 0, "", ""
-    found = set(dict(find_checkpoints(out_dir))) | set(bucket_steps)
-    if step not in found:
-        have = ", ".join(map(str, sorted(found))) or "none"
-        where = f"{out_dir} (and its remote folder)" if bucket_steps else out_dir
-        raise CheckpointError(f"checkpoint.resume_step={step} but {where} has no complete checkpoint at step {step} "
-                              f"(it has: {have}); pick one of those.")
-    log_path = os.path.join(out_dir, "rewinds.jsonl")
-    done = [json.loads(line) for line in open(log_path) if line.strip()] if os.path.exists(log_path) else []
-    previous = [d for d in done if d["to_step"] == step and d.get("number", 1) == number]
-    if previous:
-        return 0, "", (f"note: already rewound to step {step} ({previous[-1]['time']}); resuming as usual (raise "
-                       f"checkpoint.rewind_number to rewind to it again)")
-    aside = os.path.join(out_dir, "rewound")
-    unfinished = sorted(name for name in (os.listdir(aside) if os.path.isdir(aside) else [])
-                        if name.endswith(f"_to_step{step}.partial"))
-    if not unfinished and not any(s > step for s in found):
-        return 0, "", ""
-    if unfinished:
-        return step, os.path.join(aside, unfinished[-1]), ""
-    stamp, n = time.strftime('%Y%m%d-%H%M%S'), 1  # two rewinds in one second (or an older run's) get their own folder
-    while os.path.exists(os.path.join(aside, f"{stamp}{'' if n == 1 else f'-{n}'}_to_step{step}")):
-        n += 1
-    return step, os.path.join(aside, f"{stamp}{'' if n == 1 else f'-{n}'}_to_step{step}.partial"), ""
-
-
-def rewind(out_dir, step, folder, number):
-    """Carry out a planned rewind (OLMo's "restart from an earlier checkpoint after a loss spike"): every
-    checkpoint after `step`, and the metrics past it, go into `folder` (`.partial` until all are there, then
-    renamed), and the rewind is recorded in rewinds.jsonl. Nothing is deleted. Returns the line to print."""
-    os.makedirs(folder, exist_ok=True)
-    newer = sorted(s for s, _ in find_checkpoints(out_dir) if s > step)
-    for s, path in find_checkpoints(out_dir):
-        if s > step:
-            os.replace(path, os.path.join(folder, f"step{s}"))
-    for name in os.listdir(out_dir):  # per-evaluation snapshots past the step go with their checkpoints
-        match = re.fullmatch(r"metrics_step(\d+)\.json", name)
-        if match and int(match.group(1)) > step:
-            os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
-    metrics_path, kept = os.path.join(out_dir, "metrics.jsonl"), os.path.join(folder, "metrics.jsonl")
-    if os.path.exists(metrics_path) and not os.path.exists(kept):
-        shutil.copy2(metrics_path, kept)  # the whole log, as it was
-    moved = sorted(int(n[len("step"):]) for n in os.listdir(folder) if STEP_DIR.match(n))
-    final = folder[: -len(".partial")]
-    os.replace(folder, final)
-    link = os.path.join(out_dir, "latest")
-    if os.path.lexists(link):
-        os.remove(link)
-    os.symlink(f"step{step}", link)
-    stamp = os.path.basename(final).split("_to_step")[0]
-    with open(os.path.join(out_dir, "rewinds.jsonl"), "a") as f:
-        f.write(json.dumps({"time": stamp, "to_step": step, "number": number, "moved_steps": moved,
-                            "folder": final}) + "\n")
-    return (f"rewound to step {step}: checkpoints {', '.join(map(str, moved)) or 'none'} and the metrics after step "
-            f"{step} are in {final}") if newer or moved else f"rewound to step {step}"
 
 
 def remove_stale_cancel(out_dir):

@@ -40,8 +40,7 @@ from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_p
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (Due, Every, Plan, SignalFlag, Stopper, describe_run, is_compiled, make_plan, resolve_batch_size,
-                  shares_text)
+from plan import Due, Every, Plan, SignalFlag, Stopper, describe_run, is_compiled, make_plan, shares_text
 
 
 # ----------------------------------------------------------------------------- the command line
@@ -538,7 +537,8 @@ def build_model(cfg, procs):
         raw_model = make()
     raw_model = raw_model if record else raw_model.to(procs.device)
     auto = cfg.data.batch_size == "auto"
-    if auto:  # the largest micro-batch the estimate fits on this GPU (plan.py)
+    if auto:  # the largest micro-batch the estimate fits on this GPU (auto_batch.py)
+        from auto_batch import resolve_batch_size
         cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, procs.world_size, procs.device,
                                                       isinstance(procs.autocast, torch.autocast))
         if procs.is_master:
@@ -561,52 +561,22 @@ def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
     gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
     train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once; a
     model built on meta (`init_record`) then gets its pieces, drawn as a whole build would draw them. `confirm_batch`
-    (data.batch_size=auto): one trial micro-batch first (confirm_batch_size)."""
+    (data.batch_size=auto): one trial micro-batch first (auto_batch.confirm_batch_size)."""
     compiled = is_compiled(cfg, procs.device_type)
-    if cfg.train.data_parallel == "fsdp":
+    if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
         from sharding import materialise, shard
-        model = shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
+        shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
         if init_record is not None:
-            materialise(model, init_record, cfg.train.seed, procs.device)
-        if confirm_batch:
-            confirm_batch_size(cfg, procs, model)
-        return model, compiled
-    if confirm_batch:
+            materialise(raw_model, init_record, cfg.train.seed, procs.device)
+    if confirm_batch:  # one trial step of the chosen micro-batch (auto_batch.py)
+        from auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
+    if cfg.train.data_parallel == "fsdp":
+        return raw_model, compiled
     model = torch.compile(raw_model) if compiled else raw_model
     if procs.world_size > 1:
         model = DDP(model, device_ids=[procs.device] if procs.device_type == "cuda" else None)
     return model, compiled
-
-
-def confirm_batch_size(cfg, procs, raw_model):
-    """data.batch_size=auto on a GPU: the estimate is an estimate, so one forward and backward of the chosen micro-batch
-    runs before the first step; on an out-of-memory error the micro-batch is halved, once, with a warning (the ranks
-    agree on the smaller). Nothing is trained: the gradients are dropped and the random state is put back. Under FSDP
-    the ranks hold equal shares and so, as a rule, run out together; one that ran out alone would leave the others
-    waiting in a collective until train.dist_timeout."""
-    size, fits = cfg.data.batch_size, 1
-    tokens = torch.zeros(size, cfg.model.block_size, dtype=torch.long, device=procs.device)
-    with torch.random.fork_rng(devices=[procs.device]):
-        try:
-            with procs.autocast:
-                loss = raw_model(tokens, tokens)
-            loss.backward()
-        except torch.OutOfMemoryError:
-            fits = 0
-        loss = None
-    raw_model.zero_grad(set_to_none=True)
-    torch.cuda.empty_cache()
-    if procs.world_size > 1:
-        agreed = torch.tensor(fits)
-        dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=procs.cpu_group)
-        fits = int(agreed)
-    if not fits and size > 1:
-        cfg.data.batch_size = size // 2
-        if procs.is_master:
-            print(f"warning: data.batch_size=auto: {size} sequences ran out of GPU memory in a trial step, so the run "
-                  f"takes {size // 2} (halved once; set data.batch_size to choose it yourself).", flush=True)
-
 
 
 class Stages:

@@ -7,7 +7,8 @@ import torch
 from conftest import TINY, assert_one_sentence, run_train
 from config import ConfigError, parse_args
 from model import GPT
-from plan import AUTO_HEADROOM, memory_per_rank, resolve_batch_size
+from auto_batch import AUTO_HEADROOM, resolve_batch_size
+from plan import memory_per_rank
 
 GB = 1e9
 
