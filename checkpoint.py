@@ -24,6 +24,7 @@ around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
 """
 
+import argparse
 import ast
 import dataclasses
 import hashlib
@@ -43,7 +44,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import UserError, keys_with_role, run_command, with_defaults
+from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
+from model import gpt_class
 
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (sharding.FOLDER)
@@ -123,11 +125,30 @@ class UntrustedCheckpoint(CheckpointError):
 
 
 def check_sharded_metadata(path, files):
-    """An FSDP run's sharded/.metadata is read as data, and every piece it names is in the marker `files`
-    (sharding.check_metadata: one sentence naming the file otherwise)."""
-    if os.path.isdir(os.path.join(path, SHARDED)):
-        import sharding
-        sharding.check_metadata(path, files)
+    """An FSDP run's sharded/.metadata, read as data (sharding.read_metadata allows DCP's own classes only: a pickle
+    that asks for anything else, os.system say, is refused before it can run), and every piece file it names listed
+    in the marker `files`. One sentence naming the file otherwise."""
+    folder = os.path.join(path, SHARDED)
+    if not os.path.isdir(folder):
+        return
+    import sharding
+
+    metadata_file = os.path.join(folder, ".metadata")
+    if f"{SHARDED}/.metadata" not in files:
+        raise UntrustedCheckpoint(f"{metadata_file} is not listed in {os.path.join(path, MARKER)}, so it is not "
+                                  f"read; give a checkpoint this trainer saved whole.")
+    try:
+        metadata = sharding.read_metadata(folder)
+    except sharding.MetadataRefused as refused:
+        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
+                                  f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
+                                  f"or give another one.") from None
+    pieces = {info.relative_path for info in metadata.storage_data.values()}
+    unlisted = sorted(name for name in pieces if f"{SHARDED}/{name}" not in files)
+    if unlisted:
+        raise UntrustedCheckpoint(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, MARKER)} does not "
+                                  f"list (a piece deleted after the save); get the checkpoint again from where it was "
+                                  f"made, or give another one.")
 
 
 def newest_valid_checkpoint(run_dir):
@@ -141,6 +162,24 @@ def newest_valid_checkpoint(run_dir):
         except CheckpointError as error:
             warn(f"skipping checkpoint: {error}; falling back to the previous one")
     return None
+
+
+def resolve_checkpoint(source):
+    """A checkpoint folder, or a run folder (its newest valid checkpoint)."""
+    if is_complete_checkpoint(source):
+        try:
+            verify_checkpoint(source)
+        except UntrustedCheckpoint:
+            raise
+        except CheckpointError as error:
+            raise CheckpointError(f"{error}; give the run folder instead to fall back to its newest good "
+                                  f"checkpoint.") from None
+        return source
+    path = newest_valid_checkpoint(source)
+    if path is None:
+        raise CheckpointError(f"no complete checkpoint at {source}; give a step<N> folder or a run folder "
+                              f"that holds one.")
+    return path
 
 
 # ----------------------------------------------------------------------------- writing
@@ -179,7 +218,7 @@ def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
     Everything, the marker last, is written into step<N>.partial and fsynced; one rename then makes
     step<N> appear whole. A step<N> already there (a run being replaced) is renamed aside first and
     deleted only after the new one is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/
-    already (sharding.start_shards); their files are listed in the marker with the others."""
+    already (start_shards); their files are listed in the marker with the others."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -239,7 +278,7 @@ class Checkpointer:
     this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
     `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py), and
     local retention keeps it until its upload has ended.
-    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (sharding.start_shards)."""
+    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (start_shards)."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
@@ -265,13 +304,12 @@ class Checkpointer:
 
     def save(self, step, snapshot, kind, model=None, optimizer=None):
         """Save `snapshot` (capture_state's) as step<N>. A sharded `model` (FSDP) and its `optimizer` are written by
-        every rank first (sharding.start_shards), then rank 0 writes the rest; other models are in the snapshot."""
+        every rank first (start_shards), then rank 0 writes the rest; other models are in the snapshot."""
         self.wait()  # the previous save must finish before the next one starts
         shards = None
         if model is not None and is_sharded(model):
-            import sharding
-            shards = sharding.start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
-                                           self.async_save)
+            shards = start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
+                                  self.async_save)
         elif not self.is_master:
             return
         if self.async_save:
@@ -312,6 +350,30 @@ def is_sharded(model):
     return hasattr(model, "set_requires_gradient_sync")
 
 
+class Shards:
+    """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
+
+    def __init__(self, future):
+        self.future = future  # dcp.async_save's, or None when the pieces were written before it was made
+
+    def wait(self):
+        if self.future is not None:
+            self.future.result()
+
+
+def start_shards(out_dir, step, model, optimizer, is_master, group, async_save):
+    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
+    rank 0 first clears what a killed save left there. With async_save, they are written in the background."""
+    import sharding
+
+    partial = os.path.join(out_dir, f"step{step}.partial")
+    if is_master:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
+    return Shards(sharding.save_shards(model, optimizer, partial, group, async_save, tied=set(ties(model))))
+
+
 # ----------------------------------------------------------------------------- what to load
 
 
@@ -333,11 +395,9 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
         ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
                    f"checkpoint{changed}")
         return own, True, ignored if load_path else ""
-    if load_path:  # another run's checkpoint, or GPT-2's weights (fine-tuning): weights.py
-        from hf import is_gpt2_source
-        from weights import check_source
-        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):
-            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
+    if load_path and not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2(load_path):  # fine-tuning GPT-2
+        return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
+    if load_path:
         return check_source(load_path, "checkpoint.load_path"), False, ""
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
@@ -650,8 +710,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
         raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
                               f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
     if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
-        import sharding
-        sharding.load_checkpoint_shards(path, model, optimizer if load_optim else None, device)
+        load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         load_model_state(model, path, device)
         if load_optim:
@@ -667,6 +726,33 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     return trainer
 
 
+def load_with_shards(path, model, optimizer, device):
+    """Where FSDP is on either side: a sharded checkpoint into any model (each rank reads the pieces it holds; DCP
+    reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded model (whole tensors, each
+    rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
+    import sharding
+
+    check_weights_fit(path, model, "load it into the model it was trained with.")
+    if os.path.isdir(os.path.join(path, SHARDED)):
+        model_state, optim_state = sharding.load_shards(path, model, optimizer, tied=ties(model))
+        if optim_state is not None:
+            check_group_layout(optim_state, optimizer, path)
+        full = False
+    else:
+        model_state = read_file(path, "model.pt", device)
+        for name, first in ties(model).items():
+            model_state.setdefault(name, model_state[first])
+        optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
+        if optim_state is not None:
+            check_group_layout(optim_state, optimizer, path)
+        model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
+        full = True
+    if optim_state is None:
+        sharding.apply(model, None, model_state, None, full)
+    else:
+        keep_settings(optimizer, lambda: sharding.apply(model, optimizer, model_state, optim_state, full))
+
+
 def newest_checkpoint(run_dir):
     """The newest complete checkpoint folder of `run_dir` (a readable marker; its files are not verified here), or
     None. newest_valid_checkpoint is the one a run resumes from."""
@@ -674,11 +760,91 @@ def newest_checkpoint(run_dir):
     return found[-1][1] if found else None
 
 
+def is_gpt2(source):
+    """An OpenAI GPT-2 name or a local Hugging Face folder (hf.py): weights to start from, not a checkpoint of ours."""
+    from hf import is_gpt2_source
+    return is_gpt2_source(source)
+
+
+def check_source(source, key):
+    """Raise one sentence naming `key` (the setting or flag the source came from) unless `source` is a model
+    that load_model can load: a run or checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder,
+    or an OpenAI GPT-2 name (then transformers must be installed). Returns the checkpoint folder, or None.
+    Cheap: no weights read, except from a bucket (an s3:// or gs:// URL), downloaded once into a cache."""
+    from hf import OPENAI_MODELS, is_hf_folder
+    if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
+        import remote
+        return resolve_checkpoint(remote.local_copy(source, key))
+    if source in OPENAI_MODELS:
+        import importlib.util
+        if importlib.util.find_spec("transformers") is None:
+            raise CheckpointError(f"{key}={source} is loaded with the transformers package, which is not installed; "
+                                  f"pip install transformers, or give a run folder.")
+        return None
+    if is_hf_folder(source):
+        return None
+    if not os.path.isdir(source):
+        raise CheckpointError(f"{key}={source} is not a folder nor one of {', '.join(OPENAI_MODELS)}; give a "
+                              f"run folder, a step<N> checkpoint folder, a GPT-2 name or a HF GPT-2 folder.")
+    try:
+        return resolve_checkpoint(source)
+    except CheckpointError as error:
+        if any(os.path.exists(os.path.join(source, name)) for name in ("model.safetensors", "pytorch_model.bin")):
+            raise CheckpointError(f"{key}={source} holds Hugging Face weights but no readable config.json with a "
+                                  f"model_type; save the model again with save_pretrained.") from None
+        if os.path.exists(os.path.join(source, "config.json")) and not find_checkpoints(source):
+            raise CheckpointError(f"{key}={source} holds a config.json but no weights (no checkpoint of this trainer, "
+                                  f"no model.safetensors or pytorch_model.bin); give a folder that holds weights.") \
+                from None
+        raise CheckpointError(f"{key}: {error}") from None
+
+
+def load_model(source, device, key):
+    """A GPT from a SOURCE: a run folder (its newest valid checkpoint), a checkpoint folder, an OpenAI GPT-2
+    name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder. A checkpoint of ours is loaded
+    into the GPT class it was trained with (train.model_module). Errors name `key`, the setting or flag the
+    source came from (sample.py's --init_from, stage2.reference, ...)."""
+    path = check_source(source, key)
+    if path is None:
+        from hf import import_hf
+        return import_hf(source).to(device).eval()
+    cfg = config_from_dict(read_trainer_state(path)["config"])
+    try:
+        model = gpt_class(cfg.train.model_module)(cfg.model)
+    except ValueError as error:  # a train.model_module file that is gone or changed
+        raise CheckpointError(f"{key}={source}: {error}") from None
+    load_model_state(model, path, "cpu")
+    return model.to(device).eval()
+
+
 def main(argv):
-    """`python checkpoint.py list RUN_DIR | export-hf CHECKPOINT OUT`: commands for people, which read finished
-    checkpoints as sample.py does; they live in weights.py (loaded then), with the other readers of weights."""
-    from weights import commands
-    commands(argv)
+    parser = argparse.ArgumentParser(description="List a run's checkpoints, or export one as a Hugging Face GPT-2.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("list", help="the complete checkpoints of a run").add_argument("run_dir")
+    export = commands.add_parser("export-hf", help="a Hugging Face GPT-2 folder (see hf.py)")
+    export.add_argument("checkpoint", help="a step<N> folder or a run folder (its newest valid checkpoint)")
+    export.add_argument("out_dir")
+    args = parser.parse_args(argv)
+    if args.command == "list":
+        if not os.path.isdir(args.run_dir):
+            raise CheckpointError(f"{args.run_dir} is not a folder; give the train.out_dir of a run.")
+        # A step<N> folder lists itself; each is verified as the loader verifies it (every file's checksum).
+        found = [(read_marker(args.run_dir)["step"], args.run_dir)] if is_complete_checkpoint(args.run_dir) \
+            else find_checkpoints(args.run_dir)
+        if not found:
+            raise CheckpointError(f"{args.run_dir} holds no complete checkpoint; give the train.out_dir of a run "
+                                  f"that saved one, or one of its step<N> folders.")
+        for step, path in found:
+            try:
+                verify_checkpoint(path)
+                state = "complete"
+            except CheckpointError as error:
+                state = f"damaged: {error}"
+            print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}  {state}")
+    else:
+        from hf import check_export_target, export_hf
+        check_export_target(args.out_dir)  # before the (slow) load
+        export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT"), args.out_dir)
 
 
 if __name__ == "__main__":

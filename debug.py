@@ -263,8 +263,7 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 
 def named_state(path):
     """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
-    from checkpoint import SHARDED, read_file, read_trainer_state
-    from weights import resolve_checkpoint
+    from checkpoint import SHARDED, read_file, read_trainer_state, resolve_checkpoint
 
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from weights import load_model
+from checkpoint import load_model
 from config import UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer
 from sample import KVCache, check_device

@@ -18,8 +18,7 @@ import sys
 import torch
 from torch.nn import functional as F
 
-from checkpoint import read_trainer_state
-from weights import check_source, load_model
+from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
 from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer, tokenizer_of
 

@@ -8,15 +8,14 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     build_on_meta(...)        train.py's build_model: the model's shapes, no weights, and a record of how it drew them
     shard(model, ...)         train.py's wrap_model: each block, then the whole model
     materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
-    start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
+    save_shards(...)          every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py)
     gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
-    load_checkpoint_shards    a checkpoint into this run's model and optimizer, whatever world size wrote it
+    load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
     full_into_sharded(...)    model.pt/optim.pt (a DDP run's) into a sharded model: DDP runs resume as FSDP
     apply(...)                what was read, put into the model and optimizer
     read_tensors(folder)      a sharded checkpoint's tensors put together in one process (sample.py, export-hf,
                               debug.py compare-state)
-    check_metadata(...)       its .metadata, unpickled with DCP's own classes only (a checkpoint is data, never code),
-                              naming only pieces the checkpoint's marker lists
+    read_metadata(folder)     its .metadata, unpickled with DCP's own classes only: a checkpoint is data, never code
 
 DCP reads `.metadata` with a plain pickle.load and the optimizer's small values (lr, betas, names) with
 torch.load(weights_only=False): a checkpoint handed over by anyone could run any code it likes. Every read here goes
@@ -27,12 +26,10 @@ Imported only by runs and tools that meet FSDP: `import train` does not load it.
 
 import os
 import pickle
-import shutil
 import warnings
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -42,9 +39,6 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
-
-from checkpoint import (MARKER, UntrustedCheckpoint, check_group_layout, check_weights_fit, keep_settings, read_file,
-                        ties)
 
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
 
@@ -259,58 +253,11 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
     return None
 
 
-class Shards:
-    """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
-
-    def __init__(self, future):
-        self.future = future  # dcp.async_save's, or None when the pieces were written before it was made
-
-    def wait(self):
-        if self.future is not None:
-            self.future.result()
-
-
-def start_shards(out_dir, step, model, optimizer, is_master, group, async_save):
-    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
-    rank 0 first clears what a killed save left there. With async_save, they are written in the background."""
-    partial = os.path.join(out_dir, f"step{step}.partial")
-    if is_master:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
-    return Shards(save_shards(model, optimizer, partial, group, async_save, tied=set(ties(model))))
-
-
 def gather_weights(model, tied=()):
     """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on the other ranks):
     checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied weight, left out as model.pt does."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return {name: t for name, t in get_model_state_dict(model, options=options).items() if name not in tied}
-
-
-def load_checkpoint_shards(path, model, optimizer, device):
-    """Where FSDP is on either side: a sharded checkpoint into any model (each rank reads the pieces it holds; DCP
-    reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded model (whole tensors, each
-    rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
-    check_weights_fit(path, model, "load it into the model it was trained with.")
-    if os.path.isdir(os.path.join(path, FOLDER)):
-        model_state, optim_state = load_shards(path, model, optimizer, tied=ties(model))
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
-        full = False
-    else:
-        model_state = read_file(path, "model.pt", device)
-        for name, first in ties(model).items():
-            model_state.setdefault(name, model_state[first])
-        optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
-        model_state, optim_state = full_into_sharded(model, optimizer, model_state, optim_state)
-        full = True
-    if optim_state is None:
-        apply(model, None, model_state, None, full)
-    else:
-        keep_settings(optimizer, lambda: apply(model, optimizer, model_state, optim_state, full))
 
 
 def load_shards(path, model, optimizer, tied=None):
@@ -435,29 +382,6 @@ def read_metadata(folder):
     if not isinstance(metadata, Metadata):
         raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
-
-
-def check_metadata(path, files):
-    """An FSDP run's sharded/.metadata, read as data (read_metadata allows DCP's own classes only: a pickle
-    that asks for anything else, os.system say, is refused before it can run), and every piece file it names listed
-    in the marker `files`. One sentence naming the file otherwise."""
-    folder = os.path.join(path, FOLDER)
-    metadata_file = os.path.join(folder, ".metadata")
-    if f"{FOLDER}/.metadata" not in files:
-        raise UntrustedCheckpoint(f"{metadata_file} is not listed in {os.path.join(path, MARKER)}, so it is not "
-                                  f"read; give a checkpoint this trainer saved whole.")
-    try:
-        metadata = read_metadata(folder)
-    except MetadataRefused as refused:
-        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
-                                  f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
-                                  f"or give another one.") from None
-    pieces = {info.relative_path for info in metadata.storage_data.values()}
-    unlisted = sorted(name for name in pieces if f"{FOLDER}/{name}" not in files)
-    if unlisted:
-        raise UntrustedCheckpoint(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, MARKER)} does not "
-                                  f"list (a piece deleted after the save); get the checkpoint again from where it was "
-                                  f"made, or give another one.")
 
 
 class Reader(FileSystemReader):

@@ -23,7 +23,7 @@ import os
 import torch
 from torch.nn import functional as F
 
-from weights import load_model
+from checkpoint import load_model
 from data import GPT2_VOCAB_SIZE
 
 

@@ -7,7 +7,6 @@ import torch
 
 from tools import bench, bench_eval
 import checkpoint
-import weights
 import debug
 import hellaswag_eval
 import sample
@@ -64,7 +63,7 @@ def test_an_empty_prompt_starts_from_end_of_text_and_prints_only_the_generated_t
     result = run_in_process([f"--init_from={run_dir}", "--prompt=", "--temperature=0", "--num_samples=1",
                              "--max_new_tokens=4", "--device=cpu"], sample.main)
     assert result.returncode == 0, result.stderr
-    model = weights.load_model(str(run_dir), "cpu", "--init_from")
+    model = checkpoint.load_model(str(run_dir), "cpu", "--init_from")
     new = sample.generate(model, torch.tensor([[EOT_TOKEN]]), 4, temperature=0)[0, 1:].tolist()  # as GPT-2 starts
     new = new[: new.index(EOT_TOKEN)] if EOT_TOKEN in new else new
     assert result.stdout == f"--- sample 0\n{get_tokenizer().decode(new)}\n"

@@ -78,13 +78,12 @@ def test_resuming_a_fine_tune_is_exact_and_needs_the_source_no_more(data_root, g
 
 def test_the_fine_tuned_export_gives_our_checkpoints_logits(data_root, gpt2_folder, tmp_path):
     import checkpoint
-    import weights
 
     run_train(finetune(data_root, tmp_path / "run", gpt2_folder, "--train.max_steps=2", "--eval.fixed_steps="))
     exported = run_in_process(["export-hf", str(tmp_path / "run"), str(tmp_path / "hf")], checkpoint.main)
     assert exported.returncode == 0, exported.stderr
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 50257
-    ours = weights.load_model(str(tmp_path / "run"), "cpu", "--init_from")
+    ours = checkpoint.load_model(str(tmp_path / "run"), "cpu", "--init_from")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()
     x = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

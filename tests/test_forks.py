@@ -90,7 +90,7 @@ def exports_with_its_logits(project, run_dir, folder):
     run(project, "checkpoint.py", "export-hf", run_dir, folder)
     idx = torch.randint(0, 50257, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.save(idx, folder / "idx.pt")
-    run(project, "-c", "import sys, torch, weights; m = weights.load_model(sys.argv[1], 'cpu', 'the fork'); "
+    run(project, "-c", "import sys, torch, checkpoint; m = checkpoint.load_model(sys.argv[1], 'cpu', 'the fork'); "
                        "torch.save(m(torch.load(sys.argv[2]))[..., :50257], sys.argv[3])",
         run_dir, folder / "idx.pt", folder / "ours.pt")
     theirs = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
@@ -256,7 +256,7 @@ def ladder_file(tmp_path, data_root, *lines, size="1x64"):
 def tools_on_the_fork(tmp_path, args, run_dir, ladder_lines):
     """The task evaluated in the run, a sample, the ladder's N: what every tool gives for the fork (in this process)."""
     import ladder
-    from weights import load_model
+    from checkpoint import load_model
     from conftest import run_in_process
     from sample import generate_text
 

@@ -63,12 +63,12 @@ def runs(data_root, tmp_path_factory):
                                           "--checkpoint.async_save=true", "--checkpoint.unsharded_interval=6",
                                           *remote], nproc=2, env=s3 or {}).stdout
         if s3:  # what the bucket holds, and the model read back from it (downloaded: every file its marker lists)
-            import weights
+            import checkpoint
             import remote as bucket_files
             fs, root = bucket_files.filesystem("s3://runs/fsdp")
             fs.invalidate_cache()
             found["bucket_listing"] = sorted(path[len(root) + 1:] for path in fs.find(root))
-            found["from_bucket"] = weights.load_model("s3://runs/fsdp/step6", "cpu", "--init_from").state_dict()
+            found["from_bucket"] = checkpoint.load_model("s3://runs/fsdp/step6", "cpu", "--init_from").state_dict()
         # kill -9 of every rank while they write the pieces of step 6 (each says so in a file of its own)
         notes = base / "saving_notes"
         notes.mkdir()
@@ -198,7 +198,6 @@ def test_a_ddp_checkpoint_resumes_as_fsdp(runs):
 
 def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
     import checkpoint
-    import weights
     import debug
     import sample
     from sharding import read_tensors
@@ -208,12 +207,12 @@ def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
     sampled = run_in_process(["--init_from", str(runs["fsdp"]), "--num_samples=1", "--max_new_tokens=4",
                               "--device=cpu"], sample.main)
     assert sampled.returncode == 0 and "sample 0" in sampled.stdout, sampled.stderr
-    model = weights.load_model(str(runs["fsdp"]), "cpu", "--init_from")  # step6's model.pt (unsharded_interval)
+    model = checkpoint.load_model(str(runs["fsdp"]), "cpu", "--init_from")  # step6's model.pt (unsharded_interval)
     pieces = read_tensors(str(runs["fsdp"] / "step6" / "sharded"))
     whole = torch.load(runs["fsdp"] / "step6" / "model.pt", weights_only=True)
     assert whole.keys() == pieces.keys() and all(torch.equal(whole[name], pieces[name]) for name in pieces)
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in pieces.items())
-    from_pieces = weights.load_model(str(runs["fsdp"] / "step3"), "cpu", "--init_from")  # no model.pt there
+    from_pieces = checkpoint.load_model(str(runs["fsdp"] / "step3"), "cpu", "--init_from")  # no model.pt there
     assert all(torch.equal(from_pieces.state_dict()[name], tensor)
                for name, tensor in read_tensors(str(runs["fsdp"] / "step3" / "sharded")).items())
     compared = run_in_process(["compare-state", str(runs["ddp"] / "step6"), str(runs["fsdp"] / "step6")], debug.main)
@@ -232,11 +231,11 @@ def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
 def test_the_bucket_holds_a_sharded_checkpoint_and_gives_it_back(runs):
     if runs["s3"] is None:
         pytest.skip("s3fs and moto are not installed (pip install s3fs 'moto[server]')")
-    import weights
+    import checkpoint
 
     assert {"step6/COMPLETE", "step6/trainer.pt", "step6/sharded/.metadata", "step6/sharded/__0_0.distcp",
             "step6/sharded/__1_0.distcp"} <= set(runs["bucket_listing"])
-    local = weights.load_model(str(runs["fsdp"] / "step6"), "cpu", "--init_from").state_dict()
+    local = checkpoint.load_model(str(runs["fsdp"] / "step6"), "cpu", "--init_from").state_dict()
     assert local.keys() == runs["from_bucket"].keys()
     assert all(torch.equal(local[name], runs["from_bucket"][name]) for name in local)
 

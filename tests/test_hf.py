@@ -10,7 +10,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import hf  # noqa: E402
-from weights import load_model  # noqa: E402
+from checkpoint import load_model  # noqa: E402
 from config import UserError  # noqa: E402
 import warm_python
 from conftest import ROOT, TINY, run_train  # noqa: E402

@@ -323,7 +323,7 @@ def test_14_command_line_mistakes_are_one_sentence(command, message):
 
 
 def test_15_the_tied_embedding_is_saved_once_and_old_checkpoints_still_load(data_root, tmp_path):
-    from weights import load_model
+    from checkpoint import load_model
 
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=1", "--optim.warmup_steps=1"))

@@ -233,9 +233,9 @@ def test_load_path_and_init_from_take_a_bucket_url(s3, data_root, tmp_path, monk
     source = tmp_path / "source"
     run_train(args(data_root, source, "--train.max_steps=2", "--checkpoint.interval=2",
                    f"--checkpoint.remote_folder={url}"))
-    import weights
-    ours = weights.load_model(url, "cpu", "--init_from")  # sample.py's and hellaswag_eval.py's --init_from
-    theirs = weights.load_model(str(source), "cpu", "--init_from")
+    import checkpoint
+    ours = checkpoint.load_model(url, "cpu", "--init_from")  # sample.py's and hellaswag_eval.py's --init_from
+    theirs = checkpoint.load_model(str(source), "cpu", "--init_from")
     assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
     tuned = run_train(args(data_root, tmp_path / "tuned", "--train.max_steps=3", f"--checkpoint.load_path={url}/step2"))
     assert "loaded weights, optimizer state, trainer state from" in tuned.stdout  # not a resume of its own run
@@ -244,13 +244,13 @@ def test_load_path_and_init_from_take_a_bucket_url(s3, data_root, tmp_path, monk
 
 def test_a_bucket_checkpoint_replaced_at_the_same_url_is_downloaded_again(s3, data_root, tmp_path, monkeypatch):
     monkeypatch.setenv("NANOGPT_REMOTE_CACHE", str(tmp_path / "cache"))
-    import weights
+    import checkpoint
     url = "s3://runs/replaced"
     common = ["--train.max_steps=2", "--checkpoint.interval=2", f"--checkpoint.remote_folder={url}"]
     run_train(args(data_root, tmp_path / "first", *common))
-    first = weights.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()  # now in the cache
+    first = checkpoint.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()  # now in the cache
     run_train(args(data_root, tmp_path / "second", *common, "--train.seed=7", "--checkpoint.save_overwrite=true"))
-    second = weights.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()
-    local = weights.load_model(str(tmp_path / "second"), "cpu", "--init_from").state_dict()
+    second = checkpoint.load_model(f"{url}/step2", "cpu", "--init_from").state_dict()
+    local = checkpoint.load_model(str(tmp_path / "second"), "cpu", "--init_from").state_dict()
     assert all(torch.equal(second[name], local[name]) for name in local)  # the new run's step2, not the cached one
     assert not torch.equal(first["transformer.wte.weight"], second["transformer.wte.weight"])

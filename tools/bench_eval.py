@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the projec
 sys.path.insert(0, ROOT)  # `python tools/bench_eval.py` imports the project's modules
 
 import hellaswag_eval  # noqa: E402 - after the line above
-from weights import load_model  # noqa: E402
+from checkpoint import load_model  # noqa: E402
 from config import UserError, run_command  # noqa: E402
 from data import GPT2_VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
