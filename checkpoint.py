@@ -125,30 +125,15 @@ class UntrustedCheckpoint(CheckpointError):
 
 
 def check_sharded_metadata(path, files):
-    """An FSDP run's sharded/.metadata, read as data (sharding.read_metadata allows DCP's own classes only: a pickle
-    that asks for anything else, os.system say, is refused before it can run), and every piece file it names listed
-    in the marker `files`. One sentence naming the file otherwise."""
-    folder = os.path.join(path, SHARDED)
-    if not os.path.isdir(folder):
-        return
-    import sharding
-
-    metadata_file = os.path.join(folder, ".metadata")
-    if f"{SHARDED}/.metadata" not in files:
-        raise UntrustedCheckpoint(f"{metadata_file} is not listed in {os.path.join(path, MARKER)}, so it is not "
-                                  f"read; give a checkpoint this trainer saved whole.")
-    try:
-        metadata = sharding.read_metadata(folder)
-    except sharding.MetadataRefused as refused:
-        raise UntrustedCheckpoint(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
-                                  f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
-                                  f"or give another one.") from None
-    pieces = {info.relative_path for info in metadata.storage_data.values()}
-    unlisted = sorted(name for name in pieces if f"{SHARDED}/{name}" not in files)
-    if unlisted:
-        raise UntrustedCheckpoint(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, MARKER)} does not "
-                                  f"list (a piece deleted after the save); get the checkpoint again from where it was "
-                                  f"made, or give another one.")
+    """An FSDP run's sharded/.metadata is read as data (DCP's own classes only: a pickle that asks for anything
+    else, os.system say, is refused before it can run), and every piece it names is listed in the marker `files`
+    (sharding.check_metadata); else one sentence naming the file."""
+    if os.path.isdir(os.path.join(path, SHARDED)):
+        import sharding
+        try:
+            sharding.check_metadata(path, files, MARKER)
+        except sharding.MetadataRefused as refused:
+            raise UntrustedCheckpoint(str(refused)) from None
 
 
 def newest_valid_checkpoint(run_dir):
@@ -218,7 +203,7 @@ def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
     Everything, the marker last, is written into step<N>.partial and fsynced; one rename then makes
     step<N> appear whole. A step<N> already there (a run being replaced) is renamed aside first and
     deleted only after the new one is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/
-    already (start_shards); their files are listed in the marker with the others."""
+    already (sharding.start_shards); their files are listed in the marker with the others."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -278,7 +263,7 @@ class Checkpointer:
     this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
     `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py), and
     local retention keeps it until its upload has ended.
-    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (start_shards)."""
+    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (sharding.start_shards)."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
@@ -304,12 +289,13 @@ class Checkpointer:
 
     def save(self, step, snapshot, kind, model=None, optimizer=None):
         """Save `snapshot` (capture_state's) as step<N>. A sharded `model` (FSDP) and its `optimizer` are written by
-        every rank first (start_shards), then rank 0 writes the rest; other models are in the snapshot."""
+        every rank first (sharding.start_shards), then rank 0 writes the rest; other models are in the snapshot."""
         self.wait()  # the previous save must finish before the next one starts
         shards = None
         if model is not None and is_sharded(model):
-            shards = start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
-                                  self.async_save)
+            import sharding
+            shards = sharding.start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
+                                           self.async_save, tied=set(ties(model)))
         elif not self.is_master:
             return
         if self.async_save:
@@ -348,30 +334,6 @@ class Checkpointer:
 def is_sharded(model):
     """Sharded by FSDP (train.data_parallel=fsdp, sharding.py): fully_shard gives the model this method."""
     return hasattr(model, "set_requires_gradient_sync")
-
-
-class Shards:
-    """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
-
-    def __init__(self, future):
-        self.future = future  # dcp.async_save's, or None when the pieces were written before it was made
-
-    def wait(self):
-        if self.future is not None:
-            self.future.result()
-
-
-def start_shards(out_dir, step, model, optimizer, is_master, group, async_save):
-    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
-    rank 0 first clears what a killed save left there. With async_save, they are written in the background."""
-    import sharding
-
-    partial = os.path.join(out_dir, f"step{step}.partial")
-    if is_master:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
-    return Shards(sharding.save_shards(model, optimizer, partial, group, async_save, tied=set(ties(model))))
 
 
 # ----------------------------------------------------------------------------- what to load

@@ -31,9 +31,7 @@ import threading
 import time
 import uuid
 
-from checkpoint import STEP_DIR, CheckpointError, find_checkpoints, newest_valid_checkpoint
-from config import UserError, as_override
-from run_dir import identity_difference
+from config import UserError
 
 MARKER = "COMPLETE"  # checkpoint.py's marker (checkpoint.py imports this module, so the name is repeated here)
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # schemes whose package is optional
@@ -247,45 +245,6 @@ def download_newest(url, steps, out_dir, fall_back):
                 raise
             print(f"warning: {error} Falling back to the checkpoint before it.", file=sys.stderr, flush=True)
     return None
-
-
-def read_bucket(url, run_config, save_overwrite, out_dir):
-    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
-    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
-    saved, steps = read_run(url)
-    if saved is None and not steps:
-        return steps, True
-    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
-    own = os.path.join(out_dir, "config.json")
-    if difference and saved is not None and os.path.exists(own):
-        with open(own) as f:
-            ours = json.load(f)
-        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
-            key, old, new = difference
-            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
-                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
-                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
-                                  f"and remote folder.")
-    if difference and not save_overwrite:
-        key, old, new = difference
-        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
-                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
-                              f"to replace that run there.")
-    return steps, not difference
-
-
-def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
-    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
-    to a step only the bucket has, that step."""
-    own = newest_valid_checkpoint(out_dir)
-    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
-    if rewind_to:
-        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
-    else:
-        wanted = [s for s in reversed(bucket_steps) if s > own_step]
-    return download_newest(url, wanted, out_dir, fall_back=not rewind_to)
 
 
 def install_download(out_dir, download_folder, url):

@@ -8,14 +8,15 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     build_on_meta(...)        train.py's build_model: the model's shapes, no weights, and a record of how it drew them
     shard(model, ...)         train.py's wrap_model: each block, then the whole model
     materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
-    save_shards(...)          every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py)
+    start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
     gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
     full_into_sharded(...)    model.pt/optim.pt (a DDP run's) into a sharded model: DDP runs resume as FSDP
     apply(...)                what was read, put into the model and optimizer
     read_tensors(folder)      a sharded checkpoint's tensors put together in one process (sample.py, export-hf,
                               debug.py compare-state)
-    read_metadata(folder)     its .metadata, unpickled with DCP's own classes only: a checkpoint is data, never code
+    check_metadata(...)       its .metadata, unpickled with DCP's own classes only (a checkpoint is data, never code),
+                              naming only pieces the checkpoint's marker lists
 
 DCP reads `.metadata` with a plain pickle.load and the optimizer's small values (lr, betas, names) with
 torch.load(weights_only=False): a checkpoint handed over by anyone could run any code it likes. Every read here goes
@@ -26,10 +27,12 @@ Imported only by runs and tools that meet FSDP: `import train` does not load it.
 
 import os
 import pickle
+import shutil
 import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
@@ -253,6 +256,29 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
     return None
 
 
+class Shards:
+    """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
+
+    def __init__(self, future):
+        self.future = future  # dcp.async_save's, or None when the pieces were written before it was made
+
+    def wait(self):
+        if self.future is not None:
+            self.future.result()
+
+
+def start_shards(out_dir, step, model, optimizer, is_master, group, async_save, tied=()):
+    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
+    rank 0 first clears what a killed save left there. With async_save, they are written in the background.
+    `tied`: second names of a tied weight, left out as model.pt leaves them out."""
+    partial = os.path.join(out_dir, f"step{step}.partial")
+    if is_master:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
+    return Shards(save_shards(model, optimizer, partial, group, async_save, tied))
+
+
 def gather_weights(model, tied=()):
     """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on the other ranks):
     checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied weight, left out as model.pt does."""
@@ -382,6 +408,29 @@ def read_metadata(folder):
     if not isinstance(metadata, Metadata):
         raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
     return metadata
+
+
+def check_metadata(path, files, marker):
+    """`path`/sharded/.metadata unpickled with DCP's own classes only (read_metadata), and every piece file it names
+    listed in `files`, the checkpoint's `marker` (checkpoint.py): MetadataRefused, a sentence naming the file,
+    otherwise."""
+    folder = os.path.join(path, FOLDER)
+    metadata_file = os.path.join(folder, ".metadata")
+    if f"{FOLDER}/.metadata" not in files:
+        raise MetadataRefused(f"{metadata_file} is not listed in {os.path.join(path, marker)}, so it is not "
+                              f"read; give a checkpoint this trainer saved whole.")
+    try:
+        metadata = read_metadata(folder)
+    except MetadataRefused as refused:
+        raise MetadataRefused(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
+                              f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
+                              f"or give another one.") from None
+    pieces = {info.relative_path for info in metadata.storage_data.values()}
+    unlisted = sorted(name for name in pieces if f"{FOLDER}/{name}" not in files)
+    if unlisted:
+        raise MetadataRefused(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, marker)} does not "
+                              f"list (a piece deleted after the save); get the checkpoint again from where it was "
+                              f"made, or give another one.")
 
 
 class Reader(FileSystemReader):
