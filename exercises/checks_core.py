@@ -11,24 +11,9 @@ import tempfile
 import torch
 
 from exercises.checking import ExerciseFailed, is_close, shown
+from exercises.feed_core import adamw_answers, clipping_answers, ranks_answers
 
 # ----------------------------------------------------------------------------- 12. AdamW
-
-
-def adamw_answers(answers, cases):
-    results = []
-    for case in cases:
-        param = case["param"].clone()
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
-        steps = []
-        for step, grad in enumerate(case["grads"], 1):
-            given = grad.clone()
-            answers.adamw_update(param, given, exp_avg, exp_avg_sq, step, case["lr"], case["beta1"], case["beta2"],
-                                 case["eps"], case["weight_decay"])
-            steps.append({"param": param.clone(), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(),
-                          "grad": given.clone()})
-        results.append(steps)
-    return results
 
 
 def torch_adamw(case):
@@ -108,17 +93,6 @@ def check_adamw(answers):
 # ----------------------------------------------------------------------------- 13. gradient clipping
 
 
-def clipping_answers(answers, cases):
-    results = []
-    for case in cases:
-        parameters = [torch.nn.Parameter(torch.zeros(g.shape)) for g in case["grads"]]
-        for p, g in zip(parameters, case["grads"]):
-            p.grad = g.clone()
-        norm = answers.clip_gradients(parameters + [torch.nn.Parameter(torch.zeros(2))], case["limit"])  # no grad
-        results.append({"norm": norm, "grads": [p.grad for p in parameters]})
-    return results
-
-
 def clipping_cases(rng):
     cases = []
     for case in range(20):
@@ -162,10 +136,6 @@ def check_clipping(answers):
 
 
 # ----------------------------------------------------------------------------- 14. the ranks' split
-
-
-def ranks_answers(answers, cases):
-    return [answers.rank_sequences(*case) for case in cases]
 
 
 def check_ranks(answers):

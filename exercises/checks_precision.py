@@ -12,16 +12,9 @@ import torch.nn.functional as F
 
 from exercises.checking import ExerciseFailed, gradient_advice, is_close, shown
 from exercises.checks_step import GradientKeeper, ListLoader
+from exercises.feed_precision import SHAPE, autocast, autocast_answers, batch, gpt
 
 BF16 = torch.bfloat16
-
-
-def autocast():
-    """The context train.py's start_processes builds for train.dtype=bfloat16 on this device."""
-    return torch.autocast("cpu", dtype=BF16)
-
-
-SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512)
 
 
 def shapes(rng):
@@ -33,33 +26,6 @@ def shapes(rng):
         drawn.append(dict(n_layer=depth, n_head=heads, n_embd=heads * rng.choice([8, 16]),
                           block_size=16, vocab_size=rng.choice([128, 256, 512]), bias=rng.random() < 0.7))
     return drawn
-
-
-def gpt(seed, shape=SHAPE):
-    """model.GPT with loss_path="full", the path whose forward runs lm_head on every position (the exercise
-    says so): the trainer's default, "chunked", never calls lm_head as a module."""
-    from model import GPT, GPTConfig
-
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**shape), loss_path="full")
-
-
-def batch(seed, shape=SHAPE):
-    tokens = torch.randint(0, shape["vocab_size"], (4, 17), generator=torch.Generator().manual_seed(seed + 1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def autocast_answers(answers, inputs):
-    seed, shape, other = inputs["seed"], *inputs["shapes"]
-    names = [answers.bf16_modules(gpt(seed + 2, other))]
-    model = gpt(seed, shape)
-    names.insert(0, answers.bf16_modules(model))
-    x, y = batch(seed, shape)
-    loss = answers.bf16_step(model, x, y)
-    return {"names": [sorted(n) if isinstance(n, (set, list, tuple)) else n for n in names], "loss": loss,
-            "keeps_graph": bool(getattr(loss, "requires_grad", False)),
-            "weights": {name: str(p.dtype) for name, p in model.named_parameters()},
-            "grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def the_trainers_step(seed, context, shape=SHAPE):

@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from exercises.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown
+from exercises.feed_reading import lr_answers, spike_answers
 
 # ----------------------------------------------------------------------------- 22. the LR range test
 
@@ -70,10 +71,6 @@ def range_tests(lrs, losses, rng):
         if lowest(lrs, smoothed(early), stop=False) != lowest(lrs, smoothed(early)):
             tests.append((f"one that diverges at step {at + 1}", list(lrs), early))
             return tests
-
-
-def lr_answers(answers, tests):
-    return [answers.suggest_lr(lrs, losses) for _, lrs, losses in tests]
 
 
 def check_lr_range_test(answers, data_root=""):
@@ -189,12 +186,6 @@ def rewind_cases(first, checkpoints, rng):
         saved = list(range(interval, rng.randint(60, 120), interval))
         cases.append((rng.randint(saved[1] + 2, saved[-1]), saved))
     return cases
-
-
-def spike_answers(answers, inputs):
-    return {"spikes": [answers.find_spikes(losses, threshold, window) for losses, threshold, window in
-                       inputs["spikes"]],
-            "rewind": [answers.rewind_step(first, saved) for first, saved in inputs["rewind"]]}
 
 
 def compare_spikes(cases, found):

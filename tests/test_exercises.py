@@ -230,7 +230,7 @@ def test_an_error_in_a_students_function_is_one_sentence_naming_it_and_its_line(
 
 
 def test_an_answer_that_never_ends_is_stopped_and_said_in_one_sentence(tmp_path):
-    from exercises.checks_core import ranks_answers
+    from exercises.feed_core import ranks_answers
 
     folder = answer_folder(tmp_path, 14, code="""
         def rank_sequences(position, rank, world_size, batch_size):
@@ -289,6 +289,25 @@ def test_an_answer_can_neither_write_nor_read_nor_import_the_teachers_tree(tmp_p
     passed, line = check_grade(1, folder)
     assert digest(ROOT) == before, line  # byte-identical: checks, project, answers
     assert not passed and line.startswith("exercise 1 is not done yet: write lr_at"), line
+
+
+def test_the_room_holds_the_project_and_what_feeds_an_answer_but_nothing_that_grades():
+    """An answer reads whatever lies in its room: no check (the expected values and the advice), no reference
+    answer, no hint, no solution may lie there; the feed modules it needs do, and import nothing that grades."""
+    from exercises.room import Room
+
+    room = Room().build()
+    try:
+        held = sorted(path.name for path in (room / "exercises").iterdir())
+        assert held == sorted(["__init__.py", "runner.py", "feeding.py",
+                               *(path.name for path in (ROOT / "exercises").glob("feed_*.py"))]), held
+        assert not any(name.startswith(("checks_", "checking", "check.py", "grading", "hints", "solutions"))
+                       or name[:2].isdigit() for name in held), held
+        assert (room / "model.py").is_file() and (room / "train.py").is_file() and not (room / "tests").exists()
+        for name in held:
+            assert "exercises.check" not in (room / "exercises" / name).read_text(), name  # checks or checking
+    finally:
+        shutil.rmtree(room)
 
 
 def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(tmp_path, monkeypatch):

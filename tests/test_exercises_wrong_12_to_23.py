@@ -342,10 +342,10 @@ WRONG = [
 ]
 CODE = [  # wrong answers that are not one function
     # the answer's process patches the check's helper so that train.py's run logs no loss (issue 49, hole 3)
-    (16, "import exercises.checks_capstone as _check\n_check.run_training = lambda args: []\n",
+    (16, "import exercises.feed_capstone as _check\n_check.run_training = lambda args: []\n",
      "your run logged 0 losses where model.py's logs 6"),
     # ... or trains model.py's GPT instead of the answer's, which has no dropout on its attention weights
-    (16, "import exercises.checks_capstone as _check\n_train = _check.run_training\n"
+    (16, "import exercises.feed_capstone as _check\n_train = _check.run_training\n"
          "_check.run_training = lambda args: _train([a for a in args if 'model_module' not in a])\n"
          "_attention = attention\n"
          "attention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
