@@ -44,17 +44,25 @@ def is_close(mine, want, rel=1e-9):
     return mine == want or math.isclose(mine, want, rel_tol=rel)
 
 
-def shown(mine, want):
-    """The two numbers as text, with just enough digits to tell them apart (mine as it came if it is
-    not a number)."""
+def shown(mine):
+    """The answer's value as text: a number to 6 significant digits, else as it came (cut short). Never the
+    expected value: a failure that printed it, digit by digit as the answer came closer, would let a few
+    retries read it off instead of the rule (tests/test_exercises.py looks in every failure)."""
     if isinstance(mine, dict) and "unplain" in mine:
-        return f"a {mine['unplain']} ({mine['repr']})", f"{want:.6g}"
+        return f"a {mine['unplain']} ({mine['repr']})"
+    if isinstance(mine, bool) or not isinstance(mine, (int, float, torch.Tensor)) or (
+            torch.is_tensor(mine) and mine.numel() != 1):
+        return repr(mine)[:80]
+    return f"{float(mine):.6g}"
+
+
+def compared(mine, want):
+    """How `mine` misses `want`, told without `want`'s digits: "larger than", "smaller than", or "other than"."""
     try:
         mine = float(mine)
     except (TypeError, ValueError, RuntimeError):
-        return repr(mine)[:80], f"{want:.6g}"
-    digits = next((d for d in range(6, 18) if f"{mine:.{d}g}" != f"{want:.{d}g}"), 17)
-    return f"{mine:.{digits}g}", f"{want:.{digits}g}"
+        return "other than"
+    return "larger than" if mine > want else "smaller than" if mine < want else "other than"
 
 
 def same_tensor(mine, want, tolerance=1e-5):

@@ -18,7 +18,7 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, gradient_advice, is_close, run_training, shown
+from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, run_training, shown
 from exercises.feed_capstone import (assembly_answers, trained_with_dropout, training_answers, training_args,
                                      with_gradients)
 
@@ -78,7 +78,7 @@ def compare_attention(cases, mine):
         want, want_grads = with_gradients(sdpa, case)
         shape = f"({case['kind']}: {case['q'].size(-2)} queries, {case['k'].size(-2)} keys)"
         if not torch.is_tensor(value) or value.shape != want.shape:
-            raise ExerciseFailed(f"attention returned {shown(value, 0)[0][:50]} of shape "
+            raise ExerciseFailed(f"attention returned {shown(value)[:50]} of shape "
                                  f"{tuple(getattr(value, 'shape', ()))} where F.scaled_dot_product_attention gives "
                                  f"{tuple(want.shape)} {shape}.")
         if not torch.allclose(value, want, rtol=1e-4, atol=1e-5):
@@ -145,8 +145,8 @@ def compare_gpt(mine, reference, inputs):
     loss = reference(idx, targets)
     loss.backward()
     if not (torch.is_tensor(mine["loss"]) and is_close(mine["loss"].item(), loss.item(), rel=1e-5)):
-        raise ExerciseFailed(f"your GPT's loss is {shown(mine['loss'], loss.item())[0]} where model.py's is "
-                             f"{loss.item():.6g}: with targets, forward returns your next_token_loss of the logits.")
+        raise ExerciseFailed(f"your GPT's loss is {shown(mine['loss'])}, {compared(mine['loss'], loss.item())} "
+                             f"model.py's: with targets, forward returns your next_token_loss of the logits.")
     for name, p in reference.named_parameters():
         wrong = gradient_advice(name, mine["grads"].get(name), p.grad)
         if wrong:
@@ -209,9 +209,9 @@ def check_capstone(answers, data_root="", steps=12, quick_start=True):
                              f"and the whole curve is compared.")
     for step, (got, expected) in enumerate(zip(curve, want), 1):
         if not is_close(got, expected, rel=1e-5 if step == 1 else 1e-3):
-            got, expected = shown(got, expected)
-            raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {step} is {got} where model.py's is "
-                                 f"{expected} on the same seed and data, though every part matched: look for what "
+            raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {step} is {shown(got)}, "
+                                 f"{compared(got, expected)} model.py's on the same seed and data, though every part "
+                                 f"matched: look for what "
                                  f"only training uses (dropout, a module left in eval mode, a buffer).")
     where = "the quick start's shape" if quick_start else "a tiny shape"
     return (f"your attention matches F.scaled_dot_product_attention and your GPT model.py's, weights, logits and "

@@ -11,7 +11,7 @@ import tempfile
 
 import numpy as np
 
-from exercises.checking import ExerciseFailed, is_close, run_training, shown
+from exercises.checking import ExerciseFailed, compared, is_close, run_training, shown
 from exercises.feed_choices import law_answers, named_groups, split_answers, split_models
 
 # ----------------------------------------------------------------------------- 8. reading a scaling law
@@ -42,12 +42,11 @@ def compare_law_readings(law, n, d, loss, mine):
     ]
     for (name, inputs, want, source, advice), value in zip(readings, mine):
         if isinstance(value, dict) and "raised" in value:
-            raise ExerciseFailed(f"{name}({inputs}) raised {value['raised']} where {source} gives {want} for the law "
-                                 f"{law_text(law)}: {advice}.")
+            raise ExerciseFailed(f"{name}({inputs}) raised {value['raised']} where {source} returns a number for the "
+                                 f"law {law_text(law)}: {advice}.")
         if not is_close(value, want, rel=1e-6):
-            value, want = shown(value, want)
-            raise ExerciseFailed(f"{name}({inputs}) is {value} where {source} gives {want} for the law "
-                                 f"{law_text(law)}: {advice}.")
+            raise ExerciseFailed(f"{name}({inputs}) is {shown(value)}, {compared(value, want)} what {source} gives "
+                                 f"for the law {law_text(law)}: {advice}.")
 
 
 def check_scaling_law(answers):

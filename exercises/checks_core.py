@@ -10,7 +10,7 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, is_close, shown
+from exercises.checking import ExerciseFailed, compared, is_close, shown
 from exercises.feed_core import adamw_answers, clipping_answers, ranks_answers
 
 # ----------------------------------------------------------------------------- 12. AdamW
@@ -115,9 +115,8 @@ def check_clipping(answers):
             p.grad = g.clone()
         want = torch.nn.utils.clip_grad_norm_(theirs, case["limit"]).item()
         if not is_close(mine["norm"], want, rel=1e-5):
-            got, wanted = shown(mine["norm"], want)
-            raise ExerciseFailed(f"clip_gradients returned {got} where clip_grad_norm_ returns {wanted}, the norm of "
-                                 f"all the gradients together before clipping.")
+            raise ExerciseFailed(f"clip_gradients returned {shown(mine['norm'])}, {compared(mine['norm'], want)} what "
+                                 f"clip_grad_norm_ returns: the norm of all the gradients together before clipping.")
         above = "above" if want > case["limit"] else "below"
         factors = [(m.norm() / q.grad.norm()).item() if torch.is_tensor(m) else None
                    for m, q in zip(mine["grads"], theirs)]
@@ -166,5 +165,5 @@ def check_ranks(answers):
                           else "rank r reads the block of batch_size sequences after the r blocks of the ranks before "
                                "it")
                 raise ExerciseFailed(f"rank {rank} of {world_size} at position {position} (batch_size {batch_size}) "
-                                     f"reads {read}, and your rank_sequences gives {shown(got, 0)[0]}: {advice}.")
+                                     f"reads {read}, and your rank_sequences gives {shown(got)}: {advice}.")
     return "your indices are the loader's at 30 random positions, batch sizes and world sizes."

@@ -12,7 +12,7 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, is_close, shown
+from exercises.checking import ExerciseFailed, compared, is_close, shown
 from exercises.feed_cost import metric_answers, metric_run, mfu_answers
 
 # ----------------------------------------------------------------------------- 4. FLOPs and MFU
@@ -56,9 +56,9 @@ def check_mfu(answers):
                 advice = flops_advice(c, want - float(count))
             except (TypeError, ValueError):
                 advice = "return the count as a number"
-            count = f"{count:,}" if isinstance(count, int) else shown(count, 0)[0]
-            raise ExerciseFailed(f"flops_per_token is {count} where GPT.flops_per_token gives {want:,} for "
-                                 f"n_layer {c.n_layer}, n_embd {c.n_embd}, block_size {c.block_size}, vocab_size "
+            text = f"{count:,}" if isinstance(count, int) else shown(count)
+            raise ExerciseFailed(f"flops_per_token is {text}, {compared(count, want)} what GPT.flops_per_token gives "
+                                 f"for n_layer {c.n_layer}, n_embd {c.n_embd}, block_size {c.block_size}, vocab_size "
                                  f"{c.vocab_size}: {advice}.")
     for (flops, tokens_per_sec, world_size, peak), value, want in zip(speeds, mine["mfu"], wants):
         if not is_close(value, want):
@@ -68,8 +68,8 @@ def check_mfu(answers):
                 advice = "MFU is a fraction between 0 and 1, not a percentage"
             else:
                 advice = "MFU is the model's FLOP/s per device over one device's peak"
-            value, want = shown(value, want)
-            raise ExerciseFailed(f"mfu is {value} where metrics.speed_metrics gives {want} for {flops:.4g} FLOPs per "
+            raise ExerciseFailed(f"mfu is {shown(value)}, {compared(value, want)} what metrics.speed_metrics gives "
+                                 f"for {flops:.4g} FLOPs per "
                                  f"token, {tokens_per_sec:.4g} tokens/s on {world_size} device(s) of {peak:.4g} "
                                  f"FLOP/s: {advice}.")
     with torch.device("meta"):
@@ -121,10 +121,9 @@ def check_metric(answers, data_root=""):
                              f"holds the same weights: use reduce=\"mean\" (or \"max\", or None for rank 0's value).")
     for step, (got, want) in enumerate(zip(mine["logged"], expected), 1):
         if not is_close(got, want, rel=1e-4):
-            got, want = shown(got, want)
-            raise ExerciseFailed(f"at step {step} metrics.jsonl has optim/update_ratio {got} where ||W_after - "
-                                 f"W_before|| / ||W_before|| over all the parameters is {want}: both norms are over "
-                                 f"every parameter together, the ratio taken once.")
+            raise ExerciseFailed(f"at step {step} metrics.jsonl has optim/update_ratio {shown(got)}, "
+                                 f"{compared(got, want)} ||W_after - W_before|| / ||W_before|| over all the "
+                                 f"parameters: both norms are over every parameter together, the ratio taken once.")
     return (f"optim/update_ratio reached metrics.jsonl at every one of {len(expected)} steps with the right value, "
             f"from {expected[0]:.2g} at step 1 to {expected[-1]:.2g} at step {len(expected)} "
             f"(reduce={note['reduce']!r}).")

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from exercises.checking import ExerciseFailed, gradients, is_close, tiny_gpt
+from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
 from exercises.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
                                 send_frame)
 
@@ -181,8 +181,9 @@ def check_no_sync(answers):
         if mine[0]["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")
         if not (torch.is_tensor(loss) and loss.numel() == 1 and is_close(loss.item(), rank0_loss, rel=1e-5)):
-            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {loss!r} where the mean of its micro-steps' "
-                                 f"losses is {rank0_loss:.6g}: return that, as a one-number tensor.")
+            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {shown(loss)}, "
+                                 f"{compared(loss, rank0_loss)} the mean of its micro-steps' losses: return that, as a "
+                                 f"one-number tensor.")
     counts = [len(counter.steps[0][step]) for step in (0, 1)]
     return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced each bucket of your gradients once "
             f"per step, through a hook whose count the grader keeps (step 1 in {counts[0]} bucket, step 2 in "

@@ -12,7 +12,7 @@ import random
 import torch
 from torch.nn import functional as F
 
-from exercises.checking import ExerciseFailed, gradient_advice, is_close, same_tensor, shown
+from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, same_tensor, shown
 from exercises.feed_model import built, parts_answers, run_part
 
 
@@ -78,7 +78,7 @@ def compare_init(mine, n_layer, seed):
                       "1/sqrt(2 x n_layer)" if "sqrt" in text else "weights of Linear and Embedding layers are "
                       "normal(0, 0.02)")
             raise ExerciseFailed(f"after init_weights, {name} has a sample std of {sample:.3g} where GPT-2's "
-                                 f"initialisation draws it from normal(0, {text} = {std:.3g}): {reason}.")
+                                 f"initialisation draws it from normal(0, {text}): {reason}.")
 
 
 def check_gpt_parts(answers):
@@ -134,8 +134,8 @@ def check_loss(mine, logits, targets):
         advice = ("the targets are already the next tokens: do not shift them again" if torch.is_tensor(got)
                   and got.numel() == 1 and is_close(got.item(), shifted.item(), rel=1e-5) else
                   "minus the mean log-softmax of each target, over the targets that are not -1")
-        got, wanted = shown(got.item() if torch.is_tensor(got) and got.numel() == 1 else got, want["value"].item())
-        raise ExerciseFailed(f"next_token_loss is {got} where F.cross_entropy gives {wanted}: {advice}.")
+        raise ExerciseFailed(f"next_token_loss is {shown(got)}, {compared(got, want['value'].item())} what "
+                             f"F.cross_entropy gives: {advice}.")
     wrong = gradient_advice("the logits", mine["grads"].get("input 0"), want["grads"]["input 0"])
     if wrong:
         raise ExerciseFailed(f"next_token_loss: {wrong}.")

@@ -98,7 +98,7 @@ def check_lr_range_test(answers, data_root=""):
                       "smooth, stop at divergence, take the LR of the lowest smoothed loss, and a tenth of it")
         # (the rule's value is not printed: a few retries would read it off instead of the rule)
         raise ExerciseFailed(f"on range test {number} of {len(tests)} ({what}) your suggestion, "
-                             f"{shown(suggested, 0.0)[0]}, is not what the rule gives: {advice}.")
+                             f"{shown(suggested)}, is not what the rule gives: {advice}.")
     at_minimum = lowest(tests[0][1], smoothed(tests[0][2]))
     start = smoothed(tests[0][2])[0]
     moving = next(lr for lr, loss in zip(tests[0][1], smoothed(tests[0][2])) if loss < start - 0.1)
@@ -211,7 +211,7 @@ def compare_rewinds(cases, chosen):
         right = max(step for step in saved if step <= first - 2)
         what = "the real run" if number == 1 else f"run {number} of {len(cases)}"
         if choice not in saved:
-            raise ExerciseFailed(f"in {what} you rewind to {shown(choice, 0)[0]}, which is no checkpoint of the run "
+            raise ExerciseFailed(f"in {what} you rewind to {shown(choice)}, which is no checkpoint of the run "
                                  f"(it saved at steps {saved[0]}, {saved[1]}, ..., {saved[-1]}).")
         if choice > right:
             return number, choice

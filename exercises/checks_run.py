@@ -11,7 +11,7 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, NotDone, shown, tiny_gpt
+from exercises.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
 from exercises.feed_run import FIELDS, resume_answers, resume_run, task_answers
 
 # ----------------------------------------------------------------------------- 6. resuming exactly
@@ -39,8 +39,8 @@ def compare_restored(at_stop, restored):
         raise ExerciseFailed(f"trainer_state_from_dict returned {state}, not a checkpoint.TrainState.")
     for name in FIELDS if state else ():
         if not same_field(name, state[name], at_stop["state"][name]):
-            raise ExerciseFailed(f"after resuming, TrainState.{name} is {state[name]!r} where the run had "
-                                 f"{at_stop['state'][name]!r} when it saved at step 4: {WHY_IT_MATTERS[name]}.")
+            raise ExerciseFailed(f"after resuming, TrainState.{name} is {state[name]!r}, not what the run had when it "
+                                 f"saved at step 4: {WHY_IT_MATTERS[name]}.")
     if "torch" in restored and not torch.equal(restored["torch"], at_stop["torch"]):
         raise ExerciseFailed("after resuming, torch's random number generator is not where it was at step 4, so "
                              "dropout would draw other masks: save torch.get_rng_state() and set it back.")
@@ -79,8 +79,9 @@ def check_resume(answers, data_root=""):
     for (step, loss, tokens), (_, want_loss, want_tokens) in zip(mine["rows"][4:], full[4:]):
         for name, got, want in (("train/loss", loss, want_loss), ("tokens", tokens, want_tokens)):
             if got != want:
-                raise ExerciseFailed(f"resumed after step 4, step {step}'s {name} is {got!r} where the run that never "
-                                     f"stopped has {want!r}: something that shapes a step did not come back exactly.")
+                raise ExerciseFailed(f"resumed after step 4, step {step}'s {name} is {got!r}, {compared(got, want)} "
+                                     f"what the run that never stopped has: something that shapes a step did not come "
+                                     f"back exactly.")
     return ("a run stopped after step 4 and resumed with your four functions trains steps 5 to 8 with bit-identical "
             f"losses, dropout on (step 8: {full[-1][1]!r}).")
 
@@ -116,11 +117,11 @@ def olmo_rte(doc):
 
 
 def first_difference(mine, want):
-    """The two strings from a little before where they first differ, quoted: enough to see how."""
+    """(where the two strings first differ, the student's string quoted from a little before there): enough to see
+    where, without quoting the format's own text."""
     at = next((i for i, (a, b) in enumerate(zip(mine, want)) if a != b), min(len(mine), len(want)))
     start = max(0, at - 15)
-    cut = "..." if start else ""
-    return repr(cut + mine[start:at + 25]), repr(cut + want[start:at + 25])
+    return at, repr(("..." if start else "") + mine[start:at + 25])
 
 
 def check_task_fields(task, root):
@@ -145,7 +146,7 @@ def check_formats(formatted, docs):
     for i, (mine, doc) in enumerate(zip(formatted, docs)):
         right_choices, right_label = olmo_rte(doc)
         if not (isinstance(mine, tuple) and len(mine) == 2 and isinstance(mine[0], list)):
-            raise ExerciseFailed(f"rte returned {shown(mine, 0)[0]} for example {i}; return ([(context, "
+            raise ExerciseFailed(f"rte returned {shown(mine)} for example {i}; return ([(context, "
                                  f"continuation), ...], index of the right choice).")
         choices, label = mine
         if len(choices) != 2:
@@ -153,14 +154,14 @@ def check_formats(formatted, docs):
         for c, (pair, right) in enumerate(zip(choices, right_choices)):
             for part, got, expected in (("context", pair[0], right[0]), ("continuation", pair[1], right[1])):
                 if not isinstance(got, str):
-                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown(got, 0)[0]}; give a string.")
+                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown(got)}; give a string.")
                 if got != expected:
-                    shown_got, shown_expected = first_difference(got, expected)
-                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown_got} where OLMo's RTE format "
-                                         f"gives {shown_expected}.")
+                    at, quoted = first_difference(got, expected)
+                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {quoted}, which differs from OLMo's "
+                                         f"RTE format from its character {at} on: read OLMo's RTE class (hint 1).")
         if label != right_label:
-            raise ExerciseFailed(f"example {i} (label {doc['label']}) has the answer index {label!r} where it should "
-                                 f"be {right_label}: label 0 is entailment, the choice \" True\".")
+            raise ExerciseFailed(f"example {i} (label {doc['label']}) has the answer index {label!r}, not the right "
+                                 f"choice's: label 0 is entailment, the choice \" True\".")
 
 
 def check_task(answers):

@@ -8,7 +8,7 @@ import random
 
 import torch
 
-from exercises.checking import ExerciseFailed, shown
+from exercises.checking import ExerciseFailed, compared, shown
 from exercises.feed_sampling import CASES, cache_steps, run_generate, sampling_answers
 
 
@@ -28,9 +28,9 @@ def compare_cache(mine, want):
                                  f"than sample.py's KVCache: each layer keeps its own, and (keys, values) come back "
                                  f"in that order.")
         if got["length"] != expected["length"]:
-            raise ExerciseFailed(f"after {round_} appends to each layer your cache's length is {got['length']!r} where "
-                                 f"sample.py's says {expected['length']}: the positions it holds, the next token's "
-                                 f"position.")
+            raise ExerciseFailed(f"after {round_} appends to each layer your cache's length is {got['length']!r}, "
+                                 f"{compared(got['length'], expected['length'])} what sample.py's says: the positions "
+                                 f"it holds, the next token's position.")
 
 
 def check_kv_cache(answers):
@@ -49,14 +49,15 @@ def check_kv_cache(answers):
                 + (", greedy" if temperature == 0 else f", temperature {temperature}, top_k {top_k}"))
         tokens = got["tokens"]
         if not torch.is_tensor(tokens) or tokens.shape != want["tokens"].shape:
-            raise ExerciseFailed(f"your generate returned {shown(tokens, 0)[0][:50]} of shape "
+            raise ExerciseFailed(f"your generate returned {shown(tokens)[:50]} of shape "
                                  f"{tuple(getattr(tokens, 'shape', ()))} for {what}, where sample.py's returns "
                                  f"{tuple(want['tokens'].shape)}: the prompt followed by the new tokens.")
         # The positions first: they do not hang on the tokens drawn, while a generate that reruns the whole text
         # gets logits a float rounding away from the cache's, which could turn a near tie into another token.
         if got["positions"] != want["positions"]:
-            raise ExerciseFailed(f"your generate ran {got['positions']} positions through the model for {what}, where "
-                                 f"sample.py's runs {want['positions']}: with the cache, feed the prompt once, then "
+            raise ExerciseFailed(f"your generate ran {got['positions']} positions through the model for {what}, "
+                                 f"{'more' if got['positions'] > want['positions'] else 'fewer'} than sample.py's: "
+                                 f"with the cache, feed the prompt once, then "
                                  f"only each new token (and the last block_size - 1 tokens when the cache is full).")
         if not torch.equal(tokens, want["tokens"]):
             at = (tokens != want["tokens"]).any(0).nonzero()[0].item() - length

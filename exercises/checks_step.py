@@ -11,7 +11,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, gradients, is_close, shown, tiny_gpt
+from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
 from exercises.feed_step import (accumulation_answers, attention_answers, attention_module, build_schedule,
                                  micro_batches_of, schedule_answers)
 
@@ -57,9 +57,8 @@ def check_schedule(answers):
                 described = (f"a {schedule.kind} schedule of {T} steps (peak {schedule.lr:.3g}, floor "
                              f"{schedule.min_lr:.3g}, warmup {W}"
                              + (f", {schedule.shape} decay over the last {D})" if schedule.kind == "wsd" else ")"))
-                mine, want = shown(mine, want)
-                raise ExerciseFailed(f"lr_at(step {n}) of {described} is {mine} where the project's schedule gives "
-                                     f"{want}: check {schedule_phase(schedule, n)}.")
+                raise ExerciseFailed(f"lr_at(step {n}) of {described} is {shown(mine)}, {compared(mine, want)} what "
+                                     f"the project's schedule gives: check {schedule_phase(schedule, n)}.")
     return f"lr_at matches schedule.py at {sum(len(c['steps']) for c in cases)} steps of 60 random cosine and WSD " \
            f"schedules."
 
@@ -150,14 +149,15 @@ def check_accumulation(answers):
             raise ExerciseFailed(f"with {micro_steps} micro-steps your gradient is {ratio:.3g} times as large as one "
                                  f"pass over the whole batch gives, and {name}'s differs by {error:.1%}: {advice}.")
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise ExerciseFailed(f"accumulate_gradients returned {shown(loss, 0)[0]}; return the mean loss as a "
+            raise ExerciseFailed(f"accumulate_gradients returned {shown(loss)}; return the mean loss as a "
                                  f"one-number tensor.")
         if mine["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return loss.detach(), "
                                  "or every micro-step's activations stay in memory until the step ends.")
         if not is_close(loss.item(), whole_loss, rel=1e-5):
-            raise ExerciseFailed(f"with {micro_steps} micro-steps you return the loss {loss.item():.6g} where the mean "
-                                 f"over the whole batch is {whole_loss:.6g}: average the micro-steps' losses.")
+            raise ExerciseFailed(f"with {micro_steps} micro-steps you return the loss {loss.item():.6g}, "
+                                 f"{compared(loss.item(), whole_loss)} the mean over the whole batch: average the "
+                                 f"micro-steps' losses.")
     return ("accumulate_gradients matches one pass over the whole batch with 2, 3 and 4 micro-steps, as train.py's "
             "train_step and ranks averaging their gradients (DDP) do.")
 

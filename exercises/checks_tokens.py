@@ -64,7 +64,7 @@ def check_bpe(answers):
         ids = [encoder.get(p) if isinstance(p, str) else None for p in mine] if isinstance(mine, list) else mine
         if ids != want:
             right = [enc.decode_single_token_bytes(t).decode("utf-8", "replace") for t in want]
-            raise ExerciseFailed(f"bpe_merge makes {shown(mine, 0)[0]} of {piece!r} where GPT-2's tokenizer makes "
+            raise ExerciseFailed(f"bpe_merge makes {shown(mine)} of {piece!r} where GPT-2's tokenizer makes "
                                  f"{right!r}: merge the adjacent pair with the lowest rank first (the merge GPT-2 "
                                  f"learned earliest, not the most frequent pair of this word), every occurrence of "
                                  f"it, until no adjacent pair has a rank.")
@@ -88,7 +88,7 @@ def check_pre_tokenizer(answers):
     want = byte_characters()
     characters = mine["characters"]
     if not isinstance(characters, dict) or len(characters) != 256:
-        raise ExerciseFailed(f"byte_characters returned {shown(characters, 0)[0][:60]} where GPT-2 has one character "
+        raise ExerciseFailed(f"byte_characters returned {shown(characters)[:60]} where GPT-2 has one character "
                              f"for each of the 256 bytes: return a dict {{byte: character}}.")
     for byte in range(256):
         if characters.get(byte) != want[byte]:
@@ -99,7 +99,7 @@ def check_pre_tokenizer(answers):
                                  f"is {want[byte]!r}: that byte is {kind}.")
     pieces = mine["pieces"]
     if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
-        raise ExerciseFailed(f"pre_tokenize returned {shown(pieces, 0)[0][:60]}; return a list of strings.")
+        raise ExerciseFailed(f"pre_tokenize returned {shown(pieces)[:60]}; return a list of strings.")
     right = regex.findall(r50k_pat_str, text)
     if "".join(pieces) != text:
         raise ExerciseFailed("your pre-tokens joined together are not the text: every character, spaces and newlines "
@@ -192,7 +192,7 @@ def check_learned_merges(answers):
 
 def compare_merges(mine, want, words, count):
     if not isinstance(mine, list) or len(mine) != count:
-        raise ExerciseFailed(f"learn_merges returned {shown(mine, 0)[0][:60]} where {count} merges were asked for: "
+        raise ExerciseFailed(f"learn_merges returned {shown(mine)[:60]} where {count} merges were asked for: "
                              f"return a list of (left, right) pairs, one per merge, in the order learned.")
     for i, (got, right) in enumerate(zip(mine, want)):
         got = tuple(got) if isinstance(got, (list, tuple)) else got

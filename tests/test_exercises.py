@@ -3,8 +3,10 @@ the project's own answers; grading runs nothing of the student's copy but its an
 its own, so no cheat in the copy passes; hints come from the checking side; the student's copy blanks every
 answer and leaves the project untouched. (The wrong answers: test_exercises_wrong*.py.)"""
 
+import contextlib
 import hashlib
 import inspect
+import math
 import shutil
 import subprocess
 import sys
@@ -18,7 +20,8 @@ import torch
 import warm_python
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from exercises.check import CHECKS, TRAINS, check_of
-from exercises.checking import ExerciseFailed, NotDone
+import exercises.checking
+from exercises.checking import ExerciseFailed, NotDone, patched
 from exercises.grading import Answers, blank_bodies
 from exercises.make_student_copy import make_student_copy
 
@@ -66,12 +69,53 @@ def grade(number, folder, data_root):
 
 
 def failed_with(number, folder, words, data_root):
-    """The check fails on the answers in `folder`, in one sentence holding `words`."""
-    with pytest.raises(ExerciseFailed) as failure:
+    """The check fails on the answers in `folder`, in one sentence holding `words` and none of the expected values'
+    digits (every value the check compared the answer's with and found it differs from: `expected_values`)."""
+    with expected_values() as expected, pytest.raises(ExerciseFailed) as failure:
         grade(number, folder, data_root)
     message = str(failure.value)
     assert words in message, message
     assert "\n" not in message and message.endswith("."), message
+    told = sorted({form for mine, want in expected for form in digits_of(want) - digits_of(mine) if form in message})
+    assert not told, f"the failure prints an expected value ({told[0]}): {message}"
+
+
+@contextlib.contextmanager
+def expected_values():
+    """Inside the block, every value a check compares an answer's with (`is_close(mine, want)` that finds them
+    apart, `compared(mine, want)`) is appended to the list this yields, as (mine, want): what the answer's own
+    value shows of the expected one (as 0.0012502 of 0.00125021) it already knew."""
+    import importlib
+
+    wants = []
+
+    def noting(original):
+        def spy(mine, want, *args, **kwargs):
+            result = original(mine, want, *args, **kwargs)
+            if original.__name__ == "compared" or not result:  # (a value the answer matched is the answer's own)
+                wants.append((mine, want))
+            return result
+        return spy
+
+    modules = [importlib.import_module(f"exercises.checks_{module}") for module, _ in CHECKS.values()]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            for name in ("is_close", "compared"):
+                if hasattr(module, name):
+                    stack.enter_context(patched(module, name, noting(getattr(exercises.checking, name))))
+        yield wants
+
+
+def digits_of(want):
+    """The ways a failure could print `want` that give away 4 digits or more of it."""
+    if torch.is_tensor(want) and want.numel() == 1:
+        want = want.item()
+    if isinstance(want, bool) or not isinstance(want, (int, float)) or not math.isfinite(want):
+        return set()
+    if float(want).is_integer():
+        return {f"{int(want):,}", str(int(want))} if abs(want) >= 1000 else set()
+    forms = {f"{want:.{digits}g}" for digits in range(4, 12)} | {repr(want)}
+    return {form for form in forms if sum(c.isdigit() for c in form.split("e")[0].lstrip("-0.")) >= 4}
 
 
 def ids(table):

@@ -371,7 +371,7 @@ CODE = [  # wrong answers that are not one function
          "attention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
      "the attention weights"),
     (21, "KVCache.length = property(lambda self: 0)  # a cache that never says how far it got\n",
-     "your cache's length is 0 where sample.py's says 3"),
+     "your cache's length is 0, smaller than what sample.py's says"),
 ]
 
 
