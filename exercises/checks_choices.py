@@ -121,7 +121,7 @@ def compare_groups(mine, want, settings):
                              f"model's parameters.")
 
 
-def check_optimizer(answers, data_root="", steps=40):
+def check_optimizer(answers, data_root="", steps=20):
     import optimizer
 
     cases = [{"seed": random.randrange(2**31), "n_layer": random.randint(1, 3), "name": name,
