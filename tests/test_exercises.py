@@ -19,7 +19,7 @@ import torch
 
 import warm_python
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
-from exercises.check import CHECKS, TRAINS, check_of
+from exercises.check import CHECKS, DOC_BLOCK, DOC_SEED, DOCS, TRAINS, check_of, doc_row, seed_everything
 import exercises.checking
 from exercises.checking import ExerciseFailed, NotDone, patched
 from exercises.grading import Answers, blank_bodies
@@ -56,12 +56,13 @@ def answer_folder(tmp_path, number=None, wrong=None, code=""):
     return folder
 
 
-def grade(number, folder, data_root):
-    """The check of exercise `number` on the answers in `folder`, the runs short where a check trains."""
+def grade(number, folder, data_root, short=True):
+    """The check of exercise `number` on the answers in `folder`, the runs short where a check trains (unless not
+    `short`: as check.py runs it)."""
     options = {"data_root": data_root} if number in TRAINS else {}
-    if number == 9:
+    if number == 9 and short:
         options["steps"] = 2
-    if number == 16:
+    if number == 16 and short:
         options.update(steps=6, quick_start=False)
     answers = Answers(number, folder)
     answers.check_written()
@@ -131,10 +132,17 @@ def needs_task_data(number):
 
 
 @pytest.mark.parametrize("number", list(CHECKS))
-def test_every_check_passes_on_the_projects_own_answers(number, data_root):
+def test_every_check_passes_on_the_projects_own_answers_and_prints_what_the_docs_say(number, data_root):
+    """Graded as `check.py all --doc-numbers` grades (its seed, its runs), each check's line is its row of the
+    table in docs/exercises.md: the numbers the docs quote are the checks' own."""
     needs_task_data(number)
-    summary = grade(number, ROOT / "exercises", data_root)
+    seed_everything(DOC_SEED)
+    summary = grade(number, ROOT / "exercises", data_root, short=False)
     assert "\n" not in summary and summary.endswith(".")
+    row = doc_row(number, f"exercise {number} passed: {summary}")
+    table = DOCS.read_text(encoding="utf-8").split(DOC_BLOCK[0])[1].split(DOC_BLOCK[1])[0]
+    assert row in table.splitlines(), (f"docs/exercises.md's row {number} is not what the check prints; run "
+                                       f"`python exercises/check.py all --doc-numbers`:\n{row}")
 
 
 def test_there_are_at_least_twenty_exercises_each_with_its_answer_file_and_hints():
