@@ -122,7 +122,7 @@ SURGE, SURGE_STEP, THRESHOLD = 300, 40, 1.0  # step 40's update at 300 times its
 
 def spike_args(data_root, out):
     return TINY_RUN + [f"--data.data_root={data_root}", "--train.max_steps=60", "--eval.interval=0",
-                       "--checkpoint.interval=2", "--checkpoint.keep_last=0", "--optim.lr=3e-3",
+                       "--checkpoint.interval=5", "--checkpoint.keep_last=0", "--optim.lr=3e-3",
                        "--optim.warmup_steps=5", f"--train.loss_spike_threshold={THRESHOLD}", f"--train.out_dir={out}"]
 
 
