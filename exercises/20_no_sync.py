@@ -10,8 +10,8 @@ In the project: train.py, `train_step` (`model.no_sync()` on every micro-step bu
 (the DDP wrapper); build-nanogpt toggles `require_backward_grad_sync` for the same effect.
 Check: python exercises/check.py 20
 (torchrun runs 2 gloo processes with your function for two steps of 3 micro-steps each; every rank's gradient
-must equal one process's over all 6 micro-batches, and DDP's all-reduces, counted by a communication hook, must
-all come on the last micro-step)
+must equal one process's over all 6 micro-batches, and DDP's all-reduces, counted by the grader through a
+communication hook, must be one per bucket per step, on the last micro-step)
 """
 
 from contextlib import nullcontext

@@ -8,6 +8,7 @@
     python exercises/check.py 3 --seed=1234       # the cases a failure was graded on, drawn again
     python exercises/check.py 3 --student=COPY    # (the teacher) grade the answers in a student's copy
     python exercises/check.py 3 --against=TEACHER # (a student) have the teacher's copy grade these answers
+    python exercises/check.py all --doc-numbers   # (the teacher) write what each check prints into the docs
 
 Your answers are the functions in exercises/NN_name.py (NN is the exercise's number). The check computes the
 truth in this process from the project's code, runs your functions in a process of their own (grading.py says
@@ -38,6 +39,13 @@ CHECKS = {1: ("step", "check_schedule"), 2: ("step", "check_accumulation"), 3: (
 # The checks that train on the Shakespeare data, which --data_root points them to.
 TRAINS = {5, 6, 9, 16, 22, 23}
 
+# The numbers docs/exercises.md quotes are what each check prints for the project's answers on this seed, written
+# between these two lines by `check.py all --doc-numbers` (tests/test_exercises.py compares them with the checks).
+DOC_SEED = 0
+DOCS = HERE.parent / "docs" / "exercises.md"
+DOC_BLOCK = ("<!-- written by `python exercises/check.py all --doc-numbers`: what each check prints on the project's "
+             "answers at --seed=0 -->", "<!-- end of what the checks print -->")
+
 
 def check_of(number):
     """The check function of exercise `number` (exercises/checks_*.py)."""
@@ -63,18 +71,22 @@ def grade(number, folder=HERE, data_root="", seed=None):
     return passed, line
 
 
-def grade_once(number, folder, data_root, seed):
+def seed_everything(seed):
+    """Seed the generators every check draws its cases from (or from random.Random(random.getrandbits(64)))."""
     import numpy as np
     import torch
 
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+
+
+def grade_once(number, folder, data_root, seed):
     from exercises.checking import ExerciseFailed, NotDone
     from exercises.grading import Answers
 
     options = {"data_root": data_root} if number in TRAINS else {}
-    # Every check draws its cases from these generators (or from random.Random(random.getrandbits(64))).
-    random.seed(seed)
-    torch.manual_seed(seed)
-    np.random.seed(seed)
+    seed_everything(seed)
     try:
         answers = Answers(number, folder)
         answers.check_written()
@@ -116,7 +128,13 @@ def main(argv):
                         help="a student's copy of the project: grade its answer files with this copy's checks")
     parser.add_argument("--against", default=None,
                         help="the teacher's untouched copy of the project: it grades this copy's answers")
+    parser.add_argument("--doc-numbers", action="store_true",
+                        help=f"grade the project's answers at --seed={DOC_SEED} and write what each check prints into "
+                             f"docs/exercises.md")
     args = parser.parse_args(argv)
+    if args.doc_numbers and (args.exercise != "all" or args.student or args.against or args.seed not in (None, DOC_SEED)
+                             or args.hint is not None):
+        return refuse(f"--doc-numbers goes with `all` alone (it grades the project's own answers at --seed={DOC_SEED}).")
     if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
         if args.exercise == "all":
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")
@@ -137,12 +155,30 @@ def main(argv):
 
     numbers = list(CHECKS) if args.exercise == "all" else [int(args.exercise)]
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
-    results = []
+    results, lines = [], {}
     for number in numbers:
-        passed, line = grade(number, folder, args.data_root, args.seed)
-        print(line, flush=True)
+        passed, lines[number] = grade(number, folder, args.data_root, DOC_SEED if args.doc_numbers else args.seed)
+        print(lines[number], flush=True)
         results.append(passed)
+    if args.doc_numbers:
+        if not all(results):
+            return refuse("a check failed on the project's own answers, so docs/exercises.md is left as it was.")
+        DOCS.write_text(with_doc_numbers(DOCS.read_text(encoding="utf-8"), lines), encoding="utf-8")
+        print(f"wrote what the {len(lines)} checks print into {DOCS.relative_to(HERE.parent)}")
     return 0 if all(results) else 1
+
+
+def doc_row(number, line):
+    """The docs' table row of what exercise `number`'s check printed (its pass line, the "exercise N passed: " cut)."""
+    return f"| {number} | {line.split(': ', 1)[1].replace('|', '&#124;')} |"
+
+
+def with_doc_numbers(text, lines):
+    """`text` (docs/exercises.md) with its block of what the checks print replaced by `lines` ({number: line})."""
+    start, end = text.index(DOC_BLOCK[0]), text.index(DOC_BLOCK[1])
+    rows = [DOC_BLOCK[0], "", "| # | what the check prints |", "| --- | --- |",
+            *(doc_row(number, line) for number, line in sorted(lines.items())), ""]
+    return text[:start] + "\n".join(rows) + "\n" + text[end:]
 
 
 def refuse(sentence):

@@ -14,14 +14,14 @@
 
 import random
 import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, TINY_RUN, gradient_advice, is_close, run_training, shown
+from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, run_training, shown
+from exercises.feed_capstone import (assembly_answers, trained_with_dropout, training_answers, training_args,
+                                     with_gradients)
 
-QUICK_START = Path(__file__).resolve().parent.parent / "config" / "shakespeare.py"
 
 # ----------------------------------------------------------------------------- 1. attention
 
@@ -41,17 +41,6 @@ def attention_cases(rng):
         cases.append({"kind": kind, "q": torch.randn(B, H, Tq, hs), "k": torch.randn(B, H, Tk, hs),
                       "v": torch.randn(B, H, Tk, hs), "allowed": allowed, "upstream": torch.randn(B, H, Tq, hs)})
     return cases
-
-
-def with_gradients(function, case):
-    """(value, {"q": grad, "k": grad, "v": grad}) of function(q, k, v, allowed), backward from the upstream."""
-    q, k, v = (case[name].clone().requires_grad_() for name in "qkv")
-    value = function(q, k, v, case["allowed"])
-    grads = {}
-    if torch.is_tensor(value) and value.requires_grad and value.shape == case["upstream"].shape:
-        (value * case["upstream"]).sum().backward()
-        grads = {"q": q.grad, "k": k.grad, "v": v.grad}
-    return value, grads
 
 
 def sdpa(q, k, v, allowed):
@@ -89,7 +78,7 @@ def compare_attention(cases, mine):
         want, want_grads = with_gradients(sdpa, case)
         shape = f"({case['kind']}: {case['q'].size(-2)} queries, {case['k'].size(-2)} keys)"
         if not torch.is_tensor(value) or value.shape != want.shape:
-            raise ExerciseFailed(f"attention returned {shown(value, 0)[0][:50]} of shape "
+            raise ExerciseFailed(f"attention returned {shown(value)[:50]} of shape "
                                  f"{tuple(getattr(value, 'shape', ()))} where F.scaled_dot_product_attention gives "
                                  f"{tuple(want.shape)} {shape}.")
         if not torch.allclose(value, want, rtol=1e-4, atol=1e-5):
@@ -102,42 +91,6 @@ def compare_attention(cases, mine):
 
 
 # ----------------------------------------------------------------------------- 2. the assembly
-
-
-def assembly_answers(answers, inputs):
-    from model import GPTConfig
-    from sample import KVCache
-
-    results = {"attention": [with_gradients(answers.attention, case) for case in inputs["attention"]]}
-    config = GPTConfig(**inputs["config"])
-    torch.manual_seed(inputs["seed"])
-    gpt = answers.GPT(config).eval()
-    results["weights"] = dict(gpt.named_parameters())
-    results["tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight
-    idx, targets = inputs["idx"], inputs["targets"]
-    with torch.no_grad():
-        results["logits"] = gpt(idx)
-        cache, split = KVCache(config.n_layer), idx.size(1) // 2
-        results["cached"] = torch.cat([gpt(idx[:, :split], kv_cache=cache), gpt(idx[:, split:], kv_cache=cache)], 1)
-    loss = gpt(idx, targets)
-    loss.backward()
-    results["loss"], results["grads"] = loss, {name: p.grad for name, p in gpt.named_parameters()}
-    with torch.no_grad():
-        results["packed"] = gpt.hidden_states(idx, pos=inputs["pos"], attn_mask=inputs["attn_mask"])
-    results["dropout"] = trained_with_dropout(answers.GPT, inputs)
-    return results
-
-
-def trained_with_dropout(gpt_class, inputs):
-    """The loss and gradients of a GPT of `gpt_class` in training mode at dropout 0.1, on the inputs' seed."""
-    from model import GPTConfig
-
-    torch.manual_seed(inputs["seed"])
-    gpt = gpt_class(GPTConfig(**inputs["config"], dropout=0.1)).train()
-    torch.manual_seed(inputs["seed"] + 1)
-    loss = gpt(inputs["idx"], inputs["targets"])
-    loss.backward()
-    return {"loss": loss, "grads": {name: p.grad for name, p in gpt.named_parameters()}}
 
 
 def packed_rows(rng, T):
@@ -192,8 +145,8 @@ def compare_gpt(mine, reference, inputs):
     loss = reference(idx, targets)
     loss.backward()
     if not (torch.is_tensor(mine["loss"]) and is_close(mine["loss"].item(), loss.item(), rel=1e-5)):
-        raise ExerciseFailed(f"your GPT's loss is {shown(mine['loss'], loss.item())[0]} where model.py's is "
-                             f"{loss.item():.6g}: with targets, forward returns your next_token_loss of the logits.")
+        raise ExerciseFailed(f"your GPT's loss is {shown(mine['loss'])}, {compared(mine['loss'], loss.item())} "
+                             f"model.py's: with targets, forward returns your next_token_loss of the logits.")
     for name, p in reference.named_parameters():
         wrong = gradient_advice(name, mine["grads"].get(name), p.grad)
         if wrong:
@@ -223,18 +176,6 @@ def compare_dropout(mine, inputs):
 
 
 # ----------------------------------------------------------------------------- 3. trained by train.py
-
-
-def training_args(data_root, steps, quick_start, out):
-    shape = [str(QUICK_START), "--optim.warmup_steps=2", "--eval.sample_interval=0"] if quick_start else TINY_RUN
-    return shape + [f"--data.data_root={data_root}", f"--train.max_steps={steps}", "--eval.interval=0",
-                    "--train.no_checkpoints=true", "--train.loss_path=full", f"--train.out_dir={out}"]
-
-
-def training_answers(answers, inputs):
-    with tempfile.TemporaryDirectory() as out:
-        rows = run_training(training_args(*inputs, out) + [f"--train.model_module={answers.__file__}"])
-    return [row["train/loss"] for row in rows]
 
 
 def check_capstone(answers, data_root="", steps=12, quick_start=True):
@@ -268,9 +209,9 @@ def check_capstone(answers, data_root="", steps=12, quick_start=True):
                              f"and the whole curve is compared.")
     for step, (got, expected) in enumerate(zip(curve, want), 1):
         if not is_close(got, expected, rel=1e-5 if step == 1 else 1e-3):
-            got, expected = shown(got, expected)
-            raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {step} is {got} where model.py's is "
-                                 f"{expected} on the same seed and data, though every part matched: look for what "
+            raise ExerciseFailed(f"trained by train.py, your GPT's loss at step {step} is {shown(got)}, "
+                                 f"{compared(got, expected)} model.py's on the same seed and data, though every part "
+                                 f"matched: look for what "
                                  f"only training uses (dropout, a module left in eval mode, a buffer).")
     where = "the quick start's shape" if quick_start else "a tiny shape"
     return (f"your attention matches F.scaled_dot_product_attention and your GPT model.py's, weights, logits and "

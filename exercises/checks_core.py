@@ -10,25 +10,10 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, is_close, shown
+from exercises.checking import ExerciseFailed, compared, is_close, shown
+from exercises.feed_core import adamw_answers, clipping_answers, ranks_answers
 
 # ----------------------------------------------------------------------------- 12. AdamW
-
-
-def adamw_answers(answers, cases):
-    results = []
-    for case in cases:
-        param = case["param"].clone()
-        exp_avg, exp_avg_sq = torch.zeros_like(param), torch.zeros_like(param)
-        steps = []
-        for step, grad in enumerate(case["grads"], 1):
-            given = grad.clone()
-            answers.adamw_update(param, given, exp_avg, exp_avg_sq, step, case["lr"], case["beta1"], case["beta2"],
-                                 case["eps"], case["weight_decay"])
-            steps.append({"param": param.clone(), "exp_avg": exp_avg.clone(), "exp_avg_sq": exp_avg_sq.clone(),
-                          "grad": given.clone()})
-        results.append(steps)
-    return results
 
 
 def torch_adamw(case):
@@ -108,17 +93,6 @@ def check_adamw(answers):
 # ----------------------------------------------------------------------------- 13. gradient clipping
 
 
-def clipping_answers(answers, cases):
-    results = []
-    for case in cases:
-        parameters = [torch.nn.Parameter(torch.zeros(g.shape)) for g in case["grads"]]
-        for p, g in zip(parameters, case["grads"]):
-            p.grad = g.clone()
-        norm = answers.clip_gradients(parameters + [torch.nn.Parameter(torch.zeros(2))], case["limit"])  # no grad
-        results.append({"norm": norm, "grads": [p.grad for p in parameters]})
-    return results
-
-
 def clipping_cases(rng):
     cases = []
     for case in range(20):
@@ -141,9 +115,8 @@ def check_clipping(answers):
             p.grad = g.clone()
         want = torch.nn.utils.clip_grad_norm_(theirs, case["limit"]).item()
         if not is_close(mine["norm"], want, rel=1e-5):
-            got, wanted = shown(mine["norm"], want)
-            raise ExerciseFailed(f"clip_gradients returned {got} where clip_grad_norm_ returns {wanted}, the norm of "
-                                 f"all the gradients together before clipping.")
+            raise ExerciseFailed(f"clip_gradients returned {shown(mine['norm'])}, {compared(mine['norm'], want)} what "
+                                 f"clip_grad_norm_ returns: the norm of all the gradients together before clipping.")
         above = "above" if want > case["limit"] else "below"
         factors = [(m.norm() / q.grad.norm()).item() if torch.is_tensor(m) else None
                    for m, q in zip(mine["grads"], theirs)]
@@ -162,10 +135,6 @@ def check_clipping(answers):
 
 
 # ----------------------------------------------------------------------------- 14. the ranks' split
-
-
-def ranks_answers(answers, cases):
-    return [answers.rank_sequences(*case) for case in cases]
 
 
 def check_ranks(answers):
@@ -196,5 +165,5 @@ def check_ranks(answers):
                           else "rank r reads the block of batch_size sequences after the r blocks of the ranks before "
                                "it")
                 raise ExerciseFailed(f"rank {rank} of {world_size} at position {position} (batch_size {batch_size}) "
-                                     f"reads {read}, and your rank_sequences gives {shown(got, 0)[0]}: {advice}.")
+                                     f"reads {read}, and your rank_sequences gives {shown(got)}: {advice}.")
     return "your indices are the loader's at 30 random positions, batch sizes and world sizes."

@@ -12,7 +12,8 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, TINY_RUN, host_syncs, is_close, patched, run_training, shown
+from exercises.checking import ExerciseFailed, compared, is_close, shown
+from exercises.feed_cost import metric_answers, metric_run, mfu_answers
 
 # ----------------------------------------------------------------------------- 4. FLOPs and MFU
 
@@ -26,16 +27,6 @@ def flops_advice(c, gap):
     missing = next((what for amount, what in named.items() if math.isclose(gap, amount)), None)
     return (f"the difference is {missing}" if missing
             else "compare your 6N with the hint (which parameters multiply) and add attention's term")
-
-
-def mfu_answers(answers, inputs):
-    from model import GPT, GPTConfig
-
-    counts = []
-    for shape in inputs["shapes"]:
-        with torch.device("meta"):  # shapes only: even a large model costs no memory
-            counts.append(answers.flops_per_token(GPT(GPTConfig(**shape))))
-    return {"flops": counts, "mfu": [answers.mfu(*speed) for speed in inputs["speeds"]]}
 
 
 def check_mfu(answers):
@@ -65,9 +56,9 @@ def check_mfu(answers):
                 advice = flops_advice(c, want - float(count))
             except (TypeError, ValueError):
                 advice = "return the count as a number"
-            count = f"{count:,}" if isinstance(count, int) else shown(count, 0)[0]
-            raise ExerciseFailed(f"flops_per_token is {count} where GPT.flops_per_token gives {want:,} for "
-                                 f"n_layer {c.n_layer}, n_embd {c.n_embd}, block_size {c.block_size}, vocab_size "
+            text = f"{count:,}" if isinstance(count, int) else shown(count)
+            raise ExerciseFailed(f"flops_per_token is {text}, {compared(count, want)} what GPT.flops_per_token gives "
+                                 f"for n_layer {c.n_layer}, n_embd {c.n_embd}, block_size {c.block_size}, vocab_size "
                                  f"{c.vocab_size}: {advice}.")
     for (flops, tokens_per_sec, world_size, peak), value, want in zip(speeds, mine["mfu"], wants):
         if not is_close(value, want):
@@ -77,8 +68,8 @@ def check_mfu(answers):
                 advice = "MFU is a fraction between 0 and 1, not a percentage"
             else:
                 advice = "MFU is the model's FLOP/s per device over one device's peak"
-            value, want = shown(value, want)
-            raise ExerciseFailed(f"mfu is {value} where metrics.speed_metrics gives {want} for {flops:.4g} FLOPs per "
+            raise ExerciseFailed(f"mfu is {shown(value)}, {compared(value, want)} what metrics.speed_metrics gives "
+                                 f"for {flops:.4g} FLOPs per "
                                  f"token, {tokens_per_sec:.4g} tokens/s on {world_size} device(s) of {peak:.4g} "
                                  f"FLOP/s: {advice}.")
     with torch.device("meta"):
@@ -96,59 +87,6 @@ def update_ratio(model, weights_before):
     change = sum(((p.detach() - weights_before[name]) ** 2).sum() for name, p in model.named_parameters())
     size = sum((weights_before[name] ** 2).sum() for name, _ in model.named_parameters())
     return (change / size).sqrt().item()
-
-
-class RecorderSpy:
-    """The run's MetricRecorder as the student's function sees it: it notes what is recorded, and how."""
-
-    def __init__(self, recorder, notes):
-        self.recorder, self.notes = recorder, notes
-
-    def record_metric(self, name, value, reduce="mean", merge="warn"):
-        self.notes.append({"name": name, "is_tensor": torch.is_tensor(value), "type": type(value).__name__,
-                           "reduce": reduce})
-        self.recorder.record_metric(name, value, reduce, merge)
-
-    def record_all(self, values, reduce="mean"):
-        for name, value in values.items():
-            self.record_metric(name, value, reduce)
-
-
-def metric_run(data_root, out, after_step):
-    """A 6-step tiny run, calling after_step(run, raw_model, weights_before) after each step; its rows."""
-    import train
-
-    original_build_run, original_train_step = train.build_run, train.train_step
-    runs = []
-
-    def build_run(cfg, stack):  # the same run, kept to reach its recorder
-        runs.append(original_build_run(cfg, stack))
-        return runs[-1]
-
-    def train_step(model, optimizer, loader, *args, **kwargs):  # the project's step, then the metric
-        raw_model = runs[-1].raw_model
-        before = {name: p.detach().clone() for name, p in raw_model.named_parameters()}
-        result = original_train_step(model, optimizer, loader, *args, **kwargs)
-        after_step(runs[-1], raw_model, before)
-        return result
-
-    with patched(train, "build_run", build_run), patched(train, "train_step", train_step):
-        return run_training(TINY_RUN + [f"--data.data_root={data_root}", f"--train.out_dir={out}",
-                                        "--train.max_steps=6", "--eval.interval=0", "--train.no_checkpoints=true",
-                                        "--log.metrics_collect_interval=3"])
-
-
-def metric_answers(answers, data_root):
-    notes, syncs = [], []
-
-    def record(run, raw_model, before):
-        with host_syncs() as calls:
-            answers.record_update_ratio(RecorderSpy(run.recorder, notes), raw_model, before)
-        syncs.extend(calls)
-
-    with tempfile.TemporaryDirectory() as out:
-        rows = metric_run(data_root, out, record)
-    return {"logged": [row.get("optim/update_ratio") for row in rows], "notes": notes, "syncs": syncs}
 
 
 @functools.lru_cache(maxsize=None)
@@ -183,10 +121,9 @@ def check_metric(answers, data_root=""):
                              f"holds the same weights: use reduce=\"mean\" (or \"max\", or None for rank 0's value).")
     for step, (got, want) in enumerate(zip(mine["logged"], expected), 1):
         if not is_close(got, want, rel=1e-4):
-            got, want = shown(got, want)
-            raise ExerciseFailed(f"at step {step} metrics.jsonl has optim/update_ratio {got} where ||W_after - "
-                                 f"W_before|| / ||W_before|| over all the parameters is {want}: both norms are over "
-                                 f"every parameter together, the ratio taken once.")
+            raise ExerciseFailed(f"at step {step} metrics.jsonl has optim/update_ratio {shown(got)}, "
+                                 f"{compared(got, want)} ||W_after - W_before|| / ||W_before|| over all the "
+                                 f"parameters: both norms are over every parameter together, the ratio taken once.")
     return (f"optim/update_ratio reached metrics.jsonl at every one of {len(expected)} steps with the right value, "
             f"from {expected[0]:.2g} at step 1 to {expected[-1]:.2g} at step {len(expected)} "
             f"(reduce={note['reduce']!r}).")

@@ -5,31 +5,14 @@ all-reduce with `no_sync` during accumulation, as train.py's `train_step` does i
 """
 
 import random
+import socket
+import threading
 
 import torch
 
-from exercises.checking import ExerciseFailed, is_close, tiny_gpt
-
-HALF = 4  # sequences per rank
-
-
-def batch(seed, sequences):
-    generator = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, 512, (sequences, 17), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def gradients(model):
-    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def gathered(value):
-    """Every rank's `value`, in rank order (on every rank)."""
-    import torch.distributed as dist
-
-    values = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value)
-    return values
+from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
+                                send_frame)
 
 
 def whole_batch_gradient(seed, x, y):
@@ -54,18 +37,6 @@ def scaled(grads, factor):
 
 
 # ----------------------------------------------------------------------------- 15. averaging by hand
-
-
-def averaging_answers(answers, seed):
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    model = tiny_gpt(seed)
-    x, y = batch(seed, HALF * dist.get_world_size())
-    mine = slice(rank * HALF, (rank + 1) * HALF)
-    model(x[mine], y[mine]).backward()  # each rank its half of the batch
-    answers.average_gradients(model, dist.get_world_size())
-    return gathered(gradients(model))
 
 
 def check_ddp(answers):
@@ -95,54 +66,87 @@ def check_ddp(answers):
 # ----------------------------------------------------------------------------- 20. DDP with no_sync
 
 
-def no_sync_batches(seed, micro_steps, rank, step):
-    """Rank `rank`'s micro-batches of optimizer step `step`, cut from the step's whole batch."""
-    x, y = batch(seed + 1000 * step, 2 * micro_steps * 2)
-    first = rank * micro_steps * 2
-    return [(x[first + 2 * i:first + 2 * i + 2], y[first + 2 * i:first + 2 * i + 2]) for i in range(micro_steps)]
+class AllReduceCounter:
+    """Where DDP's all-reduces of exercise 20 happen, counted: a port on this machine to which each rank's
+    communication hook (feed_ddp.all_reduce_by_the_grader, registered before the answer gets the model) sends
+    every bucket DDP all-reduces. Threads of this process, which loads no answer, average the two ranks' k-th
+    buckets, send the mean back to both, and note per rank and step which bucket they averaged. An answer that
+    skips DDP's all-reduce (no_sync throughout, then dist.all_reduce by hand) leaves nothing here, and nothing in
+    the answer's process holds this count."""
 
+    def __init__(self):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.address = list(self.server.getsockname()[:2])
+        self.steps = {0: [[]], 1: [[]]}  # rank: [[(bucket index, its size) of each all-reduce] of each step]
+        self.waiting, self.lock = {}, threading.Lock()
+        threading.Thread(target=self.serve, daemon=True).start()
 
-def no_sync_answers(answers, inputs):
-    import torch.distributed as dist
-    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-    from torch.nn.parallel import DistributedDataParallel as DDP
+    def serve(self):
+        ranks = []
+        while len(ranks) < 2:
+            try:
+                connection, _ = self.server.accept()
+                header, _ = receive_frame(connection)
+            except (OSError, ValueError):
+                return
+            if header.get("rank") in (0, 1) and header["rank"] not in ranks:
+                ranks.append(header["rank"])
+                threading.Thread(target=self.serve_rank, args=(connection, header["rank"]), daemon=True).start()
 
-    rank, micro_steps = dist.get_rank(), inputs["micro_steps"]
-    # Small buckets, so that several all-reduces make up one step once DDP has rebuilt them (after step 1).
-    model = DDP(tiny_gpt(inputs["seed"]), bucket_cap_mb=0.05)
-    forwards, reduced = [0], []
+    def serve_rank(self, connection, rank):
+        """Average this rank's buckets, the k-th with the other rank's k-th, until it hangs up."""
+        count = 0
+        try:
+            while True:
+                header, bucket = receive_frame(connection)
+                if "step_done" in header:
+                    self.steps[rank].append([])
+                    continue
+                self.steps[rank][-1].append((header.get("index"), bucket.numel()))
+                with self.lock:
+                    other = self.waiting.pop(count, None)
+                    if other is None:
+                        self.waiting[count] = (connection, bucket)
+                count += 1
+                if other is not None:
+                    other_connection, other_bucket = other
+                    if other_bucket.numel() != bucket.numel():  # the ranks disagree on DDP's buckets: no mean
+                        other_connection.close()
+                        break
+                    mean = (bucket + other_bucket) / 2
+                    send_frame(connection, {}, mean)
+                    send_frame(other_connection, {}, mean)
+        except (OSError, ValueError):
+            pass
+        finally:
+            connection.close()
 
-    def count_all_reduces(state, bucket):  # DDP's own all-reduce (the mean over ranks), noted per micro-step
-        reduced.append(forwards[0])
-        return default_hooks.allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, count_all_reduces)
-    model.register_forward_pre_hook(lambda module, args: forwards.__setitem__(0, forwards[0] + 1))
-    steps = []
-    for step in (1, 2):
-        forwards[0], reduced[:] = 0, []
-        loss = answers.accumulate_with_ddp(model, no_sync_batches(inputs["seed"], micro_steps, rank, step))
-        steps.append({"grads": gradients(model.module), "all_reduces": list(reduced), "loss": loss,
-                      "keeps_graph": bool(getattr(loss, "requires_grad", False))})
-        model.zero_grad(set_to_none=True)
-    return gathered(steps)
+    def close(self):
+        self.server.close()
 
 
 def check_no_sync(answers):
     seed, micro_steps = random.randrange(2**31), 3
-    running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps}, ranks=2)
-    wants = []
-    for step in (1, 2):
-        batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
-        want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-        with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
-            rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),
-                                        torch.cat([y for _, y in batches[:micro_steps]])).item()
-        wants.append((want, rank0_loss))
-    ranks = running.result()
+    counter = AllReduceCounter()
+    try:
+        running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps,
+                                                  "counter": counter.address}, ranks=2)
+        wants = []
+        for step in (1, 2):
+            batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
+            want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]),
+                                           torch.cat([y for _, y in batches]))
+            with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
+                rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),
+                                            torch.cat([y for _, y in batches[:micro_steps]])).item()
+            wants.append((want, rank0_loss))
+        ranks = running.result()
+    finally:
+        counter.close()
+    size = sum(p.numel() for p in tiny_gpt(seed).parameters())
     for step, (want, rank0_loss) in enumerate(wants, 1):
         mine = [rank[step - 1] for rank in ranks]
-        all_reduces = mine[0]["all_reduces"]
+        all_reduces = counter.steps[0][step - 1] if step <= len(counter.steps[0]) else []
         grads = [m["grads"] for m in mine]
         missing = next((name for name, grad in grads[0].items() if grad is None), None)
         if missing:
@@ -166,20 +170,22 @@ def check_no_sync(answers):
             raise ExerciseFailed(f"at step {step} DDP itself all-reduced nothing (the gradients agree, so they were "
                                  f"reduced by hand): run the last micro-step outside model.no_sync(), where DDP "
                                  f"all-reduces each bucket once, overlapping backward; no all-reduce of your own.")
-        early = [micro for micro in all_reduces if micro < micro_steps]
-        if early:
-            raise ExerciseFailed(f"at step {step} DDP all-reduced during micro-step {early[0]} of {micro_steps} "
-                                 f"({len(all_reduces)} all-reduces where {all_reduces.count(micro_steps)} on the last "
-                                 f"micro-step are all it needs): run every micro-step but the last inside "
-                                 f"model.no_sync(), so the gradients cross the network once per optimizer step.")
+        buckets = dict(all_reduces)
+        if len(all_reduces) > len(buckets):
+            raise ExerciseFailed(f"at step {step} DDP all-reduced {len(all_reduces)} times where its {len(buckets)} "
+                                 f"bucket(s) need one all-reduce each, on the last micro-step: run every micro-step "
+                                 f"but the last inside model.no_sync(), so the gradients cross the network once per "
+                                 f"optimizer step.")
+        assert sum(buckets.values()) == size, "DDP's buckets must hold every parameter once"
         loss = mine[0]["loss"]
         if mine[0]["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")
         if not (torch.is_tensor(loss) and loss.numel() == 1 and is_close(loss.item(), rank0_loss, rel=1e-5)):
-            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {loss!r} where the mean of its micro-steps' "
-                                 f"losses is {rank0_loss:.6g}: return that, as a one-number tensor.")
-    buckets = ranks[0][1]["all_reduces"].count(micro_steps)
-    return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced your gradients only on the last "
-            f"micro-step (step 1 in {ranks[0][0]['all_reduces'].count(micro_steps)} bucket, step 2 in {buckets} once "
-            f"DDP rebuilt its buckets of 0.05 MB), and both ranks hold one process's gradient over all "
-            f"{2 * micro_steps} micro-batches.")
+            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {shown(loss)}, "
+                                 f"{compared(loss, rank0_loss)} the mean of its micro-steps' losses: return that, as a "
+                                 f"one-number tensor.")
+    counts = [len(counter.steps[0][step]) for step in (0, 1)]
+    return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced each bucket of your gradients once "
+            f"per step, through a hook whose count the grader keeps (step 1 in {counts[0]} bucket, step 2 in "
+            f"{counts[1]} once DDP rebuilt its buckets of 0.05 MB), and both ranks hold one process's gradient over "
+            f"all {2 * micro_steps} micro-batches.")

@@ -12,63 +12,14 @@ import random
 import torch
 from torch.nn import functional as F
 
-from exercises.checking import ExerciseFailed, gradient_advice, is_close, same_tensor, shown
+from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, same_tensor, shown
+from exercises.feed_model import built, parts_answers, run_part
 
 
 def random_config(rng):
     heads = rng.choice([1, 2, 4])
     return dict(n_layer=rng.randint(1, 4), n_head=heads, n_embd=heads * rng.choice([8, 16]),
                 block_size=rng.choice([8, 16]), vocab_size=rng.choice([64, 100]), bias=rng.random() < 0.7)
-
-
-def run_part(function, module, inputs, upstream):
-    """{"value", "grads"} of `function(module, *inputs)` with backward from `upstream`: the gradient of every
-    input that is a float tensor (as "input 0", ...) and of every weight of `module`, by name."""
-    inputs = [t.clone().requires_grad_() if torch.is_tensor(t) and t.is_floating_point() else t for t in inputs]
-    if module is not None:
-        module.zero_grad(set_to_none=True)
-    value = function(module, *inputs) if module is not None else function(*inputs)
-    grads = {}
-    if torch.is_tensor(value) and value.requires_grad and value.shape == upstream.shape:
-        (value.float() * upstream).sum().backward()
-        grads = {f"input {i}": t.grad for i, t in enumerate(inputs) if torch.is_tensor(t) and t.requires_grad}
-        grads |= {name: p.grad for name, p in (module.named_parameters() if module is not None else [])}
-    return {"value": value, "grads": grads}
-
-
-def built(inputs):
-    """model.py's Block and GPT of the case, with the weights made on the grading side."""
-    from model import GPT, Block, GPTConfig
-
-    config = GPTConfig(**inputs["config"])
-    block, gpt = Block(config).eval(), GPT(config).eval()
-    block.load_state_dict(inputs["block"])
-    gpt.load_state_dict(inputs["gpt"])
-    return block, gpt
-
-
-def parts_answers(answers, inputs):
-    from model import GPT, GPTConfig
-
-    block, gpt = built(inputs)
-    x, idx, start = inputs["x"], inputs["idx"], inputs["start"]
-    results = {"mlp": run_part(answers.mlp, block.mlp, [x], inputs["upstream"]),
-               "block_forward": run_part(answers.block_forward, block, [x], inputs["upstream"]),
-               "embed": run_part(answers.embed, gpt, [idx, start], inputs["upstream"]),
-               "next_token_loss": run_part(answers.next_token_loss, None, [inputs["logits"], inputs["targets"]],
-                                           torch.tensor(1.0))}
-    config = GPTConfig(**inputs["config"])
-    untied = GPT(config)
-    untied.lm_head.weight = torch.nn.Parameter(untied.lm_head.weight.detach().clone())
-    answers.tie_weights(untied)
-    results["tie_weights"] = {"one": untied.lm_head.weight is untied.transformer.wte.weight,
-                              "parameters": len(list(untied.parameters()))}
-    shape = GPTConfig(**inputs["init_config"])
-    torch.manual_seed(inputs["init_seed"])
-    fresh = GPT(shape)
-    fresh.apply(lambda module: answers.init_weights(module, shape.n_layer))
-    results["init_weights"] = dict(fresh.named_parameters())
-    return results
 
 
 VALUE_ADVICE = {
@@ -127,7 +78,7 @@ def compare_init(mine, n_layer, seed):
                       "1/sqrt(2 x n_layer)" if "sqrt" in text else "weights of Linear and Embedding layers are "
                       "normal(0, 0.02)")
             raise ExerciseFailed(f"after init_weights, {name} has a sample std of {sample:.3g} where GPT-2's "
-                                 f"initialisation draws it from normal(0, {text} = {std:.3g}): {reason}.")
+                                 f"initialisation draws it from normal(0, {text}): {reason}.")
 
 
 def check_gpt_parts(answers):
@@ -183,8 +134,8 @@ def check_loss(mine, logits, targets):
         advice = ("the targets are already the next tokens: do not shift them again" if torch.is_tensor(got)
                   and got.numel() == 1 and is_close(got.item(), shifted.item(), rel=1e-5) else
                   "minus the mean log-softmax of each target, over the targets that are not -1")
-        got, wanted = shown(got.item() if torch.is_tensor(got) and got.numel() == 1 else got, want["value"].item())
-        raise ExerciseFailed(f"next_token_loss is {got} where F.cross_entropy gives {wanted}: {advice}.")
+        raise ExerciseFailed(f"next_token_loss is {shown(got)}, {compared(got, want['value'].item())} what "
+                             f"F.cross_entropy gives: {advice}.")
     wrong = gradient_advice("the logits", mine["grads"].get("input 0"), want["grads"]["input 0"])
     if wrong:
         raise ExerciseFailed(f"next_token_loss: {wrong}.")

@@ -10,18 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, gradient_advice, is_close, shown
+from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, shown
 from exercises.checks_step import GradientKeeper, ListLoader
+from exercises.feed_precision import SHAPE, autocast, autocast_answers, batch, gpt
 
 BF16 = torch.bfloat16
-
-
-def autocast():
-    """The context train.py's start_processes builds for train.dtype=bfloat16 on this device."""
-    return torch.autocast("cpu", dtype=BF16)
-
-
-SHAPE = dict(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=512)
 
 
 def shapes(rng):
@@ -33,33 +26,6 @@ def shapes(rng):
         drawn.append(dict(n_layer=depth, n_head=heads, n_embd=heads * rng.choice([8, 16]),
                           block_size=16, vocab_size=rng.choice([128, 256, 512]), bias=rng.random() < 0.7))
     return drawn
-
-
-def gpt(seed, shape=SHAPE):
-    """model.GPT with loss_path="full", the path whose forward runs lm_head on every position (the exercise
-    says so): the trainer's default, "chunked", never calls lm_head as a module."""
-    from model import GPT, GPTConfig
-
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(**shape), loss_path="full")
-
-
-def batch(seed, shape=SHAPE):
-    tokens = torch.randint(0, shape["vocab_size"], (4, 17), generator=torch.Generator().manual_seed(seed + 1))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def autocast_answers(answers, inputs):
-    seed, shape, other = inputs["seed"], *inputs["shapes"]
-    names = [answers.bf16_modules(gpt(seed + 2, other))]
-    model = gpt(seed, shape)
-    names.insert(0, answers.bf16_modules(model))
-    x, y = batch(seed, shape)
-    loss = answers.bf16_step(model, x, y)
-    return {"names": [sorted(n) if isinstance(n, (set, list, tuple)) else n for n in names], "loss": loss,
-            "keeps_graph": bool(getattr(loss, "requires_grad", False)),
-            "weights": {name: str(p.dtype) for name, p in model.named_parameters()},
-            "grads": {name: p.grad for name, p in model.named_parameters()}}
 
 
 def the_trainers_step(seed, context, shape=SHAPE):
@@ -117,19 +83,19 @@ def check_autocast(answers):
                              f"optimizer's state stay float32; autocast casts each matmul's inputs, never the model.")
     loss = mine["loss"]
     if not torch.is_tensor(loss) or loss.numel() != 1:
-        raise ExerciseFailed(f"bf16_step returned {shown(loss, 0)[0][:60]}; return the loss as a one-number tensor.")
+        raise ExerciseFailed(f"bf16_step returned {shown(loss)[:60]}; return the loss as a one-number tensor.")
     if mine["keeps_graph"]:
         raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return loss.detach().")
     if loss.dtype != torch.float32 or not is_close(loss.item(), want_loss, rel=5e-5):
-        got, want = shown(loss.float().item(), want_loss)
+        got = loss.float().item()
         if loss.dtype == BF16 or is_close(loss.item(), in_bf16, rel=1e-5):
-            advice = (f"a loss computed in bfloat16 is a multiple of {2.0 ** (int(want_loss).bit_length() - 8):g} "
-                      f"near {want_loss:.0f}; upcast the logits to float32 before the cross-entropy (.float()), as "
+            advice = (f"a loss computed in bfloat16 is a multiple of {2.0 ** (int(got).bit_length() - 8):g} "
+                      f"near {got:.0f}; upcast the logits to float32 before the cross-entropy (.float()), as "
                       f"model.py does, and the loss keeps its precision")
         else:
             advice = "the loss is the mean next-token cross-entropy of the logits, ignoring targets of -1"
-        raise ExerciseFailed(f"your step's loss is {got} ({str(loss.dtype).replace('torch.', '')}) where train.py's "
-                             f"step under bf16 autocast gives {want}: {advice}.")
+        raise ExerciseFailed(f"your step's loss is {shown(got)} ({str(loss.dtype).replace('torch.', '')}), "
+                             f"{compared(got, want_loss)} what train.py's step under bf16 autocast gives: {advice}.")
     mine_grads = mine["grads"]
     rounded = [name for name, grad in mine_grads.items() if torch.is_tensor(grad) and grad.abs().any()
                and torch.equal(grad.to(BF16).float(), grad.float())]
@@ -159,7 +125,7 @@ def compare_names(shape, names, seed, dtypes=None):
     kinds = {name: type(module).__name__ for name, module in gpt(seed, shape).named_modules()}
     where = f"(a GPT of {shape['n_layer']} layers, {shape['n_head']} heads, width {shape['n_embd']})"
     if not isinstance(names, list) or not all(isinstance(name, str) for name in names):
-        raise ExerciseFailed(f"bf16_modules returned {shown(names, 0)[0][:60]}; return a set of module names.")
+        raise ExerciseFailed(f"bf16_modules returned {shown(names)[:60]}; return a set of module names.")
     for name, dtype in dtypes.items():
         if (name in names) != (dtype == BF16):
             wrong = "bfloat16" if name in names else "float32"

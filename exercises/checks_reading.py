@@ -10,6 +10,7 @@ import shutil
 import tempfile
 
 from exercises.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown
+from exercises.feed_reading import lr_answers, spike_answers
 
 # ----------------------------------------------------------------------------- 22. the LR range test
 
@@ -72,10 +73,6 @@ def range_tests(lrs, losses, rng):
             return tests
 
 
-def lr_answers(answers, tests):
-    return [answers.suggest_lr(lrs, losses) for _, lrs, losses in tests]
-
-
 def check_lr_range_test(answers, data_root=""):
     import random
 
@@ -101,7 +98,7 @@ def check_lr_range_test(answers, data_root=""):
                       "smooth, stop at divergence, take the LR of the lowest smoothed loss, and a tenth of it")
         # (the rule's value is not printed: a few retries would read it off instead of the rule)
         raise ExerciseFailed(f"on range test {number} of {len(tests)} ({what}) your suggestion, "
-                             f"{shown(suggested, 0.0)[0]}, is not what the rule gives: {advice}.")
+                             f"{shown(suggested)}, is not what the rule gives: {advice}.")
     at_minimum = lowest(tests[0][1], smoothed(tests[0][2]))
     start = smoothed(tests[0][2])[0]
     moving = next(lr for lr, loss in zip(tests[0][1], smoothed(tests[0][2])) if loss < start - 0.1)
@@ -125,7 +122,7 @@ SURGE, SURGE_STEP, THRESHOLD = 300, 40, 1.0  # step 40's update at 300 times its
 
 def spike_args(data_root, out):
     return TINY_RUN + [f"--data.data_root={data_root}", "--train.max_steps=60", "--eval.interval=0",
-                       "--checkpoint.interval=2", "--checkpoint.keep_last=0", "--optim.lr=3e-3",
+                       "--checkpoint.interval=5", "--checkpoint.keep_last=0", "--optim.lr=3e-3",
                        "--optim.warmup_steps=5", f"--train.loss_spike_threshold={THRESHOLD}", f"--train.out_dir={out}"]
 
 
@@ -191,12 +188,6 @@ def rewind_cases(first, checkpoints, rng):
     return cases
 
 
-def spike_answers(answers, inputs):
-    return {"spikes": [answers.find_spikes(losses, threshold, window) for losses, threshold, window in
-                       inputs["spikes"]],
-            "rewind": [answers.rewind_step(first, saved) for first, saved in inputs["rewind"]]}
-
-
 def compare_spikes(cases, found):
     for number, ((losses, threshold, window), mine) in enumerate(zip(cases, found), 1):
         flagged = flagged_by_the_trainer(losses, threshold, window)
@@ -220,7 +211,7 @@ def compare_rewinds(cases, chosen):
         right = max(step for step in saved if step <= first - 2)
         what = "the real run" if number == 1 else f"run {number} of {len(cases)}"
         if choice not in saved:
-            raise ExerciseFailed(f"in {what} you rewind to {shown(choice, 0)[0]}, which is no checkpoint of the run "
+            raise ExerciseFailed(f"in {what} you rewind to {shown(choice)}, which is no checkpoint of the run "
                                  f"(it saved at steps {saved[0]}, {saved[1]}, ..., {saved[-1]}).")
         if choice > right:
             return number, choice

@@ -7,13 +7,12 @@ real runs), 7 a new downstream task (hellaswag_eval.py, on RTE's real validation
 
 import functools
 import os
-import random
 import tempfile
 
-import numpy as np
 import torch
 
-from exercises.checking import ExerciseFailed, NotDone, TINY_RUN, patched, run_training, shown, tiny_gpt
+from exercises.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
+from exercises.feed_run import FIELDS, resume_answers, resume_run, task_answers
 
 # ----------------------------------------------------------------------------- 6. resuming exactly
 
@@ -24,65 +23,7 @@ WHY_IT_MATTERS = {
     "best_val_loss": "the best validation loss so far would be forgotten",
     "data": "the loader would start again from its first batch and train on batches it has already seen",
 }
-FIELDS = tuple(WHY_IT_MATTERS)
-
-
-def fields_of(state):
-    """A TrainState's fields as they are now (the loop goes on changing the original), as plain data."""
-    return {name: getattr(state, name) for name in FIELDS} | {"data": dict(state.data)
-                                                              if isinstance(state.data, dict) else state.data}
-
-
-def generators():
-    """This process's four generators, as plain data (NumPy's keys as a tensor)."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, gauss)}
-
-
-def resume_run(data_root, out, *extra):
-    return run_training(TINY_RUN + [f"--data.data_root={data_root}", "--train.max_steps=8", "--eval.interval=2",
-                                    "--model.dropout=0.1", "--checkpoint.interval=0",  # dropout draws from torch's RNG
-                                    f"--train.out_dir={out}", *extra])
-
-
-def resume_answers(answers, data_root):
-    import checkpoint
-    from checkpoint import TrainState
-    from exercises.runner import describe_error
-
-    saved, restored = {}, {}  # what the run had when it saved; what came back when it resumed
-
-    def to_dict(state):
-        saved[state.step] = {"state": fields_of(state)}
-        saved["last"] = state.step
-        return answers.trainer_state_to_dict(state)
-
-    def rng_state(generator):  # capture_state calls it right after to_dict, for the same step
-        saved[saved["last"]].update(generators(), sample=generator.get_state())
-        return answers.rng_state(generator)
-
-    def set_rng_state(state, generator):
-        answers.set_rng_state(state, generator)
-        restored.update(generators(), sample=generator.get_state())
-
-    def from_dict(cls, data):
-        state = answers.trainer_state_from_dict(data)
-        restored["state"] = fields_of(state) if isinstance(state, TrainState) else type(state).__name__
-        return state
-
-    resumed, error = [], None
-    with tempfile.TemporaryDirectory() as out, patched(TrainState, "to_dict", to_dict), \
-            patched(TrainState, "from_dict", classmethod(from_dict)), patched(checkpoint, "rng_state", rng_state), \
-            patched(checkpoint, "set_rng_state", set_rng_state):
-        resume_run(data_root, out, "--train.hard_stop=4")
-        random.random(), np.random.random()  # a resuming process's Python and NumPy generators are elsewhere
-        try:
-            resumed = resume_run(data_root, out)
-        except Exception as failure:  # noqa: BLE001 - what came back wrong explains it better; else said after
-            error = describe_error(answers.__file__, failure)
-    rows = [(row["step"], row.get("train/loss"), row.get("tokens")) for row in resumed]
-    return {"saved": saved.get(4), "restored": restored, "rows": rows, "error": error}
+assert tuple(WHY_IT_MATTERS) == FIELDS
 
 
 def same_field(name, mine, want):
@@ -98,8 +39,8 @@ def compare_restored(at_stop, restored):
         raise ExerciseFailed(f"trainer_state_from_dict returned {state}, not a checkpoint.TrainState.")
     for name in FIELDS if state else ():
         if not same_field(name, state[name], at_stop["state"][name]):
-            raise ExerciseFailed(f"after resuming, TrainState.{name} is {state[name]!r} where the run had "
-                                 f"{at_stop['state'][name]!r} when it saved at step 4: {WHY_IT_MATTERS[name]}.")
+            raise ExerciseFailed(f"after resuming, TrainState.{name} is {state[name]!r}, not what the run had when it "
+                                 f"saved at step 4: {WHY_IT_MATTERS[name]}.")
     if "torch" in restored and not torch.equal(restored["torch"], at_stop["torch"]):
         raise ExerciseFailed("after resuming, torch's random number generator is not where it was at step 4, so "
                              "dropout would draw other masks: save torch.get_rng_state() and set it back.")
@@ -138,8 +79,9 @@ def check_resume(answers, data_root=""):
     for (step, loss, tokens), (_, want_loss, want_tokens) in zip(mine["rows"][4:], full[4:]):
         for name, got, want in (("train/loss", loss, want_loss), ("tokens", tokens, want_tokens)):
             if got != want:
-                raise ExerciseFailed(f"resumed after step 4, step {step}'s {name} is {got!r} where the run that never "
-                                     f"stopped has {want!r}: something that shapes a step did not come back exactly.")
+                raise ExerciseFailed(f"resumed after step 4, step {step}'s {name} is {got!r}, {compared(got, want)} "
+                                     f"what the run that never stopped has: something that shapes a step did not come "
+                                     f"back exactly.")
     return ("a run stopped after step 4 and resumed with your four functions trains steps 5 to 8 with bit-identical "
             f"losses, dropout on (step 8: {full[-1][1]!r}).")
 
@@ -175,22 +117,11 @@ def olmo_rte(doc):
 
 
 def first_difference(mine, want):
-    """The two strings from a little before where they first differ, quoted: enough to see how."""
+    """(where the two strings first differ, the student's string quoted from a little before there): enough to see
+    where, without quoting the format's own text."""
     at = next((i for i, (a, b) in enumerate(zip(mine, want)) if a != b), min(len(mine), len(want)))
     start = max(0, at - 15)
-    cut = "..." if start else ""
-    return repr(cut + mine[start:at + 25]), repr(cut + want[start:at + 25])
-
-
-def task_answers(answers, docs):
-    import hellaswag_eval
-
-    task = answers.rte_task()
-    fields = {"type": type(task).__name__, "is_task": isinstance(task, hellaswag_eval.Task)}
-    if fields["is_task"]:
-        fields.update(folder=task.folder, hub=tuple(task.hub), primary=task.primary,
-                      format_is_rte=task.format is answers.rte)
-    return {"task": fields, "formatted": [answers.rte(doc) for doc in docs]}
+    return at, repr(("..." if start else "") + mine[start:at + 25])
 
 
 def check_task_fields(task, root):
@@ -215,7 +146,7 @@ def check_formats(formatted, docs):
     for i, (mine, doc) in enumerate(zip(formatted, docs)):
         right_choices, right_label = olmo_rte(doc)
         if not (isinstance(mine, tuple) and len(mine) == 2 and isinstance(mine[0], list)):
-            raise ExerciseFailed(f"rte returned {shown(mine, 0)[0]} for example {i}; return ([(context, "
+            raise ExerciseFailed(f"rte returned {shown(mine)} for example {i}; return ([(context, "
                                  f"continuation), ...], index of the right choice).")
         choices, label = mine
         if len(choices) != 2:
@@ -223,14 +154,14 @@ def check_formats(formatted, docs):
         for c, (pair, right) in enumerate(zip(choices, right_choices)):
             for part, got, expected in (("context", pair[0], right[0]), ("continuation", pair[1], right[1])):
                 if not isinstance(got, str):
-                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown(got, 0)[0]}; give a string.")
+                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown(got)}; give a string.")
                 if got != expected:
-                    shown_got, shown_expected = first_difference(got, expected)
-                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {shown_got} where OLMo's RTE format "
-                                         f"gives {shown_expected}.")
+                    at, quoted = first_difference(got, expected)
+                    raise ExerciseFailed(f"example {i}'s {part} of choice {c} is {quoted}, which differs from OLMo's "
+                                         f"RTE format from its character {at} on: read OLMo's RTE class (hint 1).")
         if label != right_label:
-            raise ExerciseFailed(f"example {i} (label {doc['label']}) has the answer index {label!r} where it should "
-                                 f"be {right_label}: label 0 is entailment, the choice \" True\".")
+            raise ExerciseFailed(f"example {i} (label {doc['label']}) has the answer index {label!r}, not the right "
+                                 f"choice's: label 0 is entailment, the choice \" True\".")
 
 
 def check_task(answers):

@@ -8,46 +8,8 @@ import random
 
 import torch
 
-from exercises.checking import ExerciseFailed, shown, tiny_gpt
-
-CASES = [  # (rows, prompt length, new tokens, temperature, top_k): greedy, sampled, top-k, past block_size (16)
-    (2, 4, 8, 0.0, None), (2, 5, 10, 1.0, None), (1, 3, 10, 0.8, 20), (1, 10, 14, 1.0, None)]
-
-
-def cache_steps(cache_class, keys):
-    """What a cache answers when 2 layers append, in turn, the given keys (values: keys + 1), 3 rounds."""
-    cache, answers = cache_class(2), []
-    for k in keys:
-        answers.append({"returned": cache.append(k, k + 1), "length": cache.length})
-    return answers
-
-
-def counting_gpt(seed):
-    """tiny_gpt(seed) whose own forward counts the positions it computes, in every block: a hook on one module
-    (the embedding, as this check once had) can be fed by a call made only for it, or removed."""
-    from model import Block
-
-    model = tiny_gpt(seed).eval()
-    counted = []
-    for block in model.transformer.h:
-        block.__class__ = type("CountedBlock", (Block,), {
-            "forward": lambda self, x, *args, **kwargs: (counted.append(x.shape[0] * x.shape[1]),
-                                                         Block.forward(self, x, *args, **kwargs))[1]})
-    return model, counted
-
-
-def run_generate(generate, seed, case, prompt):
-    rows, _, new, temperature, top_k = case
-    model, counted = counting_gpt(seed)
-    tokens = generate(model, prompt, new, temperature=temperature, top_k=top_k,
-                      generator=torch.Generator().manual_seed(seed))
-    return {"tokens": tokens, "positions": sum(counted) // len(model.transformer.h)}
-
-
-def sampling_answers(answers, inputs):
-    return {"cache": cache_steps(answers.KVCache, inputs["keys"]),
-            "generated": [run_generate(answers.generate, inputs["seed"], case, prompt)
-                          for case, prompt in zip(CASES, inputs["prompts"])]}
+from exercises.checking import ExerciseFailed, compared, shown
+from exercises.feed_sampling import CASES, cache_steps, run_generate, sampling_answers
 
 
 def compare_cache(mine, want):
@@ -66,9 +28,9 @@ def compare_cache(mine, want):
                                  f"than sample.py's KVCache: each layer keeps its own, and (keys, values) come back "
                                  f"in that order.")
         if got["length"] != expected["length"]:
-            raise ExerciseFailed(f"after {round_} appends to each layer your cache's length is {got['length']!r} where "
-                                 f"sample.py's says {expected['length']}: the positions it holds, the next token's "
-                                 f"position.")
+            raise ExerciseFailed(f"after {round_} appends to each layer your cache's length is {got['length']!r}, "
+                                 f"{compared(got['length'], expected['length'])} what sample.py's says: the positions "
+                                 f"it holds, the next token's position.")
 
 
 def check_kv_cache(answers):
@@ -87,14 +49,15 @@ def check_kv_cache(answers):
                 + (", greedy" if temperature == 0 else f", temperature {temperature}, top_k {top_k}"))
         tokens = got["tokens"]
         if not torch.is_tensor(tokens) or tokens.shape != want["tokens"].shape:
-            raise ExerciseFailed(f"your generate returned {shown(tokens, 0)[0][:50]} of shape "
+            raise ExerciseFailed(f"your generate returned {shown(tokens)[:50]} of shape "
                                  f"{tuple(getattr(tokens, 'shape', ()))} for {what}, where sample.py's returns "
                                  f"{tuple(want['tokens'].shape)}: the prompt followed by the new tokens.")
         # The positions first: they do not hang on the tokens drawn, while a generate that reruns the whole text
         # gets logits a float rounding away from the cache's, which could turn a near tie into another token.
         if got["positions"] != want["positions"]:
-            raise ExerciseFailed(f"your generate ran {got['positions']} positions through the model for {what}, where "
-                                 f"sample.py's runs {want['positions']}: with the cache, feed the prompt once, then "
+            raise ExerciseFailed(f"your generate ran {got['positions']} positions through the model for {what}, "
+                                 f"{'more' if got['positions'] > want['positions'] else 'fewer'} than sample.py's: "
+                                 f"with the cache, feed the prompt once, then "
                                  f"only each new token (and the last block_size - 1 tokens when the cache is full).")
         if not torch.equal(tokens, want["tokens"]):
             at = (tokens != want["tokens"]).any(0).nonzero()[0].item() - length

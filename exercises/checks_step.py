@@ -11,7 +11,9 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, is_close, shown, tiny_gpt
+from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.feed_step import (accumulation_answers, attention_answers, attention_module, build_schedule,
+                                 micro_batches_of, schedule_answers)
 
 # ----------------------------------------------------------------------------- 1. the schedule
 
@@ -26,17 +28,6 @@ def schedule_phase(schedule, n):
     if n < T - D:
         return f"the stable part (steps {W + 1} to {T - D - 1})"
     return f"the decay (steps {T - D} to {T}, x = (T - n) / D)"
-
-
-def build_schedule(settings):
-    from config import OptimConfig
-    from optimizer import build_schedule
-
-    return build_schedule(OptimConfig(**settings["optim"]), settings["total"])
-
-
-def schedule_answers(answers, cases):
-    return [[answers.lr_at(build_schedule(case), n) for n in case["steps"]] for case in cases]
 
 
 def check_schedule(answers):
@@ -66,9 +57,8 @@ def check_schedule(answers):
                 described = (f"a {schedule.kind} schedule of {T} steps (peak {schedule.lr:.3g}, floor "
                              f"{schedule.min_lr:.3g}, warmup {W}"
                              + (f", {schedule.shape} decay over the last {D})" if schedule.kind == "wsd" else ")"))
-                mine, want = shown(mine, want)
-                raise ExerciseFailed(f"lr_at(step {n}) of {described} is {mine} where the project's schedule gives "
-                                     f"{want}: check {schedule_phase(schedule, n)}.")
+                raise ExerciseFailed(f"lr_at(step {n}) of {described} is {shown(mine)}, {compared(mine, want)} what "
+                                     f"the project's schedule gives: check {schedule_phase(schedule, n)}.")
     return f"lr_at matches schedule.py at {sum(len(c['steps']) for c in cases)} steps of 60 random cosine and WSD " \
            f"schedules."
 
@@ -100,10 +90,6 @@ class GradientKeeper:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def gradients(model):
-    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
 def largest_difference(mine, want):
     """(name, relative difference) of the gradient that differs most, relative to its own norm."""
     errors = {name: ((mine[name] - want[name]).norm() / want[name].norm().clamp_min(1e-12)).item() for name in want}
@@ -113,22 +99,6 @@ def largest_difference(mine, want):
 
 def global_norm(grads):
     return torch.linalg.vector_norm(torch.stack([g.norm() for g in grads.values()])).item()
-
-
-def micro_batches_of(case):
-    tokens, size = case["tokens"], case["size"]
-    x, y = tokens[:, :-1], tokens[:, 1:]
-    return [(x[i * size:(i + 1) * size], y[i * size:(i + 1) * size]) for i in range(case["micro_steps"])]
-
-
-def accumulation_answers(answers, cases):
-    results = []
-    for case in cases:
-        student = tiny_gpt(case["seed"])
-        loss = answers.accumulate_gradients(student, micro_batches_of(case))
-        results.append({"grads": gradients(student), "loss": loss,
-                        "keeps_graph": bool(getattr(loss, "requires_grad", False))})
-    return results
 
 
 def check_accumulation(answers):
@@ -179,14 +149,15 @@ def check_accumulation(answers):
             raise ExerciseFailed(f"with {micro_steps} micro-steps your gradient is {ratio:.3g} times as large as one "
                                  f"pass over the whole batch gives, and {name}'s differs by {error:.1%}: {advice}.")
         if not torch.is_tensor(loss) or loss.numel() != 1:
-            raise ExerciseFailed(f"accumulate_gradients returned {shown(loss, 0)[0]}; return the mean loss as a "
+            raise ExerciseFailed(f"accumulate_gradients returned {shown(loss)}; return the mean loss as a "
                                  f"one-number tensor.")
         if mine["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return loss.detach(), "
                                  "or every micro-step's activations stay in memory until the step ends.")
         if not is_close(loss.item(), whole_loss, rel=1e-5):
-            raise ExerciseFailed(f"with {micro_steps} micro-steps you return the loss {loss.item():.6g} where the mean "
-                                 f"over the whole batch is {whole_loss:.6g}: average the micro-steps' losses.")
+            raise ExerciseFailed(f"with {micro_steps} micro-steps you return the loss {loss.item():.6g}, "
+                                 f"{compared(loss.item(), whole_loss)} the mean over the whole batch: average the "
+                                 f"micro-steps' losses.")
     return ("accumulate_gradients matches one pass over the whole batch with 2, 3 and 4 micro-steps, as train.py's "
             "train_step and ranks averaging their gradients (DDP) do.")
 
@@ -200,20 +171,6 @@ def attention_without_scaling(attn, x):
     q, k, v = (t.view(B, T, attn.n_head, -1).transpose(1, 2) for t in attn.c_attn(x).split(C, dim=2))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=1.0)
     return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-def attention_module(case):
-    from model import CausalSelfAttention, GPTConfig
-
-    attn = CausalSelfAttention(GPTConfig(n_embd=case["width"], n_head=case["heads"], block_size=case["length"]))
-    attn.load_state_dict(case["weights"])
-    return attn.eval()
-
-
-def attention_answers(answers, cases):
-    with torch.no_grad():
-        return [[answers.causal_self_attention(attention_module(case), x) for x in (case["x"], case["changed"])]
-                for case in cases]
 
 
 def check_attention(answers):

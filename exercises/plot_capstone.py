@@ -11,7 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from exercises.checking import run_training  # noqa: E402
-from exercises.checks_capstone import QUICK_START  # noqa: E402
+from exercises.feed_capstone import QUICK_START  # noqa: E402
 
 CAPSTONE = Path(__file__).resolve().parent / "16_gpt.py"
 

@@ -2,9 +2,11 @@
 
 grading.py runs every answer in a process of its own (runner.py), and that process starts in this room, not in
 the teacher's tree: a temporary folder holding a copy of the project's modules (model.py, train.py, sample.py,
-..., config/, tools/) and of exercises/ only what runs an answer (runner.py, checking.py, and the checks'
-modules, whose answer sides feed the answer its inputs; they hold no answer). It holds no answer file of the
-teacher's (the references), no solutions/, no hints.py, no tests. Each answer gets a folder of its own beside
+..., config/, tools/) and of exercises/ only what runs an answer: runner.py, and feeding.py with the feed_*.py
+modules, which build what the answer is given and send back what it returns. It holds no answer file of the
+teacher's (the references), no solutions/, no hints.py, no tests, and none of the checks (checks_*.py,
+checking.py, check.py, grading.py): what grades (the expected values, the comparisons, the advice) never lies
+where an answer runs, so an answer can neither read the truth from it nor rewrite it. Each answer gets a folder of its own beside
 it holding copies of the student's answer files (an answer may build on another: 16 on 10) and the inputs.
 So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent` is the room's
 exercises/, where no reference lies.
@@ -30,8 +32,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent  # the teacher's project: the copy that grades
 
-# Of exercises/, what the answer's process needs: the runner, the helpers, the checks' answer sides.
-RUNS_ANSWERS = ("__init__.py", "runner.py", "checking.py")
+# Of exercises/, what the answer's process needs: the runner and the feed modules (feeding.py, feed_*.py), which
+# hold no expected value, comparison or advice. Nothing else of exercises/ goes in.
+RUNS_ANSWERS = ("__init__.py", "runner.py", "feeding.py")
 
 
 def kept(name):
@@ -41,7 +44,7 @@ def kept(name):
         return False
     if parts[0] != "exercises":
         return True
-    return len(parts) == 2 and (parts[1] in RUNS_ANSWERS or (parts[1].startswith("checks_")
+    return len(parts) == 2 and (parts[1] in RUNS_ANSWERS or (parts[1].startswith("feed_")
                                                                and parts[1].endswith(".py")))
 
 

@@ -7,13 +7,13 @@ It runs from the room (room.py: a copy of the project without the teacher's answ
 first on the path (so the answer's `import model` is the room's model.py, whatever folder the answer file sits
 in), shuts itself in (`isolate`: on Linux as root, the teacher's tree hidden and the user dropped to nobody),
 loads the answer file, calls FUNCTION(answers, inputs), the check's answer
-side, and saves {"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet
+side (a feed_*.py module's), and saves {"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet
 or raised, {"not_done": ...} or {"failed": ...}, one sentence that names the function and its line. Under
 torchrun each rank does the same, rank r > 0 into OUTPUTS.r.
 
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run. So a
 grader with many answers to run (`check.py all`, the tests) starts one zygote: a process that imports torch,
-the project and the checks once, never loads an answer file, and forks a fresh child for each answer. The
+the project and the feed modules once, never loads an answer file, and forks a fresh child for each answer. The
 child is a process of its own like any other: what the answer patches dies with it.
 """
 
@@ -122,7 +122,7 @@ def reach_python(libc, prefix):
 def run_job(answer_path, side, inputs_path, outputs_path):
     import torch
 
-    from exercises.checking import ExerciseFailed, plain
+    from exercises.feeding import ExerciseFailed, plain
 
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (checking.py)
     rank = int(os.environ.get("RANK", "0"))
@@ -144,10 +144,10 @@ def run_job(answer_path, side, inputs_path, outputs_path):
         torch.distributed.destroy_process_group()
 
 
-# What a zygote imports once, so that its children start with it: the project and every check's module.
+# What a zygote imports once, so that its children start with it: the project and every feed module.
 PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", "data", "optimizer", "checkpoint",
              "hellaswag_eval", "scaling_law", "prepare_data",
-             *(f"exercises.{path.stem}" for path in sorted((ROOT / "exercises").glob("checks*.py")))]
+             *(f"exercises.{path.stem}" for path in sorted((ROOT / "exercises").glob("feed*.py")))]
 
 
 def zygote():

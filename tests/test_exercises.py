@@ -3,8 +3,10 @@ the project's own answers; grading runs nothing of the student's copy but its an
 its own, so no cheat in the copy passes; hints come from the checking side; the student's copy blanks every
 answer and leaves the project untouched. (The wrong answers: test_exercises_wrong*.py.)"""
 
+import contextlib
 import hashlib
 import inspect
+import math
 import shutil
 import subprocess
 import sys
@@ -17,8 +19,9 @@ import torch
 
 import warm_python
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
-from exercises.check import CHECKS, TRAINS, check_of
-from exercises.checking import ExerciseFailed, NotDone
+from exercises.check import CHECKS, DOC_BLOCK, DOC_SEED, DOCS, TRAINS, check_of, doc_row, seed_everything
+import exercises.checking
+from exercises.checking import ExerciseFailed, NotDone, patched
 from exercises.grading import Answers, blank_bodies
 from exercises.make_student_copy import make_student_copy
 
@@ -53,12 +56,13 @@ def answer_folder(tmp_path, number=None, wrong=None, code=""):
     return folder
 
 
-def grade(number, folder, data_root):
-    """The check of exercise `number` on the answers in `folder`, the runs short where a check trains."""
+def grade(number, folder, data_root, short=True):
+    """The check of exercise `number` on the answers in `folder`, the runs short where a check trains (unless not
+    `short`: as check.py runs it)."""
     options = {"data_root": data_root} if number in TRAINS else {}
-    if number == 9:
+    if number == 9 and short:
         options["steps"] = 2
-    if number == 16:
+    if number == 16 and short:
         options.update(steps=6, quick_start=False)
     answers = Answers(number, folder)
     answers.check_written()
@@ -66,12 +70,53 @@ def grade(number, folder, data_root):
 
 
 def failed_with(number, folder, words, data_root):
-    """The check fails on the answers in `folder`, in one sentence holding `words`."""
-    with pytest.raises(ExerciseFailed) as failure:
+    """The check fails on the answers in `folder`, in one sentence holding `words` and none of the expected values'
+    digits (every value the check compared the answer's with and found it differs from: `expected_values`)."""
+    with expected_values() as expected, pytest.raises(ExerciseFailed) as failure:
         grade(number, folder, data_root)
     message = str(failure.value)
     assert words in message, message
     assert "\n" not in message and message.endswith("."), message
+    told = sorted({form for mine, want in expected for form in digits_of(want) - digits_of(mine) if form in message})
+    assert not told, f"the failure prints an expected value ({told[0]}): {message}"
+
+
+@contextlib.contextmanager
+def expected_values():
+    """Inside the block, every value a check compares an answer's with (`is_close(mine, want)` that finds them
+    apart, `compared(mine, want)`) is appended to the list this yields, as (mine, want): what the answer's own
+    value shows of the expected one (as 0.0012502 of 0.00125021) it already knew."""
+    import importlib
+
+    wants = []
+
+    def noting(original):
+        def spy(mine, want, *args, **kwargs):
+            result = original(mine, want, *args, **kwargs)
+            if original.__name__ == "compared" or not result:  # (a value the answer matched is the answer's own)
+                wants.append((mine, want))
+            return result
+        return spy
+
+    modules = [importlib.import_module(f"exercises.checks_{module}") for module, _ in CHECKS.values()]
+    with contextlib.ExitStack() as stack:
+        for module in modules:
+            for name in ("is_close", "compared"):
+                if hasattr(module, name):
+                    stack.enter_context(patched(module, name, noting(getattr(exercises.checking, name))))
+        yield wants
+
+
+def digits_of(want):
+    """The ways a failure could print `want` that give away 4 digits or more of it."""
+    if torch.is_tensor(want) and want.numel() == 1:
+        want = want.item()
+    if isinstance(want, bool) or not isinstance(want, (int, float)) or not math.isfinite(want):
+        return set()
+    if float(want).is_integer():
+        return {f"{int(want):,}", str(int(want))} if abs(want) >= 1000 else set()
+    forms = {f"{want:.{digits}g}" for digits in range(4, 12)} | {repr(want)}
+    return {form for form in forms if sum(c.isdigit() for c in form.split("e")[0].lstrip("-0.")) >= 4}
 
 
 def ids(table):
@@ -87,10 +132,17 @@ def needs_task_data(number):
 
 
 @pytest.mark.parametrize("number", list(CHECKS))
-def test_every_check_passes_on_the_projects_own_answers(number, data_root):
+def test_every_check_passes_on_the_projects_own_answers_and_prints_what_the_docs_say(number, data_root):
+    """Graded as `check.py all --doc-numbers` grades (its seed, its runs), each check's line is its row of the
+    table in docs/exercises.md: the numbers the docs quote are the checks' own."""
     needs_task_data(number)
-    summary = grade(number, ROOT / "exercises", data_root)
+    seed_everything(DOC_SEED)
+    summary = grade(number, ROOT / "exercises", data_root, short=False)
     assert "\n" not in summary and summary.endswith(".")
+    row = doc_row(number, f"exercise {number} passed: {summary}")
+    table = DOCS.read_text(encoding="utf-8").split(DOC_BLOCK[0])[1].split(DOC_BLOCK[1])[0]
+    assert row in table.splitlines(), (f"docs/exercises.md's row {number} is not what the check prints; run "
+                                       f"`python exercises/check.py all --doc-numbers`:\n{row}")
 
 
 def test_there_are_at_least_twenty_exercises_each_with_its_answer_file_and_hints():
@@ -230,7 +282,7 @@ def test_an_error_in_a_students_function_is_one_sentence_naming_it_and_its_line(
 
 
 def test_an_answer_that_never_ends_is_stopped_and_said_in_one_sentence(tmp_path):
-    from exercises.checks_core import ranks_answers
+    from exercises.feed_core import ranks_answers
 
     folder = answer_folder(tmp_path, 14, code="""
         def rank_sequences(position, rank, world_size, batch_size):
@@ -289,6 +341,25 @@ def test_an_answer_can_neither_write_nor_read_nor_import_the_teachers_tree(tmp_p
     passed, line = check_grade(1, folder)
     assert digest(ROOT) == before, line  # byte-identical: checks, project, answers
     assert not passed and line.startswith("exercise 1 is not done yet: write lr_at"), line
+
+
+def test_the_room_holds_the_project_and_what_feeds_an_answer_but_nothing_that_grades():
+    """An answer reads whatever lies in its room: no check (the expected values and the advice), no reference
+    answer, no hint, no solution may lie there; the feed modules it needs do, and import nothing that grades."""
+    from exercises.room import Room
+
+    room = Room().build()
+    try:
+        held = sorted(path.name for path in (room / "exercises").iterdir())
+        assert held == sorted(["__init__.py", "runner.py", "feeding.py",
+                               *(path.name for path in (ROOT / "exercises").glob("feed_*.py"))]), held
+        assert not any(name.startswith(("checks_", "checking", "check.py", "grading", "hints", "solutions"))
+                       or name[:2].isdigit() for name in held), held
+        assert (room / "model.py").is_file() and (room / "train.py").is_file() and not (room / "tests").exists()
+        for name in held:
+            assert "exercises.check" not in (room / "exercises" / name).read_text(), name  # checks or checking
+    finally:
+        shutil.rmtree(room)
 
 
 def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(tmp_path, monkeypatch):

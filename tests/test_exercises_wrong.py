@@ -217,7 +217,7 @@ WRONG = [  # (exercise, {answer function: the wrong one}, words the sentence mus
      "torch's random number generator"),
     (6, {"rng_state": rng_state_of_torch_only, "set_rng_state": set_rng_state_of_torch_only},
      "Python's random generator"),
-    (7, {"rte": rte_without_the_space}, "continuation of choice 0 is 'True' where OLMo's RTE format gives ' True'"),
+    (7, {"rte": rte_without_the_space}, "continuation of choice 0 is 'True', which differs from OLMo's RTE format from its character 0 on"),
     (7, {"rte_task": rte_task_of_superglue}, "SuperGLUE"),
     (7, {"rte_task": rte_task_scored_by_acc}, "which this project calls \"acc_per_char\""),
     (8, {"tokens_for_loss": tokens_for_loss_without_the_floor}, "is never reached (math.inf)"),

@@ -220,6 +220,23 @@ def ddp_all_in_no_sync_reduced_by_hand(model, micro_batches):  # DDP's all-reduc
     return total
 
 
+def ddp_on_every_micro_step_counted_as_the_last(model, micro_batches):  # issue 49, hole 5
+    for hook in list(model._forward_pre_hooks.values()):  # a micro-step counter, if one hangs on the model: bump it
+        for _ in range(len(micro_batches) - 1):
+            hook(model, ())
+    return ddp(model, micro_batches, sync="always")
+
+
+def ddp_on_the_last_two_micro_steps(model, micro_batches):  # right gradients, each bucket all-reduced twice
+    total = torch.zeros(())
+    for i, (x, y) in enumerate(micro_batches):
+        with model.no_sync() if i < len(micro_batches) - 2 else nullcontext():
+            loss = model(x, y)
+            (loss / len(micro_batches)).backward()
+        total += loss.detach() / len(micro_batches)
+    return total
+
+
 def generate_counted_by_the_cache_tokens_from_a_recompute(model, idx, max_new_tokens, temperature=1.0, top_k=None,
                                                           generator=None):
     import sample  # a cached generate run for the counter alone, its tokens thrown away
@@ -329,6 +346,9 @@ WRONG = [
     (20, {"accumulate_with_ddp": ddp_all_in_no_sync, "_ddp": ddp}, "no all-reduce ran"),
     (20, {"accumulate_with_ddp": ddp_divided_by_the_ranks_too, "_ddp": ddp}, "DDP already averages over the ranks"),
     (20, {"accumulate_with_ddp": ddp_all_in_no_sync_reduced_by_hand, "_ddp": ddp}, "DDP itself all-reduced nothing"),
+    (20, {"accumulate_with_ddp": ddp_on_every_micro_step_counted_as_the_last, "_ddp": ddp},
+     "every micro-step but the last inside"),
+    (20, {"accumulate_with_ddp": ddp_on_the_last_two_micro_steps}, "need one all-reduce each, on the last micro-step"),
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),
     (21, {"generate": generate_counted_by_the_cache_tokens_from_a_recompute,
@@ -342,16 +362,16 @@ WRONG = [
 ]
 CODE = [  # wrong answers that are not one function
     # the answer's process patches the check's helper so that train.py's run logs no loss (issue 49, hole 3)
-    (16, "import exercises.checks_capstone as _check\n_check.run_training = lambda args: []\n",
+    (16, "import exercises.feed_capstone as _check\n_check.run_training = lambda args: []\n",
      "your run logged 0 losses where model.py's logs 6"),
     # ... or trains model.py's GPT instead of the answer's, which has no dropout on its attention weights
-    (16, "import exercises.checks_capstone as _check\n_train = _check.run_training\n"
+    (16, "import exercises.feed_capstone as _check\n_train = _check.run_training\n"
          "_check.run_training = lambda args: _train([a for a in args if 'model_module' not in a])\n"
          "_attention = attention\n"
          "attention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
      "the attention weights"),
     (21, "KVCache.length = property(lambda self: 0)  # a cache that never says how far it got\n",
-     "your cache's length is 0 where sample.py's says 3"),
+     "your cache's length is 0, smaller than what sample.py's says"),
 ]
 
 
