@@ -134,7 +134,8 @@ def main(argv):
     args = parser.parse_args(argv)
     if args.doc_numbers and (args.exercise != "all" or args.student or args.against or args.seed not in (None, DOC_SEED)
                              or args.hint is not None):
-        return refuse(f"--doc-numbers goes with `all` alone (it grades the project's own answers at --seed={DOC_SEED}).")
+        return refuse(f"--doc-numbers goes with `all` alone (it grades the project's own answers at "
+                      f"--seed={DOC_SEED}).")
     if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
         if args.exercise == "all":
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")

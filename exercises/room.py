@@ -6,9 +6,9 @@ the teacher's tree: a temporary folder holding a copy of the project's modules (
 modules, which build what the answer is given and send back what it returns. It holds no answer file of the
 teacher's (the references), no solutions/, no hints.py, no tests, and none of the checks (checks_*.py,
 checking.py, check.py, grading.py): what grades (the expected values, the comparisons, the advice) never lies
-where an answer runs, so an answer can neither read the truth from it nor rewrite it. Each answer gets a folder of its own beside
-it holding copies of the student's answer files (an answer may build on another: 16 on 10) and the inputs.
-So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent` is the room's
+where an answer runs, so an answer can neither read the truth from it nor rewrite it. Each answer gets a folder of
+its own beside it holding copies of the student's answer files (an answer may build on another: 16 on 10) and the
+inputs. So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent` is the room's
 exercises/, where no reference lies.
 
 What else holds the answer in, by platform (runner.py's `isolate`, run in the answer's process before the

@@ -6,10 +6,10 @@
 It runs from the room (room.py: a copy of the project without the teacher's answers), puts the room's project
 first on the path (so the answer's `import model` is the room's model.py, whatever folder the answer file sits
 in), shuts itself in (`isolate`: on Linux as root, the teacher's tree hidden and the user dropped to nobody),
-loads the answer file, calls FUNCTION(answers, inputs), the check's answer
-side (a feed_*.py module's), and saves {"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet
-or raised, {"not_done": ...} or {"failed": ...}, one sentence that names the function and its line. Under
-torchrun each rank does the same, rank r > 0 into OUTPUTS.r.
+loads the answer file, calls FUNCTION(answers, inputs), the check's answer side (a feed_*.py module's), and saves
+{"outputs": what it returned} as plain data to OUTPUTS; or, when the answer is not written yet or raised,
+{"not_done": ...} or {"failed": ...}, one sentence that names the function and its line. Under torchrun each rank
+does the same, rank r > 0 into OUTPUTS.r.
 
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run. So a
 grader with many answers to run (`check.py all`, the tests) starts one zygote: a process that imports torch,
