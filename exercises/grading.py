@@ -15,10 +15,12 @@ checking.py, checks or project modules). Answers run one after another, each in 
 
 import ast
 import atexit
+import io
 import json
 import os
 import queue
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -27,7 +29,7 @@ from pathlib import Path
 import torch
 
 from exercises.checking import ExerciseFailed, NotDone
-from exercises.room import ROOM, ROOT, answer_folder, give_to_answer, unprivileged
+from exercises.room import ROOM, ROOT, answer_folder, give_to_answer, stop_leftovers, unprivileged
 
 HERE = Path(__file__).resolve().parent  # the grading copy's exercises/
 
@@ -101,12 +103,13 @@ class Running:
         self.folder = answer_folder(answers.folder)
         self.inputs, self.outputs = (os.path.join(self.folder.name, name) for name in ("in.pt", "out.pt"))
         torch.save(inputs, self.inputs)
-        give_to_answer(self.folder.name)
+        self.user = unprivileged()  # (uid, gid) of this answer's own, or None (runner.isolate, room.py)
+        give_to_answer(self.folder.name, self.user)
         job = [str(Path(self.folder.name) / "exercises" / answers.path.name), f"{side.__module__}:{side.__name__}",
                self.inputs, self.outputs]
         if hasattr(os, "fork"):
             self.process = None
-            self.child = ZYGOTE.start(job, self.folder.name, ranks)
+            self.child = ZYGOTE.start(job, self.folder.name, ranks, self.user)
             return
         start = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={ranks}"]
@@ -118,8 +121,8 @@ class Running:
         """(exit status, its output), or None when the answer ran past the time limit (and was stopped)."""
         if self.process is None:
             status = ZYGOTE.wait(self.child, self.timeout)
-            with open(os.path.join(self.folder.name, "output.txt"), errors="replace") as f:
-                return None if status is None else (status, f.read())
+            output = written_by_answer(self.folder.name, "output.txt") or b""
+            return None if status is None else (status, output.decode(errors="replace"))
         try:
             output = self.process.communicate(timeout=self.timeout)[0]
             return self.process.returncode, output
@@ -136,14 +139,18 @@ class Running:
                                      f"look for a loop that never ends, or a rank that waits for another).")
             status, output = finished
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's says why.
-            written = [path for path in [self.outputs] + [f"{self.outputs}.{r}" for r in range(1, self.ranks)]
-                       if os.path.exists(path)]
+            names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
+            written = [data for data in (written_by_answer(self.folder.name, name) for name in names) if data]
             if not written:
                 lines = [line for line in output.strip().splitlines() if line.strip()] or ["no output"]
                 raise ExerciseFailed(f"the process that runs your answer ended (exit status {status}) before it "
                                      f"answered: {lines[-1][:200]}.")
-            came_back = torch.load(written[0], weights_only=True)
+            try:
+                came_back = torch.load(io.BytesIO(written[0]), weights_only=True)
+            except Exception:  # noqa: BLE001 - whatever the file holds, it is not what runner.py saves
+                came_back = None
         finally:
+            stop_leftovers(self.user)  # what the answer left running goes before its folder does
             self.folder.cleanup()
         if not isinstance(came_back, dict):
             raise ExerciseFailed("the process that runs your answer sent back something else than its results.")
@@ -152,6 +159,30 @@ class Running:
         if "failed" in came_back:
             raise ExerciseFailed(str(came_back["failed"]))
         return came_back.get("outputs")
+
+
+def written_by_answer(folder, name):
+    """The bytes of the file `name` in the answer's own `folder`, or None when there is no such plain file. The
+    answer's user owns the folder, so it may have put there, in the file's place, a link to a file only the grader
+    can read (which the grader would then print) or a pipe (which would hold the grader forever): neither is
+    followed or waited on. The folder itself is opened without following a link either."""
+    no_follow = getattr(os, "O_NOFOLLOW", 0)
+    if os.open not in os.supports_dir_fd:  # (Windows: the answer runs as the grader, with nothing more to reach)
+        path = os.path.join(folder, name)
+        return Path(path).read_bytes() if os.path.isfile(path) else None
+    try:
+        folder_fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | no_follow)
+    except OSError:
+        return None
+    try:
+        fd = os.open(name, os.O_RDONLY | no_follow | os.O_NONBLOCK, dir_fd=folder_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(folder_fd)
+    with os.fdopen(fd, "rb") as f:
+        found = os.fstat(fd)
+        return f.read() if stat.S_ISREG(found.st_mode) and found.st_nlink == 1 else None
 
 
 def runner_environment():
@@ -168,8 +199,9 @@ class Zygote:
     def __init__(self):
         self.process, self.replies, self.running = None, None, None
 
-    def start(self, job, folder, ranks=1):
-        """Start `job` in a new child (torchrun's, with ranks > 1), shut in (runner.isolate); returns its pid."""
+    def start(self, job, folder, ranks=1, user=None):
+        """Start `job` in a new child (torchrun's, with ranks > 1), shut in (runner.isolate) as `user`; returns its
+        pid."""
         if self.running is not None:  # a check that stopped before reading its answer's end
             self.wait(self.running, None)
         if self.process is None or self.process.poll() is not None:
@@ -180,7 +212,7 @@ class Zygote:
             self.replies = queue.Queue()
             threading.Thread(target=self.read, args=(self.process.stdout, self.replies), daemon=True).start()
             atexit.register(self.process.stdin.close)
-        request = {"job": job, "folder": folder, "ranks": ranks, "hidden": [str(ROOT)], "user": unprivileged()}
+        request = {"job": job, "folder": folder, "ranks": ranks, "hidden": [str(ROOT)], "user": user}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         self.running = self.reply(None)["pid"]

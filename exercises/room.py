@@ -14,7 +14,8 @@ exercises/, where no reference lies.
 What else holds the answer in, by platform (runner.py's `isolate`, run in the answer's process before the
 answer file loads):
 - Linux, grader run as root: the answer's process gets a mount namespace of its own in which the teacher's
-  project folder is covered by an empty, unreadable folder, then drops to the unprivileged user `nobody`, who
+  project folder is covered by an empty, unreadable folder, then drops to an unprivileged user id of the answer's
+  own (`unprivileged`; `nobody` where none is free), who
   may write only its own folder and /tmp. So the teacher's tree can be neither read nor written.
 - Linux as another user, macOS, other Unixes: the room only. The answer runs with the grader's rights, so it
   could still find the teacher's tree by its absolute path; `fingerprint` (below) then catches any change to
@@ -26,6 +27,7 @@ import atexit
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -54,12 +56,34 @@ def project_files(root=ROOT):
     return [name for name in listed(root) if kept(name.replace(os.sep, "/"))]
 
 
+# The user ids an answer may run as: above those systems give to people and services (up to 60000, and nobody at
+# 65534), and within what this process's user namespace maps (/proc/self/uid_map).
+ANSWER_IDS = (100_000, 2**31 - 1)
+
+
 def unprivileged():
-    """(uid, gid) of the user an answer runs as when the grader is root on Linux; None elsewhere."""
+    """(uid, gid) an answer runs as when the grader is root on Linux: a new pair for each answer, which no user and
+    no other process has; None elsewhere. A process the answer leaves running (a double fork, setsid) keeps that
+    id, so it is found and stopped when the answer ends (`stop_leftovers`), and no later answer's folder, owned by
+    another id, is open to it. Where the namespace maps no such id, `nobody` (and leftovers are not stopped)."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return None
     import pwd
+    import random
 
+    ranges = []
+    with open("/proc/self/uid_map") as f:
+        for line in f:
+            inside, _, count = map(int, line.split())
+            low, high = max(inside, ANSWER_IDS[0]), min(inside + count, ANSWER_IDS[1])
+            ranges += [(low, high)] * (low < high)
+    taken = {entry.pw_uid for entry in pwd.getpwall()}
+    for _ in range(100):
+        if not ranges:
+            break
+        uid = random.SystemRandom().randrange(*random.choice(ranges))
+        if uid not in taken and not processes_of(uid):
+            return uid, uid
     try:
         entry = pwd.getpwnam("nobody")
         return entry.pw_uid, entry.pw_gid
@@ -67,9 +91,39 @@ def unprivileged():
         return 65534, 65534
 
 
-def give_to_answer(folder):
-    """Make `folder` (an answer's own) writable by the user the answer runs as."""
-    user = unprivileged()
+def processes_of(uid):
+    """The pids of the processes running with `uid` as their real, effective or saved user id (Linux's /proc)."""
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/status") as f:
+                ids = next(line for line in f if line.startswith("Uid:")).split()[1:4]
+        except (OSError, StopIteration, ValueError):
+            continue  # not a process, or one that ended meanwhile
+        if str(uid) in ids:
+            found.append(int(name))
+    return found
+
+
+def stop_leftovers(user):
+    """Stop every process still running as the answer's own `user` once the answer has ended: what it started and
+    left behind, which could otherwise rewrite a later answer before it loads. Nothing when `user` is shared
+    (nobody) or None."""
+    if user is None or user[0] < ANSWER_IDS[0]:
+        return
+    for _ in range(20):  # a process that forks as fast as it is stopped is stopped again
+        found = processes_of(user[0])
+        if not found:
+            return
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def give_to_answer(folder, user):
+    """Make `folder` (an answer's own) writable by the user the answer runs as (None: it runs as the grader)."""
     if user is None:
         return
     for path in [Path(folder), *Path(folder).rglob("*")]:
