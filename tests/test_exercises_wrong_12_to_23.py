@@ -227,6 +227,23 @@ def ddp_on_every_micro_step_counted_as_the_last(model, micro_batches):  # issue 
     return ddp(model, micro_batches, sync="always")
 
 
+def ddp_reduced_by_hand_then_a_bucket_of_its_own_counted(model, micro_batches):  # found by a review of issue 49
+    class Bucket:  # what DDP hands its hook, made by hand: one bucket of the gradients already averaged
+        def __init__(self, flat):
+            self.flat = flat
+
+        def index(self):
+            return 0
+
+        def buffer(self):
+            return self.flat
+
+    total = ddp_all_in_no_sync_reduced_by_hand(model, micro_batches)
+    hook, state = model._comm_hooks[0]  # the hook the check registered, which counts an all-reduce
+    hook(state, Bucket(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))).wait()
+    return total
+
+
 def ddp_on_the_last_two_micro_steps(model, micro_batches):  # right gradients, each bucket all-reduced twice
     total = torch.zeros(())
     for i, (x, y) in enumerate(micro_batches):
@@ -349,6 +366,9 @@ WRONG = [
     (20, {"accumulate_with_ddp": ddp_on_every_micro_step_counted_as_the_last, "_ddp": ddp},
      "every micro-step but the last inside"),
     (20, {"accumulate_with_ddp": ddp_on_the_last_two_micro_steps}, "need one all-reduce each, on the last micro-step"),
+    (20, {"accumulate_with_ddp": ddp_reduced_by_hand_then_a_bucket_of_its_own_counted, "_ddp": ddp,
+          "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
+     "not by DDP's backward pass"),
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),
     (21, {"generate": generate_counted_by_the_cache_tokens_from_a_recompute,
