@@ -136,6 +136,8 @@ def main(argv):
                              or args.hint is not None):
         return refuse(f"--doc-numbers goes with `all` alone (it grades the project's own answers at "
                       f"--seed={DOC_SEED}).")
+    if args.seed is not None and not 0 <= args.seed < 2**32:  # what numpy's generator takes, as a fresh seed is drawn
+        return refuse(f"--seed={args.seed} is not a seed a grading prints; give one from 0 to {2**32 - 1}.")
     if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
         if args.exercise == "all":
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")

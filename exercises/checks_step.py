@@ -59,8 +59,8 @@ def check_schedule(answers):
                              + (f", {schedule.shape} decay over the last {D})" if schedule.kind == "wsd" else ")"))
                 raise ExerciseFailed(f"lr_at(step {n}) of {described} is {shown(mine)}, {compared(mine, want)} what "
                                      f"the project's schedule gives: check {schedule_phase(schedule, n)}.")
-    return f"lr_at matches schedule.py at {sum(len(c['steps']) for c in cases)} steps of 60 random cosine and WSD " \
-           f"schedules."
+    return f"lr_at matches optimizer.py's Schedule.lr_at at {sum(len(c['steps']) for c in cases)} steps of 60 random " \
+           f"cosine and WSD schedules."
 
 
 # ----------------------------------------------------------------------------- 2. gradient accumulation

@@ -29,7 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 from config import UserError, run_command  # noqa: E402 - needs the line above
 
-NOT_COPIED = ("tests/test_exercises*.py", "exercises/solutions/*")  # tests the answers pass; old copies' answers
+STUDENT_COPY = "STUDENT_COPY"  # the file in exercises/ that marks a student's copy
+# Tests the answers pass; old copies' answers; the mark of a copy made from a copy.
+NOT_COPIED = ("tests/test_exercises*.py", "exercises/solutions/*", f"exercises/{STUDENT_COPY}")
 # Without git (a project unpacked from an archive): every file except these folders.
 SKIPPED_FOLDERS = {".git", "__pycache__", ".pytest_cache", "data", "out", "wandb"}
 
@@ -86,6 +88,10 @@ def make_student_copy(dest, root=ROOT):
             blanked.append(name)
         else:
             shutil.copy2(root / name, target)
+    # What says this is a student's copy once every answer in it is written: its answer files are the student's,
+    # never a reference (hints.py's level 3 then asks the teacher's copy).
+    (dest / "exercises" / STUDENT_COPY).write_text("A student's copy, made by exercises/make_student_copy.py: its "
+                                                    "answer files are the student's.\n")
     return blanked
 
 

@@ -444,7 +444,12 @@ def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(
 def test_the_check_command_prints_one_passed_line_and_exits_0():
     result = warm_python.python([CHECK, "1"], ROOT, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("exercise 1 passed: lr_at matches schedule.py") and result.stdout.count("\n") == 1
+    assert result.stdout.startswith("exercise 1 passed: lr_at matches optimizer.py's Schedule.lr_at")
+    assert result.stdout.count("\n") == 1
+    for seed in ("-5", str(2**32)):  # no seed a grading prints: one sentence, not numpy's traceback
+        refused = warm_python.python([CHECK, "1", f"--seed={seed}"], ROOT, timeout=120)
+        assert refused.returncode != 0 and not refused.stdout
+        assert_one_sentence(refused, f"--seed={seed} is not a seed a grading prints")
 
 
 def test_a_data_root_that_does_not_exist_is_one_sentence_and_creates_nothing(tmp_path):
@@ -465,6 +470,13 @@ def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code
     assert "masked_fill" not in Answers(3).path.read_text().split("def ")[0]  # the exercise's goal is no dictation
     # a student's copy holds no reference: the code comes from the teacher's copy, asked with --against
     assert_one_sentence(hint(3, 3, student_copy), "this copy holds no reference answer of exercise 3")
+    answer = student_copy / "exercises" / "03_attention.py"
+    blank = answer.read_text()
+    try:  # once the student has written every function, their file is still theirs, not a reference
+        shutil.copy(ROOT / "exercises" / "03_attention.py", answer)
+        assert_one_sentence(hint(3, 3, student_copy), "this copy holds no reference answer of exercise 3")
+    finally:
+        answer.write_text(blank)
     code = hint(3, 3, student_copy, f"--against={ROOT}")
     assert code.stdout.startswith("exercise 3, hint 3 of 3 (the last one): the reference answer "
                                   "(exercises/03_attention.py):") and "masked_fill" in code.stdout
