@@ -57,12 +57,14 @@ def lowest(lrs, losses, stop=True):
 
 def range_tests(lrs, losses, rng):
     """Range tests drawn from the real one: [(what it is, lrs, losses)]. The real run; its sweep moved (every LR
-    times a factor) with noise on the losses; and one that diverges early, after which its losses (as a broken
-    run's can) read low again, so that only a reader who stops at divergence takes the right LR."""
+    times a factor) and cut (its first steps left out, so that its lowest loss is at another step: an answer that
+    reads the real run's step by number fails), with noise on the losses; and one that diverges early, after which
+    its losses (as a broken run's can) read low again, so that only a reader who stops at divergence takes the right
+    LR."""
     tests = [("the real run", list(lrs), list(losses))]
-    factor, noise = 10 ** rng.uniform(-1, 1), rng.uniform(0.02, 0.1)
-    tests.append(("the real run's losses with noise, its LRs moved", [lr * factor for lr in lrs],
-                  [loss + rng.gauss(0, noise) for loss in losses]))
+    factor, noise, cut = 10 ** rng.uniform(-1, 1), rng.uniform(0.02, 0.1), rng.randint(4, 16)
+    tests.append((f"the real run's losses with noise, its LRs moved and its first {cut} steps cut",
+                  [lr * factor for lr in lrs[cut:]], [loss + rng.gauss(0, noise) for loss in losses[cut:]]))
     while True:
         at, low = rng.randint(12, 30), rng.uniform(0.2, 0.5)
         best = min(smoothed(losses[:at]))
@@ -103,7 +105,7 @@ def check_lr_range_test(answers, data_root=""):
     start = smoothed(tests[0][2])[0]
     moving = next(lr for lr, loss in zip(tests[0][1], smoothed(tests[0][2])) if loss < start - 0.1)
     return (f"on {len(tests)} range tests (a real one from {SWEEP[1]:g} to {SWEEP[2]:g} over {SWEEP[0]} steps, "
-            f"one moved and noisy, one that diverges early) you suggest what the rule does: in the real one the "
+            f"one moved, cut and noisy, one that diverges early) you suggest what the rule does: in the real one the "
             f"smoothed loss starts to fall near lr {moving:.2g}, is lowest at {at_minimum:.2g}, and you suggest "
             f"{at_minimum / 10:.2g} (the quick start's larger model trains AdamW's part at a peak of "
             f"{quick_start_lr():g}: config/shakespeare.py).")
