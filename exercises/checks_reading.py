@@ -157,7 +157,9 @@ def rewound(data_root, step):
 
 def spike_cases(losses, rng):
     """Loss curves drawn from the real run's before its surge: [(losses, threshold, window)], each with a spike
-    at a random step after which the loss comes back, and a NaN somewhere (it joins no mean)."""
+    at a random step after which the loss comes back, a jump too early to judge (fewer than 10 losses before it),
+    where the window allows one a jump that only the window's mean makes a spike (the loss falls as the run trains,
+    so the mean of every loss before it is higher), and a NaN somewhere (it joins no mean)."""
     calm, cases = list(losses[:SURGE_STEP]), []
     for _ in range(2):
         curve = calm + [calm[-1] + rng.gauss(0, 0.02) for _ in range(rng.randint(5, 20))]
@@ -165,6 +167,14 @@ def spike_cases(losses, rng):
         threshold, window = round(rng.uniform(0.5, 1.2), 2), rng.choice([20, 30, 50])
         curve[at - 1] += height + threshold  # a spike at step `at`
         curve[at] += height / 2 + threshold  # and, often, the step after it
+        curve[rng.randint(2, 9) - 1] += height + threshold  # not a spike: too few losses before it to judge
+        later = [s for s in range(window + 12, len(curve) + 1) if abs(s - at) > 2]
+        for step in rng.sample(later, len(later)):
+            before = [loss for loss in curve[:step - 1] if loss == loss]
+            recent, whole = sum(before[-window:]) / len(before[-window:]), sum(before) / len(before)
+            if whole > recent + 0.1:  # above the window's mean plus the threshold, below the whole history's
+                curve[step - 1] = recent + threshold + 0.05
+                break
         curve[rng.randint(1, len(curve) - 1)] = float("nan")
         cases.append((curve, threshold, window))
     return cases

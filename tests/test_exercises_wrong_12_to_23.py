@@ -417,6 +417,11 @@ HARD_CODED = [
     (22, "def suggest_lr(lrs, losses):\n    jump = next((i for i in range(1, 40) if losses[i] > 3 * losses[i - 1]), "
          "None)\n    return lrs[42 if jump is None else jump - 1] / 10\n", 10),
     (23, "def find_spikes(losses, threshold, window=50):\n    return list(range(41, 61))\n", 10),
+    # found by a review: the rule without its window and without waiting for 10 losses
+    (23, "def find_spikes(losses, threshold, window=50):\n    found, previous = [], []\n"
+         "    for step, loss in enumerate(losses, 1):\n"
+         "        if previous and loss > sum(previous) / len(previous) + threshold:\n            found.append(step)\n"
+         "        if loss == loss:\n            previous.append(loss)\n    return found\n", 10),
     (23, "def rewind_step(spike_step, checkpoint_steps):\n    return 38\n", 10),
     # the 19 names of the one 2-layer GPT the check used to build; two depths are drawn now, so it always fails
     (17, "NAMES = sorted(bf16_modules(model.GPT(model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, "
