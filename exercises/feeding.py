@@ -47,8 +47,19 @@ HOST_SYNCS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__")
 @contextlib.contextmanager
 def host_syncs():
     """Inside the block, each call that reads a tensor's value into Python (a host-device sync on a GPU) is
-    appended to the list this yields, by name. On a CPU nothing waits, so the check counts the calls."""
+    appended to the list this yields, by name. On a CPU nothing waits, so the check counts the calls: by the
+    tensor methods' names, and below them where torch itself reads one number out (`aten._local_scalar_dense`,
+    what .item() and float() come to), which also sees a method an answer kept from before the spies were in."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
     calls = []
+
+    class ScalarReads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default and not calls:
+                calls.append("item")
+            return func(*args, **(kwargs or {}))
+
     with contextlib.ExitStack() as stack:
         for name in HOST_SYNCS:
             original = getattr(torch.Tensor, name)
@@ -58,6 +69,7 @@ def host_syncs():
                 return _original(self, *args, **kwargs)
 
             stack.enter_context(patched(torch.Tensor, name, spy))
+        stack.enter_context(ScalarReads())
         yield calls
 
 

@@ -4,6 +4,7 @@ the mistake: it names what differs and what to do. Each wrong answer is written 
 to 23: test_exercises_wrong_12_to_23.py.)"""
 
 import pytest
+import torch
 
 from test_exercises import answer_folder, failed_with, ids, needs_task_data
 
@@ -85,6 +86,13 @@ def record_summed_over_ranks(recorder, model, weights_before):
 def record_item_sums_then_a_tensor(recorder, model, weights_before):  # the right value, through the host
     change = sum(((p.detach() - weights_before[n]) ** 2).sum().item() for n, p in model.named_parameters())
     size = sum((w ** 2).sum().item() for w in weights_before.values())
+    recorder.record_metric("optim/update_ratio", torch.tensor((change / size) ** 0.5), reduce="mean")
+
+
+# torch's own .item(), kept when the answer file loads, before the check's spies are in (found by a review of issue 49)
+def record_with_items_kept_from_import(recorder, model, weights_before, _item=torch.Tensor.item):
+    change = sum(_item(((p.detach() - weights_before[n]) ** 2).sum()) for n, p in model.named_parameters())
+    size = sum(_item((w ** 2).sum()) for w in weights_before.values())
     recorder.record_metric("optim/update_ratio", torch.tensor((change / size) ** 0.5), reduce="mean")
 
 
@@ -211,6 +219,7 @@ WRONG = [  # (exercise, {answer function: the wrong one}, words the sentence mus
     (5, {"record_update_ratio": record_a_python_float}, "record the tensor itself"),
     (5, {"record_update_ratio": record_summed_over_ranks}, "logs twice the ratio"),
     (5, {"record_update_ratio": record_item_sums_then_a_tensor}, "calls .item() on a tensor"),
+    (5, {"record_update_ratio": record_with_items_kept_from_import}, "calls .item() on a tensor"),
     (5, {"record_update_ratio": record_mean_of_ratios}, "at step 1 metrics.jsonl has optim/update_ratio"),
     (6, {"trainer_state_from_dict": from_dict_without_the_data_position}, "TrainState.data is {}"),
     (6, {"rng_state": rng_state_without_torch, "set_rng_state": set_rng_state_without_torch},
