@@ -263,6 +263,19 @@ def generate_counted_by_the_cache_tokens_from_a_recompute(model, idx, max_new_to
     return generate_without_a_cache(model, idx, max_new_tokens, temperature, top_k, generator)
 
 
+def generate_recomputed_with_the_count_put_back(model, idx, max_new_tokens, temperature=1.0, top_k=None,
+                                                generator=None):  # found by a review of issue 49
+    import sample  # a cached generate run for the count, then a recompute whose count is taken back out
+
+    forward = type(model.transformer.h[0]).forward  # the counting block's: its closure holds the count
+    counted = next(cell.cell_contents for cell in forward.__closure__ if isinstance(cell.cell_contents, list))
+    sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=None)
+    kept = list(counted)
+    tokens = generate_without_a_cache(model, idx, max_new_tokens, temperature, top_k, generator)
+    counted[:] = kept
+    return tokens
+
+
 def ddp_divided_by_the_ranks_too(model, micro_batches):
     return ddp(model, micro_batches, ranks_too=True)
 
@@ -372,6 +385,8 @@ WRONG = [
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),
     (21, {"generate": generate_counted_by_the_cache_tokens_from_a_recompute,
+          "_generate_without_a_cache": generate_without_a_cache}, "feed the prompt once, then only each new token"),
+    (21, {"generate": generate_recomputed_with_the_count_put_back,
           "_generate_without_a_cache": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (22, {"suggest_lr": suggest_the_minimum_itself, "_suggest": suggest}, "suggest a tenth of it"),
     (22, {"suggest_lr": suggest_from_the_raw_losses}, "smooth the losses first"),
