@@ -11,6 +11,8 @@ asking for it.
 import ast
 from pathlib import Path
 
+from exercises.make_student_copy import STUDENT_COPY
+
 HERE = Path(__file__).resolve().parent
 
 HINTS = {
@@ -125,7 +127,7 @@ def reference_file(number):
     """The reference answers of exercise `number`: the project's own answer file. A student's copy holds none
     (make_student_copy.py blanks them), so there level 3 is asked of the teacher's copy."""
     found = sorted(HERE.glob(f"{number:02d}_*.py"))
-    if not found or (HERE / "STUDENT_COPY").exists() or \
+    if not found or (HERE / STUDENT_COPY).exists() or \
             f"NotImplementedError('exercise {number}: write" in found[0].read_text(encoding="utf-8"):
         raise ValueError(f"this copy holds no reference answer of exercise {number} (a student's copy holds none); "
                          f"ask the teacher's copy: check.py {number} --hint=3 --against=TEACHER.")
