@@ -410,6 +410,8 @@ def chunked_cross_entropy(logits, hidden, targets, vocab_size):
             for total, grad in zip(param_grads, grads[1:]):
                 if grad is not None:
                     total += grad
+    if not need_grad:  # (no gradients were computed: grad_hidden holds whatever its memory held)
+        return loss_sum / n_scored
     return attach_gradients(loss_sum / n_scored, [(hidden, grad_hidden)] +
                             [(p, g.to(p.dtype)) for p, g in zip(params, param_grads)])
 

@@ -62,6 +62,19 @@ def test_without_grad_the_fused_loss_does_the_forward_work_only():
     assert counted["eval"][1] == counted["train"][1]  # the same loss either way
 
 
+def test_without_grad_the_loss_never_reads_the_gradient_buffer(monkeypatch):
+    """Under torch.no_grad() no gradient is computed, so the buffer the gradients of the hidden states would fill is
+    never read: filled with NaN here (as uninitialised memory may hold), the loss is still the full loss. It was
+    NaN now and then when the hidden states themselves required gradients (a flaky failure of the test above)."""
+    hidden, weight = torch.randn(64, 32, requires_grad=True), torch.randn(GPT2_VOCAB_SIZE, 32, requires_grad=True)
+    targets = torch.randint(0, GPT2_VOCAB_SIZE, (64,))
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: empty_like(*a, **k).fill_(float("nan")))
+    with torch.no_grad():
+        loss = chunked_loss(hidden, weight, targets)
+    assert torch.allclose(loss, reference_loss(hidden.detach(), weight.detach(), targets))
+
+
 def test_padded_vocabulary_rows_get_their_true_gradient():
     """GPT-2's 50,257 tokens padded to 50,304: the 47 extra rows are real rows of the tied embedding."""
     torch.manual_seed(0)
