@@ -163,6 +163,40 @@ def test_export_is_checked_by_its_logits_and_a_fork_gpt2_cannot_compute_leaves_n
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
+class SlidingWindow(GPT):
+    """Attends to the last 64 positions only: the same logits as GPT-2 over a row's first 64 tokens."""
+
+    def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
+        if attn_mask is None and kv_cache is None:
+            i = torch.arange(idx.size(1))
+            attn_mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 64)
+        return super().hidden_states(idx, kv_cache, pos, attn_mask)
+
+
+class DocumentMasked(GPT):
+    """A token attends only within its document: the same logits as GPT-2 on a row without <|endoftext|>."""
+
+    def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
+        if attn_mask is None and kv_cache is None:
+            ends = (idx == 50256).long()
+            doc = torch.cumsum(ends, 1) - ends  # an <|endoftext|> belongs to the document it ends
+            causal = torch.ones(idx.size(1), idx.size(1), dtype=torch.bool).tril()
+            attn_mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+        return super().hidden_states(idx, kv_cache, pos, attn_mask)
+
+
+@pytest.mark.parametrize("fork", [SlidingWindow, DocumentMasked])
+def test_export_checks_every_position_and_document_boundaries(fork, tmp_path):
+    """Forks that compute as GPT-2 does on a short row of ordinary tokens, and otherwise past position 64 or across
+    <|endoftext|>: the check's rows are as long as the model reads, and one holds <|endoftext|> (it used two rows of
+    64 random tokens, and both exported with exit 0)."""
+    torch.manual_seed(0)
+    net = fork(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=128))
+    with pytest.raises(UserError, match="differ by up to"):
+        hf.export_hf(net, str(tmp_path / "export"))
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_a_weight_of_another_shape_is_one_sentence_naming_it_and_both_shapes(tmp_path):
     net = tiny()
     net.transformer.h[0].attn.c_attn = torch.nn.Linear(32, 64)  # grouped-query attention: fewer keys and values
