@@ -473,18 +473,19 @@ def code_hash(path):
     return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
 
 
-def code_change_note(saved_code, model_module, path):
+def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
     """The line to print when the model's source is not the one checkpoint `path` was saved with, though its
-    weights fit (check_weights_fit said so first): the run goes on with the code as it is now, which may compute
-    another function of the same weights. "" when it is the same, or the checkpoint kept no hash (older runs)."""
+    weights fit (check_weights_fit said so first): a resume (or sample.py, evaluation, export: load_model) goes on
+    with the code as it is now, which may compute another function of the same weights. "" when it is the same, or
+    the checkpoint kept no hash (older runs)."""
     if not saved_code:
         return ""
     now = model_code(model_module)
     changed = [name for name in {**saved_code, **now} if saved_code.get(name) != now.get(name)]
     if not changed:
         return ""
-    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its weights fit, so the run "
-            f"goes on with the code as it is now")
+    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its weights fit, so "
+            f"{goes_on} with the code as it is now")
 
 
 def to_cpu(obj):
@@ -770,12 +771,16 @@ def load_model(source, device, key):
     if path is None:
         from hf import import_hf
         return import_hf(source).to(device).eval()
-    cfg = config_from_dict(read_trainer_state(path)["config"])
+    trainer = read_trainer_state(path)
+    cfg = config_from_dict(trainer["config"])
     try:
         model = gpt_class(cfg.train.model_module)(cfg.model)
     except ValueError as error:  # a train.model_module file that is gone or changed
         raise CheckpointError(f"{key}={source}: {error}") from None
     load_model_state(model, path, "cpu")
+    note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path, goes_on="it is loaded")
+    if note:  # (on stderr: what a tool prints on stdout, samples or scores, stays its own)
+        print(note, file=sys.stderr)
     return model.to(device).eval()
 
 

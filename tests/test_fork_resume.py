@@ -96,7 +96,7 @@ class GPT(model.GPT):
 """
 
 
-def test_a_change_of_the_model_code_that_keeps_the_weights_is_said_on_resume(tmp_path, data_root):
+def test_a_change_of_the_model_code_that_keeps_the_weights_is_said_on_resume(tmp_path, data_root, capsys):
     fork = tmp_path / "fork.py"
     fork.write_text(FORK)
     out = tmp_path / "run"
@@ -112,6 +112,13 @@ def test_a_change_of_the_model_code_that_keeps_the_weights_is_said_on_resume(tmp
     assert lines == [f"note: the model code changed since {out / 'step4'} was saved ({os.path.realpath(fork)}); its "
                      f"weights fit, so the run goes on with the code as it is now"], changed.stdout
     assert "resumed from" in changed.stdout and [row["step"] for row in metrics(out)] == [1, 2, 3, 4, 5, 6]
+    fork.write_text(FORK)  # the researcher moves on: sample.py, evaluation and export-hf (load_model) say so too
+    from checkpoint import load_model
+    capsys.readouterr()
+    load_model(str(out), "cpu", "--init_from")
+    assert capsys.readouterr().err == (f"note: the model code changed since {out / 'step6'} was saved "
+                                       f"({os.path.realpath(fork)}); its weights fit, so it is loaded with the code "
+                                       f"as it is now\n")
 
 
 def test_a_checkpoint_without_a_code_hash_is_resumed_without_a_word_of_it(tmp_path):
