@@ -367,6 +367,18 @@ def check_fsdp(cfg):
                               f"or {remedy}.")
 
 
+def check_model(model_cfg, where=""):
+    """The model's checks across its fields, declared beside them (GPTConfig.checks, a fork's too): the first that
+    fails is one sentence, and so is a check that cannot run on these values (a fork's, dividing by a field at 0)."""
+    try:
+        failed = [sentence for holds, sentence in model_cfg.checks() if not holds]
+    except Exception as error:
+        raise ConfigError(f"{where}the model's checks across its fields (GPTConfig.checks) fail on these values "
+                          f"({type(error).__name__}: {error}); check the model.* settings.") from None
+    if failed:
+        raise ConfigError(where + failed[0])
+
+
 def validate(cfg):
     """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
     own section declares its checks the same way), the model's checks across its fields (GPTConfig.checks), formats."""
@@ -382,9 +394,7 @@ def validate(cfg):
         if wanted and (infinite or not CHECKS[wanted](value)):
             shown = "a value not shown: a secret" if field_metadata(cfg, key).get("secret") else repr(value)  # (logs)
             raise ConfigError(f"{key} must be {wanted} (got {shown}); set it to a value in range.")
-    for holds, sentence in cfg.model.checks():  # checks across the model's fields, declared beside them (model.py)
-        if not holds:
-            raise ConfigError(sentence)
+    check_model(cfg.model)
     if cfg.optim.min_lr > cfg.optim.lr:
         raise ConfigError(f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; the floor of the "
                           f"schedule must not exceed its peak.")

@@ -23,7 +23,7 @@ import re
 
 import torch
 
-from config import ConfigError
+from config import ConfigError, check_model
 from model import gpt_class
 
 GPT2_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
@@ -63,8 +63,10 @@ def sized_model(size, base, model_module="model"):
         cls = gpt_class(model_module)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    config = model_config(size, base)
+    check_model(config, f"ladder size {size}: ")  # (a shape the size gives may break a check: n_head=1, say)
     with torch.device("meta"):
-        return cls(model_config(size, base))
+        return cls(config)
 
 
 def param_counts(model):

@@ -1,5 +1,6 @@
 """The model ladder: the configurators' numbers against hand computation, and a micro ladder end to end."""
 
+import dataclasses
 import json
 import math
 import os
@@ -59,6 +60,28 @@ def test_parameter_counts_are_the_runs_own_model_with_its_overrides(tmp_path):
                       "loss_path='chunked'):\n        super().__init__(config, loss_path)\n"
                       "        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)\n")
     assert counts("2x64", 64, str(untied))["non_embedding"] == counts("2x64", 64)["non_embedding"] + 50304 * 64
+
+
+@dataclasses.dataclass
+class GroupedQueryConfig(GPTConfig):
+    """A fork's field and its check across fields, as a GQA fork adds them to model.py."""
+    n_kv_head: int = dataclasses.field(default=2, metadata={"role": "identity", "ladder": False})
+
+    def checks(self):
+        return super().checks() + [(self.n_head % self.n_kv_head == 0, f"model.n_head={self.n_head} is not "
+                                    f"divisible by model.n_kv_head={self.n_kv_head}; pick values that divide.")]
+
+
+def test_a_size_whose_shape_breaks_the_models_checks_is_one_sentence():
+    """2x32 has one head, which n_kv_head=2 does not divide: every ladder command plans through sized_model, so
+    `dry-run --json` refuses as `run` does (it printed a count for a model that cannot exist, with exit 0). A
+    check that cannot run on the values (dividing by 0) is one sentence too."""
+    assert sized_model("2x128", GroupedQueryConfig(block_size=32)).config.n_head == 2
+    with pytest.raises(ConfigError, match=r"^ladder size 2x32: model.n_head=1 is not divisible by model.n_kv_head=2;"):
+        sized_model("2x32", GroupedQueryConfig(block_size=32))
+    with pytest.raises(ConfigError, match=r"^ladder size 2x128: the model's checks across its fields \(GPTConfig"
+                                          r"\.checks\) fail on these values \(ZeroDivisionError: .*\); check the"):
+        sized_model("2x128", GroupedQueryConfig(block_size=32, n_kv_head=0))
 
 
 # ----------------------------------------------------------------------------- run configurator
