@@ -22,7 +22,7 @@ import tempfile
 
 from config import UserError
 from data import EOT_TOKEN, GPT2_VOCAB_SIZE, gpt2_tokenizer_files
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, output_parameters
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -183,8 +183,9 @@ def export_hf(model, out_dir):
     check_export_target(out_dir)
     c = model.config
     ours = model.state_dict()
-    tied = "lm_head.weight" in ours and ours["lm_head.weight"].data_ptr() == ours.get(
-        "transformer.wte.weight", ours["lm_head.weight"]).data_ptr()
+    # Tied when the logits multiply by the token embedding (asked of the model: a fork may have no lm_head at all).
+    tied = "transformer.wte.weight" in ours and any(
+        p.data_ptr() == ours["transformer.wte.weight"].data_ptr() for p in output_parameters(model))
     hf_config = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

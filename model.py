@@ -234,16 +234,22 @@ class GPT(nn.Module):
         """Every parameter once, by its kind (PARAM_KINDS above says what each kind is to the trainer):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
           output     an output layer with weights of its own (untied)
-          matrix     the other weights of two or more dimensions: the matmuls of the blocks
+          matrix     the other weights of two dimensions: the matmuls of the blocks (of three or more, a stack
+                     of matrices or of tables, is for a fork to name: one sentence asks it to)
           vector     biases and LayerNorm gains
         A fork may name a kind of its own, once it adds it to param_kinds. Each list is in the model's
         own parameter order."""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
+        output = getattr(self, "lm_head", None)  # (a fork may have none: its logits multiply by wte's weight)
         for name, p in self.named_parameters():  # a tied weight comes once, under its first name
             owner = modules[name.rpartition(".")[0]]
-            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if owner is self.lm_head
-                    else "matrix" if p.dim() >= 2 else "vector")
+            if p.dim() > 2 and not isinstance(owner, nn.Embedding):
+                raise ModelError(f"param_groups cannot tell what {name} ({p.dim()}-D, {tuple(p.shape)}) is: a stack "
+                                 f"of matrices or of lookup tables; give it a kind in param_groups (a kind of its own "
+                                 f"adds a row to param_kinds).")
+            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if owner is output
+                    else "matrix" if p.dim() == 2 else "vector")
             groups[kind].append(p)
         return groups
 
@@ -255,9 +261,12 @@ class GPT(nn.Module):
 
     def num_params_with_output(self):
         """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian et al. 2024
-        point out that the output layer is real compute). An untied output layer is already in N."""
-        tied = any(p is self.lm_head.weight for _, p, kind in parameter_kinds(self) if not kind.in_n)
-        return self.num_params(non_embedding=True) + (self.lm_head.weight.numel() if tied else 0)
+        point out that the output layer is real compute). An untied output layer is already in N. The output
+        layer is what `logits` multiplies by (output_parameters), so a fork that names or ties it otherwise counts
+        as it computes."""
+        outside_n = {id(p) for _, p, kind in parameter_kinds(self) if not kind.in_n}
+        return self.num_params(non_embedding=True) + sum(p.numel() for p in output_parameters(self)
+                                                         if id(p) in outside_n)
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
@@ -272,6 +281,20 @@ class GPT(nn.Module):
 class ModelError(Exception):
     """A model the trainer cannot use as it is (a fork's kind of parameter without a row in its table): one sentence
     that says what to change. Every entry point prints it without a traceback (config.run_command)."""
+
+
+def output_parameters(model):
+    """The parameters `model.logits` computes from, read from autograd's graph of one row of hidden states (on the
+    meta device, a meta row: no memory). Under FSDP, whose sharded weights a plain row cannot reach, `lm_head`'s."""
+    first = next(model.parameters())
+    if type(first).__name__ == "DTensor":  # (train.data_parallel=fsdp)
+        if not hasattr(model, "lm_head"):
+            raise ModelError("under FSDP the output layer is read as the model's lm_head, and this model has none; "
+                             "train it with --train.data_parallel=ddp, or name its output layer lm_head.")
+        return [model.lm_head.weight]
+    with torch.enable_grad():
+        row = torch.zeros(1, model.config.n_embd, device=first.device, dtype=first.dtype, requires_grad=True)
+        return [leaf for leaf in graph_leaves(model.logits(row)) if leaf is not row]
 
 
 def parameter_kinds(model):

@@ -35,10 +35,14 @@ def param_groups(model, optim):
     # A kind's decay of None follows optim.decay_embeddings: false spares the embeddings (OLMo-core's ladder);
     # a tied output layer is the token embedding, so it is spared as a whole.
     groups = {"muon": [], "decay": [], "no_decay": []}
-    for _, p, kind in parameter_kinds(model):
+    for name, p, kind in parameter_kinds(model):
         if not p.requires_grad:
             continue
         if optim.name == "muon" and kind.muon:
+            if p.dim() != 2:  # (Muon orthogonalises a matrix; torch.optim.Muon fails on anything else mid-setup)
+                raise ConfigError(f"optim.name=muon steps {name}, a {p.dim()}-D parameter, as its kind's row says, and "
+                                  f"Muon steps matrices only; give it a kind whose row has muon=False, or use "
+                                  f"--optim.name=adamw.")
             groups["muon"].append(p)
         elif kind.decay or (kind.decay is None and optim.decay_embeddings):
             groups["decay"].append(p)

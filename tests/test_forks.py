@@ -243,6 +243,24 @@ class GPT(model.GPT):
 """
 
 
+NO_LM_HEAD = """import torch.nn.functional as F
+
+import model
+
+
+class GPT(model.GPT):
+    \"\"\"Tied output through the token embedding itself, with no lm_head module: the counts find the output layer
+    through `logits` (num_params_with_output), not by its name.\"\"\"
+
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        del self.lm_head
+
+    def logits(self, h):
+        return F.linear(h, self.transformer.wte.weight)
+"""
+
+
 def ladder_file(tmp_path, data_root, *lines, size="1x64"):
     path = tmp_path / "ladder_of_the_fork.py"
     path.write_text("\n".join([f'ladder.name = "fork"', f'ladder.dir = "{tmp_path / "ladder"}"',
@@ -291,8 +309,8 @@ def exported_or_refused(model, folder, refusal):
 
 
 @pytest.mark.parametrize("source, refusal", [(SOFT_CAP, "differ by up to"), (RELU_MLP, "differ by up to"),
-                                             (OUTPUT_GAIN, "has no place for (out_gain")],
-                         ids=["soft-cap", "relu-mlp", "parameter-kind"])
+                                             (OUTPUT_GAIN, "has no place for (out_gain"), (NO_LM_HEAD, None)],
+                         ids=["soft-cap", "relu-mlp", "parameter-kind", "no-lm-head"])
 def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_exported_or_refused(
         tmp_path, args, source, refusal):
     from conftest import run_train, tiny_task_data
@@ -312,6 +330,10 @@ def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_expo
     from model import GPTConfig
     assert plan["non_embedding_params"] == param_counts(sized_model("1x64", GPTConfig(block_size=32), str(module)))[
         "non_embedding"]
+    if source is NO_LM_HEAD:  # the same model as model.py's, counted the same without the name lm_head
+        from model import GPT
+        assert model.num_params_with_output() == GPT(model.config).num_params_with_output() == \
+            model.num_params(non_embedding=True) + 50304 * 32
     if source is OUTPUT_GAIN:  # its kind of its own: not in N, and AdamW's group without decay
         from config import OptimConfig
         from optimizer import param_groups
@@ -327,6 +349,46 @@ def test_a_kind_of_parameter_the_table_does_not_list_is_one_sentence_naming_it(t
     module.write_text(OUTPUT_GAIN.replace("    param_kinds = ", "    unused = "))
     refused = run_train([*args, f"--train.model_module={module}", f"--train.out_dir={tmp_path / 'run'}"], check=False)
     assert_one_sentence(refused, "puts out_gain under the kind 'gain'", "model.PARAM_KINDS")
+    assert not (tmp_path / "run").exists()
+
+
+STACKED_VALUE_EMBEDDINGS = """import torch
+import torch.nn as nn
+
+import model
+
+
+class GPT(model.GPT):
+    \"\"\"Value embeddings as one 3-D parameter (a table per layer), added to the final hidden states here only to
+    use it: param_groups cannot tell a stack of lookup tables from a stack of matrices.\"\"\"
+
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        self.value_embeds = nn.Parameter(torch.zeros(config.n_layer, config.vocab_size, config.n_embd))
+"""
+
+
+def test_a_parameter_of_more_than_two_dimensions_is_given_a_kind_or_refused(tmp_path, args):
+    """Its kind was "matrix" by default: counted in N, and under Muon a traceback from torch.optim.Muon. Now its
+    kind is asked for in one sentence; given one whose row says Muon, Muon's refusal is one sentence too."""
+    from conftest import run_train
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(STACKED_VALUE_EMBEDDINGS)
+    refused = run_train([*args, f"--train.model_module={module}", f"--train.out_dir={tmp_path / 'run'}"], check=False)
+    assert_one_sentence(refused, "param_groups cannot tell what value_embeds (3-D, (2, 50304, 32)) is")
+    module.write_text(STACKED_VALUE_EMBEDDINGS + """
+    param_kinds = {**model.PARAM_KINDS, "stack": model.ParamKind(in_n=False, muon=True, decay=False)}
+
+    def param_groups(self):
+        groups = {kind: [] for kind in self.param_kinds}
+        for name, p in self.named_parameters():
+            groups["stack" if p is self.value_embeds else "matrix" if p.dim() == 2 else "vector"].append(p)
+        return groups
+""")
+    refused = run_train([*args, f"--train.model_module={module}", "--optim.name=muon",
+                         f"--train.out_dir={tmp_path / 'run'}"], check=False)
+    assert_one_sentence(refused, "optim.name=muon steps value_embeds, a 3-D parameter", "Muon steps matrices only")
     assert not (tmp_path / "run").exists()
 
 
