@@ -325,9 +325,12 @@ def gpt_class(module="model"):
         return GPT
     import importlib.util
     import os
-    if not module.endswith(".py") or not os.path.isfile(module):
+    if not module.endswith(".py"):
         raise ValueError(f"train.model_module={module!r} is neither model nor a .py file; give the path of the file "
                          f"that defines your GPT class.")
+    if not os.path.isfile(module):  # (a run saved with it names it: moved or deleted since)
+        raise ValueError(f"train.model_module={module!r} is no file (moved or deleted?); put the file that defines "
+                         f"your GPT class at that path.")
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module))[0], module)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)

@@ -350,10 +350,13 @@ def check_identity(out_dir, saved_config, run_config):
     difference = identity_difference(saved_config, run_config)
     if difference:
         key, old, new = difference
+        gone = key == "train.model_module" and old != "model" and not os.path.isfile(old)  # (moved, or deleted)
+        to_resume = f"put that file back at {old} and set {as_override(key, old)}" if gone else \
+            f"set {as_override(key, old)}"
         raise CheckpointError(
             f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
-            f"correctly; set {as_override(key, old)} to resume it, or start fresh in another train.out_dir (or "
-            f"pass --checkpoint.save_overwrite=true to replace it).")
+            f"correctly; {to_resume} to resume it, or start fresh in another train.out_dir (or pass "
+            f"--checkpoint.save_overwrite=true to replace it).")
 
 
 def accept_resume(out_dir, saved_config, run_config, step, trains=True):

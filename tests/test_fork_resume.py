@@ -131,3 +131,22 @@ def test_a_checkpoint_without_a_code_hash_is_resumed_without_a_word_of_it(tmp_pa
     other = {"model.py": "0" * 64}
     assert code_change_note(model_code("model"), "model", tmp_path / "step3") == ""
     assert "changed since" in code_change_note(other, "model", tmp_path / "step3")
+
+
+def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, data_root):
+    """A run trained with train.model_module=A, whose file then moved to B: loading it says the file is gone (it
+    said "neither model nor a .py file"), and resuming with B asks for the file back at A (it advised setting A,
+    which names no file)."""
+    from checkpoint import CheckpointError, load_model
+
+    fork, moved = tmp_path / "fork.py", tmp_path / "moved.py"
+    fork.write_text(FORK)
+    out = tmp_path / "run"
+    common = [*TINY, f"--data.data_root={data_root}", *STEPS, f"--train.out_dir={out}"]
+    run_train([*common, f"--train.model_module={fork}", "--train.hard_stop=2"])
+    fork.rename(moved)
+    with pytest.raises(CheckpointError, match=f"train.model_module='{fork}' is no file \\(moved or deleted\\?\\); put "
+                                              f"the file that defines your GPT class at that path."):
+        load_model(str(out), "cpu", "--init_from")
+    refused = run_train([*common, f"--train.model_module={moved}"], check=False)
+    assert_one_sentence(refused, f"put that file back at {fork} and set --train.model_module={fork} to resume it")
