@@ -168,8 +168,8 @@ def test_import_train_loads_no_more_lines_than_now():
     4,759 lines in 10 modules before issue 46; 5,244 once its step's changes were merged with what landed beside
     them; 5,074 once rewind.py, auto_batch.py and sharding.py took what a default run does not use; 5,124 with
     the fixes a fork's review asked for (no lm_head, 3-D parameters, a check that fails on its values, a moved
-    file). The goal of 4,300 is not met (docs/loop-and-metrics.md says what stands in the way). The limit holds the figure so that it
-    cannot creep back."""
+    file). The goal of 4,300 is not met (docs/loop-and-metrics.md says what stands in the way). The limit holds
+    the figure so that it cannot creep back."""
     loaded, todo = set(), ["train"]
     while todo:
         name = todo.pop()
