@@ -334,8 +334,8 @@ class RowWriter:
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
-    "train/loss": "loss", "val/loss": "val", "eval/hellaswag/acc_norm": "hellaswag",
-    "eval/average": "tasks", "train/grad_norm": "norm",
+    "train/loss": "loss", "val/loss": "val", "eval/hellaswag/acc_norm": "hellaswag acc_norm",
+    "eval/average": "tasks average", "train/grad_norm": "norm",  # (each task's primary accuracy: hellaswag_eval.py)
     "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
     "train/loss_spike": "SPIKE",
 }
