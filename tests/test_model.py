@@ -15,7 +15,7 @@ def tiny_config(**overrides):
 
 def test_model_overfits_a_tiny_batch():
     torch.manual_seed(0)
-    model = GPT(tiny_config())
+    model = GPT(tiny_config(vocab_size=1024))  # (GPT-2's 50,304 rows made AdamW's step 90% of a 14 s test)
     x = torch.randint(0, 1000, (2, 16))
     y = torch.randint(0, 1000, (2, 16))
     optimizer = build_optimizer(model, OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
@@ -25,7 +25,7 @@ def test_model_overfits_a_tiny_batch():
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    assert first.item() > 10  # ~ln(50304) at initialisation
+    assert first.item() > 6.5  # ~ln(1024) at initialisation
     assert loss.item() < 0.1
 
 
