@@ -233,7 +233,7 @@ class GPT(nn.Module):
     def param_groups(self):
         """Every parameter once, by its kind (PARAM_KINDS above says what each kind is to the trainer):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
-          output     an output layer with weights of its own (untied)
+          output     the matrices `logits` multiplies by, but an embedding: an untied output layer, by any name
           matrix     the other weights of two dimensions: the matmuls of the blocks (of three or more, a stack
                      of matrices or of tables, is for a fork to name: one sentence asks it to)
           vector     biases and LayerNorm gains
@@ -241,14 +241,14 @@ class GPT(nn.Module):
         own parameter order."""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
-        output = getattr(self, "lm_head", None)  # (a fork may have none: its logits multiply by wte's weight)
+        output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by, whatever its name
         for name, p in self.named_parameters():  # a tied weight comes once, under its first name
             owner = modules[name.rpartition(".")[0]]
             if p.dim() > 2 and not isinstance(owner, nn.Embedding):
                 raise ModelError(f"param_groups cannot tell what {name} ({p.dim()}-D, {tuple(p.shape)}) is: a stack "
                                  f"of matrices or of lookup tables; give it a kind in param_groups (a kind of its own "
                                  f"adds a row to param_kinds).")
-            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if owner is output
+            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if id(p) in output and p.dim() == 2
                     else "matrix" if p.dim() == 2 else "vector")
             groups[kind].append(p)
         return groups
@@ -284,17 +284,17 @@ class ModelError(Exception):
 
 
 def output_parameters(model):
-    """The parameters `model.logits` computes from, read from autograd's graph of one row of hidden states (on the
-    meta device, a meta row: no memory). Under FSDP, whose sharded weights a plain row cannot reach, `lm_head`'s."""
-    first = next(model.parameters())
-    if type(first).__name__ == "DTensor":  # (train.data_parallel=fsdp)
-        if not hasattr(model, "lm_head"):
-            raise ModelError("under FSDP the output layer is read as the model's lm_head, and this model has none; "
-                             "train it with --train.data_parallel=ddp, or name its output layer lm_head.")
-        return [model.lm_head.weight]
-    with torch.enable_grad():
-        row = torch.zeros(1, model.config.n_embd, device=first.device, dtype=first.dtype, requires_grad=True)
-        return [leaf for leaf in graph_leaves(model.logits(row)) if leaf is not row]
+    """The parameters `model.logits` computes from: the leaves of autograd's graph of one row of hidden states (a
+    meta row on the meta device: no memory). Read once and kept by name (`model.output_names`), so a model sharded
+    by FSDP, whose pieces a plain row cannot reach, is answered too: sharding.shard reads them first."""
+    params = dict(model.named_parameters())
+    if getattr(model, "output_names", None) is None:
+        first = next(iter(params.values()))
+        with torch.enable_grad():
+            row = torch.zeros(1, model.config.n_embd, device=first.device, dtype=first.dtype, requires_grad=True)
+            leaves = {id(leaf) for leaf in graph_leaves(model.logits(row))}
+        model.output_names = [name for name, p in params.items() if id(p) in leaves]
+    return [params[name] for name in model.output_names]
 
 
 def parameter_kinds(model):

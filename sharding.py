@@ -43,6 +43,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from model import output_parameters
+
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
 
 
@@ -53,6 +55,7 @@ def shard(model, bf16, compiled):
     (torchtitan's default policy). With torch.compile, each block is compiled on its own, before it is sharded."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
+    output_parameters(model)  # read while the weights are whole, kept by name: the counts and param_groups ask it
     for block in model.blocks:
         if compiled:
             block.compile()

@@ -9,6 +9,8 @@ README's "Fork it" section shows; an edit that no longer applies to the code fai
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -366,6 +368,55 @@ class GPT(model.GPT):
         super().__init__(config, loss_path)
         self.value_embeds = nn.Parameter(torch.zeros(config.n_layer, config.vocab_size, config.n_embd))
 """
+
+
+RENAMED_OUTPUT = """import torch.nn as nn
+
+import model
+
+
+class GPT(model.GPT):
+    \"\"\"An untied output layer under a name of its own: the output layer is what `logits` multiplies by.\"\"\"
+
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        del self.lm_head
+        self.unembed = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+
+    def logits(self, h):
+        return self.unembed(h)
+"""
+
+
+def test_an_output_layer_by_another_name_is_the_output_whole_and_sharded(tmp_path):
+    """param_groups found the output layer as `lm_head`: `unembed` was a matrix, and Muon stepped it (exit 0, another
+    model). Now it is the output, to AdamW, as what `logits` multiplies by; FSDP's sharded pieces (one gloo rank
+    here) are answered by the names sharding.shard read while the weights were whole."""
+    module = tmp_path / "my_gpt.py"
+    module.write_text(RENAMED_OUTPUT)
+    script = f"""
+import os, sys, torch.distributed as dist
+sys.path.insert(0, {str(ROOT)!r})
+from config import OptimConfig
+from model import GPTConfig, gpt_class
+from optimizer import param_groups
+from sharding import shard
+GPT = gpt_class({str(module)!r})
+def answers(m):
+    return (m.num_params_with_output(), m.flops_per_token(),
+            [name for name, p in m.named_parameters() if any(p is q for q in m.param_groups()["output"])])
+whole = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+assert not any(p is whole.unembed.weight for p in param_groups(whole, OptimConfig(name="muon"))["muon"])
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+dist.init_process_group("gloo", rank=0, world_size=1)
+sharded = shard(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)), bf16=False, compiled=False)
+assert type(sharded.unembed.weight).__name__ == "DTensor"
+print(answers(whole), answers(sharded))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    whole, sharded = result.stdout.strip().split(") (")
+    assert whole + ")" == "(" + sharded and "['unembed.weight']" in whole, result.stdout
 
 
 def test_a_parameter_of_more_than_two_dimensions_is_given_a_kind_or_refused(tmp_path, args):
