@@ -88,8 +88,8 @@ def check_gpt2_config(source, hf_config):
                            f"n_embd wide; give a GPT-2 with GPT-2's settings.")
 
 
-def import_hf(source):
-    """Our GPT with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder."""
+def hf_gpt2(source):
+    """GPT2LMHeadModel from an OpenAI GPT-2 name or a local HF GPT-2 folder, its sizes checked against its config."""
     transformers = require_transformers()
     if os.path.isdir(source):
         check_gpt2_config(source, read_json(os.path.join(source, "config.json")))
@@ -106,17 +106,45 @@ def import_hf(source):
         raise WeightsError(f"{source} is not a loadable GPT-2 ({type(error).__name__}: {reason}); write it again "
                            f"with save_pretrained, or download it again.") from None
     check_weights_match_config(source, hf_model, info)
+    return hf_model
+
+
+def import_hf(source):
+    """Our GPT (model.py's, as edited) with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder."""
+    hf_model = hf_gpt2(source)
     c = hf_model.config
     # Keep GPT-2's own 50,257-token vocabulary: padding rows would change the softmax and the loss.
     config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
                        n_embd=c.n_embd, dropout=0.0, bias=True)
     model = GPT(config)
-    hf_state = hf_model.state_dict()
-    ours = model.state_dict()
-    for key in ours:
-        value = hf_state[key]
-        ours[key].copy_(value.t() if key.endswith(CONV1D_SUFFIXES) else value)
+    gpt2_weights_into(model, hf_model, source)
     return model
+
+
+def gpt2_weights_into(model, hf_model, source):
+    """GPT-2's weights (Hugging Face's names and Conv1D layout) into `model` by name, the position table cropped to
+    its block_size (nanoGPT's crop_block_size). A weight one side has and the other has not, or of another shape,
+    is one sentence: a fork that drops the position table or adds a gain cannot take GPT-2's weights. GPT-2's
+    lm_head.weight is its token embedding: a model whose `logits` multiply by the token embedding has it already."""
+    buffers = {name for name, _ in hf_model.named_buffers()}  # (older transformers saved attention masks too)
+    hf_state = {key: value for key, value in hf_model.state_dict().items() if key not in buffers}
+    ours = model.state_dict()
+    embedding = ours.get("transformer.wte.weight")
+    tied = embedding is not None and any(p.data_ptr() == embedding.data_ptr() for p in output_parameters(model))
+    theirs = {key: value for key, value in hf_state.items() if key in ours or not (key == "lm_head.weight" and tied)}
+    unplaced = [key for key in theirs if key not in ours] + [key for key in ours if key not in theirs]
+    if unplaced:
+        raise WeightsError(f"GPT-2's weights and this model's differ at {unplaced[0]} (one side has it, the other has "
+                           f"not), so {source} cannot be loaded into it; fine-tune model.py's GPT-2, or train this "
+                           f"model from scratch.")
+    for key, value in theirs.items():
+        value = value.t() if key.endswith(CONV1D_SUFFIXES) else value
+        value = value[: model.config.block_size] if key == "transformer.wpe.weight" else value
+        if value.shape != ours[key].shape:
+            raise WeightsError(f"GPT-2's {key} is {tuple(value.shape)} and this model's is {tuple(ours[key].shape)}, "
+                               f"so {source} cannot be loaded into it; fine-tune model.py's GPT-2, or train this "
+                               f"model from scratch.")
+        ours[key].copy_(value)
 
 
 def is_gpt2_source(source):
@@ -266,18 +294,8 @@ def check_same_logits(model, hf_model, tolerance=1e-4):
 
 
 def load_gpt2_weights(model, source):
-    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (use_source_shape):
-    the position embeddings are cropped to a shorter model.block_size, as nanoGPT's crop_block_size. A fork
-    without a place for one of GPT-2's weights (no position table, say) is one sentence."""
-    state = import_hf(source).state_dict()
-    state["transformer.wpe.weight"] = state["transformer.wpe.weight"][: model.config.block_size]
-    ours = model.state_dict()
-    unplaced = [key for key in state if key not in ours] + [key for key in ours if key not in state]
-    if unplaced:
-        raise WeightsError(f"GPT-2's weights and this model's differ at {unplaced[0]} (one side has it, the other has "
-                           f"not), so {source} cannot be loaded into it; fine-tune model.py's GPT-2, or train this "
-                           f"model from scratch.")
-    model.load_state_dict(state)
+    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (use_source_shape)."""
+    gpt2_weights_into(model, hf_gpt2(source), source)
 
 
 SHAPE_FIELDS = [f.name for f in dataclasses.fields(GPTConfig) if f.metadata["role"] == "identity"]
@@ -288,7 +306,7 @@ def use_source_shape(shape, model_config, source, what, default_config=False, ke
     set into `model_config`. A field the config set to another value is refused, naming it; model.block_size
     may shrink (never grow). A value at its dataclass default counts as unset."""
     default = dataclasses.asdict(type(model_config)())
-    for name in SHAPE_FIELDS:
+    for name in (name for name in SHAPE_FIELDS if name in shape):  # (a fork's own field keeps its value)
         value, mine = shape[name], getattr(model_config, name)
         if mine == default[name]:
             setattr(model_config, name, value)

@@ -204,3 +204,66 @@ def test_a_weight_of_another_shape_is_one_sentence_naming_it_and_both_shapes(tmp
                                         r"GPT-2's is \(32, 96\)"):
         hf.export_hf(net, str(tmp_path / "export"))
     assert sorted(tmp_path.iterdir()) == []
+
+
+class NoLmHead(GPT):
+    """Logits through the token embedding itself: GPT-2 exactly, without the name lm_head."""
+
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        del self.lm_head
+
+    def logits(self, h):
+        return torch.nn.functional.linear(h, self.transformer.wte.weight)
+
+
+class NoPositionTable(GPT):
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        del self.transformer.wpe
+
+
+class WithGain(GPT):
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        self.transformer.h[0].gain = torch.nn.Parameter(torch.ones(config.n_embd))
+
+
+def gpt2_shaped(cls):
+    return cls(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32, vocab_size=50257))
+
+
+def test_gpt2_weights_go_into_a_fork_that_has_their_place_or_it_is_one_sentence(hf_folder):
+    """Fine-tuning GPT-2 (checkpoint.load_path) into a fork, or sampling it (--init_from) after an edit of model.py:
+    a dropped position table was silently left out (exit 0, another model), a gain was a KeyError traceback, and a
+    model tied through its embedding without an lm_head was refused."""
+    path, reference = hf_folder
+    tied = gpt2_shaped(NoLmHead)
+    hf.load_gpt2_weights(tied, str(path))
+    x = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(tied(x), reference(x).logits, atol=1e-5)
+    for cls, name in ((NoPositionTable, "transformer.wpe.weight"), (WithGain, "transformer.h.0.gain")):
+        with pytest.raises(UserError, match=f"^GPT-2's weights and this model's differ at {name} \\(one side has"):
+            hf.load_gpt2_weights(gpt2_shaped(cls), str(path))
+    wider = gpt2_shaped(GPT)
+    wider.transformer.h[1].mlp.c_fc = torch.nn.Linear(32, 64)  # a SwiGLU-like width
+    with pytest.raises(UserError, match=r"^GPT-2's transformer.h.1.mlp.c_fc.weight is \(128, 32\) and this model's "
+                                        r"is \(64, 32\), so .* cannot be loaded into it;"):
+        hf.load_gpt2_weights(wider, str(path))
+
+
+def test_a_model_field_gpt2_does_not_have_keeps_its_value_when_the_shape_comes_from_gpt2(monkeypatch):
+    """A new identity field edited into GPTConfig (n_kv_head) was a KeyError in use_source_shape: GPT-2's
+    config.json has only GPT-2's six fields. The field keeps its value (its default is the model as it was)."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class WithKvHeads(GPTConfig):
+        n_kv_head: int = dataclasses.field(default=0, metadata={"role": "identity", "ladder": False})
+
+    monkeypatch.setattr(hf, "SHAPE_FIELDS", [*hf.SHAPE_FIELDS, "n_kv_head"])
+    config = WithKvHeads()
+    hf.use_source_shape({"block_size": 64, "vocab_size": 50257, "n_layer": 2, "n_head": 2, "n_embd": 32,
+                         "bias": True}, config, "gpt2", "GPT-2")
+    assert (config.n_layer, config.n_embd, config.n_kv_head) == (2, 32, 0)
