@@ -42,7 +42,7 @@ import callbacks
 from callbacks import STACKS
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
-from model import GPT
+from model import gpt_class
 from optimizer import build_optimizer
 
 TRACES = "traces"
@@ -282,7 +282,11 @@ def named_state(path):
     optim = read_file(path, "optim.pt")
     # The optimizer numbers parameters in the order of its groups: rebuild them to name the moments.
     cfg = config_from_dict(trainer["config"])
-    model = GPT(cfg.model)
+    try:
+        with torch.device("meta"):  # the run's own class (train.model_module): its parameters, in its order
+            model = gpt_class(cfg.train.model_module)(cfg.model)
+    except ValueError as error:  # a train.model_module file that is gone
+        raise DebugError(f"{path}: {error}") from None
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = build_optimizer(model, cfg.optim, "cpu")
     parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both

@@ -323,3 +323,19 @@ def test_a_trace_too_large_for_the_disk_is_not_written(tmp_path, monkeypatch, ca
     debug.trace_forward(tiny_model(), loader, nullcontext(), str(tmp_path), 8)
     assert not (tmp_path / "traces" / "step8").exists()
     assert "the trace of step 8 would take" in capsys.readouterr().err
+
+
+def test_compare_state_names_the_moments_of_a_gpt_of_your_own(tmp_path, data_root, capsys):
+    """The optimizer's moments are named by rebuilding the run's parameters in order: from the run's own class
+    (train.model_module), not model.py's (a fork with a parameter of its own was an IndexError traceback)."""
+    module = tmp_path / "my_gpt.py"
+    module.write_text("import torch\nimport torch.nn as nn\n\nimport model\n\n\nclass GPT(model.GPT):\n"
+                      "    def __init__(self, config, loss_path='chunked'):\n"
+                      "        super().__init__(config, loss_path)\n"
+                      "        self.logit_bias = nn.Parameter(torch.zeros(config.vocab_size))\n\n"
+                      "    def logits(self, h):\n        return super().logits(h) + self.logit_bias\n")
+    run_train([*TINY, f"--data.data_root={data_root}", f"--train.model_module={module}", "--train.max_steps=2",
+               "--checkpoint.interval=2", "--eval.interval=0", f"--train.out_dir={tmp_path / 'run'}"])
+    capsys.readouterr()
+    assert debug.compare_state(str(tmp_path / "run"), str(tmp_path / "run")) == 0
+    assert "optim/logit_bias/exp_avg" in debug.named_state(str(tmp_path / "run"))[1]
