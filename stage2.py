@@ -23,8 +23,10 @@ import os
 import torch
 from torch.nn import functional as F
 
-from checkpoint import load_model
+from checkpoint import CheckpointError, check_source, check_weights_fit, load_model, read_trainer_state
+from config import config_from_dict
 from data import GPT2_VOCAB_SIZE
+from model import gpt_class
 
 
 def full_kl(logits, reference_logits, targets):
@@ -53,6 +55,30 @@ def stage2_loss(model, x, y, reference, beta, estimator):
             reference_loss = reference(x, y)
         kl = ce - reference_loss
     return ce + beta * kl, ce, kl, reference_loss
+
+
+def check_reference(source, model_cfg):
+    """stage2.reference at start, since stage 2 may begin hours later: a model load_model can load, whose weights fit
+    the class it was trained with, that reads this run's sequences (block_size) and predicts its tokens (vocab_size).
+    One sentence otherwise. Shapes and configs are read, not weights."""
+    path = check_source(source, "stage2.reference")
+    if path is None:  # a GPT-2 name or a Hugging Face folder (hf.py)
+        from hf import gpt2_shape
+        shape = gpt2_shape(source)
+    else:
+        cfg = config_from_dict(read_trainer_state(path)["config"])
+        try:
+            with torch.device("meta"):  # its shapes, no memory
+                model = gpt_class(cfg.train.model_module)(cfg.model)
+        except ValueError as error:  # a train.model_module file that is gone
+            raise CheckpointError(f"stage2.reference={source}: {error}") from None
+        check_weights_fit(path, model, "give stage2.reference a checkpoint of the model as its code is now.")
+        shape = {"block_size": cfg.model.block_size, "vocab_size": cfg.model.vocab_size}
+    if shape["block_size"] < model_cfg.block_size or shape["vocab_size"] < min(model_cfg.vocab_size, GPT2_VOCAB_SIZE):
+        raise CheckpointError(f"stage2.reference={source} reads {shape['block_size']} tokens at most and predicts "
+                              f"{shape['vocab_size']}, and this run's model.block_size is {model_cfg.block_size} and "
+                              f"its model.vocab_size {model_cfg.vocab_size}; give a reference trained on this run's "
+                              f"sequences and tokenizer.")
 
 
 def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside):

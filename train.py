@@ -73,7 +73,8 @@ def main(argv):
         import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
-        check_source(cfg.stage2.reference, "stage2.reference")
+        from stage2 import check_reference
+        check_reference(cfg.stage2.reference, cfg.model)
     if cfg.checkpoint.load_path:
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if "--dry_run" in argv:  # the plan, printed (dry_run.py)

@@ -89,3 +89,29 @@ def test_a_reference_from_another_source_is_used_as_given(mixture_root, tmp_path
     snapshot, given = read_metrics(tmp_path / "snapshot"), read_metrics(tmp_path / "given")
     assert snapshot[4]["train/ce_loss"] == given[4]["train/ce_loss"]  # the same model at the first stage-2 step
     assert snapshot[4]["train/reference_loss"] != given[4]["train/reference_loss"]  # but another reference
+
+
+def test_a_reference_that_cannot_serve_this_run_is_refused_before_stage_1_trains(mixture_root, tmp_path):
+    """Checked at start, not when stage 2 begins (a traceback then, hours in): a reference trained on shorter
+    sequences, and one whose weights do not fit its own class as the code is now."""
+    from conftest import assert_one_sentence
+
+    short = tmp_path / "short"
+    run_train(TINY + [f"--data.data_root={mixture_root}", f"--train.out_dir={short}", "--train.max_steps=2",
+                      "--model.block_size=16", "--train.total_batch_size=64", "--eval.interval=0"])
+    refused = run_train(stage2_args(mixture_root, tmp_path / "run", "--stage2.kl_beta=0.1",
+                                    f"--stage2.reference={short}"), check=False)
+    assert_one_sentence(refused, f"stage2.reference={short} reads 16 tokens at most and predicts 50304, and this "
+                                 f"run's model.block_size is 32")
+    state = torch.load(short / "step2" / "model.pt", weights_only=True)
+    state["transformer.h.0.gain"] = torch.ones(32)  # saved by a fork this code is not
+    torch.save(state, short / "step2" / "model.pt")
+    import json
+    from checkpoint import sha256_file
+    marker = json.loads((short / "step2" / "COMPLETE").read_text())
+    marker["files"]["model.pt"] = sha256_file(short / "step2" / "model.pt")
+    (short / "step2" / "COMPLETE").write_text(json.dumps(marker))
+    refused = run_train(stage2_args(mixture_root, tmp_path / "run", "--stage2.kl_beta=0.1", "--model.block_size=16",
+                                    "--train.total_batch_size=64", f"--stage2.reference={short}"), check=False)
+    assert_one_sentence(refused, "do not fit this model: it has transformer.h.0.gain, which this model has not")
+    assert not (tmp_path / "run").exists()
