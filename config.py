@@ -744,7 +744,14 @@ def parse_args(argv, cfg=None):
     for arg in argv[1:] if has_file else argv:
         apply_override(cfg, arg)
     validate(cfg)
+    cfg.train.model_module = model_path(cfg.train.model_module)
     return cfg
+
+
+def model_path(module):
+    """train.model_module as a run records it: a file's absolute path (a relative one names another file, or none,
+    from another folder: sample.py, a resume), or model."""
+    return module if module == "model" else os.path.abspath(module)
 
 
 def run_command(main, argv, also=None):
@@ -811,7 +818,9 @@ def with_defaults(saved):
     since it was saved takes its default, which is the model (or run) as it was then (model.py's GPTConfig says so),
     so a checkpoint from before a new field resumes. A field this version lacks stays, as it was saved."""
     defaults = config_to_dict(Config())
-    return {name: {**defaults.get(name, {}), **saved.get(name, {})} for name in {**defaults, **saved}}
+    config = {name: {**defaults.get(name, {}), **saved.get(name, {})} for name in {**defaults, **saved}}
+    config["train"]["model_module"] = model_path(config["train"]["model_module"])  # (older runs kept it as typed)
+    return config
 
 
 def config_from_dict(data):

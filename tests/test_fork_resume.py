@@ -150,3 +150,17 @@ def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, da
         load_model(str(out), "cpu", "--init_from")
     refused = run_train([*common, f"--train.model_module={moved}"], check=False)
     assert_one_sentence(refused, f"put that file back at {fork} and set --train.model_module={fork} to resume it")
+
+
+def test_a_relative_model_module_is_recorded_as_the_file_it_named(tmp_path, monkeypatch):
+    """Typed relative to where the run started, it named no file (or another file) from any other folder: sample.py
+    said the file was gone, and a resume could load a namesake. The run records the absolute path; a run saved
+    before, read back, is taken relative to where it is read from, as it always was."""
+    from config import parse_args, with_defaults
+
+    (tmp_path / "my_gpt.py").write_text(FORK)
+    monkeypatch.chdir(tmp_path)
+    assert parse_args(["--train.model_module=my_gpt.py"]).train.model_module == str(tmp_path / "my_gpt.py")
+    saved_before = {"train": {"model_module": "my_gpt.py"}}
+    assert with_defaults(saved_before)["train"]["model_module"] == str(tmp_path / "my_gpt.py")
+    assert parse_args([]).train.model_module == "model"
