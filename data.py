@@ -8,8 +8,8 @@ prepare_data.py shakespeare`, ...), and train.py prepares the built-in datasets 
 `TokenLoader` cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
 own slice of every global batch. The global batch at step s is the same set of sequences whatever the
 world size and micro-batch split, and the loader's position is one global number, so a checkpoint can
-resume it exactly, even on a different number of GPUs. `MixtureLoader` does the same over several
-datasets at fixed shares (`data.mix`).
+resume it exactly, even on a different number of GPUs. `MixtureLoader` (mixture.py) does the same over
+several datasets at fixed shares (`data.mix`).
 """
 
 import functools
@@ -222,6 +222,10 @@ class TokenLoader:
         first = self.position + self.rank * self.batch_size
         rows = [self.sequence(first + j) for j in range(self.batch_size)]
         self.position += self.world_size * self.batch_size
+        return self.to_batch(rows)
+
+    def to_batch(self, rows):
+        """Sequences -> (x, y) on this loader's device (a mixture batches its sources' sequences so)."""
         return rows_to_batch(rows, self.device)
 
     def skip_batches(self, n):
@@ -272,83 +276,6 @@ def open_shard(path, vocab_limit):
     return shard
 
 
-def allocate(counts, start_counts, shares, n):
-    """Hand out n sequences one at a time to the source with the largest deficit (share x handed out
-    since start_counts, minus what it got). Returns (plan [(source, index in its stream)], new counts)."""
-    counts = list(counts)
-    handed = sum(counts) - sum(start_counts)
-    plan = []
-    for _ in range(n):
-        handed += 1
-        deficits = [share * handed - (c - s) for share, c, s in zip(shares, counts, start_counts)]
-        source = int(np.argmax(deficits))  # ties go to the first source
-        plan.append((source, counts[source]))
-        counts[source] += 1
-    return plan, counts
-
-
-class MixtureLoader:
-    """Drop-in for TokenLoader's training use (next_batch, skip_batches, state) over several sources."""
-
-    def __init__(self, data_root, mix, *, sequences_per_step, batch_size, block_size, rank=0, world_size=1,
-                 shuffle=True, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
-        self.names = [name for name, _ in mix]
-        self.shares = [share for _, share in mix]
-        self.sources = [TokenLoader(dataset_dir(data_root, name), "train", batch_size=1, block_size=block_size,
-                                    shuffle=shuffle, seed=seed, vocab_size=vocab_size) for name in self.names]
-        self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
-        self.sequences_per_step = sequences_per_step
-        self.batch_size, self.rank, self.world_size, self.device = batch_size, rank, world_size, device
-        self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
-        self.start_counts = [0] * len(self.names)  # the counts when this mixture began
-        self.skipped = [0] * len(self.names)  # of those, sequences passed over by train.steps_to_skip
-        self.slot, self.plan, self.next_counts = 0, None, None
-
-    def next_batch(self):
-        first = self._take_slots()
-        return rows_to_batch([self.sources[s].sequence(i) for s, i in self.plan[first : first + self.batch_size]],
-                             self.device)
-
-    def skip_batches(self, n):
-        """train.steps_to_skip: move past n micro-batches (a whole step) unread; they are counted as skipped."""
-        before = list(self.counts)
-        for _ in range(n):
-            self._take_slots()
-        self.skipped = [s + after - b for s, after, b in zip(self.skipped, self.counts, before)]
-
-    def _take_slots(self):
-        """This rank's first slot in the current global batch (planned on its first micro-batch); moves on."""
-        if self.slot == 0:
-            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
-        first = self.slot + self.rank * self.batch_size
-        self.slot += self.world_size * self.batch_size
-        if self.slot >= self.sequences_per_step:
-            self.counts, self.slot = self.next_counts, 0
-        return first
-
-    def metrics(self):
-        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: the pass over all
-        the sources' sequences under way, counted from 1 (host numbers: no sync)."""
-        return {**{f"data/{name}/sequences": count - skipped
-                   for name, count, skipped in zip(self.names, self.counts, self.skipped)},
-                "data/epoch": sum(self.counts) // self.num_sequences + 1}
-
-    def state_dict(self):
-        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),
-                "skipped": list(self.skipped), "epoch": sum(self.counts) // self.num_sequences}
-
-    def load_state_dict(self, state):
-        """Restore every source's position by name. A source new to this run starts at 0, and a changed
-        mixture starts its accounting afresh from the restored positions."""
-        saved = dict(zip(state.get("mix", []), state.get("counts", [])))
-        self.counts = [saved.get(name, 0) for name in self.names]
-        skipped = dict(zip(state.get("mix", []), state.get("skipped", [])))
-        self.skipped = [skipped.get(name, 0) for name in self.names]
-        same_mix = state.get("mix") == self.names
-        self.start_counts = list(state["start_counts"]) if same_mix else list(self.counts)
-        self.slot = 0
-
-
 # ----------------------------------------------------------------------------- the run's loaders
 
 
@@ -369,9 +296,13 @@ def build_loaders(cfg, rank, world_size, device):
     loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
                        world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
 
-    def mixture_loader(mixture):
-        return MixtureLoader(cfg.data.data_root, mixture, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
-                             sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size, **loader_args)
+    def mixture_loader(mixture):  # (mixture.py: imported only by a run of several datasets)
+        from mixture import MixtureLoader
+        sources = [TokenLoader(dataset_dir(cfg.data.data_root, name), "train", batch_size=1,
+                               block_size=cfg.model.block_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
+                               device=device, vocab_size=cfg.model.vocab_size) for name, _ in mixture]
+        return MixtureLoader(mixture, sources, sequences_per_step=cfg.train.total_batch_size // cfg.model.block_size,
+                             batch_size=cfg.data.batch_size, rank=rank, world_size=world_size)
 
     # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
     # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
