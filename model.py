@@ -234,8 +234,8 @@ class GPT(nn.Module):
         """Every parameter once, by its kind (PARAM_KINDS above says what each kind is to the trainer):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
           output     the matrices `logits` multiplies by, but an embedding: an untied output layer, by any name
-          matrix     the other weights of two dimensions: the matmuls of the blocks (of three or more, a stack
-                     of matrices or of tables, is for a fork to name: one sentence asks it to)
+          matrix     the other weights of two or more dimensions: the matmuls of the blocks (a lookup table of
+                     a fork's own held as a bare parameter, not an nn.Embedding, needs a kind of its own)
           vector     biases and LayerNorm gains
         A fork may name a kind of its own, once it adds it to param_kinds. Each list is in the model's
         own parameter order."""
@@ -244,12 +244,8 @@ class GPT(nn.Module):
         output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by, whatever its name
         for name, p in self.named_parameters():  # a tied weight comes once, under its first name
             owner = modules[name.rpartition(".")[0]]
-            if p.dim() > 2 and not isinstance(owner, nn.Embedding):
-                raise ModelError(f"param_groups cannot tell what {name} ({p.dim()}-D, {tuple(p.shape)}) is: a stack "
-                                 f"of matrices or of lookup tables; give it a kind in param_groups (a kind of its own "
-                                 f"adds a row to param_kinds).")
             kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if id(p) in output and p.dim() == 2
-                    else "matrix" if p.dim() == 2 else "vector")
+                    else "matrix" if p.dim() >= 2 else "vector")
             groups[kind].append(p)
         return groups
 
@@ -284,17 +280,24 @@ class ModelError(Exception):
 
 
 def output_parameters(model):
-    """The parameters `model.logits` computes from: the leaves of autograd's graph of one row of hidden states (a
-    meta row on the meta device: no memory). Read once and kept by name (`model.output_names`), so a model sharded
-    by FSDP, whose pieces a plain row cannot reach, is answered too: sharding.shard reads them first."""
+    """The parameters `model.logits` computes from, frozen ones too: the leaves of autograd's graph of one row of
+    hidden states, on the model's device (one row of logits; none on the meta device). A model FSDP has sharded,
+    whose pieces a plain row cannot reach, answers by the names sharding.shard read first (`output_names`)."""
     params = dict(model.named_parameters())
-    if getattr(model, "output_names", None) is None:
-        first = next(iter(params.values()))
-        with torch.enable_grad():
+    if type(next(iter(params.values()))).__name__ == "DTensor":
+        return [params[name] for name in model.output_names]
+    frozen = [p for p in params.values() if not p.requires_grad]
+    with torch.inference_mode(False), torch.enable_grad():
+        try:
+            for p in frozen:
+                p.requires_grad_(True)
+            first = next(iter(params.values()))
             row = torch.zeros(1, model.config.n_embd, device=first.device, dtype=first.dtype, requires_grad=True)
             leaves = {id(leaf) for leaf in graph_leaves(model.logits(row))}
-        model.output_names = [name for name, p in params.items() if id(p) in leaves]
-    return [params[name] for name in model.output_names]
+        finally:
+            for p in frozen:
+                p.requires_grad_(False)
+    return [p for p in params.values() if id(p) in leaves]
 
 
 def parameter_kinds(model):

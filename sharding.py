@@ -55,7 +55,8 @@ def shard(model, bf16, compiled):
     (torchtitan's default policy). With torch.compile, each block is compiled on its own, before it is sharded."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
-    output_parameters(model)  # read while the weights are whole, kept by name: the counts and param_groups ask it
+    outputs = {id(p) for p in output_parameters(model)}  # read while whole; asked by name once sharded (model.py)
+    model.output_names = [name for name, p in model.named_parameters() if id(p) in outputs]
     for block in model.blocks:
         if compiled:
             block.compile()

@@ -419,28 +419,31 @@ print(answers(whole), answers(sharded))
     assert whole + ")" == "(" + sharded and "['unembed.weight']" in whole, result.stdout
 
 
-def test_a_parameter_of_more_than_two_dimensions_is_given_a_kind_or_refused(tmp_path, args):
-    """Its kind was "matrix" by default: counted in N, and under Muon a traceback from torch.optim.Muon. Now its
-    kind is asked for in one sentence; given one whose row says Muon, Muon's refusal is one sentence too."""
+def test_a_parameter_of_more_than_two_dimensions_is_refused_by_muon_unless_its_kind_says_so(tmp_path, args):
+    """A 3-D parameter counts as a matrix (a stack of them, or a conv kernel), which Muon cannot step: under Muon it
+    was a traceback from torch.optim.Muon, and is one sentence naming it. Given a kind of its own (a table per
+    layer: not in N, AdamW without decay), the run trains under Muon."""
     from conftest import run_train
+    from model import GPT, GPTConfig, gpt_class
 
     module = tmp_path / "my_gpt.py"
     module.write_text(STACKED_VALUE_EMBEDDINGS)
-    refused = run_train([*args, f"--train.model_module={module}", f"--train.out_dir={tmp_path / 'run'}"], check=False)
-    assert_one_sentence(refused, "param_groups cannot tell what value_embeds (3-D, (2, 50304, 32)) is")
-    module.write_text(STACKED_VALUE_EMBEDDINGS + """
-    param_kinds = {**model.PARAM_KINDS, "stack": model.ParamKind(in_n=False, muon=True, decay=False)}
-
-    def param_groups(self):
-        groups = {kind: [] for kind in self.param_kinds}
-        for name, p in self.named_parameters():
-            groups["stack" if p is self.value_embeds else "matrix" if p.dim() == 2 else "vector"].append(p)
-        return groups
-""")
     refused = run_train([*args, f"--train.model_module={module}", "--optim.name=muon",
                          f"--train.out_dir={tmp_path / 'run'}"], check=False)
     assert_one_sentence(refused, "optim.name=muon steps value_embeds, a 3-D parameter", "Muon steps matrices only")
     assert not (tmp_path / "run").exists()
+    module.write_text(STACKED_VALUE_EMBEDDINGS + """
+    param_kinds = {**model.PARAM_KINDS, "table": model.ParamKind(in_n=False, muon=False, decay=False)}
+
+    def param_groups(self):
+        groups = super().param_groups()
+        groups["matrix"] = [p for p in groups["matrix"] if p is not self.value_embeds]
+        return {**groups, "table": [self.value_embeds]}
+""")
+    run_train([*args, f"--train.model_module={module}", "--optim.name=muon", "--train.max_steps=2",
+               "--eval.interval=0", f"--train.out_dir={tmp_path / 'run'}"])
+    own = gpt_class(str(module))(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+    assert own.num_params(non_embedding=True) == GPT(own.config).num_params(non_embedding=True)
 
 
 GQA = [("model.py", "    n_embd: int = field(",

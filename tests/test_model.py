@@ -119,3 +119,20 @@ def test_peak_flops_lookup_for_mfu(monkeypatch):
                            ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_flops_for_device("cuda") == expected, name
+
+
+def test_the_output_layer_is_found_whatever_its_requires_grad_and_the_grad_mode():
+    """output_parameters reads autograd's graph of one row: a frozen token embedding (the tied output layer) was no
+    leaf of it, so FLOPs and MFU counted 55x too few; and it is read afresh, so a model untied after a first call
+    is answered as it is now."""
+    from model import output_parameters
+
+    model = GPT(tiny_config())
+    expected = model.num_params_with_output()
+    model.transformer.wte.weight.requires_grad_(False)
+    with torch.inference_mode():
+        assert model.num_params_with_output() == expected
+    assert not model.transformer.wte.weight.requires_grad  # as it was
+    model.lm_head = torch.nn.Linear(32, model.config.vocab_size, bias=False)  # untied after that
+    assert output_parameters(model) == [model.lm_head.weight]
+    assert model.param_groups()["output"] == [model.lm_head.weight]
