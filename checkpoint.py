@@ -642,8 +642,9 @@ def check_group_layout(saved, optimizer, path):
     if group_layout(saved) != group_layout(optimizer.state_dict()):
         raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
                               f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
-                              f"optim.name or optim.decay_embeddings differ); set them as the checkpoint's run did, "
-                              f"or --checkpoint.load_optim=false to start the optimizer afresh.")
+                              f"optim.name or optim.decay_embeddings differ, or the model code now gives a parameter "
+                              f"another kind); set them as the checkpoint's run did, or --checkpoint.load_optim=false "
+                              f"to start the optimizer afresh.")
 
 
 def keep_settings(optimizer, load):
@@ -779,7 +780,7 @@ def load_model(source, device, key):
         raise CheckpointError(f"{key}={source}: {error}") from None
     load_model_state(model, path, "cpu")
     note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path, goes_on="it is loaded")
-    if note:  # (on stderr: what a tool prints on stdout, samples or scores, stays its own)
+    if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (on stderr: stdout is the tool's own)
         print(note, file=sys.stderr)
     return model.to(device).eval()
 

@@ -292,7 +292,11 @@ def named_state(path):
     parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both
     for part_name, part in parts.items():
         ordered = [names[id(p)] for g in part.param_groups for p in g["params"]]
-        for index, moments in (optim[part_name] if part_name else optim)["state"].items():
+        saved = optim[part_name] if part_name else optim
+        if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in part.param_groups]:
+            raise DebugError(f"{path} holds optimizer state grouped otherwise than this code groups the model's "
+                             f"parameters (the model code changed since); compare checkpoints of one code.")
+        for index, moments in saved["state"].items():
             for key, value in moments.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     state[f"optim/{ordered[int(index)]}/{key}"] = value

@@ -59,8 +59,9 @@ def stage2_loss(model, x, y, reference, beta, estimator):
 
 def check_reference(source, model_cfg):
     """stage2.reference at start, since stage 2 may begin hours later: a model load_model can load, whose weights fit
-    the class it was trained with, that reads this run's sequences (block_size) and predicts its tokens (vocab_size).
-    One sentence otherwise. Shapes and configs are read, not weights."""
+    the class it was trained with, that reads this run's sequences (block_size) and predicts its tokens: GPT-2's
+    (a vocabulary of 50,257 or padded past it) or as many characters. One sentence otherwise. Shapes and configs
+    are read, not weights."""
     path = check_source(source, "stage2.reference")
     if path is None:  # a GPT-2 name or a Hugging Face folder (hf.py)
         from hf import gpt2_shape
@@ -74,7 +75,8 @@ def check_reference(source, model_cfg):
             raise CheckpointError(f"stage2.reference={source}: {error}") from None
         check_weights_fit(path, model, "give stage2.reference a checkpoint of the model as its code is now.")
         shape = {"block_size": cfg.model.block_size, "vocab_size": cfg.model.vocab_size}
-    if shape["block_size"] < model_cfg.block_size or shape["vocab_size"] < min(model_cfg.vocab_size, GPT2_VOCAB_SIZE):
+    tokenizer, ours = min(shape["vocab_size"], GPT2_VOCAB_SIZE), min(model_cfg.vocab_size, GPT2_VOCAB_SIZE)
+    if shape["block_size"] < model_cfg.block_size or tokenizer != ours:  # (GPT-2's tokens, or the same characters)
         raise CheckpointError(f"stage2.reference={source} reads {shape['block_size']} tokens at most and predicts "
                               f"{shape['vocab_size']}, and this run's model.block_size is {model_cfg.block_size} and "
                               f"its model.vocab_size {model_cfg.vocab_size}; give a reference trained on this run's "

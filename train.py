@@ -72,11 +72,11 @@ def main(argv):
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
         import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
-    if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now
-        from stage2 import check_reference
-        check_reference(cfg.stage2.reference, cfg.model)
     if cfg.checkpoint.load_path:
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
+    if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now (with the run's shape)
+        from stage2 import check_reference
+        check_reference(cfg.stage2.reference, cfg.model)
     if "--dry_run" in argv:  # the plan, printed (dry_run.py)
         from dry_run import dry_run
         return dry_run(cfg)

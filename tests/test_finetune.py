@@ -121,3 +121,27 @@ def test_the_default_config_files_shape_is_named_as_the_reason_for_a_refusal(gpt
     result = run_in_process([f"--checkpoint.load_path={gpt2_folder}", f"--train.out_dir={tmp_path / 'run'}"])
     assert result.returncode == 1 and "in config/shakespeare.py, the default config file" in result.stderr
     assert "python train.py config/finetune_shakespeare.py" in result.stderr and not (tmp_path / "run").exists()
+
+
+def test_a_stage_2_reference_is_checked_against_the_shape_the_weights_give(data_root, gpt2_folder, tmp_path):
+    """The fine-tune's shape comes from checkpoint.load_path; stage2.reference was checked before it was applied,
+    against the default block_size of 1024, and refused a reference the run could use."""
+    args = ["config/finetune_shakespeare.py", f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+            f"--checkpoint.load_path={gpt2_folder}", f"--stage2.reference={gpt2_folder}", "--stage2.start=2steps",
+            "--stage2.kl_beta=0.1", "--stage2.mix=shakespeare:1", "--train.max_steps=3", "--data.batch_size=2",
+            "--train.total_batch_size=128", "--eval.interval=0", "--eval.sample_interval=0", "--eval.fixed_steps=0"]
+    run_train(args)
+    assert "train/kl" in {row["step"]: row for row in read_metrics(tmp_path / "run")}[3]
+
+
+def test_a_reference_of_another_tokenizer_is_one_sentence(gpt2_folder):
+    """A character-level run (82 characters) with GPT-2 as its reference computed a KL against a model reading
+    character ids as GPT-2 tokens, with exit 0."""
+    from checkpoint import CheckpointError
+    from model import GPTConfig
+    from stage2 import check_reference
+
+    check_reference(str(gpt2_folder), GPTConfig(block_size=64))  # GPT-2's tokens, padded to 50,304: the same
+    with pytest.raises(CheckpointError, match=r"predicts 50257, and this run's model.block_size is 64 and its "
+                                              r"model.vocab_size 82; give a reference trained on this run's"):
+        check_reference(str(gpt2_folder), GPTConfig(block_size=64, vocab_size=82))
