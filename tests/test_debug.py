@@ -339,3 +339,22 @@ def test_compare_state_names_the_moments_of_a_gpt_of_your_own(tmp_path, data_roo
     capsys.readouterr()
     assert debug.compare_state(str(tmp_path / "run"), str(tmp_path / "run")) == 0
     assert "optim/logit_bias/exp_avg" in debug.named_state(str(tmp_path / "run"))[1]
+
+
+def test_compare_state_on_a_checkpoint_grouped_by_other_code_is_one_sentence(tmp_path, data_root):
+    """Moments saved while the code grouped the parameters otherwise (here: an output layer it called a matrix,
+    for Muon) cannot be named by today's grouping: one sentence, not an IndexError."""
+    module = tmp_path / "my_gpt.py"
+    source = ("import torch.nn as nn\n\nimport model\n\n\nclass GPT(model.GPT):\n"
+              "    def __init__(self, config, loss_path='chunked'):\n"
+              "        super().__init__(config, loss_path)\n        del self.lm_head\n"
+              "        self.unembed = nn.Linear(config.n_embd, config.vocab_size, bias=False)\n\n"
+              "    def logits(self, h):\n        return self.unembed(h)\n")
+    module.write_text(source + "\n    def param_groups(self):\n        groups = super().param_groups()\n"
+                               "        return {**groups, 'output': [], 'matrix': groups['matrix'] + groups['output']}\n")
+    run_train([*TINY, f"--data.data_root={data_root}", f"--train.model_module={module}", "--optim.name=muon",
+               "--train.max_steps=2", "--checkpoint.interval=2", "--eval.interval=0",
+               f"--train.out_dir={tmp_path / 'run'}"])
+    module.write_text(source)
+    with pytest.raises(debug.DebugError, match="holds optimizer state grouped otherwise than this code groups"):
+        debug.named_state(str(tmp_path / "run"))
