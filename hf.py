@@ -126,11 +126,17 @@ def gpt2_weights_into(model, hf_model, source):
     its block_size (nanoGPT's crop_block_size). A weight one side has and the other has not, or of another shape,
     is one sentence: a fork that drops the position table or adds a gain cannot take GPT-2's weights. GPT-2's
     lm_head.weight is its token embedding: a model whose `logits` multiply by the token embedding has it already."""
+    import torch
+
     buffers = {name for name, _ in hf_model.named_buffers()}  # (older transformers saved attention masks too)
     hf_state = {key: value for key, value in hf_model.state_dict().items() if key not in buffers}
     ours = model.state_dict()
     embedding = ours.get("transformer.wte.weight")
     tied = embedding is not None and any(p.data_ptr() == embedding.data_ptr() for p in output_parameters(model))
+    their_embedding = hf_state["transformer.wte.weight"]
+    if tied and not torch.equal(hf_state.get("lm_head.weight", their_embedding), their_embedding):
+        raise WeightsError(f"{source} has an output layer of its own (tie_word_embeddings=false), and this model's "
+                           f"logits multiply by its token embedding; untie them in model.py to load it.")
     theirs = {key: value for key, value in hf_state.items() if key in ours or not (key == "lm_head.weight" and tied)}
     unplaced = [key for key in theirs if key not in ours] + [key for key in ours if key not in theirs]
     if unplaced:

@@ -753,6 +753,9 @@ def use_load_path_shape(cfg, default_config):
                          default_config)
     elif is_gpt2_source(ck.load_path):
         check_source(ck.load_path, "checkpoint.load_path")
+        if cfg.train.data_parallel == "fsdp":  # (hf.load_gpt2_weights copies whole tensors into the model)
+            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load into a whole model, "
+                              f"and train.data_parallel=fsdp shards it; fine-tune with --train.data_parallel=ddp.")
         use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
     elif not os.path.isdir(ck.load_path):
         check_source(ck.load_path, "checkpoint.load_path")

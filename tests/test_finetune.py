@@ -145,3 +145,12 @@ def test_a_reference_of_another_tokenizer_is_one_sentence(gpt2_folder):
     with pytest.raises(CheckpointError, match=r"predicts 50257, and this run's model.block_size is 64 and its "
                                               r"model.vocab_size 82; give a reference trained on this run's"):
         check_reference(str(gpt2_folder), GPTConfig(block_size=64, vocab_size=82))
+
+
+def test_fine_tuning_gpt2_under_fsdp_is_one_sentence_before_anything_is_written(data_root, gpt2_folder, tmp_path):
+    """GPT-2's weights are copied into a whole model; into FSDP's pieces it was a traceback after the start."""
+    from conftest import assert_one_sentence
+
+    refused = run_train(finetune(data_root, tmp_path / "run", gpt2_folder, "--train.data_parallel=fsdp"), check=False)
+    assert_one_sentence(refused, "is GPT-2's weights, which load into a whole model, and train.data_parallel=fsdp")
+    assert not (tmp_path / "run").exists()

@@ -267,3 +267,21 @@ def test_a_model_field_gpt2_does_not_have_keeps_its_value_when_the_shape_comes_f
     hf.use_source_shape({"block_size": 64, "vocab_size": 50257, "n_layer": 2, "n_head": 2, "n_embd": 32,
                          "bias": True}, config, "gpt2", "GPT-2")
     assert (config.n_layer, config.n_embd, config.n_kv_head) == (2, 32, 0)
+
+
+def test_gpt2_weights_with_an_output_layer_of_their_own_load_untied_or_are_refused(tmp_path):
+    """A folder saved with tie_word_embeddings=false loaded into the tied GPT with exit 0, its lm_head written over
+    the token embedding (logits 0.6 off). An untied model takes it; the tied one refuses in one sentence."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, tie_word_embeddings=False)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    reference.save_pretrained(tmp_path / "hf")
+    untied = gpt2_shaped(GPT)
+    untied.lm_head = torch.nn.Linear(32, 50257, bias=False)
+    hf.load_gpt2_weights(untied, str(tmp_path / "hf"))
+    x = torch.randint(0, 50257, (2, 32))
+    with torch.no_grad():
+        assert torch.allclose(untied(x)[..., :50257], reference(x).logits, atol=1e-5)
+    with pytest.raises(UserError, match=r"has an output layer of its own \(tie_word_embeddings=false\), and this "
+                                        r"model's logits multiply by its token embedding; untie them"):
+        hf.load_gpt2_weights(gpt2_shaped(GPT), str(tmp_path / "hf"))
