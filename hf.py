@@ -312,7 +312,7 @@ def use_source_shape(shape, model_config, source, what, default_config=False, ke
     set into `model_config`. A field the config set to another value is refused, naming it; model.block_size
     may shrink (never grow). A value at its dataclass default counts as unset."""
     default = dataclasses.asdict(type(model_config)())
-    for name in (name for name in SHAPE_FIELDS if name in shape):  # (a fork's own field keeps its value)
+    for name in (name for name in SHAPE_FIELDS if name in shape):  # (a field edited into GPTConfig keeps its own)
         value, mine = shape[name], getattr(model_config, name)
         if mine == default[name]:
             setattr(model_config, name, value)

@@ -351,7 +351,8 @@ def test_compare_state_on_a_checkpoint_grouped_by_other_code_is_one_sentence(tmp
               "        self.unembed = nn.Linear(config.n_embd, config.vocab_size, bias=False)\n\n"
               "    def logits(self, h):\n        return self.unembed(h)\n")
     module.write_text(source + "\n    def param_groups(self):\n        groups = super().param_groups()\n"
-                               "        return {**groups, 'output': [], 'matrix': groups['matrix'] + groups['output']}\n")
+                               "        matrices = groups['matrix'] + groups['output']\n"
+                               "        return {**groups, 'output': [], 'matrix': matrices}\n")
     run_train([*TINY, f"--data.data_root={data_root}", f"--train.model_module={module}", "--optim.name=muon",
                "--train.max_steps=2", "--checkpoint.interval=2", "--eval.interval=0",
                f"--train.out_dir={tmp_path / 'run'}"])

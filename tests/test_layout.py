@@ -168,8 +168,9 @@ def test_import_train_loads_no_more_lines_than_now():
     they are used. 4,759 lines in 10 modules before issue 46; 5,244 once its step's changes were merged with what
     landed beside them; 5,074 once rewind.py, auto_batch.py and sharding.py took what a default run does not use;
     5,134 with the fixes a fork's review asked for (no lm_head, 3-D parameters, a check that fails on its values,
-    a moved file); 5,065 once mixture.py took the mixtures. The goal of 4,300 is not met (docs/loop-and-metrics.md
-    says what stands in the way). The limit holds the figure so that it cannot creep back."""
+    a moved file); 5,065 once mixture.py took the mixtures; 5,072 after a third review's fixes. The goal of 4,300
+    is not met (docs/loop-and-metrics.md says what stands in the way). The limit holds the figure so that it cannot
+    creep back."""
     loaded, todo = set(), ["train"]
     while todo:
         name = todo.pop()
@@ -177,7 +178,7 @@ def test_import_train_loads_no_more_lines_than_now():
             loaded.add(name)
             todo += module_level_imports(ROOT / f"{name}.py")
     lines = sum(len((ROOT / f"{name}.py").read_text().splitlines()) for name in loaded)
-    assert lines <= 5065, f"import train loads {lines} lines of {sorted(loaded)}"
+    assert lines <= 5072, f"import train loads {lines} lines of {sorted(loaded)}"
     readme = (ROOT / "README.md").read_text()
     assert f"`import train` loads {len(loaded)} of the project's modules" in readme  # the README says the same
 
