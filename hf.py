@@ -134,7 +134,9 @@ def gpt2_weights_into(model, hf_model, source):
     embedding = ours.get("transformer.wte.weight")
     tied = embedding is not None and any(p.data_ptr() == embedding.data_ptr() for p in output_parameters(model))
     their_embedding = hf_state["transformer.wte.weight"]
-    if tied and not torch.equal(hf_state.get("lm_head.weight", their_embedding), their_embedding):
+    their_output = hf_state.get("lm_head.weight", their_embedding)
+    if tied and their_output.data_ptr() != their_embedding.data_ptr() and not torch.equal(their_output,
+                                                                                          their_embedding):
         raise WeightsError(f"{source} has an output layer of its own (tie_word_embeddings=false), and this model's "
                            f"logits multiply by its token embedding; untie them in model.py to load it.")
     theirs = {key: value for key, value in hf_state.items() if key in ours or not (key == "lm_head.weight" and tied)}
@@ -177,8 +179,8 @@ def gpt2_shape(source):
 def check_weights_match_config(source, hf_model, info):
     """A WeightsError naming what of config.json disagrees with the weights, when loading reported
     tensors the config asks for and the weights lack, tensors it has no place for, or other sizes."""
-    # The output layer is the token embedding (tied): a weights file need not hold it twice.
-    missing = set(info["missing_keys"]) - {"lm_head.weight"}
+    # A tied output layer is the token embedding: a weights file need not hold it twice (an untied one, it must).
+    missing = set(info["missing_keys"]) - ({"lm_head.weight"} if hf_model.config.tie_word_embeddings else set())
     unexpected = set(info["unexpected_keys"])
     mismatched = {key: saved for key, saved, _ in info["mismatched_keys"]}
     if not (missing or unexpected or mismatched):

@@ -57,11 +57,11 @@ def stage2_loss(model, x, y, reference, beta, estimator):
     return ce + beta * kl, ce, kl, reference_loss
 
 
-def check_reference(source, model_cfg):
+def check_reference(source, model_cfg, estimator):
     """stage2.reference at start, since stage 2 may begin hours later: a model load_model can load, whose weights fit
     the class it was trained with, that reads this run's sequences (block_size) and predicts its tokens: GPT-2's
-    (a vocabulary of 50,257 or padded past it) or as many characters. One sentence otherwise. Shapes and configs
-    are read, not weights."""
+    (a vocabulary of 50,257 or padded past it) or characters, at least as many (`estimator` full: as many). One
+    sentence otherwise. Shapes and configs are read, not weights."""
     path = check_source(source, "stage2.reference")
     if path is None:  # a GPT-2 name or a Hugging Face folder (hf.py)
         from hf import gpt2_shape
@@ -75,8 +75,11 @@ def check_reference(source, model_cfg):
             raise CheckpointError(f"stage2.reference={source}: {error}") from None
         check_weights_fit(path, model, "give stage2.reference a checkpoint of the model as its code is now.")
         shape = {"block_size": cfg.model.block_size, "vocab_size": cfg.model.vocab_size}
-    tokenizer, ours = min(shape["vocab_size"], GPT2_VOCAB_SIZE), min(model_cfg.vocab_size, GPT2_VOCAB_SIZE)
-    if shape["block_size"] < model_cfg.block_size or tokenizer != ours:  # (GPT-2's tokens, or the same characters)
+    theirs, ours = min(shape["vocab_size"], GPT2_VOCAB_SIZE), min(model_cfg.vocab_size, GPT2_VOCAB_SIZE)
+    # GPT-2's tokens on both sides or on neither; `full` compares whole distributions, nll_diff scores our ids
+    tokens = (theirs == GPT2_VOCAB_SIZE) == (ours == GPT2_VOCAB_SIZE) and (
+        theirs == ours if estimator == "full" else theirs >= ours)
+    if shape["block_size"] < model_cfg.block_size or not tokens:
         raise CheckpointError(f"stage2.reference={source} reads {shape['block_size']} tokens at most and predicts "
                               f"{shape['vocab_size']}, and this run's model.block_size is {model_cfg.block_size} and "
                               f"its model.vocab_size {model_cfg.vocab_size}; give a reference trained on this run's "

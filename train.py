@@ -76,7 +76,7 @@ def main(argv):
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now (with the run's shape)
         from stage2 import check_reference
-        check_reference(cfg.stage2.reference, cfg.model)
+        check_reference(cfg.stage2.reference, cfg.model, cfg.stage2.kl_estimator)
     if "--dry_run" in argv:  # the plan, printed (dry_run.py)
         from dry_run import dry_run
         return dry_run(cfg)

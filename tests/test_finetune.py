@@ -141,10 +141,30 @@ def test_a_reference_of_another_tokenizer_is_one_sentence(gpt2_folder):
     from model import GPTConfig
     from stage2 import check_reference
 
-    check_reference(str(gpt2_folder), GPTConfig(block_size=64))  # GPT-2's tokens, padded to 50,304: the same
+    check_reference(str(gpt2_folder), GPTConfig(block_size=64), "full")  # GPT-2's tokens, padded: the same
     with pytest.raises(CheckpointError, match=r"predicts 50257, and this run's model.block_size is 64 and its "
                                               r"model.vocab_size 82; give a reference trained on this run's"):
-        check_reference(str(gpt2_folder), GPTConfig(block_size=64, vocab_size=82))
+        check_reference(str(gpt2_folder), GPTConfig(block_size=64, vocab_size=82), "nll_diff")
+
+
+def test_a_character_reference_needs_the_runs_characters_and_for_the_full_kl_exactly_them(monkeypatch):
+    """nll_diff scores this run's ids with the reference, so a reference of more characters serves; the full KL
+    compares whole distributions, so it needs as many."""
+    import stage2
+    from checkpoint import CheckpointError
+    from config import Config, config_to_dict
+    from model import GPTConfig
+
+    saved = Config()
+    saved.model = GPTConfig(block_size=64, vocab_size=128)
+    monkeypatch.setattr(stage2, "check_source", lambda source, key: source)
+    monkeypatch.setattr(stage2, "read_trainer_state", lambda path: {"config": config_to_dict(saved)})
+    monkeypatch.setattr(stage2, "check_weights_fit", lambda *args: None)
+    stage2.check_reference("ref", GPTConfig(block_size=64, vocab_size=82), "nll_diff")
+    with pytest.raises(CheckpointError, match="predicts 128, and this run's model.block_size is 64"):
+        stage2.check_reference("ref", GPTConfig(block_size=64, vocab_size=82), "full")
+    with pytest.raises(CheckpointError, match="predicts 128"):
+        stage2.check_reference("ref", GPTConfig(block_size=64, vocab_size=200), "nll_diff")
 
 
 def test_fine_tuning_gpt2_under_fsdp_is_one_sentence_before_anything_is_written(data_root, gpt2_folder, tmp_path):

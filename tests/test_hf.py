@@ -285,3 +285,26 @@ def test_gpt2_weights_with_an_output_layer_of_their_own_load_untied_or_are_refus
     with pytest.raises(UserError, match=r"has an output layer of its own \(tie_word_embeddings=false\), and this "
                                         r"model's logits multiply by its token embedding; untie them"):
         hf.load_gpt2_weights(gpt2_shaped(GPT), str(tmp_path / "hf"))
+
+
+def test_a_tied_folder_with_a_nan_loads_and_an_untied_one_without_its_output_layer_is_refused(tmp_path):
+    """A NaN is not equal to itself, so a tied folder (lm_head is wte) with one was called untied; an untied folder
+    whose weights file lacks lm_head.weight loaded into an untied model with a random output layer, exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    tied = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32))
+    with torch.no_grad():
+        tied.transformer.wte.weight[5, 0] = float("nan")
+    tied.save_pretrained(tmp_path / "nan")
+    hf.load_gpt2_weights(gpt2_shaped(GPT), str(tmp_path / "nan"))
+    untied = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=32, tie_word_embeddings=False)
+    transformers.GPT2LMHeadModel(untied).save_pretrained(tmp_path / "cut")
+    weights = load_file(tmp_path / "cut" / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tmp_path / "cut" / "model.safetensors", metadata={"format": "pt"})
+    model = gpt2_shaped(GPT)
+    model.lm_head = torch.nn.Linear(32, 50257, bias=False)
+    with pytest.raises(UserError, match="does not match the weights at lm_head.weight"):
+        hf.load_gpt2_weights(model, str(tmp_path / "cut"))
+
