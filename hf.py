@@ -121,6 +121,13 @@ def import_hf(source):
     return model
 
 
+def logits_use_the_embedding(model, state):
+    """Whether `model`'s logits multiply by its token embedding (GPT-2's tie), asked of the model, not read from a
+    name: a fork may have no lm_head at all. `state`: its state_dict."""
+    embedding = state.get("transformer.wte.weight")
+    return embedding is not None and any(p.data_ptr() == embedding.data_ptr() for p in output_parameters(model))
+
+
 def gpt2_weights_into(model, hf_model, source):
     """GPT-2's weights (Hugging Face's names and Conv1D layout) into `model` by name, the position table cropped to
     its block_size (nanoGPT's crop_block_size). A weight one side has and the other has not, or of another shape,
@@ -131,8 +138,7 @@ def gpt2_weights_into(model, hf_model, source):
     buffers = {name for name, _ in hf_model.named_buffers()}  # (older transformers saved attention masks too)
     hf_state = {key: value for key, value in hf_model.state_dict().items() if key not in buffers}
     ours = model.state_dict()
-    embedding = ours.get("transformer.wte.weight")
-    tied = embedding is not None and any(p.data_ptr() == embedding.data_ptr() for p in output_parameters(model))
+    tied = logits_use_the_embedding(model, ours)
     their_embedding = hf_state["transformer.wte.weight"]
     their_output = hf_state.get("lm_head.weight", their_embedding)
     if tied and their_output.data_ptr() != their_embedding.data_ptr() and not torch.equal(their_output,
@@ -219,9 +225,7 @@ def export_hf(model, out_dir):
     check_export_target(out_dir)
     c = model.config
     ours = model.state_dict()
-    # Tied when the logits multiply by the token embedding (asked of the model: a fork may have no lm_head at all).
-    tied = "transformer.wte.weight" in ours and any(
-        p.data_ptr() == ours["transformer.wte.weight"].data_ptr() for p in output_parameters(model))
+    tied = logits_use_the_embedding(model, ours)
     hf_config = transformers.GPT2Config(vocab_size=GPT2_VOCAB_SIZE, n_positions=c.block_size, n_embd=c.n_embd,
                                         n_layer=c.n_layer, n_head=c.n_head, activation_function="gelu_new",
                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
