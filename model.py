@@ -1,16 +1,12 @@
-"""GPT-2: its configuration, attention, MLP, block and the GPT itself, then parameter and FLOP counts.
-
-This is the GPT-2 of Radford et al. (2019) as reproduced by nanoGPT: pre-LayerNorm transformer
-blocks, learned position embeddings, a GELU(tanh) MLP and an output layer that shares its weights
-with the token embedding. `model(idx)` gives the logits, `model(idx, targets)` the loss: train.py
-calls the second, sampling the first, and the evaluations `score_tokens`. Every one of them makes its
+"""GPT-2 (Radford et al. 2019) as nanoGPT reproduces it: pre-LayerNorm blocks, learned position embeddings, a
+GELU(tanh) MLP and an output layer tied to the token embedding. `model(idx)` gives the logits, `model(idx, targets)`
+the loss; train.py calls the second, sampling the first, and the evaluations `score_tokens`. All of them make their
 logits with `logits`, the one seam between the hidden states and the vocabulary.
 
-What only the model knows stays here, so a fork edits this file alone: which parameters are embeddings,
-matrices or gains (`param_groups`, and what each kind is to the trainer: PARAM_KINDS, which the counts and
-the optimizer read), its blocks (per-layer metrics), its size and FLOPs. The rest of the trainer names no
-layer. At the bottom: the chunked loss, the same cross-entropy computed a slice of rows at a time
-(`train.loss_path`), which `forward` calls as one visible branch.
+What only the model knows stays here, so a fork edits this file alone and the rest of the trainer names no layer:
+which parameters are embeddings, matrices or gains (`param_groups`; PARAM_KINDS says what each kind is to the counts
+and the optimizer), its blocks (per-layer metrics), its size and FLOPs. At the bottom: the chunked loss, the same
+cross-entropy a slice of rows at a time (`train.loss_path`).
 """
 
 from dataclasses import dataclass, field
@@ -42,10 +38,10 @@ class GPTConfig:
     # So the default is the model as it was (`n_kv_head: int | None = None`: as many as n_head; `qk_norm = False`).
 
     def checks(self):
-        """Checks across fields, as (whether it holds, the sentence that says what to do when it does not). config.py
-        refuses a run with the first that fails, before anything is written; each field's own range is checked
-        before these run (so n_head is at least 1 here). A field you add that must agree with others adds its check
-        here, e.g. `(self.n_head % self.n_kv_head == 0, f"model.n_head={self.n_head} is not divisible by ...")`."""
+        """Checks across fields, as (whether it holds, the sentence that says what to do when it does not): config.py
+        refuses a run with the first that fails, before anything is written, and after each field's own range (so
+        n_head >= 1 here). A field you add that must agree with others adds its check here, e.g.
+        `(self.n_head % self.n_kv_head == 0, f"model.n_head={self.n_head} is not divisible by ...")`."""
         return [
             (self.n_embd % self.n_head == 0,
              f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; every head gets n_embd / "
@@ -126,11 +122,10 @@ class ParamKind:
     decay: bool | None  # AdamW's weight decay; None: as optim.decay_embeddings says
 
 
-# What each kind of parameter (GPT.param_groups) is to the rest of the trainer, in one table: the counts, the
-# optimizer (optimizer.py) and weight decay all read it. Decay only the matrices of matmuls and embeddings, not
-# biases or gains, which shrinking towards zero only hurts (GPT-3, nanoGPT); Muon takes the blocks' matrices and
-# leaves the embeddings and the output layer to AdamW (modded-nanogpt, nanochat). A fork with a kind of
-# parameter of its own adds a row here (a GPT of your own, train.model_module, sets `param_kinds` to
+# What each kind of parameter (GPT.param_groups) is to the counts and the optimizer (optimizer.py). Decay only the
+# matrices of matmuls and embeddings, not biases or gains, which shrinking towards zero only hurts (GPT-3, nanoGPT);
+# Muon takes the blocks' matrices and leaves the embeddings and the output layer to AdamW (modded-nanogpt, nanochat).
+# A fork's own kind adds a row here (a GPT of your own, train.model_module, sets `param_kinds` to
 # `{**model.PARAM_KINDS, "kind": ParamKind(...)}`).
 PARAM_KINDS = {
     "embedding": ParamKind(in_n=False, muon=False, decay=None),
@@ -209,10 +204,8 @@ class GPT(nn.Module):
         return log_probs
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
-        """The final layer-normed hidden state of every position, before the output layer. The
-        evaluations apply the output layer only where a token is scored, and pack several sequences
-        in a row: then `pos` gives each token's position and `attn_mask` (B, 1, T, past + T) which
-        keys each token may attend to."""
+        """The final layer-normed hidden state of every position, before the output layer (`pos` and `attn_mask`
+        for rows that pack several sequences: score_tokens)."""
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
         if pos is None:
@@ -256,20 +249,17 @@ class GPT(nn.Module):
         return sum(p.numel() for _, p, kind in parameter_kinds(self) if kind.in_n or not non_embedding)
 
     def num_params_with_output(self):
-        """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian et al. 2024
-        point out that the output layer is real compute). An untied output layer is already in N. The output
-        layer is what `logits` multiplies by (output_parameters), so a fork that names or ties it otherwise counts
-        as it computes."""
+        """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian et al. 2024 point
+        out that the output layer is real compute; an untied one is already in N). The output layer is what `logits`
+        multiplies by (output_parameters), so a fork that names or ties it otherwise counts as it computes."""
         outside_n = {id(p) for _, p, kind in parameter_kinds(self) if not kind.in_n}
         return self.num_params(non_embedding=True) + sum(p.numel() for p in output_parameters(self)
                                                          if id(p) in outside_n)
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B).
-
-        6N counts the forward (2N) and backward (4N) matrix multiplies, with N the non-embedding
-        parameters plus a tied output layer (the embedding lookup is free, the output matmul is not).
-        12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
+        """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B). 6N counts the forward (2N) and backward (4N)
+        matmuls, N the non-embedding parameters plus a tied output layer (the embedding lookup is free, the output
+        matmul is not); 12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
         c = self.config
         return 6 * self.num_params_with_output() + 12 * c.n_layer * c.n_embd * c.block_size
 
@@ -351,13 +341,10 @@ WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_g
 
 
 # ----------------------------------------------------------------------------- the chunked loss
-# The same mean cross-entropy as `F.cross_entropy(logits(x), targets)`, computed a slice of rows at a time,
-# so the (tokens x vocabulary) logits are never held at once: on a GPU it saves their memory. `train.loss_path`
-# chooses; both are tested to float tolerance, a fork of `logits` included.
-
-# How many logits the chunked loss computes at once, by device type (why these sizes: docs/measurements.md).
-# CPU: 16 MB of float32, small enough that each slice reuses the memory of the one before. CUDA: 2 GiB, so
-# a GPT-2 micro-batch is a handful of slices, each big enough to fill the GPU.
+# `F.cross_entropy(logits(x), targets)` a slice of rows at a time, so the (tokens x vocabulary) logits are never held
+# at once (train.loss_path chooses; both are tested to float tolerance, a fork of `logits` included). How many logits
+# a slice computes, by device type (docs/measurements.md): on a CPU 16 MB of float32, so each slice reuses the memory
+# of the one before; on CUDA 2 GiB, so a GPT-2 micro-batch is a handful of slices, each big enough to fill the GPU.
 LOSS_SLICE_VALUES = {"cpu": 2**22, "cuda": 2**29}
 
 
@@ -382,23 +369,19 @@ def loss_slices(rows, vocab_size, device_type):
 
 def chunked_cross_entropy(logits, hidden, targets, vocab_size):
     """Mean cross-entropy of `logits(hidden)` against `targets` (-1: not scored), never holding the full logits.
-    logits: the model's `logits` (hidden states to logits); hidden: (tokens, n_embd); targets: (tokens,);
-    vocab_size: the width of the logits (it sets how many rows a slice has).
+    logits: the model's `logits`; hidden: (tokens, n_embd); targets: (tokens,); vocab_size: the logits' width.
 
-    Each slice of rows makes its logits with `logits`, its loss, and at once its gradients, then is thrown away:
-    `F.cross_entropy` on the whole would write a (tokens x vocabulary) float32 tensor, read it for the softmax, and
-    write its gradient again. The gradient of a slice's logits is softmax minus one-hot (over the scored tokens);
-    from there back to the hidden states and the weights, autograd follows whatever a fork's `logits` computes (a
-    soft-cap, a temperature, a bias). When `logits` is one matmul by a weight (model.py's own: its graph says so),
-    the two gradient matmuls are written out instead, accumulating in place (a buffer per slice for the weight's
-    gradient costs time and memory: docs/measurements.md). The gradients reach the outer backward through
-    `attach_gradients`. Under torch.compile, which cannot trace gradients taken inside the forward, each slice runs
-    under activation checkpointing instead (its backward makes its logits again)."""
+    Each slice of rows makes its logits, its loss and at once its gradients, then is thrown away: `F.cross_entropy`
+    on the whole would write a (tokens x vocabulary) float32 tensor, read it for the softmax, and write its gradient
+    again. The gradient of a slice's logits is softmax minus one-hot (over the scored tokens); from there autograd
+    follows whatever a fork's `logits` computes (a soft-cap, a temperature, a bias). When `logits` is one matmul by
+    a weight (model.py's own: its graph says so), the two gradient matmuls are written out instead, accumulating in
+    place (a buffer per slice for the weight's gradient costs time and memory: docs/measurements.md). The gradients
+    reach the outer backward through `attach_gradients`. torch.compile cannot trace gradients taken inside the
+    forward: under it each slice runs under activation checkpointing instead (its backward makes its logits again)."""
     rows = loss_slice_rows(hidden.device.type, vocab_size)
     n_scored = (targets != -1).sum()
     if torch.compiler.is_compiling():
-        # torch.compile cannot trace the gradients taken below: each slice under activation checkpointing instead,
-        # whose backward makes the slice's logits again, then their gradient.
         return sum(checkpoint(slice_loss, logits, hidden[start:start + rows], targets[start:start + rows],
                               use_reentrant=False) for start in range(0, hidden.size(0), rows)) / n_scored
     need_grad = torch.is_grad_enabled()  # (evaluation runs under torch.no_grad(): the loss alone)
