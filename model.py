@@ -311,29 +311,13 @@ def parameter_kinds(model):
 
 
 def gpt_class(module="model"):
-    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own
-    (the course's capstone trains a student's GPT this way). It takes the same GPTConfig and answers what
-    the trainer asks a model (WHAT_THE_TRAINER_ASKS), so the rest of the trainer names no layer of it."""
+    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own (model_module.py
+    loads it). It takes the same GPTConfig and answers what the trainer asks a model (WHAT_THE_TRAINER_ASKS), so the
+    rest of the trainer names no layer of it."""
     if module == "model":
         return GPT
-    import importlib.util
-    import os
-    if not module.endswith(".py"):
-        raise ValueError(f"train.model_module={module!r} is neither model nor a .py file; give the path of the file "
-                         f"that defines your GPT class.")
-    if not os.path.isfile(module):  # (a run saved with it names it: moved or deleted since)
-        raise ValueError(f"train.model_module={module!r} is no file (moved or deleted?); put the file that defines "
-                         f"your GPT class at that path.")
-    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module))[0], module)
-    loaded = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(loaded)
-    if not hasattr(loaded, "GPT"):
-        raise ValueError(f"{module} defines no class GPT; name your model class GPT.")
-    missing = [name for name in WHAT_THE_TRAINER_ASKS if not hasattr(loaded.GPT, name)]
-    if missing:
-        raise ValueError(f"{module}'s GPT has no {', '.join(missing)}, which the trainer asks every model; give it "
-                         f"model.py's (e.g. `param_groups = model.GPT.param_groups`).")
-    return loaded.GPT
+    from model_module import load_gpt_class
+    return load_gpt_class(module, WHAT_THE_TRAINER_ASKS)
 
 
 WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",

@@ -1,0 +1,28 @@
+"""The GPT class of a .py file of your own, which train.model_module names (the course's capstone trains a student's
+GPT this way). A module of its own because only that setting loads a file: model.gpt_class hands it the path and
+what the trainer asks every model, so a run with model.py's GPT never reads this.
+"""
+
+import importlib.util
+import os
+
+
+def load_gpt_class(module, what_the_trainer_asks):
+    """The class GPT defined in the file `module`, which must have every attribute in `what_the_trainer_asks`; a
+    wrong path, or a file without that class or those attributes, is one sentence that says what to do."""
+    if not module.endswith(".py"):
+        raise ValueError(f"train.model_module={module!r} is neither model nor a .py file; give the path of the file "
+                         f"that defines your GPT class.")
+    if not os.path.isfile(module):  # (a run saved with it names it: moved or deleted since)
+        raise ValueError(f"train.model_module={module!r} is no file (moved or deleted?); put the file that defines "
+                         f"your GPT class at that path.")
+    spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module))[0], module)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    if not hasattr(loaded, "GPT"):
+        raise ValueError(f"{module} defines no class GPT; name your model class GPT.")
+    missing = [name for name in what_the_trainer_asks if not hasattr(loaded.GPT, name)]
+    if missing:
+        raise ValueError(f"{module}'s GPT has no {', '.join(missing)}, which the trainer asks every model; give it "
+                         f"model.py's (e.g. `param_groups = model.GPT.param_groups`).")
+    return loaded.GPT
