@@ -2,23 +2,20 @@
 
     optim.name = "adamw"   AdamW over every parameter (GPT-3, nanoGPT): the field's default (config.py)
     optim.name = "muon"    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the 2-D weights of the
-                           transformer blocks, AdamW for the embeddings and the output layer, biases and
-                           LayerNorm gains: the split of modded-nanogpt, nanochat's MuonAdamW and OLMo-core's
-                           muon ladder (the model says which parameter is what: GPT.param_groups); the
-                           quick start's config/shakespeare.py chooses it
+                           transformer blocks, AdamW for the embeddings, the output layer, biases and gains: the
+                           split of modded-nanogpt, nanochat's MuonAdamW and OLMo-core's muon ladder (the model
+                           says which parameter is what); the quick start's config/shakespeare.py chooses it
 
-Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of
-the update moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`,
-Liu et al. 2025, "Muon is Scalable for LLM Training") its update has AdamW's size, so both take the
-same learning rate, as OLMo-core's muon ladder does; `optim.muon_lr` may set Muon's apart.
-
-Every parameter group carries a `name` and its `peak_lr`: `set_lr` scales each group's peak by the
-schedule, and the loop logs each group's LR as optim/lr/<name>.
-
-The learning-rate schedule (the `Schedule` the loop asks for the LR of each step) is at the bottom.
+Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of the update
+moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025, "Muon is
+Scalable for LLM Training") its update has AdamW's size, so both take the same learning rate, as OLMo-core's muon
+ladder does; `optim.muon_lr` may set Muon's apart. Every parameter group carries a `name` and its `peak_lr`: `set_lr`
+scales each group's peak by the schedule, and the loop logs each group's LR as optim/lr/<name>. At the bottom: the
+learning-rate schedule (`Schedule`), which the loop asks for the LR of each step.
 """
 
 import inspect
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -29,11 +26,10 @@ from model import parameter_kinds
 
 
 def param_groups(model, optim):
-    """{group name: [parameters]}: which optimizer owns what (the dry run prints this), from what the model says
-    each parameter is (`model.param_groups()`) and what its table says of that kind (model.PARAM_KINDS: Muon or
-    AdamW, weight decay or not), in the model's parameter order."""
-    # A kind's decay of None follows optim.decay_embeddings: false spares the embeddings (OLMo-core's ladder);
-    # a tied output layer is the token embedding, so it is spared as a whole.
+    """{group name: [parameters]}: which optimizer owns what (the dry run prints this), in the model's parameter
+    order, from what the model says each parameter is (`model.param_groups()`) and what its table says of that kind
+    (model.PARAM_KINDS: Muon or AdamW, weight decay or not). A kind's decay of None follows optim.decay_embeddings:
+    false spares the embeddings (OLMo-core's ladder), a tied output layer (the token embedding) with them."""
     groups = {"muon": [], "decay": [], "no_decay": []}
     for name, p, kind in parameter_kinds(model):
         if not p.requires_grad:
@@ -72,16 +68,14 @@ def build_optimizer(model, optim, device_type):
 class Muon(torch.optim.Muon):
     """torch.optim.Muon, with its Newton-Schulz iterations in float32 on a CPU, and on FSDP's pieces of each matrix.
 
-    On a CPU: torch runs the iterations in bfloat16, which suits a GPU; a CPU without bfloat16 matrix units (AVX2)
-    multiplies bfloat16 about 13x slower than float32, and Muon's step took 1.96x AdamW's at the quick start's shape,
-    1.03x in float32 (docs/measurements.md). On a GPU the step of whole matrices is torch's own.
-
-    Under FSDP (train.data_parallel=fsdp) each rank holds a piece of each matrix (a DTensor) and of its gradient,
-    already averaged over the ranks (reduce-scattered). The momentum is elementwise, so each rank keeps its own piece
-    of it; the orthogonalisation needs the whole matrix, so each rank all-gathers the matrix's update (the momentum
-    mixed with the gradient), orthogonalises it whole, and applies its own rows: the same numbers as DDP's step
-    (docs/fsdp.md says why gather, and what it costs). The state (`momentum_buffer`), the groups and the update rule
-    are torch's."""
+    torch iterates in bfloat16, which suits a GPU; a CPU without bfloat16 matrix units (AVX2) multiplies bfloat16
+    about 13x slower than float32: Muon's step took 1.96x AdamW's at the quick start's shape, 1.03x in float32
+    (docs/measurements.md). Under FSDP (train.data_parallel=fsdp) each rank holds a piece (a DTensor) of each matrix
+    and of its gradient, already averaged (reduce-scattered), and keeps its piece of the elementwise momentum;
+    orthogonalising needs the whole matrix, so each rank all-gathers the update (the momentum mixed with the
+    gradient), orthogonalises it whole and applies its own rows: DDP's numbers (docs/fsdp.md: why gather, and what it
+    costs). On a GPU without FSDP the step is torch's own; the state (`momentum_buffer`), the groups and the update
+    rule always are."""
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -163,10 +157,9 @@ class MuonAdamW:
 
 
 def set_lr(optimizer, lr, peak_lr):
-    """The schedule's LR for this step (`lr`, of a schedule peaking at `peak_lr`) applied to every group:
-    each group keeps its own peak and follows the same curve. Returns optim/lr/<group>: the LR each group uses
-    this step, read back from the optimizer itself; optim/lr is the main AdamW group's (the schedule's LR when the
-    config in force is what the optimizer uses)."""
+    """The schedule's LR for this step (`lr`, of a schedule peaking at `peak_lr`) applied to every group, each from
+    its own peak along the same curve. Returns optim/lr/<group>, each group's LR read back from the optimizer, and
+    optim/lr, the main AdamW group's (the schedule's LR when the config in force is what the optimizer uses)."""
     for group in optimizer.param_groups:
         group["lr"] = group["peak_lr"] * lr / peak_lr
     lrs = {f"optim/lr/{group['name']}": group["lr"] for group in optimizer.param_groups}
@@ -174,27 +167,21 @@ def set_lr(optimizer, lr, peak_lr):
 
 
 # ----------------------------------------------------------------------------- the learning-rate schedule
-# Learning-rate schedules: the LR of optimizer step n (1-based: the `optim/lr` logged at step n).
-#
-#     cosine    warmup, then cosine decay toward optim.min_lr (GPT-3; the default), written as build-nanogpt's
-#               get_lr: the curve reaches min_lr one step after the run's last, so the last step's LR is a
-#               hair above it (2.0001e-4 for the quick start's 2e-4 floor)
+# The LR of optimizer step n (1-based: the `optim/lr` logged at step n), by optim.schedule:
+#     cosine    warmup, then cosine decay toward optim.min_lr (GPT-3; the default), as build-nanogpt's get_lr: the
+#               curve reaches min_lr one step after the run's last (the quick start's last LR is 2.0001e-4, not 2e-4)
 #     linear    warmup, then a straight line down to min_lr at the last step
 #     constant  warmup, then optim.lr
 #     wsd       warmup, stable at lr, then a decay over the last D steps to min_lr (Hägele et al. 2024)
-#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods P1..Pk, each
-#               holding its peak (lr x its multiplier) and decaying over its last D_i steps to min_lr; the
-#               next period jumps back to its peak. A checkpoint at the bottom of each decay is a finished
-#               run of that length, which is what a model ladder measures.
-#
-# Warmup is `optim.warmup_steps`, or `optim.warmup_fraction` of the run (of P1 for wsds). The decay is
-# `optim.decay_steps`, or `optim.decay_fraction` of the run (of each period for wsds), shaped by
-# `optim.decay_shape`: s(x) = x (linear), (1 - cos(pi x)) / 2 (cosine), 1 - sqrt(1 - x) (1-sqrt), where x
-# falls from 1 to 0 over the decay.
+#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods P1..Pk, each holding its
+#               peak (lr x its multiplier) and decaying over its last D_i steps to min_lr; the next jumps back to its
+#               peak. The checkpoint at each decay's bottom is a finished run of that length (what a ladder measures).
+# Warmup is optim.warmup_steps, or optim.warmup_fraction of the run (of P1 for wsds); the decay optim.decay_steps, or
+# optim.decay_fraction of the run (of each period for wsds), shaped by optim.decay_shape (`decay_shape`).
 
 
 def decay_shape(name, x):
-    """1 at the start of a decay (x = 1), 0 at its end (x = 0)."""
+    """1 at the start of a decay (x = 1), 0 at its end (x = 0): linear, cosine or 1-sqrt."""
     if name == "linear":
         return x
     if name == "cosine":
@@ -241,22 +228,15 @@ class Schedule:
                 if i == 0 and m <= self.warmup_steps:
                     return peak * m / self.warmup_steps
                 if m >= length - D:
-                    return (
-                        self.min_lr + (peak - self.min_lr) * decay_shape(self.shape, (length - m) / D)
-                        if D
-                        else self.min_lr
-                    )
+                    return (self.min_lr + (peak - self.min_lr) * decay_shape(self.shape, (length - m) / D) if D
+                            else self.min_lr)
                 return peak
             start += length
         return self.min_lr  # after the last period
 
     def period_ends(self):
         """wsds: the step at the bottom of each period's decay (a finished run of that length)."""
-        ends, total = [], 0
-        for length in self.periods:
-            total += length
-            ends.append(total)
-        return ends
+        return list(itertools.accumulate(self.periods))
 
 
 def build_schedule(optim, total_steps):
