@@ -173,20 +173,9 @@ def set_lr(optimizer, lr, peak_lr):
 #     linear    warmup, then a straight line down to min_lr at the last step
 #     constant  warmup, then optim.lr
 #     wsd       warmup, stable at lr, then a decay over the last D steps to min_lr (Hägele et al. 2024)
-#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods P1..Pk, each holding its
-#               peak (lr x its multiplier) and decaying over its last D_i steps to min_lr; the next jumps back to its
-#               peak. The checkpoint at each decay's bottom is a finished run of that length (what a ladder measures).
+#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods, each a wsd (wsds.py)
 # Warmup is optim.warmup_steps, or optim.warmup_fraction of the run (of P1 for wsds); the decay optim.decay_steps, or
 # optim.decay_fraction of the run (of each period for wsds), shaped by optim.decay_shape (`decay_shape`).
-
-
-def decay_shape(name, x):
-    """1 at the start of a decay (x = 1), 0 at its end (x = 0): linear, cosine or 1-sqrt."""
-    if name == "linear":
-        return x
-    if name == "cosine":
-        return (1 - math.cos(math.pi * x)) / 2
-    return 1 - math.sqrt(1 - x)  # 1-sqrt
 
 
 @dataclass(frozen=True)
@@ -203,9 +192,10 @@ class Schedule:
 
     def lr_at(self, n):
         """The learning rate of optimizer step n (1-based)."""
-        T, W, peak, floor = self.total_steps, self.warmup_steps, self.lr, self.min_lr
         if self.kind == "wsds":
-            return self._wsds(n)
+            from wsds import period_lr
+            return period_lr(self, n)
+        T, W, peak, floor = self.total_steps, self.warmup_steps, self.lr, self.min_lr
         if n <= W:
             return peak * n / W
         if self.kind == "constant":
@@ -217,22 +207,16 @@ class Schedule:
             return floor + (peak - floor) * max(0, T - n) / max(1, T - W)
         D = self.decay_steps[0]  # wsd
         if n >= T - D:
-            return floor + (peak - floor) * decay_shape(self.shape, max(0, T - n) / D) if D else floor
+            return floor + (peak - floor) * self.decay_shape(max(0, T - n) / D) if D else floor
         return peak
 
-    def _wsds(self, n):
-        start = 0
-        for i, (length, D) in enumerate(zip(self.periods, self.decay_steps)):
-            if n <= start + length:
-                m, peak = n - start, self.lr * self.multipliers[i]
-                if i == 0 and m <= self.warmup_steps:
-                    return peak * m / self.warmup_steps
-                if m >= length - D:
-                    return (self.min_lr + (peak - self.min_lr) * decay_shape(self.shape, (length - m) / D) if D
-                            else self.min_lr)
-                return peak
-            start += length
-        return self.min_lr  # after the last period
+    def decay_shape(self, x):
+        """1 at the start of a decay (x = 1), 0 at its end (x = 0): linear, cosine or 1-sqrt (optim.decay_shape)."""
+        if self.shape == "linear":
+            return x
+        if self.shape == "cosine":
+            return (1 - math.cos(math.pi * x)) / 2
+        return 1 - math.sqrt(1 - x)  # 1-sqrt
 
     def period_ends(self):
         """wsds: the step at the bottom of each period's decay (a finished run of that length)."""
@@ -243,21 +227,8 @@ def build_schedule(optim, total_steps):
     """The run's Schedule from the `optim` section; a combination that cannot work is one sentence."""
     o = optim
     if o.schedule == "wsds":
-        if not o.periods:
-            raise ConfigError("optim.schedule=wsds needs optim.periods, the length of each period in steps "
-                              "(e.g. --optim.periods=1000,1000,2000).")
-        first = o.periods[0]
-        warmup = o.warmup_steps or round(o.warmup_fraction * first)
-        decays = tuple(o.decay_steps or round(o.decay_fraction * p) for p in o.periods)
-        if warmup + decays[0] > first:
-            raise ConfigError(f"optim.schedule=wsds: warmup ({warmup} steps) plus the first decay ({decays[0]} steps) "
-                              f"is longer than the first period ({first} steps); shorten one of them.")
-        if any(d > p for d, p in zip(decays, o.periods)):
-            raise ConfigError(f"optim.decay_steps={o.decay_steps} is longer than a period ({min(o.periods)} steps); "
-                              f"lower it or use optim.decay_fraction.")
-        if sum(o.periods) != total_steps:  # a checkpoint at each period's end is what a WSD-S run is for
-            raise ConfigError(f"optim.periods={','.join(map(str, o.periods))} add up to {sum(o.periods)} steps but the "
-                              f"run is {total_steps} steps (train.max_steps or train.max_duration); make them add up.")
+        from wsds import warmup_and_decays
+        warmup, decays = warmup_and_decays(o, total_steps)
         multipliers = tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)
         return Schedule("wsds", o.lr, o.min_lr, total_steps, warmup, decays, tuple(o.periods), multipliers,
                         o.decay_shape)
