@@ -38,10 +38,9 @@ class GPTConfig:
     # So the default is the model as it was (`n_kv_head: int | None = None`: as many as n_head; `qk_norm = False`).
 
     def checks(self):
-        """Checks across fields, as (whether it holds, the sentence that says what to do when it does not): config.py
-        refuses a run with the first that fails, before anything is written, and after each field's own range (so
-        n_head >= 1 here). A field you add that must agree with others adds its check here, e.g.
-        `(self.n_head % self.n_kv_head == 0, f"model.n_head={self.n_head} is not divisible by ...")`."""
+        """Checks across fields, as (holds, the sentence that says what to do if not): config.py refuses a run with
+        the first that fails, before anything is written and after each field's own range (so n_head >= 1 here). A
+        field you add that must agree with others adds its check, e.g. `(self.n_head % self.n_kv_head == 0, "...")`."""
         return [
             (self.n_embd % self.n_head == 0,
              f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; every head gets n_embd / "
@@ -68,8 +67,6 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             # Generation feeds one new token at a time: attend to the cached past plus the new keys.
             k, v = kv_cache.append(k, v)
-        # With a cache and a single new token there is nothing in the future to mask.
-        causal = kv_cache is None or T > 1
         if attn_mask is not None:
             # Packed evaluation rows (hellaswag_eval.py): the caller says who may see whom.
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
@@ -79,10 +76,10 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            # PyTorch picks flash attention on GPUs for this call; it never builds the T x T matrix.
-            y = F.scaled_dot_product_attention(
-                q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0
-            )
+            # PyTorch picks flash attention on GPUs for this call; it never builds the T x T matrix. (A single new
+            # token after a cache has nothing in the future to mask.)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=kv_cache is None or T > 1,
+                                               dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -224,14 +221,13 @@ class GPT(nn.Module):
         return self.transformer.h
 
     def param_groups(self):
-        """Every parameter once, by its kind (PARAM_KINDS above says what each kind is to the trainer):
+        """Every parameter once, in the model's order, by its kind (PARAM_KINDS says what each is to the trainer; a fork
+        may name a kind of its own once it adds it there):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
           output     the matrices `logits` multiplies by, but an embedding: an untied output layer, by any name
-          matrix     the other weights of two or more dimensions: the matmuls of the blocks (a lookup table of
-                     a fork's own held as a bare parameter, not an nn.Embedding, needs a kind of its own)
-          vector     biases and LayerNorm gains
-        A fork may name a kind of its own, once it adds it to param_kinds. Each list is in the model's
-        own parameter order."""
+          matrix     the other weights of two or more dimensions: the matmuls of the blocks (a fork's lookup table
+                     held as a bare parameter, not an nn.Embedding, needs a kind of its own)
+          vector     biases and LayerNorm gains"""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
         output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by, whatever its name

@@ -14,7 +14,6 @@ scales each group's peak by the schedule, and the loop logs each group's LR as o
 learning-rate schedule (`Schedule`), which the loop asks for the LR of each step.
 """
 
-import inspect
 import itertools
 import math
 from dataclasses import dataclass
@@ -51,7 +50,7 @@ def build_optimizer(model, optim, device_type):
     """AdamW, or MuonAdamW, over `model` from the `optim` config section."""
     groups = param_groups(model, optim)
     # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
-    fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    fused = device_type == "cuda"
     adamw = torch.optim.AdamW(
         [{"params": groups["decay"], "weight_decay": optim.weight_decay, "name": "adamw", "peak_lr": optim.lr},
          {"params": groups["no_decay"], "weight_decay": 0.0, "name": "adamw_no_decay", "peak_lr": optim.lr}],
