@@ -308,16 +308,12 @@ def parameter_kinds(model):
 
 def gpt_class(module="model"):
     """The GPT class that train.model_module names: this file's, or the one in a .py file of your own (model_module.py
-    loads it). It takes the same GPTConfig and answers what the trainer asks a model (WHAT_THE_TRAINER_ASKS), so the
-    rest of the trainer names no layer of it."""
+    loads it). It takes the same GPTConfig and answers what the trainer asks a model (model_module.py's
+    WHAT_THE_TRAINER_ASKS), so the rest of the trainer names no layer of it."""
     if module == "model":
         return GPT
     from model_module import load_gpt_class
-    return load_gpt_class(module, WHAT_THE_TRAINER_ASKS)
-
-
-WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",
-                         "num_params_with_output", "flops_per_token")
+    return load_gpt_class(module)
 
 
 # ----------------------------------------------------------------------------- the chunked loss

@@ -1,15 +1,19 @@
 """The GPT class of a .py file of your own, which train.model_module names (the course's capstone trains a student's
-GPT this way). A module of its own because only that setting loads a file: model.gpt_class hands it the path and
-what the trainer asks every model, so a run with model.py's GPT never reads this.
+GPT this way), and what the trainer asks every model. A module of its own because only that setting loads a file:
+model.gpt_class hands it the path, so a run with model.py's GPT never reads this.
 """
 
 import importlib.util
 import os
 
+# What the rest of the trainer asks of every GPT class; model.py's methods fit any GPT built of the same parts.
+WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",
+                         "num_params_with_output", "flops_per_token")
 
-def load_gpt_class(module, what_the_trainer_asks):
-    """The class GPT defined in the file `module`, which must have every attribute in `what_the_trainer_asks`; a
-    wrong path, or a file without that class or those attributes, is one sentence that says what to do."""
+
+def load_gpt_class(module):
+    """The class GPT defined in the file `module`, which must have every attribute in WHAT_THE_TRAINER_ASKS; a wrong
+    path, or a file without that class or those attributes, is one sentence that says what to do."""
     if not module.endswith(".py"):
         raise ValueError(f"train.model_module={module!r} is neither model nor a .py file; give the path of the file "
                          f"that defines your GPT class.")
@@ -21,7 +25,7 @@ def load_gpt_class(module, what_the_trainer_asks):
     spec.loader.exec_module(loaded)
     if not hasattr(loaded, "GPT"):
         raise ValueError(f"{module} defines no class GPT; name your model class GPT.")
-    missing = [name for name in what_the_trainer_asks if not hasattr(loaded.GPT, name)]
+    missing = [name for name in WHAT_THE_TRAINER_ASKS if not hasattr(loaded.GPT, name)]
     if missing:
         raise ValueError(f"{module}'s GPT has no {', '.join(missing)}, which the trainer asks every model; give it "
                          f"model.py's (e.g. `param_groups = model.GPT.param_groups`).")

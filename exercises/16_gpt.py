@@ -131,7 +131,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.hidden_states(idx, kv_cache))
         return logits if targets is None else parts.next_token_loss(logits, targets)
 
-    # What the trainer asks every model (model.WHAT_THE_TRAINER_ASKS): model.py's answers, which read the model
+    # What the trainer asks every model (model_module.WHAT_THE_TRAINER_ASKS): model.py's answers, which read the model
     # by its module types, so they fit this GPT as they fit model.py's.
     blocks = model.GPT.blocks
     param_groups, num_params, flops_per_token = model.GPT.param_groups, model.GPT.num_params, model.GPT.flops_per_token
