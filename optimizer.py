@@ -1,10 +1,7 @@
-"""The optimizer: AdamW (GPT-2's), or Muon for the transformer's matrices beside AdamW for the rest.
-
-    optim.name = "adamw"   AdamW over every parameter (GPT-3, nanoGPT): the field's default (config.py)
-    optim.name = "muon"    Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for the 2-D weights of the
-                           transformer blocks, AdamW for the embeddings, the output layer, biases and gains: the
-                           split of modded-nanogpt, nanochat's MuonAdamW and OLMo-core's muon ladder (the model
-                           says which parameter is what); the quick start's config/shakespeare.py chooses it
+"""The optimizer: AdamW over every parameter (GPT-3, nanoGPT; optim.name=adamw, the field's default), or, with
+optim.name=muon (the quick start's config/shakespeare.py), Muon (Jordan et al. 2024; PyTorch's torch.optim.Muon) for
+the blocks' 2-D weights beside AdamW for the embeddings, the output layer, biases and gains: the split of
+modded-nanogpt, nanochat's MuonAdamW and OLMo-core's muon ladder (the model says which parameter is what).
 
 Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of the update
 moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025, "Muon is
