@@ -18,7 +18,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from callbacks import first_nonfinite
-from config import UserError, redact_argv
+from config import UserError
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -416,7 +415,10 @@ class Sinks:
     def __init__(self, out_dir, log_cfg, config_dict):
         self.out_dir, self.log_cfg = out_dir, log_cfg
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-        self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb else None
+        self.wandb_run = None
+        if log_cfg.wandb:
+            from wandb_run import start_wandb
+            self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
         self.failed = None  # the first write error, as a sentence
 
     def __enter__(self):
@@ -451,34 +453,3 @@ class Sinks:
         if self.wandb_run is not None:
             for step, values in rows:
                 self.wandb_run.log(values, step=step)
-
-
-def start_wandb(out_dir, log_cfg, config_dict):
-    """Start or resume this run's W&B run. The run id is kept in <out_dir>/wandb_id.txt, so a restart
-    logs into the same run. WANDB_MODE=offline writes it under <out_dir>/wandb/ for a later sync."""
-    import wandb
-
-    id_path = os.path.join(out_dir, "wandb_id.txt")
-    if os.path.exists(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
-    else:
-        run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
-        with open(id_path, "w") as f:
-            f.write(run_id)
-    # W&B records the command line (sys.argv) in its run's metadata and logs: it reads the one with secrets redacted
-    # (config.redact_argv), as `config_dict` holds them redacted (config.config_to_dict).
-    argv, sys.argv = sys.argv, redact_argv(sys.argv)
-    try:
-        return wandb.init(
-            project=log_cfg.wandb_project,
-            name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
-            group=log_cfg.wandb_group or None,
-            tags=log_cfg.wandb_tags or None,
-            id=run_id,
-            resume="allow",
-            dir=out_dir,
-            config=config_dict,
-        )
-    finally:
-        sys.argv = argv
