@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import metrics
 import run_dir
 from callbacks import (LossSpikeDetector, all_finite, check_finite, memory_metrics, nonfinite_stop,
-                       peak_flops_for_device, register_stack_dump, save_environment)
+                       peak_flops_for_device, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
@@ -438,6 +438,7 @@ def build_run(cfg, stack):
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir, procs.device)
     sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
     state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
+    from stack_dump import register_stack_dump
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
     recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
     from step_extras import StepExtras
