@@ -1,23 +1,16 @@
-"""The run's plan: how long it is, how a step splits into micro-steps, what is due after each step, and when it
-stops early.
+"""The run's plan: its length, its micro-steps per step, what is due after each step, and when it stops early.
 
-`make_plan(cfg, ...)` resolves the config into a `Plan` once, before anything is written. The loop
-then asks `plan.due(step)` after every step, `--dry_run` prints the same plan, and the model ladder
-lists the checkpoints a size will keep from it: one rule for everything periodic.
+`make_plan` resolves the config into a `Plan` once, before anything is written. The loop asks `plan.due(step)`
+after every step, `--dry_run` prints the same plan and the model ladder lists a size's checkpoints from it. One
+cadence rule serves everything periodic (`Every`): due every `interval` steps, at the run's last step (so the final
+evaluation and checkpoint reuse the periodic code) and at fixed steps; interval 0: at the fixed steps only. The
+final checkpoint is always written (a run that stops must be resumable), unless `train.no_checkpoints`.
 
-The cadence rule, the same for validation, tasks, samples, checkpoints, traces and collecting metrics: a thing is due
-every `interval` steps and at the run's last step, and at its fixed steps; an interval of 0 means
-"at its fixed steps only" (none: never). The last step is the end of the run, so the final evaluation and
-checkpoint reuse the periodic code; an early stop (signal, CANCEL, time limit) runs only the checkpoint, since a
-scheduler's grace period is short. The final checkpoint is always written (a run that stops must be resumable),
-unless `train.no_checkpoints`.
-
-Stopping early and cleanly (`Stopper`, at the bottom): on SIGTERM/SIGINT, a CANCEL file, or a wall-clock limit.
-Cluster schedulers preempt a job with SIGTERM; a person presses Ctrl-C; a script touches `<out_dir>/CANCEL`; a
-job has a time limit. In every case the loop finishes the current step, saves a checkpoint and exits, so at most
-one step is lost. Ranks may see the cause at different moments (a signal reaches them one by one, only rank 0
-looks for the file), so every `train.cancel_check_interval` steps (default 1) they agree: one tiny all-reduce on
-a CPU (gloo) group, which never waits for the GPU.
+`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit:
+the loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at
+different moments (a signal reaches them one by one, only rank 0 looks for the file), so every
+`train.cancel_check_interval` steps they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for
+the GPU. Also here, read from the model and the plan: each rank's memory estimate and the start-up summary.
 """
 
 import os
@@ -264,15 +257,11 @@ class Stopper:
         return REASONS[int(code)]
 
     def describe(self, reason):
-        return describe_stop(reason, self.flag, self.out_dir)
-
-
-def describe_stop(reason, flag, out_dir):
-    if reason == "signal":
-        return f"stopped by {flag.received or 'a signal on another rank'}"
-    if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
-        return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
-    return "stopped at the time limit (train.time_limit)"
+        if reason == "signal":
+            return f"stopped by {self.flag.received or 'a signal on another rank'}"
+        if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
+            return f"canceled by {os.path.join(self.out_dir, 'CANCEL')} (now removed)"
+        return "stopped at the time limit (train.time_limit)"
 
 
 # ----------------------------------------------------------------------------- the plan, described
