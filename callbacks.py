@@ -22,8 +22,6 @@ import torch
 
 from config import UserError, redact_argv
 
-# ----------------------------------------------------------------------------- speed
-
 
 # Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
 # utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
@@ -43,9 +41,6 @@ def peak_flops_for_device(device, override=0.0):
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-
-
-# ----------------------------------------------------------------------------- stability
 
 
 class LossSpikeDetector:
@@ -72,9 +67,8 @@ class NonFiniteLoss(UserError):
 
 
 def nonfinite_stop(what, out_dir, skip=True):
-    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on that holds for this run: resume from
-    its last checkpoint, or start again when it has none (a resume from nothing is no advice). `skip`: also offer
-    train.nan_policy=skip (a run that skips already has its limit instead)."""
+    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on for this run: resume from its last
+    checkpoint, or start again if it has none. `skip`: offer train.nan_policy=skip (a run that skips has a limit)."""
     from checkpoint import newest_checkpoint
 
     last = newest_checkpoint(out_dir) if out_dir else None
@@ -120,9 +114,6 @@ def check_finite(step, values, out_dir=None):
     message = nonfinite_message(step, host_values(values))
     if message:
         raise nonfinite_stop(message, out_dir)
-
-
-# ----------------------------------------------------------------------------- system
 
 
 def memory_metrics(device):

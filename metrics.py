@@ -150,8 +150,7 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return None
-        # float64, so large counts (tokens, FLOPs) survive the trip exactly. Device tensors are
-        # stacked where they are; host numbers travel in one copy, not one copy each.
+        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host numbers go in one copy.
         values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
         on_device = [i for i, (_, _, v) in enumerate(entries) if torch.is_tensor(v)]
         on_host = [i for i, (_, _, v) in enumerate(entries) if not torch.is_tensor(v)]
@@ -253,11 +252,10 @@ PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec") 
 
 
 class RowWriter:
-    """Collected rows, on the main thread or the bookkeeping thread: flag loss spikes, add the ETA,
-    write the sinks (rank 0), and return the console lines of the rows that get one (every log.interval
-    steps, step 0, the last step, a spike, an evaluation). With `prints` (async bookkeeping: no loop waits
-    for them) it prints them itself. It never raises (it may run on the worker thread): the first non-finite
-    train loss or gradient norm is kept in `nonfinite` as a sentence, and the loop stops on it."""
+    """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write the sinks (rank 0)
+    and return the console lines of the rows that get one (every log.interval steps, step 0, the last step, a spike,
+    an evaluation); with `prints` (async bookkeeping: no loop waits for them), print them too. It never raises (it may
+    run on the worker thread): the first non-finite train loss or grad norm is kept in `nonfinite`; the loop stops."""
 
     def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
         self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints

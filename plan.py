@@ -276,25 +276,23 @@ def shares_text(mix):
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
-    from the model and the plan."""
+    """The start-up summary a student reads: the model's size, the batch and the run's cost, from the model and plan."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
     stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
     device_type = torch.device(device).type
-    compiled = is_compiled(cfg, device_type)
+    micro_batch_tokens = cfg.data.batch_size * cfg.model.block_size
+    bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
             f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
-            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
-            f"{'; torch.compile' if compiled else ''}\n"
+            f"{loss_description(raw_model, micro_batch_tokens, device_type)}"
+            f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; "
             + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
                else "data not prepared yet")
             + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
-            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
-                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
-                              device_type))
+            + describe_memory(raw_model, micro_batch_tokens, world_size, bf16, device_type))
 
 
 def loss_description(raw_model, rows, device_type):
