@@ -23,8 +23,7 @@ import torch
 from config import UserError, redact_argv
 
 
-# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
-# utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
+# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops overrides the table.
 PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
     "A100": 312e12,
     "H100 PCIe": 756e12,

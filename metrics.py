@@ -114,8 +114,7 @@ class MetricRecorder:
         return self._rows(labels, values.tolist())
 
     def collect_in_background(self, handle_rows):
-        """Async bookkeeping: collect() on the worker thread while training goes on, then handle_rows(rows)
-        there. Errors of the previous batch are raised here."""
+        """Async bookkeeping: collect() and handle_rows(rows) on the worker thread; raises the prior batch's error."""
         self.wait()
         packed = self._pack()
         if packed is None:
@@ -216,9 +215,8 @@ class StepClock:
 
     @contextlib.contextmanager
     def aside(self, kind):
-        """Time a block that is not training. The GPU finishes the step's queued work before the clock starts and
-        the block's own work before it stops, so neither spills into the other (two syncs, only around
-        evaluations, checkpoints, samples and traces)."""
+        """Time a block that is not training: the GPU finishes the step's queued work before the clock starts and the
+        block's own work before it stops, so neither spills into the other (two syncs, only around such blocks)."""
         self.synchronize()
         start = time.perf_counter()
         yield
@@ -245,7 +243,7 @@ def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_s
     return values
 
 
-# ----------------------------------------------------------------------------- what happens to collected rows
+# ----------------------------------------------------------------------------- collected rows: the writer and the sinks
 
 
 PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")  # in step_time_sec already
@@ -315,9 +313,6 @@ class RowWriter:
             self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
                                       and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
             values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
-
-
-# ----------------------------------------------------------------------------- sinks
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order

@@ -1,16 +1,14 @@
 """The run's plan: its length, its micro-steps per step, what is due after each step, and when it stops early.
 
-`make_plan` resolves the config into a `Plan` once, before anything is written. The loop asks `plan.due(step)`
-after every step, `--dry_run` prints the same plan and the model ladder lists a size's checkpoints from it. One
-cadence rule serves everything periodic (`Every`): due every `interval` steps, at the run's last step (so the final
-evaluation and checkpoint reuse the periodic code) and at fixed steps; interval 0: at the fixed steps only. The
-final checkpoint is always written (a run that stops must be resumable), unless `train.no_checkpoints`.
+`make_plan` resolves the config into a `Plan` once, before anything is written; the loop asks `plan.due(step)` after
+every step, `--dry_run` prints it. `Every` is the one cadence rule for everything periodic: every `interval` steps, at
+the last step (so the final evaluation and checkpoint reuse the periodic code) and at fixed steps; interval 0: at fixed
+steps only. The final checkpoint is always written (a run that stops must be resumable) unless `train.no_checkpoints`.
 
-`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit:
-the loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at
-different moments (a signal reaches them one by one, only rank 0 looks for the file), so every
-`train.cancel_check_interval` steps they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for
-the GPU. Also here, read from the model and the plan: each rank's memory estimate and the start-up summary.
+`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit: the
+loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at different
+moments (a signal reaches them one by one, only rank 0 looks for the file), so every N steps
+(train.cancel_check_interval) they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
 """
 
 import os
@@ -207,8 +205,7 @@ class SignalFlag:
     handlers it replaced come back when the run ends (train.train may run inside another program)."""
 
     def __init__(self):
-        self.received = None
-        self.previous = {}
+        self.received, self.previous = None, {}  # the signal received; the handlers replaced
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
