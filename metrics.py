@@ -251,9 +251,9 @@ PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec") 
 
 class RowWriter:
     """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write the sinks (rank 0)
-    and return the console lines of the rows that get one (every log.interval steps, step 0, the last step, a spike,
-    an evaluation); with `prints` (async bookkeeping: no loop waits for them), print them too. It never raises (it may
-    run on the worker thread): the first non-finite train loss or grad norm is kept in `nonfinite`; the loop stops."""
+    and return the console lines of the rows that get one (every log.interval steps, step 0, the last step, a spike, an
+    evaluation), printed here with `prints` (async bookkeeping: no loop waits for them). It never raises (it may run on
+    the worker thread): the first non-finite loss or grad norm is kept in `nonfinite`, a sentence the loop stops on."""
 
     def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
         self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints
