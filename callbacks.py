@@ -1,24 +1,18 @@
-"""The trainer's monitors and helpers, each a plain function the loop calls at a visible place.
+"""The trainer's monitors, each a plain function the loop calls at a visible place: OLMo-core's callback classes,
+without the registry, so that train.py says exactly when each one runs.
 
-OLMo-core provides these as callback classes registered with its trainer. Here they are functions:
-the loop in train.py says exactly when each one runs, and adding one takes five lines.
-
-- speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's `StepClock` and
-  `speed_metrics`)
-- stability: `LossSpikeDetector`, `check_finite` (train.nan_policy); the per-layer gradient norms are
-  step_extras.py's, and the activation and parameter statistics debug.py's `activation_stats`
-- system: `memory_metrics`, `save_environment`, `register_stack_dump` (what `python debug.py stacks RUN` reads),
-  `Notifier` (a webhook told when the run starts and ends); the garbage collector and the profiler are
-  step_extras.py's, with the loop's other optional parts
+- speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's)
+- stability: `LossSpikeDetector`, `check_finite` (train.nan_policy); per-layer gradient norms are step_extras.py's,
+  activation and parameter statistics debug.py's `activation_stats`
+- system: `memory_metrics`, `save_environment`; the stack dumps are stack_dump.py's, the webhook notifier.py's, the
+  garbage collector and the profiler step_extras.py's
 """
 
-import faulthandler
 import json
 import math
 import os
 import platform
 import resource
-import signal
 import socket
 import subprocess
 import sys
@@ -26,13 +20,10 @@ from collections import deque
 
 import torch
 
-from config import CHECKS, ConfigError, UserError, redact_argv
-
-# ----------------------------------------------------------------------------- speed
+from config import UserError, redact_argv
 
 
-# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, used for MFU (model FLOPs
-# utilisation). Matched against `torch.cuda.get_device_name()`; `train.peak_flops` overrides it.
+# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops overrides the table.
 PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
     "A100": 312e12,
     "H100 PCIe": 756e12,
@@ -49,9 +40,6 @@ def peak_flops_for_device(device, override=0.0):
         return None
     name = torch.cuda.get_device_name(device)
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-
-
-# ----------------------------------------------------------------------------- stability
 
 
 class LossSpikeDetector:
@@ -78,9 +66,8 @@ class NonFiniteLoss(UserError):
 
 
 def nonfinite_stop(what, out_dir, skip=True):
-    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on that holds for this run: resume from
-    its last checkpoint, or start again when it has none (a resume from nothing is no advice). `skip`: also offer
-    train.nan_policy=skip (a run that skips already has its limit instead)."""
+    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on for this run: resume from its last
+    checkpoint, or start again if it has none. `skip`: offer train.nan_policy=skip (a run that skips has a limit)."""
     from checkpoint import newest_checkpoint
 
     last = newest_checkpoint(out_dir) if out_dir else None
@@ -128,9 +115,6 @@ def check_finite(step, values, out_dir=None):
         raise nonfinite_stop(message, out_dir)
 
 
-# ----------------------------------------------------------------------------- system
-
-
 def memory_metrics(device):
     """Memory in GiB: on a GPU what PyTorch's allocator holds, on a CPU the process's resident set."""
     if torch.device(device).type == "cuda":
@@ -174,87 +158,3 @@ def save_environment(out_dir, world_size):
     }
     with open(os.path.join(out_dir, "environment.json"), "w") as f:
         json.dump(env, f, indent=2)
-
-
-STACKS = "stacks"  # <out_dir>/stacks/: each rank's pid file and stack dumps
-PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
-
-
-def process_start_time(pid):
-    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
-    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
-    try:
-        with open(os.path.join(PROC, str(pid), "stat")) as f:
-            stat = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
-    return int(stat.rsplit(")", 1)[1].split()[19])
-
-
-def register_stack_dump(out_dir, rank):
-    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
-    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
-    not exist (Windows)."""
-    if not hasattr(signal, "SIGUSR1"):
-        return lambda: None
-    folder = os.path.join(out_dir, STACKS)
-    os.makedirs(folder, exist_ok=True)
-    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
-    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
-    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
-    start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
-    with open(pid_path, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
-    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
-    stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
-    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
-
-    def undo():
-        faulthandler.unregister(signal.SIGUSR1)
-        stacks_file.close()
-        if os.path.exists(pid_path):
-            os.remove(pid_path)
-
-    return undo
-
-
-class Notifier:
-    """log.slack_webhook, or the SLACK_WEBHOOK_URL environment variable (OLMo's Slack notifier): a short JSON message
-    ({"text": ...}, Slack's incoming-webhook format) when the run starts, and when it finishes, is stopped early
-    (a signal, CANCEL, the time limit) or fails. Rank 0 posts. A post that fails is a warning, never the run's end.
-    A context manager: entered as the loop is about to start; on leaving, it posts `outcome`, or the error."""
-
-    def __init__(self, url, name, is_master):
-        url = url or os.environ.get("SLACK_WEBHOOK_URL", "")  # (log.slack_webhook is checked with the config)
-        webhook = "an http:// or https:// URL, or empty"  # the setting's own check (config.py)
-        if not CHECKS[webhook](url):  # on every rank, so that all stop
-            raise ConfigError(f"the SLACK_WEBHOOK_URL environment variable must be {webhook} (its value is not shown: "
-                              f"a secret); set it to the webhook's https:// URL, or unset it.")
-        self.url = url if is_master else ""
-        self.name, self.outcome = name, "ended"
-
-    def post(self, text, ending=False):
-        """Post `text`; `ending`: the run's last message (a failure is then not followed by "training goes on")."""
-        if not self.url:
-            return
-        import urllib.request
-
-        request = urllib.request.Request(self.url, data=json.dumps({"text": f"{self.name}: {text}"}).encode(),
-                                         headers={"Content-Type": "application/json"})
-        try:
-            urllib.request.urlopen(request, timeout=10).close()
-        except Exception as error:  # noqa: BLE001 - a notification is never worth the run
-            print(f"warning: the run notifier could not post to its webhook ({type(error).__name__}: {error}); "
-                  + ("the run's outcome is as printed above." if ending else "training goes on."), file=sys.stderr,
-                  flush=True)
-
-    def __enter__(self):
-        self.post("started")
-        return self
-
-    def __exit__(self, kind, error, traceback):
-        if error is None:
-            self.post(self.outcome, ending=True)
-        else:
-            self.post(f"failed: {(str(error).splitlines() or [type(error).__name__])[0][:300]}", ending=True)

@@ -1,6 +1,6 @@
 """When a run goes wrong: where two runs part, how two checkpoints differ, where a hung job waits.
 
-In the loop (train.py calls these; every rank also registers a stack dump, callbacks.register_stack_dump):
+In the loop (train.py calls these; every rank also registers a stack dump, stack_dump.register_stack_dump):
 - `trace_forward` (debug.trace_steps): at the chosen steps, rank 0 runs the step's first micro-batch
   through the model once more with forward hooks on every submodule, and saves each module's inputs
   and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
@@ -38,8 +38,7 @@ import time
 
 import torch
 
-import callbacks
-from callbacks import STACKS
+import stack_dump
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
 from model import gpt_class
@@ -381,10 +380,10 @@ def verified_rank(path, here):
         return None, f"{path} is unreadable ({type(error).__name__}); not signalled"
     if host != here:
         return info, ""
-    if not os.path.isdir(callbacks.PROC):
-        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {callbacks.PROC}; not "
+    if not os.path.isdir(stack_dump.PROC):
+        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {stack_dump.PROC}; not "
                       f"signalled (use `py-spy dump --pid {pid}` if it is)")
-    started = callbacks.process_start_time(pid)
+    started = stack_dump.process_start_time(pid)
     if started is None:
         return info, f"rank {rank}: stale pid file, pid {pid} has ended; not signalled"
     if started != info.get("start_time"):  # None: a file from before start times were recorded
@@ -396,7 +395,7 @@ def collect_stacks(run_dir, wait=10.0):
     """{rank: dump} of every rank of the run started on this host that answers SIGUSR1, and the ranks
     that were asked and did not answer. Only a process proven to be the rank is signalled (see
     register_stack_dump); each pid file that is not is reported in one line."""
-    folder = os.path.join(run_dir, STACKS)
+    folder = os.path.join(run_dir, stack_dump.STACKS)
     pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if os.path.isdir(folder) else []
     if not pid_files:
         raise DebugError(f"no running training has registered in {folder}; give the train.out_dir of a run that "

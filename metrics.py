@@ -1,15 +1,12 @@
 """Metrics: recorded on the device every step, reduced across ranks and written out in batches.
 
-The loop calls `recorder.record_all({"train/loss": loss, ...})` with tensors that stay on the device, so
-recording costs no host-device sync. Every `log.metrics_collect_interval` steps `collect()` reduces
-all pending values of all ranks in one collective and copies them to the host in one transfer (as
-OLMo-core's metrics_collect_interval); with `log.async_bookkeeping` that happens on a background
-thread over a CPU (gloo) group, as OLMo's async bookkeeping. `RowWriter` then writes the rows to `Sinks`
-(`<out_dir>/metrics.jsonl`, Weights & Biases, and `metrics_step<N>.json` snapshots at eval steps) and hands
-back their console lines, which the loop prints (rank 0; with async bookkeeping its thread prints them).
+`recorder.record_all({"train/loss": loss, ...})` keeps the tensors on the device, so recording costs no host-device
+sync. Every `log.metrics_collect_interval` steps (OLMo-core's) `collect()` reduces the pending values of all ranks in
+one collective and copies them to the host in one transfer; with `log.async_bookkeeping` (OLMo's), on a background
+thread over a CPU (gloo) group. `RowWriter` writes the rows to `Sinks` (metrics.jsonl, W&B, `metrics_step<N>.json`
+at evaluations) and returns their console lines, which the loop prints on rank 0 (or the bookkeeping thread does).
 Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
-
-Plots of the written rows are a tool's: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
+Plots of the written rows: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
 """
 
 import contextlib
@@ -18,7 +15,6 @@ import os
 import sys
 import threading
 import time
-import uuid
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from callbacks import first_nonfinite
-from config import UserError, redact_argv
+from config import UserError
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
@@ -44,18 +40,15 @@ class MetricRecorder:
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
         self.pending = []  # (step, {name: value}) not yet collected
-        # Async bookkeeping (OLMo's): reduce and write on a thread, over a gloo group of its own so
-        # it never interleaves with the training loop's collectives.
-        self.group = bookkeeping_group
+        self.group = bookkeeping_group  # async bookkeeping's own gloo group: apart from the loop's collectives
         self.worker = ThreadPoolExecutor(max_workers=1) if async_bookkeeping else None
         self.in_flight = None
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
-        """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
-        sum, max, l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (no
-        reduction: rank 0's value). A metric recorded again in the same step is merged as OLMo-core
-        does: warn (warn, keep the value already recorded), latest, oldest, mean (the average of the
-        stored value and the new one), sum, max, min. Merging is tensor arithmetic: no host sync."""
+        """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean, sum, max,
+        l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (rank 0's value). A metric recorded
+        twice in a step is merged as OLMo-core does: warn (keep the first, with a warning), latest, oldest, mean (of
+        the two), sum, max, min. Merging is tensor arithmetic: no host sync."""
         self.record_all({name: value}, reduce, merge)
 
     def record_all(self, values, reduce="mean", merge="warn"):
@@ -78,10 +71,10 @@ class MetricRecorder:
                                           "min": lambda: torch.minimum(old, new)}[merge]()
 
     def get(self, name):
-        """This step's value of metric `name` as it will be logged: merged as recorded, then reduced over the ranks by
-        its reduce type (OLMo-core's get_metric), as a float; None when it was not recorded this step. For a callback
-        or a fork that acts on a number of this step (a loss threshold, a custom stop): it costs one collective and
-        one host sync, so ask only when the number is needed, and on every rank alike (all take part)."""
+        """This step's value of `name` as it will be logged (merged, then reduced over the ranks: OLMo-core's
+        get_metric), as a float; None if not recorded this step. For a callback or a fork that acts on this step's
+        number (a loss threshold, a custom stop): one collective and one host sync, so ask only when needed, on every
+        rank alike (all take part)."""
         if name not in self.step_values:
             return None
         value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device).reshape(1)
@@ -90,10 +83,9 @@ class MetricRecorder:
         return value.item()
 
     def finish_step(self, step, collect, wait=False):
-        """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to
-        `on_rows`; with `wait` too, return only once they are handled (metrics.jsonl then holds every step
-        up to this one: the loop asks for that before a checkpoint). Returns what `on_rows` returned for
-        rows handled here (the console lines), or [] (nothing collected, or async bookkeeping)."""
+        """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to `on_rows`; with
+        `wait` too, return once they are handled (metrics.jsonl then holds every step so far: the loop asks for that
+        before a checkpoint). Returns the console lines `on_rows` returned here, or [] (none collected, or async)."""
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
@@ -122,8 +114,7 @@ class MetricRecorder:
         return self._rows(labels, values.tolist())
 
     def collect_in_background(self, handle_rows):
-        """Async bookkeeping: collect() on the worker thread while training goes on, then handle_rows(rows)
-        there. Errors of the previous batch are raised here."""
+        """Async bookkeeping: collect() and handle_rows(rows) on the worker thread; raises the prior batch's error."""
         self.wait()
         packed = self._pack()
         if packed is None:
@@ -158,8 +149,7 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return None
-        # float64, so large counts (tokens, FLOPs) survive the trip exactly. Device tensors are
-        # stacked where they are; host numbers travel in one copy, not one copy each.
+        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host numbers go in one copy.
         values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
         on_device = [i for i, (_, _, v) in enumerate(entries) if torch.is_tensor(v)]
         on_host = [i for i, (_, _, v) in enumerate(entries) if not torch.is_tensor(v)]
@@ -207,10 +197,9 @@ def warn_if_slow(what, seconds, soft_timeout):
 
 
 class StepClock:
-    """Step time measured between consecutive step ends (OLMo-core's speed monitor, torchtitan and nanoGPT
-    time steps the same way), so a run's step times add up to the loop's wall time: the host's waits for the
-    GPU (collecting metrics, once every log.metrics_collect_interval steps) count in the step after them.
-    Evaluation, checkpoint and sample time is measured apart (`aside`) and left out of the steps."""
+    """Step time measured between consecutive step ends (as OLMo-core's speed monitor, torchtitan and nanoGPT do), so
+    a run's step times add up to the loop's wall time: the host's waits for the GPU (at each metrics collection) count
+    in the step after them. Evaluation, checkpoint and sample time is measured apart (`aside`), out of the steps."""
 
     def __init__(self, device):
         self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
@@ -226,9 +215,8 @@ class StepClock:
 
     @contextlib.contextmanager
     def aside(self, kind):
-        """Time a block that is not training. The GPU finishes the step's queued work before the clock starts and
-        the block's own work before it stops, so neither spills into the other (two syncs, only around
-        evaluations, checkpoints, samples and traces)."""
+        """Time a block that is not training: the GPU finishes the step's queued work before the clock starts and the
+        block's own work before it stops, so neither spills into the other (two syncs, only around such blocks)."""
         self.synchronize()
         start = time.perf_counter()
         yield
@@ -255,18 +243,17 @@ def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_s
     return values
 
 
-# ----------------------------------------------------------------------------- what happens to collected rows
+# ----------------------------------------------------------------------------- collected rows: the writer and the sinks
 
 
-PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")
+PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")  # in step_time_sec already
 
 
 class RowWriter:
-    """Collected rows, on the main thread or the bookkeeping thread: flag loss spikes, add the ETA,
-    write the sinks (rank 0), and return the console lines of the rows that get one (every log.interval
-    steps, step 0, the last step, a spike, an evaluation). With `prints` (async bookkeeping: no loop waits
-    for them) it prints them itself. It never raises (it may run on the worker thread): the first non-finite
-    train loss or gradient norm is kept in `nonfinite` as a sentence, and the loop stops on it."""
+    """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write the sinks (rank 0)
+    and return the console lines of the rows that get one (every log.interval steps, step 0, the last step, a spike, an
+    evaluation), printed here with `prints` (async bookkeeping: no loop waits for them). It never raises (it may run on
+    the worker thread): the first non-finite loss or grad norm is kept in `nonfinite`, a sentence the loop stops on."""
 
     def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
         self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints
@@ -313,9 +300,9 @@ class RowWriter:
 
     def add_eta(self, rows):
         """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
-        evaluations, checkpoints, samples) x the steps left. It is measured on the times the rows carry, not on
-        the clock: the rows of a collection window arrive together, long after most of their steps ended.
-        The first step this process trains is left out: it holds torch.compile and the allocator's warm-up."""
+        evaluations, checkpoints, samples, traces) x the steps left. Measured on the times the rows carry, not on the
+        clock: the rows of a collection window arrive together, long after most of their steps ended. The first step
+        this process trains is left out: it holds torch.compile and the allocator's warm-up."""
         for step, values in rows:
             if "throughput/step_time_sec" not in values:  # step 0 (evaluations before training), a skipped step
                 continue
@@ -323,14 +310,9 @@ class RowWriter:
                 self.warm = True
                 continue
             self.timed_steps += 1
-            # The step's window: its step time and the eval/checkpoint/sample/trace time set aside in it (the data
-            # and compile times are parts of the step time).
             self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
                                       and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
             values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
-
-
-# ----------------------------------------------------------------------------- sinks
 
 
 CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
@@ -416,7 +398,10 @@ class Sinks:
     def __init__(self, out_dir, log_cfg, config_dict):
         self.out_dir, self.log_cfg = out_dir, log_cfg
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-        self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb else None
+        self.wandb_run = None
+        if log_cfg.wandb:
+            from wandb_run import start_wandb
+            self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
         self.failed = None  # the first write error, as a sentence
 
     def __enter__(self):
@@ -451,34 +436,3 @@ class Sinks:
         if self.wandb_run is not None:
             for step, values in rows:
                 self.wandb_run.log(values, step=step)
-
-
-def start_wandb(out_dir, log_cfg, config_dict):
-    """Start or resume this run's W&B run. The run id is kept in <out_dir>/wandb_id.txt, so a restart
-    logs into the same run. WANDB_MODE=offline writes it under <out_dir>/wandb/ for a later sync."""
-    import wandb
-
-    id_path = os.path.join(out_dir, "wandb_id.txt")
-    if os.path.exists(id_path):
-        with open(id_path) as f:
-            run_id = f.read().strip()
-    else:
-        run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
-        with open(id_path, "w") as f:
-            f.write(run_id)
-    # W&B records the command line (sys.argv) in its run's metadata and logs: it reads the one with secrets redacted
-    # (config.redact_argv), as `config_dict` holds them redacted (config.config_to_dict).
-    argv, sys.argv = sys.argv, redact_argv(sys.argv)
-    try:
-        return wandb.init(
-            project=log_cfg.wandb_project,
-            name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
-            group=log_cfg.wandb_group or None,
-            tags=log_cfg.wandb_tags or None,
-            id=run_id,
-            resume="allow",
-            dir=out_dir,
-            config=config_dict,
-        )
-    finally:
-        sys.argv = argv

@@ -1,23 +1,14 @@
-"""The run's plan: how long it is, how a step splits into micro-steps, what is due after each step, and when it
-stops early.
+"""The run's plan: its length, its micro-steps per step, what is due after each step, and when it stops early.
 
-`make_plan(cfg, ...)` resolves the config into a `Plan` once, before anything is written. The loop
-then asks `plan.due(step)` after every step, `--dry_run` prints the same plan, and the model ladder
-lists the checkpoints a size will keep from it: one rule for everything periodic.
+`make_plan` resolves the config into a `Plan` once, before anything is written; the loop asks `plan.due(step)` after
+every step, `--dry_run` prints it. `Every` is the one cadence rule for everything periodic: every `interval` steps, at
+the last step (so the final evaluation and checkpoint reuse the periodic code) and at fixed steps; interval 0: at fixed
+steps only. The final checkpoint is always written (a run that stops must be resumable) unless `train.no_checkpoints`.
 
-The cadence rule, the same for validation, tasks, samples, checkpoints, traces and collecting metrics: a thing is due
-every `interval` steps and at the run's last step, and at its fixed steps; an interval of 0 means
-"at its fixed steps only" (none: never). The last step is the end of the run, so the final evaluation and
-checkpoint reuse the periodic code; an early stop (signal, CANCEL, time limit) runs only the checkpoint, since a
-scheduler's grace period is short. The final checkpoint is always written (a run that stops must be resumable),
-unless `train.no_checkpoints`.
-
-Stopping early and cleanly (`Stopper`, at the bottom): on SIGTERM/SIGINT, a CANCEL file, or a wall-clock limit.
-Cluster schedulers preempt a job with SIGTERM; a person presses Ctrl-C; a script touches `<out_dir>/CANCEL`; a
-job has a time limit. In every case the loop finishes the current step, saves a checkpoint and exits, so at most
-one step is lost. Ranks may see the cause at different moments (a signal reaches them one by one, only rank 0
-looks for the file), so every `train.cancel_check_interval` steps (default 1) they agree: one tiny all-reduce on
-a CPU (gloo) group, which never waits for the GPU.
+`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit: the
+loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at different
+moments (a signal reaches them one by one, only rank 0 looks for the file), so every N steps
+(train.cancel_check_interval) they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
 """
 
 import os
@@ -214,8 +205,7 @@ class SignalFlag:
     handlers it replaced come back when the run ends (train.train may run inside another program)."""
 
     def __init__(self):
-        self.received = None
-        self.previous = {}
+        self.received, self.previous = None, {}  # the signal received; the handlers replaced
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -264,15 +254,11 @@ class Stopper:
         return REASONS[int(code)]
 
     def describe(self, reason):
-        return describe_stop(reason, self.flag, self.out_dir)
-
-
-def describe_stop(reason, flag, out_dir):
-    if reason == "signal":
-        return f"stopped by {flag.received or 'a signal on another rank'}"
-    if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
-        return f"canceled by {os.path.join(out_dir, 'CANCEL')} (now removed)"
-    return "stopped at the time limit (train.time_limit)"
+        if reason == "signal":
+            return f"stopped by {self.flag.received or 'a signal on another rank'}"
+        if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
+            return f"canceled by {os.path.join(self.out_dir, 'CANCEL')} (now removed)"
+        return "stopped at the time limit (train.time_limit)"
 
 
 # ----------------------------------------------------------------------------- the plan, described
@@ -287,25 +273,23 @@ def shares_text(mix):
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch, and what the run will cost, each read
-    from the model and the plan."""
+    """The start-up summary a student reads: the model's size, the batch and the run's cost, from the model and plan."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
     stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
     device_type = torch.device(device).type
-    compiled = is_compiled(cfg, device_type)
+    micro_batch_tokens = cfg.data.batch_size * cfg.model.block_size
+    bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
             f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
-            f"{loss_description(raw_model, cfg.data.batch_size * cfg.model.block_size, device_type)}"
-            f"{'; torch.compile' if compiled else ''}\n"
+            f"{loss_description(raw_model, micro_batch_tokens, device_type)}"
+            f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; "
             + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
                else "data not prepared yet")
             + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
-            + describe_memory(raw_model, cfg.data.batch_size * cfg.model.block_size, world_size,
-                              cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda"),
-                              device_type))
+            + describe_memory(raw_model, micro_batch_tokens, world_size, bf16, device_type))
 
 
 def loss_description(raw_model, rows, device_type):

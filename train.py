@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (LossSpikeDetector, Notifier, all_finite, check_finite, memory_metrics, nonfinite_stop,
-                       peak_flops_for_device, register_stack_dump, save_environment)
+from callbacks import (LossSpikeDetector, all_finite, check_finite, memory_metrics, nonfinite_stop,
+                       peak_flops_for_device, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
                         load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
 from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
@@ -369,7 +369,7 @@ class Run:
     extras: object  # step_extras.StepExtras: the step's optional parts, and the steps they run at
     flops_per_token: int
     peak_flops: float | None
-    notifier: Notifier  # told how the run ended (log.slack_webhook)
+    notifier: object  # notifier.Notifier: told how the run ended (log.slack_webhook)
     tokenizer: object  # the training data's: GPT-2's, or a character-level dataset's (the samples are written with it)
 
     def save(self, kind):
@@ -417,6 +417,7 @@ def build_run(cfg, stack):
         raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and this is a plain python "
                           "process; start it with torchrun --nproc-per-node=N, or set --train.data_parallel=ddp.")
     name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
+    from notifier import Notifier
     notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
@@ -437,6 +438,7 @@ def build_run(cfg, stack):
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir, procs.device)
     sample_generator = torch.Generator(procs.device).manual_seed(cfg.train.seed + procs.rank)
     state, replaced = load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan)
+    from stack_dump import register_stack_dump
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
     recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
     from step_extras import StepExtras

@@ -113,8 +113,8 @@ def test_the_webhook_url_reaches_no_file_bucket_or_wandb_record(s3, data_root, t
 
 @pytest.mark.parametrize("url", ["notaurl", "file:///etc/passwd", "ftp://example.com/hook"])
 def test_a_webhook_that_is_no_http_url_is_one_sentence_that_does_not_show_it(url, monkeypatch):
-    from callbacks import Notifier
     from config import ConfigError, parse_args
+    from notifier import Notifier
 
     with pytest.raises(ConfigError, match=r"log.slack_webhook must be an http:// or https:// URL") as refused:
         parse_args([f"--log.slack_webhook={url}"])
@@ -361,8 +361,8 @@ def test_a_shape_from_the_default_config_file_is_one_clean_sentence():
 
 
 def test_warnings_after_the_run_ended_do_not_say_training_goes_on(capsys):
-    from callbacks import Notifier
     from metrics import warn_if_slow
+    from notifier import Notifier
 
     with Notifier("http://127.0.0.1:9/nobody", "run", is_master=True) as notifier:  # nothing listens on port 9
         notifier.outcome = "finished at step 2"
