@@ -14,8 +14,6 @@ format (durations, step ranges, word choices) is checked here, before a run touc
 """
 
 import dataclasses
-import difflib
-import inspect
 import json
 import math
 import os
@@ -540,25 +538,9 @@ def literal_choices(type_):
     return typing.get_args(type_) if typing.get_origin(type_) is Literal else ()
 
 
-def closest_key(cfg, key):
-    match = difflib.get_close_matches(key, all_keys(cfg), n=1, cutoff=0.5)
-    if not match:  # fall back on the field name alone, e.g. `batch_size` -> `data.batch_size`
-        by_field = {k.split(".")[1]: k for k in all_keys(cfg)}
-        found = difflib.get_close_matches(key.split(".")[-1], list(by_field), n=1, cutoff=0.6)
-        match = [by_field[found[0]]] if found else []
-    return f"; did you mean {match[0]}?" if match else "; `python train.py --help` lists every key."
-
-
-# nanoGPT's names for what a setting here does: a config that uses one is told which.
-NANOGPT_KEYS = {
-    "init_from": "train.py starts from weights with checkpoint.load_path (nanoGPT's init_from): gpt2, "
-                 "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. `python "
-                 "train.py config/finetune_shakespeare.py --checkpoint.load_path=gpt2`",
-}
 def unknown_key_error(cfg, key, where):
-    if key in NANOGPT_KEYS:
-        return ConfigError(f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}.")
-    return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
+    from config_help import unknown_key_message  # only on a mistake
+    return ConfigError(unknown_key_message(all_keys(cfg), key, where))
 
 
 def without_none(type_):
@@ -660,10 +642,11 @@ def load_config_file(cfg, path):
             continue
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
+        from config_help import NANOGPT_KEYS, closest_key  # only on a mistake
         if name in NANOGPT_KEYS:
             raise unknown_key_error(cfg, name, str(path))
         raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
-                          f"{closest_key(cfg, name)}")
+                          f"{closest_key(all_keys(cfg), name)}")
     for key in all_keys(cfg):
         section_name, name = key.split(".")
         setattr(sections(cfg)[section_name], name, check_value(key, get(cfg, key), field_type(cfg, key)))
@@ -699,44 +682,12 @@ def apply_override(cfg, arg):
     setattr(sections(cfg)[section_name], name, parse_value(text, field_type(cfg, key), key))
 
 
-def field_comments(cls):
-    """Each field's documentation in the dataclass source: the `# comment` lines just above it, then its
-    trailing `# comment` (a long one goes above, so no line is over 120 characters)."""
-    comments, above = {}, []
-    for line in inspect.getsource(cls).splitlines():
-        if re.match(r"\s+#", line):
-            above.append(line.strip()[1:].strip())
-            continue
-        match = re.match(r"\s+(\w+)\s*:[^#]*(?:#\s*(.*))?$", line)
-        if match:
-            comments[match.group(1)] = " ".join(above + [match.group(2) or ""]).strip()
-        above = []
-    return comments
-
-
-def help_text():
-    cfg = Config()
-    lines = [__doc__.strip().splitlines()[2].strip(), "",
-             "  --dry_run   print the plan (model, batch, schedule, optimizer groups, checkpoints) and plot the LR;",
-             "              touch no run folder", "",
-             "The defaults below are the dataclass defaults (GPT-2's hyperparameters); without CONFIG_FILE,",
-             "config/shakespeare.py is applied first. Bools take true/false/1/0; lists are comma-separated.", ""]
-    for section_name, section in sections(cfg).items():
-        comments = field_comments(type(section))
-        lines.append(f"{section_name}:")
-        for f in dataclasses.fields(section):
-            choices = literal_choices(f.type)
-            note = f" (one of: {', '.join(choices)})" if choices else ""
-            default = json.dumps(getattr(section, f.name))
-            lines.append(f"  --{section_name}.{f.name}={default}\n      {comments.get(f.name, '')}{note}")
-    return "\n".join(lines)
-
-
 def parse_args(argv, cfg=None):
     """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
     `cfg` (a Config with a `ladder` section), to be filled and checked the same way."""
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        from config_help import help_text  # only for --help
+        print(help_text(Config(), __doc__.strip().splitlines()[2].strip()))
         sys.exit(0)
     cfg = Config() if cfg is None else cfg
     has_file = argv and not argv[0].startswith("--")
