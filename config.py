@@ -506,22 +506,11 @@ def field_metadata(cfg, key):
     return {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
 
 
-def field_role(cfg, key):
-    """(role, derived by the ladder) of `section.field`, as declared beside the field."""
-    metadata = field_metadata(cfg, key)
-    return metadata["role"], metadata["ladder"]
-
-
 def keys_with_role(role, section=None):
     """Every `section.field` of a Config whose declared role is `role` (in one section, if given)."""
     cfg = Config()
     return [key for key in all_keys(cfg)
-            if field_role(cfg, key)[0] == role and (section is None or key.startswith(f"{section}."))]
-
-
-def ladder_derived_keys():
-    cfg = Config()
-    return [key for key in all_keys(cfg) if field_role(cfg, key)[1]]
+            if field_metadata(cfg, key)["role"] == role and (section is None or key.startswith(f"{section}."))]
 
 
 def get(cfg, key):
