@@ -15,7 +15,6 @@ import math
 import os
 import re
 import sys
-import traceback
 import types
 import typing
 from dataclasses import dataclass, field
@@ -219,8 +218,7 @@ class EvalConfig:
 
 @dataclass(slots=True)
 class DebugConfig:
-    # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch
-    # (debug.py compare-traces)
+    # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
     trace_steps: list[int] = free([], "steps of 1 or more")
     # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
     trace_sequences: int = free(1, "0 or more")
@@ -578,23 +576,9 @@ def load_config_file(cfg, path):
     namespace = dict(sections(cfg))
     try:
         exec(compile(path.read_text(), str(path), "exec"), namespace)
-    except SyntaxError as error:
-        raise ConfigError(f"{path}:{error.lineno}: syntax error ({error.msg}); fix that line.") from None
-    except Exception as error:
-        line = next((f.lineno for f in reversed(traceback.extract_tb(error.__traceback__))
-                     if f.filename == str(path)), "?")
-        # Sections are slotted dataclasses, so assigning a field they lack raises AttributeError:
-        # "'OptimConfig' object has no attribute 'weight_decy'".
-        match = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(error))
-        if isinstance(error, AttributeError) and match:
-            section = next((n for n, s in sections(cfg).items() if type(s).__name__ == match.group(1)), "?")
-            raise unknown_key_error(cfg, f"{section}.{match.group(2)}", f"{path}:{line}") from None
-        raise ConfigError(f"{path}:{line}: {type(error).__name__}: {error}; fix that line.") from None
-    except SystemExit:  # sys.exit() or exit() in the file: it would end the run silently, with status 0
-        raise ConfigError(f"{path} calls sys.exit(); a config file only sets fields, so remove that call.") from None
-    except KeyboardInterrupt:
-        raise ConfigError(f"{path} was interrupted (Ctrl-C) while it ran; a config file only sets fields, so remove "
-                          f"whatever loops or waits in it.") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # a file that fails, exits or is interrupted
+        from config_help import config_file_failure  # only on a mistake
+        raise ConfigError(config_file_failure(error, path, sections(cfg), all_keys(cfg))) from None
     for name, value in namespace.items():
         if name in sections(cfg):
             if value is not sections(cfg)[name]:

@@ -1,12 +1,14 @@
-"""What a user is told about config keys: the `python train.py --help` listing, and the key suggested for a
-mistyped one. Both run only when a user asks or errs, so the default run does not load them. config.py
-imports this module lazily, so it imports none of the project's modules (that would be a cycle)."""
+"""What a user is told about a config: the `python train.py --help` listing, the key suggested for a mistyped
+one, and the sentence for a config file that fails as it runs. All run only when a user asks or errs, so the
+default run does not load them. config.py imports this module lazily, so it imports none of the project's
+modules (that would be a cycle); it returns sentences, and config.py raises them as ConfigErrors."""
 
 import dataclasses
 import difflib
 import inspect
 import json
 import re
+import traceback
 import typing
 from typing import Literal
 
@@ -67,3 +69,23 @@ def unknown_key_message(keys, key, where):
     if key in NANOGPT_KEYS:
         return f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}."
     return f"{where}: unknown config key '{key}'{closest_key(keys, key)}"
+
+
+def config_file_failure(error, path, sections, keys):
+    """The sentence for a config file at `path` that raised `error` as it ran: the line to fix, or for a field a
+    section lacks the key meant. `sections` maps each section's name to its object, `keys` lists every key."""
+    if isinstance(error, SyntaxError):
+        return f"{path}:{error.lineno}: syntax error ({error.msg}); fix that line."
+    if isinstance(error, SystemExit):  # sys.exit() or exit() in the file: it would end the run silently, with status 0
+        return f"{path} calls sys.exit(); a config file only sets fields, so remove that call."
+    if isinstance(error, KeyboardInterrupt):
+        return (f"{path} was interrupted (Ctrl-C) while it ran; a config file only sets fields, so remove "
+                f"whatever loops or waits in it.")
+    line = next((f.lineno for f in reversed(traceback.extract_tb(error.__traceback__)) if f.filename == str(path)), "?")
+    # Sections are slotted dataclasses, so assigning a field they lack raises AttributeError:
+    # "'OptimConfig' object has no attribute 'weight_decy'".
+    match = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(error))
+    if isinstance(error, AttributeError) and match:
+        section = next((n for n, s in sections.items() if type(s).__name__ == match.group(1)), "?")
+        return unknown_key_message(keys, f"{section}.{match.group(2)}", f"{path}:{line}")
+    return f"{path}:{line}: {type(error).__name__}: {error}; fix that line."
