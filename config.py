@@ -587,11 +587,8 @@ def load_config_file(cfg, path):
             continue
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
-        from config_help import NANOGPT_KEYS, closest_key  # only on a mistake
-        if name in NANOGPT_KEYS:
-            raise unknown_key_error(cfg, name, str(path))
-        raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
-                          f"{closest_key(all_keys(cfg), name)}")
+        from config_help import not_a_section_message  # only on a mistake
+        raise ConfigError(not_a_section_message(all_keys(cfg), name, path))
     for key in all_keys(cfg):
         section_name, name = key.split(".")
         setattr(sections(cfg)[section_name], name, check_value(key, get(cfg, key), field_type(cfg, key)))

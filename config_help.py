@@ -71,6 +71,14 @@ def unknown_key_message(keys, key, where):
     return f"{where}: unknown config key '{key}'{closest_key(keys, key)}"
 
 
+def not_a_section_message(keys, name, path):
+    """The sentence for a name a config file at `path` set that is no section."""
+    if name in NANOGPT_KEYS:
+        return unknown_key_message(keys, name, str(path))
+    return (f"{path}: '{name}' is not a section; config files set fields as section.field = value"
+            f"{closest_key(keys, name)}")
+
+
 def config_file_failure(error, path, sections, keys):
     """The sentence for a config file at `path` that raised `error` as it ran: the line to fix, or for a field a
     section lacks the key meant. `sections` maps each section's name to its object, `keys` lists every key."""
