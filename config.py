@@ -36,8 +36,7 @@ class ConfigError(UserError):
     """A mistake in a config file or an override."""
 
 
-# The oldest PyTorch the code runs on (requirements.txt states the same; tests/test_trust.py checks they agree):
-# torch.optim.Muon with adjust_lr_fn="match_rms_adamw" first shipped in 2.9.
+# Oldest torch the code runs on: Muon's adjust_lr_fn="match_rms_adamw" came in 2.9 (test_trust: requirements.txt agrees)
 TORCH_FLOOR = (2, 9)
 
 
@@ -81,9 +80,8 @@ CHECKS = {
 
 
 def setting(role, default, check=None, ladder=False, secret=False):
-    """A dataclass field with its role, its range check (a word of CHECKS), whether ladder.py derives it, and whether
-    its value is a secret (a credential: no record holds it, see config_to_dict); a list default is copied for every
-    Config. ladder.py's own section has no role (None)."""
+    """A dataclass field with its role (None in ladder.py's own section), range check (a word of CHECKS), whether
+    ladder.py derives it and whether it is a secret (no record holds it: config_to_dict); a list default is copied."""
     assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
     metadata = {"role": role, "ladder": ladder, "check": check, "secret": secret}
     if isinstance(default, list):
@@ -316,8 +314,7 @@ class Config:
 
 
 def check_warmup(warmup_steps, max_steps):
-    """A warmup longer than the run: the LR would never reach its peak. (train.hard_stop stops a run early on
-    its full schedule, for a benchmark or a smoke test.)"""
+    """A warmup longer than the run: the LR would never peak (train.hard_stop stops early on the full schedule)."""
     if warmup_steps > max_steps:
         raise ConfigError(f"optim.warmup_steps={warmup_steps} is longer than the run ({max_steps} steps), so the LR "
                           f"would never reach its peak; lower optim.warmup_steps, train longer, or stop early with "
@@ -648,17 +645,15 @@ def model_path(module):
 
 
 def run_command(main, argv, also=None):
-    """Every entry point's `__main__`: run `main(argv)`; a UserError ends the program with its one
-    sentence and exit status 1 (other ranks print it with their rank and exit 2), and so does an
-    error that `also` turns into a sentence (train.py's collectives). Anything else is a bug: traceback."""
+    """Every entry point's `__main__`: run `main(argv)`; a UserError, or an error `also` words (train.py's collectives),
+    ends it with one sentence and status 1 (other ranks: their rank, status 2). Anything else is a bug: traceback."""
     try:
         sys.exit(main(argv))  # main may return an exit status (debug.py compare-traces: 1 when runs differ)
     except (UserError, ModelError) as error:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             sys.exit(f"error: {error}")
-        # Another rank says why too, with its number: on a second node a rank-local failure (a missing file,
-        # a full disk) would otherwise be invisible.
+        # Another rank says why too: on a second node its own failure (a missing file, a full disk) is otherwise unseen.
         print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RuntimeError as error:
@@ -707,9 +702,8 @@ def redact_argv(argv):
 
 
 def with_defaults(saved):
-    """A config a run saved (config_to_dict: trainer.pt, config.json) with every field of this version: one added
-    since it was saved takes its default, which is the model (or run) as it was then (model.py's GPTConfig says so),
-    so a checkpoint from before a new field resumes. A field this version lacks stays, as it was saved."""
+    """A saved config (config_to_dict) with every field of this version: one added since takes its default, the model
+    (or run) as it was then (model.py's GPTConfig says so), so old checkpoints resume; one this version lacks stays."""
     defaults = config_to_dict(Config())
     config = {name: {**defaults.get(name, {}), **saved.get(name, {})} for name in {**defaults, **saved}}
     config["train"]["model_module"] = model_path(config["train"]["model_module"])  # (older runs kept it as typed)
