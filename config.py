@@ -51,15 +51,14 @@ def check_torch(version):
 
 # ----------------------------------------------------------------------------- the settings and their roles
 
-# Every field declares, beside itself, what it is to a run that resumes its own checkpoint:
-#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused, before
-#             anything is written (run_dir.check_identity)
-#   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads the
-#             same checkpoint with the new value (optimizer settings are re-applied after its state loads)
+# Every field declares, beside itself, what it is to a run that resumes its own checkpoint (docs/configuration.md):
+#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused at the start
+#   applied   may change: from the resumed step on, the run trains exactly as a fresh run loading the same
+#             checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
-# and its range check, a word of CHECKS that the error quotes. `ladder=True`: ladder.py derives it from the model
-# size, so a ladder file may not set it. tests/test_config_roles.py resumes a real run for every field, so none
-# goes without a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
+# and its range check, a word of CHECKS that the error quotes; `ladder=True`: ladder.py derives it from the model size,
+# so a ladder file may not set it. tests/test_config_roles.py resumes a real run for every field, so none goes without
+# a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
 ROLES = ("identity", "applied", "free")
 
 CHECKS = {
@@ -239,8 +238,7 @@ class LogConfig:
     # from one extra forward pass of the step's first micro-batch; 0 = off
     activations_interval: int = free(0, "0 or more")
     # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
-    # SLACK_WEBHOOK_URL environment variable (preferred: the URL is the credential), or no messages. A secret: every
-    # record (config.json, checkpoints, W&B, environment.json's command line) holds "***" in its place
+    # SLACK_WEBHOOK_URL variable (preferred: the URL is the credential) or none. A secret: records hold "***" instead
     slack_webhook: str = free("", "an http:// or https:// URL, or empty", secret=True)
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
@@ -468,7 +466,7 @@ def all_keys(cfg):
 
 
 def field_metadata(cfg, key):
-    """{role, ladder, check} of `section.field`, as declared beside the field."""
+    """{role, ladder, check, secret} of `section.field`, as declared beside the field."""
     section_name, name = key.split(".")
     return {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
 
@@ -500,8 +498,7 @@ def unknown_key_error(cfg, key, where):
 
 
 def without_none(type_):
-    """(the type, whether None is allowed): `int | None` -> (int, True), `int` -> (int, False). A field a fork adds
-    as `n_kv_head: int | None = None` takes None (its default: "as before") and ints."""
+    """`int | None` -> (int, True), `int` -> (int, False): a fork's `n_kv_head: int | None = None` takes None, ints."""
     args = typing.get_args(type_)
     if typing.get_origin(type_) in (typing.Union, types.UnionType) and type(None) in args:
         return next(a for a in args if a is not type(None)), True
@@ -622,8 +619,7 @@ def apply_override(cfg, arg):
 
 
 def parse_args(argv, cfg=None):
-    """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
-    `cfg` (a Config with a `ladder` section), to be filled and checked the same way."""
+    """The run's checked Config from `argv` (no program name); ladder.py passes its own `cfg`, a LadderConfig."""
     if "--help" in argv or "-h" in argv:
         from config_help import help_text  # only for --help
         print(help_text(Config(), __doc__.strip().splitlines()[2].strip()))
@@ -682,9 +678,8 @@ def secret_keys(cfg=None):
 
 
 def config_to_dict(cfg):
-    """The config as every record saves it (config.json, each checkpoint's trainer.pt, W&B's run config): plain
-    data, each secret that is set replaced by "***" and named under "redacted". The run itself uses `cfg`, which
-    keeps the value; a resume takes it from its own command line or environment again."""
+    """The config as records save it (config.json, trainer.pt, W&B): plain data, each set secret replaced by "***" and
+    named under "redacted" (the run keeps it in `cfg`; a resume takes it from its command line or environment)."""
     data = dataclasses.asdict(cfg)
     redacted = [key for key in secret_keys(cfg) if get(cfg, key)]
     for key in redacted:
