@@ -704,10 +704,9 @@ def with_defaults(saved):
 def config_from_dict(data):
     """Rebuild a Config saved with config_to_dict (checkpoints store the config this way)."""
     cfg = Config()
-    for section_name, values in data.items():
-        section = sections(cfg).get(section_name)  # None for "redacted", config_to_dict's note
+    for section_name, values in data.items():  # (and "redacted", config_to_dict's note, which is no section)
         for name, value in values.items():
-            if section is not None and hasattr(section, name) and not field_metadata(cfg, f"{section_name}.{name}").get(
-                    "secret"):  # a secret's "***" is no value: it stays unset
-                setattr(section, name, value)
+            key = f"{section_name}.{name}"
+            if key in all_keys(cfg) and not field_metadata(cfg, key).get("secret"):  # a secret's "***" stays unset
+                setattr(sections(cfg)[section_name], name, value)
     return cfg
