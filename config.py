@@ -655,15 +655,6 @@ def run_command(main, argv, also=None):
         sys.exit(f"error: {message}")
 
 
-def as_override(key, value):
-    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
-    if isinstance(value, list):
-        value = ",".join(map(str, value))
-    elif isinstance(value, bool):
-        value = str(value).lower()
-    return f"--{key}={value}"
-
-
 REDACTED = "***"  # what every record holds in place of a secret's value
 
 

@@ -1,7 +1,8 @@
 """What a user is told about a config: the `python train.py --help` listing, the key suggested for a mistyped
-one, and the sentence for a config file that fails as it runs. All run only when a user asks or errs, so the
-default run does not load them. config.py imports this module lazily, so it imports none of the project's
-modules (that would be a cycle); it returns sentences, and config.py raises them as ConfigErrors."""
+one, the sentence for a config file that fails as it runs, and the override that sets a key back (run_dir.py's
+refusals). All run only when a user asks or errs, so the default run does not load them. config.py imports this
+module lazily, so it imports none of the project's modules (that would be a cycle); it returns sentences, and
+config.py raises them as ConfigErrors."""
 
 import dataclasses
 import difflib
@@ -69,6 +70,15 @@ def unknown_key_message(keys, key, where):
     if key in NANOGPT_KEYS:
         return f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}."
     return f"{where}: unknown config key '{key}'{closest_key(keys, key)}"
+
+
+def as_override(key, value):
+    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key}={value}"
 
 
 def not_a_section_message(keys, name, path):
