@@ -2,11 +2,10 @@
 
     python train.py [CONFIG_FILE] [--section.field=value ...] [--dry_run]
 
-A `Config` has one typed dataclass section per concern; each field has a type, a default that works and the
-comment `--help` prints. A config file (in config/) is Python run with the sections defined: `model.n_layer = 12`;
-overrides use the same dotted names and win. Unlike nanoGPT's exec configurator, every key (a typo is told the
-closest), type, range and format is checked here, before a run touches its folder. (`configurator/` is the
-ladder's code that *chooses* configs.)
+A `Config` has one typed dataclass section per concern; each field has a type, a default that works and the comment
+`--help` prints. A config file (in config/) is Python run with the sections defined: `model.n_layer = 12`; overrides
+use the same dotted names and win. Unlike nanoGPT's exec configurator, every key (a typo is told the closest), type,
+range and format is checked here, before a run touches its folder. (The ladder's `configurator/` *chooses* configs.)
 """
 
 import dataclasses
@@ -28,8 +27,7 @@ DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent / "config" / "shakespeare.
 
 
 class UserError(Exception):
-    """A mistake a user can make (config, data, checkpoint, evaluation data, a diverging run). Entry
-    points catch this one class and print its message, one sentence that says what to do."""
+    """A user's mistake (config, data, checkpoint, eval data, a diverging run): run_command prints its sentence."""
 
 
 class ConfigError(UserError):
@@ -339,8 +337,7 @@ def check_model(model_cfg, where=""):
 
 
 def validate(cfg):
-    """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
-    own section declares its checks the same way), the model's checks across its fields (GPTConfig.checks), formats."""
+    """Checks needing no data or run folder: word choices, declared ranges (ladder.py's too), check_model, formats."""
     for key in all_keys(cfg):
         value, choices = get(cfg, key), literal_choices(field_type(cfg, key))
         wanted = field_metadata(cfg, key).get("check")
