@@ -50,7 +50,7 @@ def check_torch(version):
 # ----------------------------------------------------------------------------- the settings and their roles
 
 # Every field declares, beside itself, what it is to a run that resumes its own checkpoint (docs/configuration.md):
-#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused at the start
+#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): run_dir.check_identity refuses changes
 #   applied   may change: from the resumed step on, the run trains exactly as a fresh run loading the same
 #             checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
@@ -136,7 +136,7 @@ class TrainConfig:
     loss_spike_threshold: float = free(1.0, "0 or more")  # flag a loss this many nats over the last 50's mean; 0 = off
     # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     gc_interval: int = free(1000, "0 or more")
-    # save no checkpoint, not even the last, and load none, not even checkpoint.load_path (OLMo-core's, for benchmarks)
+    # save no checkpoint, not even the last, and load none, not even checkpoint.load_path: OLMo-core's benchmark switch
     no_checkpoints: bool = free(False)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)

@@ -72,15 +72,6 @@ def unknown_key_message(keys, key, where):
     return f"{where}: unknown config key '{key}'{closest_key(keys, key)}"
 
 
-def as_override(key, value):
-    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
-    if isinstance(value, list):
-        value = ",".join(map(str, value))
-    elif isinstance(value, bool):
-        value = str(value).lower()
-    return f"--{key}={value}"
-
-
 def not_a_section_message(keys, name, path):
     """The sentence for a name a config file at `path` set that is no section."""
     if name in NANOGPT_KEYS:
@@ -107,3 +98,12 @@ def config_file_failure(error, path, sections, keys):
         section = next((n for n, s in sections.items() if type(s).__name__ == match.group(1)), "?")
         return unknown_key_message(keys, f"{section}.{match.group(2)}", f"{path}:{line}")
     return f"{path}:{line}: {type(error).__name__}: {error}; fix that line."
+
+
+def as_override(key, value):
+    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key}={value}"
