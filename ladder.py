@@ -39,8 +39,8 @@ from typing import Literal
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
-from config import (Config, ConfigError, LogConfig, UserError, all_keys, config_to_dict, field_role, get,  # noqa: E402
-                    ladder_derived_keys, parse_args, run_command, sections, setting, validate)
+from config import (Config, ConfigError, LogConfig, UserError, all_keys, config_to_dict, field_metadata,  # noqa: E402
+                    get, parse_args, run_command, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of,
                                 sized_model)
@@ -104,7 +104,7 @@ class LadderConfig(Config):
 
 # Fields the ladder sets for every size (declared `ladder=True` beside each field in config.py); a ladder
 # file that sets one would be silently overruled, so it is refused.
-DERIVED = ladder_derived_keys()
+DERIVED = [key for key in all_keys(Config()) if field_metadata(Config(), key)["ladder"]]
 
 
 def read_config(path, overrides):
@@ -261,8 +261,8 @@ def changes_the_result(key):
     and any the plan derives, except where the size's folder lies (a ladder folder may be moved)."""
     if key not in all_keys(Config()):  # a field this version no longer has
         return True
-    role, derived = field_role(Config(), key)
-    return (role != "free" or derived) and key != "train.out_dir"
+    metadata = field_metadata(Config(), key)
+    return (metadata["role"] != "free" or metadata["ladder"]) and key != "train.out_dir"
 
 
 def size_status(cfg, plan):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
                         code_change_note, find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_marker,
                         read_trainer_state, verify_checkpoint)
-from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
+from config import keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
 LOCK = ".lock"
@@ -242,6 +242,7 @@ def read_bucket(url, run_config, save_overwrite, out_dir):
         with open(own) as f:
             ours = json.load(f)
         if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
+            from config_help import as_override
             key, old, new = difference
             raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
                                   f"this run has {key}={new!r}, which cannot be resumed correctly; set "
@@ -349,6 +350,7 @@ def check_identity(out_dir, saved_config, run_config):
     """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
     difference = identity_difference(saved_config, run_config)
     if difference:
+        from config_help import as_override
         key, old, new = difference
         gone = key == "train.model_module" and old != "model" and not os.path.isfile(old)  # (moved, or deleted)
         to_resume = f"put that file back at {old} and set {as_override(key, old)}" if gone else \

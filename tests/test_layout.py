@@ -128,7 +128,8 @@ def test_no_line_of_the_project_is_over_120_characters():
 
 
 def test_help_prints_a_fields_comment_lines_above_it_and_its_trailing_comment():
-    from config import field_comments, TrainConfig
+    from config import TrainConfig
+    from config_help import field_comments
     comments = field_comments(TrainConfig)
     assert comments["nan_skip_limit"].startswith("nan_policy=skip: stop with a sentence after this many")
     assert comments["nan_skip_limit"].endswith("0 = never")  # one sentence, from two comment lines above the field
