@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass, field
 
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
-                        code_change_note, find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_marker,
-                        read_trainer_state, verify_checkpoint)
+                        code_change_note, find_checkpoints, find_start_checkpoint, read_marker, read_trainer_state,
+                        verify_checkpoint)
 from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
@@ -192,82 +192,30 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     folder and the bucket exactly as they were."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
-    if c.remote_folder:
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
+    if c.remote_folder:  # (remote_start.py)
+        from remote_start import read_bucket
+        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir,
+                                             identity_difference)
     rewind_to, rewind_folder, rewind_note = 0, "", ""
     if c.resume_step:  # (rewind.py)
         from rewind import plan_rewind
         rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
+        from remote_start import fetch_from_bucket
         fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
-            if not c.save_overwrite:
-                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
-                                      f"({steps_text(bucket_steps)}) and this run starts afresh, which "
-                                      f"would mix two runs there; resume them (checkpoint.load=if_available), give "
-                                      f"another remote folder, or pass --checkpoint.save_overwrite=true.")
+            from remote_start import replace_bucket_note
+            start.notes.append(replace_bucket_note(c, bucket_steps))
             start.replace_bucket = bucket_steps
-            start.notes.append(f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its "
-                               f"checkpoints go once this run's first is uploaded")
     except BaseException:
         if fetched:  # refused: the download goes, and the folder is as it was
             shutil.rmtree(fetched, ignore_errors=True)
         raise
     start.rewind_folder, start.notes = rewind_folder, [n for n in (rewind_note, *start.notes) if n]
     return start
-
-
-def steps_text(steps):
-    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
-    if len(steps) <= 3:
-        return f"steps {', '.join(map(str, steps))}"
-    return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
-
-
-def read_bucket(url, run_config, save_overwrite, out_dir):
-    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
-    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
-    import remote
-
-    saved, steps = remote.read_run(url)
-    if saved is None and not steps:
-        return steps, True
-    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
-    own = os.path.join(out_dir, "config.json")
-    if difference and saved is not None and os.path.exists(own):
-        with open(own) as f:
-            ours = json.load(f)
-        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
-            key, old, new = difference
-            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
-                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
-                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
-                                  f"and remote folder.")
-    if difference and not save_overwrite:
-        key, old, new = difference
-        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
-                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
-                              f"to replace that run there.")
-    return steps, not difference
-
-
-def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
-    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
-    to a step only the bucket has, that step."""
-    import remote
-
-    own = newest_valid_checkpoint(out_dir)
-    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
-    if rewind_to:
-        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
-    else:
-        wanted = [s for s in reversed(bucket_steps) if s > own_step]
-    return remote.download_newest(url, wanted, out_dir, fall_back=not rewind_to)
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
