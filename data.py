@@ -1,15 +1,10 @@
 """Training data: the batches the loop reads, from token shards on disk, and GPT-2's tokenizer.
 
-A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
-(`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>. Shards are
-memory-mapped, so a 10B-token dataset costs no RAM. Preparing them is prepare_data.py's work (`python
-prepare_data.py shakespeare`, ...), and train.py prepares the built-in datasets on first use.
-
-`TokenLoader` cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
-own slice of every global batch. The global batch at step s is the same set of sequences whatever the
-world size and micro-batch split, and the loader's position is one global number, so a checkpoint can
-resume it exactly, even on a different number of GPUs. `MixtureLoader` (mixture.py) does the same over
-several datasets at fixed shares (`data.mix`).
+A prepared dataset (prepare_data.py) is a folder of shards, NumPy arrays of uint16 GPT-2 token ids (`val_000000.npy`,
+`train_000001.npy`, ...) with documents separated by <|endoftext|>, memory-mapped: 10B tokens cost no RAM.
+`TokenLoader` hands each rank its slice of every global batch. The global batch at step s is the same sequences
+whatever the world size and micro-batch split, and the position is one number, so a checkpoint resumes it exactly,
+even on another number of GPUs. `MixtureLoader` (mixture.py) does the same over several datasets (`data.mix`).
 """
 
 import functools
@@ -105,11 +100,6 @@ def tokenizer_of(data_dir):
 
 
 # ----------------------------------------------------------------------------- datasets on disk
-
-
-BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (prepare_data.py)
-
-
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
 
@@ -130,16 +120,10 @@ def dataset_dir(data_root, name):
     return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
-def dataset_ready(data_dir):
-    """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
-
-
 def fingerprint(data_dir):
-    """What a prepared dataset is, by content rather than by its folder's name: a hash of its shards' names and
-    sizes and of the first and last 64 KiB of each, and of a character-level dataset's meta.json (its ids mean those
-    characters in that order: the same characters reordered is another dataset). Cheap (no full read), and different
-    for other text. A run stores it (TrainState.data_fingerprint): a resume or sample.py refuses another."""
+    """What a prepared dataset is, by content (cheaply: no full read) rather than by its folder's name; a
+    character-level dataset's meta.json counts (its characters reordered are other ids). A run stores it
+    (TrainState.data_fingerprint): a resume or sample.py refuses another."""
     digest = hashlib.sha256()
     meta = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta):
@@ -157,19 +141,13 @@ def fingerprint(data_dir):
 
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
-    if name == "fineweb-edu":
-        return (f"prepare it with `python prepare_data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` "
-                f"(10B tokens).")
-    if name in ("shakespeare", "shakespeare-char"):
-        return f"prepare it with `python prepare_data.py {name} --out_dir {data_dir}`."
-    if name == "python":
-        return f"prepare it with `python prepare_data.py python-stdlib --out_dir {data_dir}`."
-    return f"prepare it with `python prepare_data.py text YOUR_FILES --out_dir {data_dir}`."
+    source = {"fineweb-edu": "fineweb-edu --name sample-10BT", "shakespeare": name, "shakespeare-char": name,
+              "python": "python-stdlib"}.get(name, "text YOUR_FILES")
+    size = " (10B tokens)" if name == "fineweb-edu" else ""
+    return f"prepare it with `python prepare_data.py {source} --out_dir {data_dir}`{size}."
 
 
 # ----------------------------------------------------------------------------- the loaders
-
-
 class TokenLoader:
     """Batches (x, y) of shape (batch_size, block_size) for one rank, y being x shifted by one.
 
@@ -277,8 +255,6 @@ def open_shard(path, vocab_limit):
 
 
 # ----------------------------------------------------------------------------- the run's loaders
-
-
 def dataset_names(cfg):
     """The datasets the run trains on: data.dataset, or data.mix's and stage2.mix's sources, each once."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
