@@ -1,5 +1,6 @@
 """Where a run starts when `checkpoint.remote_folder` is set: whether the bucket holds this run, the checkpoint to
-download from it, and the refusal to mix two runs there. run_dir.start_on_rank0 imports this module only then.
+download from it, the refusal to mix two runs there, and the bucket's part of carrying the start out. run_dir.py
+imports this module only then.
 
 A module of its own, not part of remote.py, because these checks read the run folder through checkpoint.py,
 which imports remote.py; run_dir.py passes in its `identity_difference`, as run_dir.py imports this module.
@@ -62,6 +63,18 @@ def replace_bucket_note(c, bucket_steps):
                               f"another remote folder, or pass --checkpoint.save_overwrite=true.")
     return (f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its checkpoints go once this "
             f"run's first is uploaded")
+
+
+def carry_out_in_bucket(out_dir, start, url):
+    """carry_out_start's part in the bucket, before the folder's: a downloaded checkpoint becomes the folder's own,
+    and a rewind moves the bucket's newer steps aside (first: a restart must not download what goes aside). Returns
+    the line to print, or None."""
+    line = None
+    if start.fetched:
+        start.path, line = remote.install_download(out_dir, start.fetched, url)
+    if start.rewind_to:
+        remote.rewind(url, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+    return line
 
 
 def steps_text(steps):

@@ -1,21 +1,12 @@
 """The run folder (`train.out_dir`): who may write it, and what a fresh start or a resume may do to it.
 
-At start-up, before the loop writes anything, and in this order:
-
-1. `decide_start`: where the run starts, decided before anything changes. Rank 0 takes the `RunLock` (one
-   training per folder; a lock left by a crashed run is removed with a note), every rank checks that it
-   sees the folder, and rank 0 works out the `Start` (`start_on_rank0`) and tells the other ranks: this
-   run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
-   `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
-   declares them), a checkpoint whose weights do not fit the model (its code changed), a load_path of another
-   model shape, a folder or a bucket (`checkpoint.remote_folder`) that holds another run (unless
-   `checkpoint.save_overwrite`, which replaces that run whole), a rewind to a step that has no checkpoint. A
-   refused command leaves the folder and the bucket exactly as they were.
-2. `carry_out_start` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
-   aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
-   config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
-   first checkpoint is complete (see `Checkpointer`); the `step<N>.partial` folders a crashed save of ours
-   left are removed, and the metrics past the start step (they run again).
+Before the loop writes anything, `decide_start` locks the folder (`RunLock`: one training per folder), checks that
+every rank sees it, and decides on rank 0 where the run starts (`Start`): this run's newest checkpoint, a rewind to
+`checkpoint.resume_step`, or a fresh start (from scratch or `checkpoint.load_path`). Every refusal is made then, so a
+refused command leaves the folder and the bucket exactly as they were. Once the checkpoint is loaded,
+`carry_out_start` carries the Start out on rank 0: a rewind moves newer checkpoints aside, a resume records changed
+settings in `config_changes.jsonl` (`config.json` keeps the first config), a fresh start writes its config, and a
+replaced run's checkpoints go once the new run's first is complete (see `Checkpointer`).
 """
 
 import json
@@ -34,20 +25,17 @@ from config import as_override, keys_with_role, parse_duration, parse_mix, secre
 from metrics import truncate_jsonl
 
 LOCK = ".lock"
-# A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
-RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl",
-                "config_changes.jsonl")
+RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
 
 
 def run_records(out_dir):
-    """The run's record beside its checkpoints, which checkpoint.remote_folder mirrors after each upload: config,
-    metrics and their per-evaluation snapshots, samples, the environment, the change and rewind logs, the W&B id."""
+    """The run's record beside its checkpoints (a run that replaces it with save_overwrite starts without it), which
+    checkpoint.remote_folder mirrors after each upload; with the environment and the metrics' snapshots."""
     snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
 
 
-# What makes two runs the same run: the fields config.py declares `identity` (a checkpoint cannot be
-# resumed correctly under other values).
+# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
 IDENTITY = keys_with_role("identity")
 
 
@@ -114,9 +102,8 @@ def pid_alive(pid):
 
 
 def identity(config_dict):
-    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
-    stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field the config was
-    saved without (added since) is at its default."""
+    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same stage-2 start,
+    `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field saved without is at its default."""
     config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
     if str(values["train.model_module"]).endswith(".py"):  # one file, by a relative path or an absolute one
@@ -155,10 +142,9 @@ class Start:
 
 
 def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, group, stack):
-    """Where this run starts, decided before anything in the folder changes: rank 0 locks the folder (for as
-    long as `stack` is open), every rank checks it sees the folder rank 0 writes, and rank 0 works out the
-    Start (`start_on_rank0`; `model` is the one the run trains, whose weights a checkpoint must fit) and tells
-    the others. A refusal is one sentence on rank 0; the other ranks stop quietly."""
+    """Where this run starts, decided before anything in the folder changes; rank 0 holds the lock for as long as
+    `stack` is open. `model` is the one the run trains, whose weights a checkpoint must fit. A refusal is one
+    sentence on rank 0; the other ranks stop quietly."""
     if rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, rank, world_size, group)
@@ -186,10 +172,10 @@ def from_rank0(work, rank, world_size, group):
 
 
 def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
-    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every
-    check is here (the rewind's step, the run's identity, whether the checkpoint's weights fit `model`, the model
-    shape of checkpoint.load_path, a folder or a bucket that holds another run), so a refused command leaves the
-    folder and the bucket exactly as they were."""
+    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every check is
+    here: a rewind to a step without a checkpoint, changed `identity` fields (config.py declares them), weights that do
+    not fit `model`, a load_path of another model shape, a folder or a bucket that holds another run (unless
+    `checkpoint.save_overwrite`, which replaces it whole)."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
     if c.remote_folder:  # (remote_start.py)
@@ -260,22 +246,17 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print. `trains`:
     False when the run has nothing left to train (a resume past its end): no change of settings is recorded."""
     c, lines = checkpoint_cfg, []
-    if start.fetched:  # the download becomes the folder's own checkpoint (remote.py)
-        import remote
-        start.path, line = remote.install_download(out_dir, start.fetched, c.remote_folder)
-        lines.append(line)
-    if start.rewind_to and c.remote_folder:  # the bucket first: a restart must not download what goes aside
-        import remote
-        remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+    if c.remote_folder:  # (remote_start.py)
+        from remote_start import carry_out_in_bucket
+        lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
     if start.rewind_to:
         from rewind import rewind
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
-    save_overwrite = c.save_overwrite
     replaced = []
     if start.resumed:
         accept_resume(out_dir, saved_config, run_config, step, trains)
     else:
-        replaced = claim_for_fresh_start(out_dir, run_config, save_overwrite)
+        replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
     truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
     lines.append(remove_stale_cancel(out_dir))
@@ -337,13 +318,12 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
 
 
 def claim_for_fresh_start(out_dir, run_config, save_overwrite):
-    """A fresh start (check_fresh_start first): this run's record replaces the old one's. Returns the old run's
-    checkpoint folders, to delete once this run's first checkpoint is complete."""
+    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its config, an empty
+    metrics log (the snapshots go with it) and samples file, and no W&B id (a new W&B run, never the old one
+    continued). Returns the old run's checkpoint folders, to delete once this run's first checkpoint is complete."""
     check_fresh_start(out_dir, run_config, save_overwrite)
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     checkpoints = [path for _, path in find_checkpoints(out_dir)]
-    # The new run's record replaces the old one's now: config, an empty metrics log and samples file, and
-    # no W&B id (a new W&B run is started, never the old one continued). Snapshots go with their log.
     write_config(out_dir, run_config)
     for name in names:
         snapshot = name.startswith("metrics_step") and name.endswith(".json")
@@ -367,10 +347,9 @@ def remove_own_partial_saves(out_dir):
 
 
 def check_shared_folder(out_dir, rank, world_size, group=None):
-    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local
-    folders, the other nodes would start from step 0 with other weights until a collective times out.
-    Rank 0 writes a token there, every rank reads it, and all agree before anyone reads a checkpoint
-    (OLMo-core raises too when the save folder is not shared)."""
+    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local folders, the
+    other nodes would start from step 0 with other weights until a collective times out. Rank 0 writes a token there,
+    every rank reads it, and all agree before anyone reads a checkpoint (OLMo-core raises too on an unshared folder)."""
     import torch.distributed as dist
 
     if world_size == 1:
