@@ -19,6 +19,8 @@ import torch
 
 from config import UserError, parse_mix
 
+DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # data.data_root when empty
+
 
 class DataError(UserError):
     """Missing or unusable data; train.py prints the message, which says how to fix it."""
@@ -101,9 +103,6 @@ def tokenizer_of(data_dir):
 # ----------------------------------------------------------------------------- datasets on disk
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
-
-
-DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
 def dataset_dir(data_root, name):
@@ -222,8 +221,7 @@ class TokenLoader:
 def rows_to_batch(rows, device):
     """Sequences of block_size + 1 tokens -> (x, y) on `device`, y being x shifted by one."""
     batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-    if torch.device(device).type == "cuda":
-        # Pinned memory lets the copy to the GPU run asynchronously with the compute.
+    if torch.device(device).type == "cuda":  # pinned memory: the copy to the GPU runs asynchronously with the compute
         batch = batch.pin_memory().to(device, non_blocking=True)
     return batch[:, :-1], batch[:, 1:]
 

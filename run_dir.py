@@ -5,8 +5,7 @@ every rank sees it, and decides on rank 0 where the run starts (`Start`): this r
 `checkpoint.resume_step`, or a fresh start (from scratch or `checkpoint.load_path`). Every refusal is made then, so a
 refused command leaves the folder and the bucket exactly as they were. Once the checkpoint is loaded,
 `carry_out_start` carries the Start out on rank 0: a rewind moves newer checkpoints aside, a resume records changed
-settings in `config_changes.jsonl` (`config.json` keeps the first config), a fresh start writes its config, and a
-replaced run's checkpoints go once the new run's first is complete (see `Checkpointer`).
+settings in `config_changes.jsonl` (`config.json` keeps the first config), a fresh start replaces the old record.
 """
 
 import json
@@ -24,8 +23,9 @@ from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, ch
 from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
-LOCK = ".lock"
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
+# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
+IDENTITY = keys_with_role("identity")
 
 
 def run_records(out_dir):
@@ -35,15 +35,11 @@ def run_records(out_dir):
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
 
 
-# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
-IDENTITY = keys_with_role("identity")
-
-
 class RunLock:
     """`<out_dir>/.lock` holds the pid and host of the training that owns the folder."""
 
     def __init__(self, out_dir):
-        self.path = os.path.join(out_dir, LOCK)
+        self.path = os.path.join(out_dir, ".lock")
         self.out_dir = out_dir
 
     def __enter__(self):
@@ -117,9 +113,8 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs (a field one was saved without: its default).
-    Secrets (config.secret_keys) are left out, and so is config_to_dict's note of them: a record holds "***" for
-    them, and a new webhook URL is no changed setting."""
+    """{'section.field': (old, new)} for every field that differs (a field saved without: its default), but secrets
+    (config.secret_keys) and config_to_dict's note of them: a record holds "***", and a new webhook URL is no change."""
     old, new, changes, secrets = with_defaults(old), with_defaults(new), {}, set(secret_keys())
     for section in sorted((set(old) | set(new)) - {"redacted"}):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -142,9 +137,8 @@ class Start:
 
 
 def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, group, stack):
-    """Where this run starts, decided before anything in the folder changes; rank 0 holds the lock for as long as
-    `stack` is open. `model` is the one the run trains, whose weights a checkpoint must fit. A refusal is one
-    sentence on rank 0; the other ranks stop quietly."""
+    """Where this run starts; rank 0 holds the lock while `stack` is open, and a checkpoint's weights must fit `model`
+    (the one the run trains). A refusal is one sentence on rank 0; the other ranks stop quietly."""
     if rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, rank, world_size, group)
@@ -242,9 +236,8 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
 
 
 def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
-    """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
-    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print. `trains`:
-    False when the run has nothing left to train (a resume past its end): no change of settings is recorded."""
+    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to delete once this
+    run's first is complete, and the lines to print. `trains`: False for a resume past its end (no change recorded)."""
     c, lines = checkpoint_cfg, []
     if c.remote_folder:  # (remote_start.py)
         from remote_start import carry_out_in_bucket
@@ -264,8 +257,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
 
 
 def identity_difference(saved_config, run_config):
-    """None when the two configs are one run (their identity fields agree); else (key, saved value, this run's)
-    of the first identity field that differs."""
+    """None when the configs are one run, else (key, saved value, this run's) of the first identity field to differ."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:
@@ -322,10 +314,9 @@ def claim_for_fresh_start(out_dir, run_config, save_overwrite):
     metrics log (the snapshots go with it) and samples file, and no W&B id (a new W&B run, never the old one
     continued). Returns the old run's checkpoint folders, to delete once this run's first checkpoint is complete."""
     check_fresh_start(out_dir, run_config, save_overwrite)
-    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     checkpoints = [path for _, path in find_checkpoints(out_dir)]
     write_config(out_dir, run_config)
-    for name in names:
+    for name in os.listdir(out_dir):
         snapshot = name.startswith("metrics_step") and name.endswith(".json")
         if (name in RECORD_FILES and name != "config.json") or snapshot:
             os.remove(os.path.join(out_dir, name))
