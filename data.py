@@ -1,10 +1,9 @@
 """Training data: the batches the loop reads, from token shards on disk, and GPT-2's tokenizer.
 
-A prepared dataset (prepare_data.py) is a folder of shards, NumPy arrays of uint16 GPT-2 token ids (`val_000000.npy`,
-`train_000001.npy`, ...) with documents separated by <|endoftext|>, memory-mapped: 10B tokens cost no RAM.
-`TokenLoader` hands each rank its slice of every global batch. The global batch at step s is the same sequences
-whatever the world size and micro-batch split, and the position is one number, so a checkpoint resumes it exactly,
-even on another number of GPUs. `MixtureLoader` (mixture.py) does the same over several datasets (`data.mix`).
+A prepared dataset (prepare_data.py) is a folder of memory-mapped shards of uint16 GPT-2 token ids (10B tokens cost no
+RAM), documents separated by <|endoftext|>. `TokenLoader` hands each rank its slice of every global batch, the same
+sequences at step s whatever the world size and micro-batch split; its position is one number, so a checkpoint resumes
+it exactly on any number of GPUs. `MixtureLoader` (mixture.py) does so over several datasets (`data.mix`).
 """
 
 import functools

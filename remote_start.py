@@ -14,10 +14,11 @@ from checkpoint import STEP_DIR, CheckpointError, find_checkpoints, newest_valid
 from config import as_override
 
 
-def read_bucket(url, run_config, save_overwrite, out_dir, identity_difference):
+def read_bucket(c, out_dir, run_config, identity_difference):
     """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
     identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
     out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
+    url = c.remote_folder
     saved, steps = remote.read_run(url)
     if saved is None and not steps:
         return steps, True
@@ -32,7 +33,7 @@ def read_bucket(url, run_config, save_overwrite, out_dir, identity_difference):
                                   f"this run has {key}={new!r}, which cannot be resumed correctly; set "
                                   f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
                                   f"and remote folder.")
-    if difference and not save_overwrite:
+    if difference and not c.save_overwrite:
         key, old, new = difference
         raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
                               f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "

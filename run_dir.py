@@ -17,6 +17,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
                         code_change_note, find_checkpoints, find_start_checkpoint, read_marker, read_trainer_state,
                         verify_checkpoint)
@@ -148,8 +150,6 @@ def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, g
 def from_rank0(work, rank, world_size, group):
     """Rank 0 runs `work` (reading the run folder, verifying checksums: once, not once per rank) and sends its
     result to the others; when it raises, rank 0 says why and the other ranks stop quietly."""
-    import torch.distributed as dist
-
     result = [None, False]
     if rank == 0:
         try:
@@ -174,8 +174,7 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     bucket_steps, same_run = [], True
     if c.remote_folder:  # (remote_start.py)
         from remote_start import read_bucket
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir,
-                                             identity_difference)
+        bucket_steps, same_run = read_bucket(c, out_dir, run_config, identity_difference)
     rewind_to, rewind_folder, rewind_note = 0, "", ""
     if c.resume_step:  # (rewind.py)
         from rewind import plan_rewind
@@ -341,8 +340,6 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
     """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local folders, the
     other nodes would start from step 0 with other weights until a collective times out. Rank 0 writes a token there,
     every rank reads it, and all agree before anyone reads a checkpoint (OLMo-core raises too on an unshared folder)."""
-    import torch.distributed as dist
-
     if world_size == 1:
         return
     path = os.path.join(out_dir, ".shared_folder_check")
