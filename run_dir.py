@@ -25,14 +25,14 @@ from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, ch
 from config import as_override, keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
+# A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
 # What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
 IDENTITY = keys_with_role("identity")
 
 
 def run_records(out_dir):
-    """The run's record beside its checkpoints (a run that replaces it with save_overwrite starts without it), which
-    checkpoint.remote_folder mirrors after each upload; with the environment and the metrics' snapshots."""
+    """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and metrics snapshots."""
     snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
 
