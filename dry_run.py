@@ -11,9 +11,10 @@ import tempfile
 import torch
 
 from config import get, parse_duration, parse_mix
-from data import build_loaders, dataset_dir, dataset_ready, prepare_hint
+from data import build_loaders, dataset_dir, prepare_hint
 from model import choose_loss_path, gpt_class
 from optimizer import build_schedule, param_groups
+from prepare_data import dataset_ready, ensure_dataset
 from auto_batch import resolve_batch_size
 from plan import describe_run, is_compiled, make_plan, shares_text
 
@@ -30,7 +31,6 @@ def dry_run(cfg):
                  if get(cfg, key) and parse_duration(get(cfg, key), key)[1] == "epochs"]
     sequences_per_epoch = None
     if not missing or in_epochs:
-        from prepare_data import ensure_dataset
         for name, _ in mix + stage2_mix:  # a missing dataset here is one sentence (a built-in one is prepared)
             ensure_dataset(dataset_dir(cfg.data.data_root, name))
         stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")

@@ -28,7 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from config import UserError, run_command
-from data import BUILT_IN, EOT_TOKEN, DataError, dataset_dir, get_tokenizer, prepare_hint, shard_paths
+from data import EOT_TOKEN, DataError, dataset_dir, get_tokenizer, prepare_hint, shard_paths
+
+BUILT_IN = ("shakespeare", "shakespeare-char", "python")  # prepared on first use (`ensure_dataset`)
 
 
 def write_shard(path, tokens):
@@ -310,6 +312,11 @@ def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
 def python_stdlib_files():
     """The .py files at the top of this Python's standard library: code that every machine has."""
     return sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
+
+
+def dataset_ready(data_dir):
+    """Prepared, or prepared on first use (the built-in datasets)."""
+    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
 
 
 def ensure_dataset(data_dir):

@@ -1,21 +1,11 @@
 """The run folder (`train.out_dir`): who may write it, and what a fresh start or a resume may do to it.
 
-At start-up, before the loop writes anything, and in this order:
-
-1. `decide_start`: where the run starts, decided before anything changes. Rank 0 takes the `RunLock` (one
-   training per folder; a lock left by a crashed run is removed with a note), every rank checks that it
-   sees the folder, and rank 0 works out the `Start` (`start_on_rank0`) and tells the other ranks: this
-   run's newest checkpoint, a rewind to `checkpoint.resume_step`, or a fresh start (from scratch or
-   `checkpoint.load_path`). Every refusal is here: a resume whose `identity` fields changed (config.py
-   declares them), a checkpoint whose weights do not fit the model (its code changed), a load_path of another
-   model shape, a folder or a bucket (`checkpoint.remote_folder`) that holds another run (unless
-   `checkpoint.save_overwrite`, which replaces that run whole), a rewind to a step that has no checkpoint. A
-   refused command leaves the folder and the bucket exactly as they were.
-2. `carry_out_start` (rank 0, once the checkpoint is loaded): carry it out. A rewind moves the newer checkpoints
-   aside; a resume records changed settings in `config_changes.jsonl` (`config.json` keeps the first
-   config); a fresh start writes its config, and a replaced run's checkpoints go only once the new run's
-   first checkpoint is complete (see `Checkpointer`); the `step<N>.partial` folders a crashed save of ours
-   left are removed, and the metrics past the start step (they run again).
+Before the loop writes anything, `decide_start` locks the folder (`RunLock`: one training per folder), checks that
+every rank sees it, and decides on rank 0 where the run starts (`Start`): this run's newest checkpoint, a rewind to
+`checkpoint.resume_step`, or a fresh start (from scratch or `checkpoint.load_path`). Every refusal is made then, so a
+refused command leaves the folder and the bucket exactly as they were. Once the checkpoint is loaded,
+`carry_out_start` carries the Start out on rank 0: a rewind moves newer checkpoints aside, a resume records changed
+settings in `config_changes.jsonl` (`config.json` keeps the first config), a fresh start replaces the old record.
 """
 
 import json
@@ -27,35 +17,31 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
-                        code_change_note, find_checkpoints, find_start_checkpoint, newest_valid_checkpoint, read_marker,
-                        read_trainer_state, verify_checkpoint)
+                        code_change_note, find_checkpoints, find_start_checkpoint, read_marker, read_trainer_state,
+                        verify_checkpoint)
 from config import keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
 from metrics import truncate_jsonl
 
-LOCK = ".lock"
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
-RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl",
-                "config_changes.jsonl")
+RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
+# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
+IDENTITY = keys_with_role("identity")
 
 
 def run_records(out_dir):
-    """The run's record beside its checkpoints, which checkpoint.remote_folder mirrors after each upload: config,
-    metrics and their per-evaluation snapshots, samples, the environment, the change and rewind logs, the W&B id."""
+    """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and metrics snapshots."""
     snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
-
-
-# What makes two runs the same run: the fields config.py declares `identity` (a checkpoint cannot be
-# resumed correctly under other values).
-IDENTITY = keys_with_role("identity")
 
 
 class RunLock:
     """`<out_dir>/.lock` holds the pid and host of the training that owns the folder."""
 
     def __init__(self, out_dir):
-        self.path = os.path.join(out_dir, LOCK)
+        self.path = os.path.join(out_dir, ".lock")
         self.out_dir = out_dir
 
     def __enter__(self):
@@ -114,9 +100,8 @@ def pid_alive(pid):
 
 
 def identity(config_dict):
-    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same
-    stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field the config was
-    saved without (added since) is at its default."""
+    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same stage-2 start,
+    `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field saved without is at its default."""
     config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
     if str(values["train.model_module"]).endswith(".py"):  # one file, by a relative path or an absolute one
@@ -130,9 +115,8 @@ def identity(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs (a field one was saved without: its default).
-    Secrets (config.secret_keys) are left out, and so is config_to_dict's note of them: a record holds "***" for
-    them, and a new webhook URL is no changed setting."""
+    """{'section.field': (old, new)} for every field that differs (a field saved without: its default), but secrets
+    (config.secret_keys) and config_to_dict's note of them: a record holds "***", and a new webhook URL is no change."""
     old, new, changes, secrets = with_defaults(old), with_defaults(new), {}, set(secret_keys())
     for section in sorted((set(old) | set(new)) - {"redacted"}):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -155,10 +139,8 @@ class Start:
 
 
 def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, group, stack):
-    """Where this run starts, decided before anything in the folder changes: rank 0 locks the folder (for as
-    long as `stack` is open), every rank checks it sees the folder rank 0 writes, and rank 0 works out the
-    Start (`start_on_rank0`; `model` is the one the run trains, whose weights a checkpoint must fit) and tells
-    the others. A refusal is one sentence on rank 0; the other ranks stop quietly."""
+    """Where this run starts; rank 0 holds the lock while `stack` is open, and a checkpoint's weights must fit `model`
+    (the one the run trains). A refusal is one sentence on rank 0; the other ranks stop quietly."""
     if rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, rank, world_size, group)
@@ -168,8 +150,6 @@ def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, g
 def from_rank0(work, rank, world_size, group):
     """Rank 0 runs `work` (reading the run folder, verifying checksums: once, not once per rank) and sends its
     result to the others; when it raises, rank 0 says why and the other ranks stop quietly."""
-    import torch.distributed as dist
-
     result = [None, False]
     if rank == 0:
         try:
@@ -186,89 +166,35 @@ def from_rank0(work, rank, world_size, group):
 
 
 def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
-    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every
-    check is here (the rewind's step, the run's identity, whether the checkpoint's weights fit `model`, the model
-    shape of checkpoint.load_path, a folder or a bucket that holds another run), so a refused command leaves the
-    folder and the bucket exactly as they were."""
+    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every check is
+    here: a rewind to a step without a checkpoint, changed `identity` fields (config.py declares them), weights that do
+    not fit `model`, a load_path of another model shape, a folder or a bucket that holds another run (unless
+    `checkpoint.save_overwrite`, which replaces it whole)."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
-    if c.remote_folder:
-        bucket_steps, same_run = read_bucket(c.remote_folder, run_config, c.save_overwrite, out_dir)
+    if c.remote_folder:  # (remote_start.py)
+        from remote_start import read_bucket
+        bucket_steps, same_run = read_bucket(c, out_dir, run_config, identity_difference)
     rewind_to, rewind_folder, rewind_note = 0, "", ""
     if c.resume_step:  # (rewind.py)
         from rewind import plan_rewind
         rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
+        from remote_start import fetch_from_bucket
         fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
-            if not c.save_overwrite:
-                raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
-                                      f"({steps_text(bucket_steps)}) and this run starts afresh, which "
-                                      f"would mix two runs there; resume them (checkpoint.load=if_available), give "
-                                      f"another remote folder, or pass --checkpoint.save_overwrite=true.")
+            from remote_start import replace_bucket_note
+            start.notes.append(replace_bucket_note(c, bucket_steps))
             start.replace_bucket = bucket_steps
-            start.notes.append(f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its "
-                               f"checkpoints go once this run's first is uploaded")
     except BaseException:
         if fetched:  # refused: the download goes, and the folder is as it was
             shutil.rmtree(fetched, ignore_errors=True)
         raise
     start.rewind_folder, start.notes = rewind_folder, [n for n in (rewind_note, *start.notes) if n]
     return start
-
-
-def steps_text(steps):
-    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
-    if len(steps) <= 3:
-        return f"steps {', '.join(map(str, steps))}"
-    return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
-
-
-def read_bucket(url, run_config, save_overwrite, out_dir):
-    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
-    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
-    import remote
-
-    saved, steps = remote.read_run(url)
-    if saved is None and not steps:
-        return steps, True
-    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
-    own = os.path.join(out_dir, "config.json")
-    if difference and saved is not None and os.path.exists(own):
-        with open(own) as f:
-            ours = json.load(f)
-        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
-            from config_help import as_override
-            key, old, new = difference
-            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
-                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
-                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
-                                  f"and remote folder.")
-    if difference and not save_overwrite:
-        key, old, new = difference
-        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
-                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
-                              f"to replace that run there.")
-    return steps, not difference
-
-
-def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
-    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
-    to a step only the bucket has, that step."""
-    import remote
-
-    own = newest_valid_checkpoint(out_dir)
-    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
-    if rewind_to:
-        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
-    else:
-        wanted = [s for s in reversed(bucket_steps) if s > own_step]
-    return remote.download_newest(url, wanted, out_dir, fall_back=not rewind_to)
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
@@ -309,26 +235,20 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
 
 
 def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
-    """Rank 0, once the start is loaded: carry out the Start `decide_start` decided on. Returns the old run's
-    checkpoint folders to delete once this run's first checkpoint is complete, and the lines to print. `trains`:
-    False when the run has nothing left to train (a resume past its end): no change of settings is recorded."""
+    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to delete once this
+    run's first is complete, and the lines to print. `trains`: False for a resume past its end (no change recorded)."""
     c, lines = checkpoint_cfg, []
-    if start.fetched:  # the download becomes the folder's own checkpoint (remote.py)
-        import remote
-        start.path, line = remote.install_download(out_dir, start.fetched, c.remote_folder)
-        lines.append(line)
-    if start.rewind_to and c.remote_folder:  # the bucket first: a restart must not download what goes aside
-        import remote
-        remote.rewind(c.remote_folder, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+    if c.remote_folder:  # (remote_start.py)
+        from remote_start import carry_out_in_bucket
+        lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
     if start.rewind_to:
         from rewind import rewind
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
-    save_overwrite = c.save_overwrite
     replaced = []
     if start.resumed:
         accept_resume(out_dir, saved_config, run_config, step, trains)
     else:
-        replaced = claim_for_fresh_start(out_dir, run_config, save_overwrite)
+        replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
     truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
     lines.append(remove_stale_cancel(out_dir))
@@ -336,8 +256,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
 
 
 def identity_difference(saved_config, run_config):
-    """None when the two configs are one run (their identity fields agree); else (key, saved value, this run's)
-    of the first identity field that differs."""
+    """None when the configs are one run, else (key, saved value, this run's) of the first identity field to differ."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity(saved_config), identity(run_config)
     for key in IDENTITY:
@@ -391,15 +310,13 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
 
 
 def claim_for_fresh_start(out_dir, run_config, save_overwrite):
-    """A fresh start (check_fresh_start first): this run's record replaces the old one's. Returns the old run's
-    checkpoint folders, to delete once this run's first checkpoint is complete."""
+    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its config, an empty
+    metrics log (the snapshots go with it) and samples file, and no W&B id (a new W&B run, never the old one
+    continued). Returns the old run's checkpoint folders, to delete once this run's first checkpoint is complete."""
     check_fresh_start(out_dir, run_config, save_overwrite)
-    names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     checkpoints = [path for _, path in find_checkpoints(out_dir)]
-    # The new run's record replaces the old one's now: config, an empty metrics log and samples file, and
-    # no W&B id (a new W&B run is started, never the old one continued). Snapshots go with their log.
     write_config(out_dir, run_config)
-    for name in names:
+    for name in os.listdir(out_dir):
         snapshot = name.startswith("metrics_step") and name.endswith(".json")
         if (name in RECORD_FILES and name != "config.json") or snapshot:
             os.remove(os.path.join(out_dir, name))
@@ -421,12 +338,9 @@ def remove_own_partial_saves(out_dir):
 
 
 def check_shared_folder(out_dir, rank, world_size, group=None):
-    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local
-    folders, the other nodes would start from step 0 with other weights until a collective times out.
-    Rank 0 writes a token there, every rank reads it, and all agree before anyone reads a checkpoint
-    (OLMo-core raises too when the save folder is not shared)."""
-    import torch.distributed as dist
-
+    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local folders, the
+    other nodes would start from step 0 with other weights until a collective times out. Rank 0 writes a token there,
+    every rank reads it, and all agree before anyone reads a checkpoint (OLMo-core raises too on an unshared folder)."""
     if world_size == 1:
         return
     path = os.path.join(out_dir, ".shared_folder_check")
