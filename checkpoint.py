@@ -344,9 +344,10 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
         ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
                    f"checkpoint{changed}")
         return own, True, ignored if load_path else ""
-    if load_path and not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2(load_path):  # fine-tuning GPT-2
-        return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
     if load_path:
+        from hf import is_gpt2_source
+        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
+            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
         return check_source(load_path, "checkpoint.load_path"), False, ""
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
@@ -701,12 +702,6 @@ def newest_checkpoint(run_dir):
     None. newest_valid_checkpoint is the one a run resumes from."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
-
-
-def is_gpt2(source):
-    """An OpenAI GPT-2 name or a local Hugging Face folder (hf.py): weights to start from, not a checkpoint of ours."""
-    from hf import is_gpt2_source
-    return is_gpt2_source(source)
 
 
 def check_source(source, key):
