@@ -91,12 +91,8 @@ def find_checkpoints(run_dir):
     """[(step, path), ...] of the complete checkpoints in `run_dir`, oldest first."""
     if not os.path.isdir(run_dir):
         return []
-    found = []
-    for name in os.listdir(run_dir):
-        match = STEP_DIR.match(name)
-        if match and is_complete_checkpoint(os.path.join(run_dir, name)):
-            found.append((int(match.group(1)), os.path.join(run_dir, name)))
-    return sorted(found)
+    named = [(STEP_DIR.match(name), os.path.join(run_dir, name)) for name in os.listdir(run_dir)]
+    return sorted((int(match.group(1)), path) for match, path in named if match and is_complete_checkpoint(path))
 
 
 def verify_checkpoint(path):
@@ -377,9 +373,7 @@ class TrainState:
             self.best_val_loss = torch.minimum(torch.as_tensor(self.best_val_loss, device=val_loss.device), val_loss)
 
     def to_dict(self):
-        return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data,
-                "nonfinite_skipped": self.nonfinite_skipped, "data_fingerprint": self.data_fingerprint,
-                "model_code": self.model_code}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, saved):
