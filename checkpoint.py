@@ -604,13 +604,6 @@ def group_layout(state):
     return [layout for inner in state.values() for layout in group_layout(inner)]
 
 
-def load_optimizer_state(optimizer, path, device):
-    """The optimizer's moments from `path`, with this run's settings kept (keep_settings)."""
-    saved = read_file(path, "optim.pt", device)
-    check_group_layout(saved, optimizer, path)
-    keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
-
-
 def check_group_layout(saved, optimizer, path):
     """One sentence when the saved optimizer state belongs to other parameter groups than `optimizer`'s."""
     if group_layout(saved) != group_layout(optimizer.state_dict()):
@@ -651,8 +644,10 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         load_model_state(model, path, device)
-        if load_optim:
-            load_optimizer_state(optimizer, path, device)
+        if load_optim:  # the moments, with this run's settings kept
+            saved = read_file(path, "optim.pt", device)
+            check_group_layout(saved, optimizer, path)
+            keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
     if not load_trainer_state:
         return None
     rng = trainer["rng"]
