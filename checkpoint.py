@@ -6,16 +6,13 @@ A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
     optim.pt     the optimizer's state (AdamW's; with optim.name=muon, Muon's and AdamW's)
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
+    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank writes its own pieces (sharding.py)
 
-An FSDP run writes `sharded/` instead of model.pt and optim.pt: each rank writes its own pieces through
-torch.distributed.checkpoint, nothing is gathered on one rank, every reader puts them together (sharding.py),
-and the marker lists them too.
-
-Every file, the marker last, is written into `step<N>.partial` and fsynced, and one rename makes `step<N>`
-appear whole: a crash at any instant leaves the old state or the new one. `<out_dir>/latest` links the newest.
-A folder without a readable marker is never loaded; a file that fails its checksum makes the loader fall back
-to the previous checkpoint, with a warning. Rank 0 writes (the state is replicated; under FSDP every rank
-writes its pieces first); every rank reads. Locks, fresh starts and resumes in the run folder are run_dir.py's.
+Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole, so a crash at
+any instant leaves the old state or the new one. `<out_dir>/latest` links the newest. A folder without a readable
+marker is never loaded; a file that fails its checksum makes the loader fall back to the previous checkpoint, with
+a warning. Rank 0 writes (the state is replicated; under FSDP every rank writes its pieces first); every rank
+reads. Locks, fresh starts and resumes in the run folder are run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
@@ -227,9 +224,8 @@ def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
 
 
 def prune_checkpoints(run_dir, keep_last, keep=()):
-    """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; only the
-    `keep_last` newest permanent ones are kept (0 keeps all); `fixed` ones are always kept; the
-    newest complete checkpoint is never deleted, nor one in `keep` (still waiting for its upload)."""
+    """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; the `keep_last` newest
+    permanent ones are kept (0: all), `fixed` ones always; never the newest, nor one in `keep` (awaiting upload)."""
     found = find_checkpoints(run_dir)
     if not found:
         return
@@ -625,10 +621,9 @@ def keep_settings(optimizer, load):
 
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
                     load_trainer_state=True):
-    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer
-    state, or None. RNG states go back only to the rank that saved them: after a change of world size,
-    ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
-    uninterrupted run, as they must: there is no such run to match)."""
+    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer state, or
+    None. RNG states go back only to the rank that saved them: after a change of world size, ranks without one keep
+    their fresh seeded state (dropout masks then differ from an uninterrupted run, as they must: there is none)."""
     device = next(model.parameters()).device
     if not os.path.exists(os.path.join(path, MARKER)):  # not a checkpoint of ours: GPT-2's weights (hf.py)
         from hf import load_gpt2_weights
@@ -687,8 +682,7 @@ def load_with_shards(path, model, optimizer, device):
 
 
 def newest_checkpoint(run_dir):
-    """The newest complete checkpoint folder of `run_dir` (a readable marker; its files are not verified here), or
-    None. newest_valid_checkpoint is the one a run resumes from."""
+    """The newest complete checkpoint of `run_dir`, or None; unverified (a run resumes newest_valid_checkpoint)."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
 
