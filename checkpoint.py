@@ -428,7 +428,7 @@ MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"
 
 def model_code(model_module):
     """{file: hash of its code} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your
-    own) and that file. The code is hashed parsed, without docstrings: an edit to a comment, a docstring or the
+    own) and that file. The hash is of the parsed code without docstrings: an edit to a comment, a docstring or the
     layout is no change; one to what the model computes is, even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
@@ -499,7 +499,7 @@ def set_rng_state(state, sample_generator):
 def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master, unsharded=False):
     """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG states of all
     ranks are gathered (ranks draw different dropout masks). A sharded model's weights and optimizer are not in it
-    (each rank writes its pieces), but for its whole weights with `unsharded` (checkpoint.unsharded_interval)."""
+    (each rank writes its own pieces); with `unsharded` (checkpoint.unsharded_interval) its whole weights are."""
     whole = None
     if unsharded and is_sharded(raw_model):
         import sharding
