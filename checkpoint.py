@@ -2,23 +2,17 @@
 
 A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
 
-    model.pt     every weight of the model by name (no DDP or torch.compile prefixes); a tensor that *is*
-                 another one (the tied output layer is the token embedding) is stored once
+    model.pt     every weight by name (no DDP or torch.compile prefixes); a tied tensor is stored once
     optim.pt     the optimizer's state (AdamW's; with optim.name=muon, Muon's and AdamW's)
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
+    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank writes its own pieces (sharding.py)
 
-An FSDP run (train.data_parallel=fsdp) writes `sharded/` instead of model.pt and optim.pt: each rank writes its
-own pieces of both through torch.distributed.checkpoint (`__<rank>_0.distcp`, and `.metadata`), nothing is
-gathered on one rank, and every reader below puts them together (sharding.py). The marker lists those files too.
-
-`<out_dir>/latest` is a symlink to the newest complete one. A crash at any instant leaves either the
-old state or the new one: every file, the COMPLETE marker last, is written into `step<N>.partial`
-and fsynced, and a single rename makes `step<N>` appear whole. A folder whose marker is missing or
-unreadable is never loaded; a file whose checksum does not match makes the loader fall back to the
-previous complete checkpoint, with a warning. Rank 0 writes (the state is replicated; under FSDP every
-rank writes its pieces first, then rank 0 the rest); every rank reads. What happens to the run folder
-around checkpoints (locks, fresh starts, resumes) is run_dir.py's.
+Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole, so a crash at
+any instant leaves the old state or the new one. `<out_dir>/latest` links the newest. A folder without a readable
+marker is never loaded; a file that fails its checksum makes the loader fall back to the previous checkpoint, with
+a warning. Rank 0 writes (the state is replicated; under FSDP every rank writes its pieces first); every rank
+reads. Locks, fresh starts and resumes in the run folder are run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
@@ -50,8 +44,7 @@ from model import gpt_class
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (sharding.FOLDER)
 STEP_DIR = re.compile(r"^step(\d+)$")
-# The model fields that must match to load weights: the model section's `identity` fields (config.py);
-# dropout may differ (e.g. fine-tuning with dropout).
+# What must match to load weights: the model's `identity` fields (config.py); dropout may differ (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
 
 
@@ -87,8 +80,7 @@ def is_complete_checkpoint(path):
 
 
 def warn(message):
-    """A warning for the person running the command: one line on stderr (a Python warning would add its source
-    line, which tells a user nothing)."""
+    """One line on stderr (a Python warning would add its source line, which tells the user nothing)."""
     print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
@@ -96,17 +88,13 @@ def find_checkpoints(run_dir):
     """[(step, path), ...] of the complete checkpoints in `run_dir`, oldest first."""
     if not os.path.isdir(run_dir):
         return []
-    found = []
-    for name in os.listdir(run_dir):
-        match = STEP_DIR.match(name)
-        if match and is_complete_checkpoint(os.path.join(run_dir, name)):
-            found.append((int(match.group(1)), os.path.join(run_dir, name)))
-    return sorted(found)
+    named = [(STEP_DIR.match(name), os.path.join(run_dir, name)) for name in os.listdir(run_dir)]
+    return sorted((int(match.group(1)), path) for match, path in named if match and is_complete_checkpoint(path))
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError unless every file matches the checksum in the marker; an FSDP run's .metadata must
-    also be DCP's own (check_sharded_metadata), which is checked before any file is loaded."""
+    """Raise CheckpointError unless every file matches its checksum in the marker and an FSDP run's .metadata is
+    DCP's own (check_sharded_metadata), before any file is loaded."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -125,9 +113,8 @@ class UntrustedCheckpoint(CheckpointError):
 
 
 def check_sharded_metadata(path, files):
-    """An FSDP run's sharded/.metadata is read as data (DCP's own classes only: a pickle that asks for anything
-    else, os.system say, is refused before it can run), and every piece it names is listed in the marker `files`
-    (sharding.check_metadata); else one sentence naming the file."""
+    """One sentence unless an FSDP run's sharded/.metadata unpickles with DCP's own classes only (os.system, say,
+    is refused before it runs) and names only pieces the marker's `files` list (sharding.check_metadata)."""
     if os.path.isdir(os.path.join(path, SHARDED)):
         import sharding
         try:
@@ -198,12 +185,9 @@ def write_file_atomic(path, data):
 
 
 def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
-    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>.
-
-    Everything, the marker last, is written into step<N>.partial and fsynced; one rename then makes
-    step<N> appear whole. A step<N> already there (a run being replaced) is renamed aside first and
-    deleted only after the new one is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/
-    already (sharding.start_shards); their files are listed in the marker with the others."""
+    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>, as the module docstring
+    says. A step<N> already there (a run being replaced) is deleted only after the new one is in place.
+    `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -240,9 +224,8 @@ def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
 
 
 def prune_checkpoints(run_dir, keep_last, keep=()):
-    """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; only the
-    `keep_last` newest permanent ones are kept (0 keeps all); `fixed` ones are always kept; the
-    newest complete checkpoint is never deleted, nor one in `keep` (still waiting for its upload)."""
+    """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; the `keep_last` newest
+    permanent ones are kept (0: all), `fixed` ones always; never the newest, nor one in `keep` (awaiting upload)."""
     found = find_checkpoints(run_dir)
     if not found:
         return
@@ -259,18 +242,15 @@ def prune_checkpoints(run_dir, keep_last, keep=()):
 
 class Checkpointer:
     """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
-    `replaced`: checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once
-    this run's first checkpoint is complete, so the folder never holds no checkpoint at all.
-    `uploader` (checkpoint.remote_folder): each complete checkpoint is then queued for upload (remote.py), and
-    local retention keeps it until its upload has ended.
-    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives (sharding.start_shards)."""
+    `replaced`: the checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once this
+    run's first checkpoint is complete, so the folder always holds one. `uploader` (checkpoint.remote_folder,
+    remote.py): each complete checkpoint is queued for upload, and retention keeps it until the upload ends.
+    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
         self.async_save, self.is_master = async_save, is_master
-        self.shard_group = shard_group
-        self.replaced = list(replaced)
-        self.uploader = uploader
+        self.replaced, self.uploader, self.shard_group = list(replaced), uploader, shard_group
         self.thread, self.error = None, None
         self.pruning = threading.Lock()  # retention runs on the save thread and, after each upload, the upload thread
         if uploader:
@@ -340,11 +320,10 @@ def is_sharded(model):
 
 
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a
-    warning or note to print at start (or ""). `load`: if_available resumes from out_dir when it holds a checkpoint,
-    else starts from load_path (which must hold weights: a load_path that holds none is one sentence, never a
-    silent start from scratch), else from scratch; always requires one; never starts fresh. As in OLMo-core,
-    out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
+    """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a note to
+    print at start (or ""). `load`: if_available resumes out_dir's own checkpoint, else starts from load_path (which
+    must hold weights, never a silent start from scratch), else from scratch; always requires one; never starts
+    fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
@@ -357,9 +336,10 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
         ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
                    f"checkpoint{changed}")
         return own, True, ignored if load_path else ""
-    if load_path and not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2(load_path):  # fine-tuning GPT-2
-        return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
     if load_path:
+        from hf import is_gpt2_source
+        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
+            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
         return check_source(load_path, "checkpoint.load_path"), False, ""
     if load == "always":
         raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
@@ -372,10 +352,8 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
 
 @dataclass
 class TrainState:
-    """What a checkpoint saves for the trainer, besides weights, optimizer and RNG states (the loop's
-    counters, as torchtitan checkpoints them like any other component). The loop counts steps and tokens
-    in it, and Run.save reads the data position into it; `to_dict` is what trainer.pt holds, `from_dict` what
-    a resume restores: one place each."""
+    """The loop's counters and data position, saved like any other component (as torchtitan does) beside weights,
+    optimizer and RNG states: `to_dict` is what trainer.pt holds, `from_dict` what a resume restores."""
     step: int = 0  # optimizer steps completed
     tokens: int = 0  # training tokens consumed
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
@@ -383,8 +361,7 @@ class TrainState:
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
     # {dataset name: data.fingerprint}: what the run trains on, by content (a resume on other data is refused)
     data_fingerprint: dict = field(default_factory=dict)
-    # {file: hash} of the model's source (model_code): what the run trains with, by content (a resume with other
-    # code that fits the weights is told so); a resume sets it to the code it runs now
+    # {file: hash} of the model's source (model_code): a resume with other code is told so, and saves the new one
     model_code: dict = field(default_factory=dict)
 
     def keep_best(self, val_loss):
@@ -392,9 +369,7 @@ class TrainState:
             self.best_val_loss = torch.minimum(torch.as_tensor(self.best_val_loss, device=val_loss.device), val_loss)
 
     def to_dict(self):
-        return {"step": self.step, "tokens": self.tokens, "best_val_loss": self.best_val_loss, "data": self.data,
-                "nonfinite_skipped": self.nonfinite_skipped, "data_fingerprint": self.data_fingerprint,
-                "model_code": self.model_code}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
     def from_dict(cls, saved):
@@ -452,10 +427,9 @@ MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py"
 
 
 def model_code(model_module):
-    """{file: hash of its code} for the model's source: model.py (GPTConfig, and the GPT unless train.model_module
-    names a file of your own) and that file. The hash is of the parsed code without docstrings, so an edit to a
-    comment, a docstring or the layout is no change; one that changes what the model computes is, even with the
-    same weights (QK-norm, a soft cap on the logits)."""
+    """{file: hash of its code} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your
+    own) and that file. The hash is of the parsed code without docstrings: an edit to a comment, a docstring or the
+    layout is no change; one to what the model computes is, even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module
@@ -475,9 +449,8 @@ def code_hash(path):
 
 def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
     """The line to print when the model's source is not the one checkpoint `path` was saved with, though its
-    weights fit (check_weights_fit said so first): a resume (or sample.py, evaluation, export: load_model) goes on
-    with the code as it is now, which may compute another function of the same weights. "" when it is the same, or
-    the checkpoint kept no hash (older runs)."""
+    weights fit: a resume (or load_model) goes on with the code as it is now, which may compute another function
+    of the same weights. "" when it is the same, or the checkpoint kept no hash (older runs)."""
     if not saved_code:
         return ""
     now = model_code(model_module)
@@ -524,10 +497,9 @@ def set_rng_state(state, sample_generator):
 
 
 def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master, unsharded=False):
-    """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG
-    states of all ranks are gathered (ranks draw different dropout masks). A sharded model's weights and
-    optimizer are not in it: each rank writes its own pieces (Checkpointer.save); with `unsharded`
-    (checkpoint.unsharded_interval) its whole weights are gathered on rank 0 too, written as model.pt beside them."""
+    """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG states of all
+    ranks are gathered (ranks draw different dropout masks). A sharded model's weights and optimizer are not in it
+    (each rank writes its own pieces); with `unsharded` (checkpoint.unsharded_interval) its whole weights are."""
     whole = None
     if unsharded and is_sharded(raw_model):
         import sharding
@@ -628,15 +600,6 @@ def group_layout(state):
     return [layout for inner in state.values() for layout in group_layout(inner)]
 
 
-def load_optimizer_state(optimizer, path, device):
-    """The optimizer's moments from `path`, with this run's settings kept: `load_state_dict` would also bring
-    back the saved groups' LR peak, weight decay, betas, eps and momentum, so the settings the config asks
-    for are put back after it, and the config in force is what the optimizer uses."""
-    saved = read_file(path, "optim.pt", device)
-    check_group_layout(saved, optimizer, path)
-    keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
-
-
 def check_group_layout(saved, optimizer, path):
     """One sentence when the saved optimizer state belongs to other parameter groups than `optimizer`'s."""
     if group_layout(saved) != group_layout(optimizer.state_dict()):
@@ -648,8 +611,8 @@ def check_group_layout(saved, optimizer, path):
 
 
 def keep_settings(optimizer, load):
-    """Run `load` (which brings back the saved groups' settings with the moments), then put this run's settings
-    back: the config in force is what the optimizer uses."""
+    """Run `load`, which brings back the saved groups' LR peak, weight decay, betas, eps and momentum with the
+    moments, then put this run's settings back: the config in force is what the optimizer uses."""
     in_force = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
     load()
     for group, settings in zip(optimizer.param_groups, in_force):
@@ -658,10 +621,9 @@ def keep_settings(optimizer, load):
 
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
                     load_trainer_state=True):
-    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer
-    state, or None. RNG states go back only to the rank that saved them: after a change of world size,
-    ranks without a saved state keep their fresh seeded one (dropout masks then differ from an
-    uninterrupted run, as they must: there is no such run to match)."""
+    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer state, or
+    None. RNG states go back only to the rank that saved them: after a change of world size, ranks without one keep
+    their fresh seeded state (dropout masks then differ from an uninterrupted run, as they must: there is none)."""
     device = next(model.parameters()).device
     if not os.path.exists(os.path.join(path, MARKER)):  # not a checkpoint of ours: GPT-2's weights (hf.py)
         from hf import load_gpt2_weights
@@ -677,8 +639,10 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         load_model_state(model, path, device)
-        if load_optim:
-            load_optimizer_state(optimizer, path, device)
+        if load_optim:  # the moments, with this run's settings kept
+            saved = read_file(path, "optim.pt", device)
+            check_group_layout(saved, optimizer, path)
+            keep_settings(optimizer, lambda: optimizer.load_state_dict(saved))
     if not load_trainer_state:
         return None
     rng = trainer["rng"]
@@ -718,23 +682,15 @@ def load_with_shards(path, model, optimizer, device):
 
 
 def newest_checkpoint(run_dir):
-    """The newest complete checkpoint folder of `run_dir` (a readable marker; its files are not verified here), or
-    None. newest_valid_checkpoint is the one a run resumes from."""
+    """The newest complete checkpoint of `run_dir`, or None; unverified (a run resumes newest_valid_checkpoint)."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
-def is_gpt2(source):
-    """An OpenAI GPT-2 name or a local Hugging Face folder (hf.py): weights to start from, not a checkpoint of ours."""
-    from hf import is_gpt2_source
-    return is_gpt2_source(source)
-
-
 def check_source(source, key):
-    """Raise one sentence naming `key` (the setting or flag the source came from) unless `source` is a model
-    that load_model can load: a run or checkpoint folder holding a valid checkpoint, a local HF GPT-2 folder,
-    or an OpenAI GPT-2 name (then transformers must be installed). Returns the checkpoint folder, or None.
-    Cheap: no weights read, except from a bucket (an s3:// or gs:// URL), downloaded once into a cache."""
+    """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an OpenAI name, with
+    transformers installed, or a local HF folder); else one sentence naming `key`, the setting or flag it came
+    from. Reads no weights, except a bucket's (an s3:// or gs:// URL), downloaded once into a cache."""
     from hf import OPENAI_MODELS, is_hf_folder
     if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
         import remote
@@ -764,10 +720,8 @@ def check_source(source, key):
 
 
 def load_model(source, device, key):
-    """A GPT from a SOURCE: a run folder (its newest valid checkpoint), a checkpoint folder, an OpenAI GPT-2
-    name (gpt2 ... gpt2-xl, via transformers) or a local HF GPT-2 folder. A checkpoint of ours is loaded
-    into the GPT class it was trained with (train.model_module). Errors name `key`, the setting or flag the
-    source came from (sample.py's --init_from, stage2.reference, ...)."""
+    """A GPT in eval mode from a source check_source takes; a checkpoint of ours is loaded into the GPT class it
+    was trained with (train.model_module). Errors name `key` (sample.py's --init_from, stage2.reference, ...)."""
     path = check_source(source, key)
     if path is None:
         from hf import import_hf
