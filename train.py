@@ -33,10 +33,9 @@ import metrics
 import run_dir
 from callbacks import (LossSpikeDetector, Notifier, all_finite, check_finite, memory_metrics, nonfinite_stop,
                        peak_flops_for_device, register_stack_dump, save_environment)
-from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
-                        load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
-from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
-                    with_defaults)
+from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
+                        model_code)
+from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
 from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
@@ -72,7 +71,8 @@ def main(argv):
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
         import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
-    if cfg.checkpoint.load_path:
+    if cfg.checkpoint.load_path:  # a GPT-2's shape, or one sentence for a typo (load_path.py)
+        from load_path import use_load_path_shape
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now (with the run's shape)
         from stage2 import check_reference
@@ -731,34 +731,7 @@ def async_bookkeeping(cfg, procs):
     return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
 
 
-# ----------------------------------------------------------------------------- the start's shape and the end
-
-
-def use_load_path_shape(cfg, default_config):
-    """checkpoint.load_path, checked before anything is written: a GPT-2 gives the model its shape (fine-tuning),
-    and a path that is neither a folder nor a GPT-2 name is one sentence (a typo would train from scratch).
-    A run that already has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's,
-    and the source is not needed any more (a deleted folder, a hub name offline)."""
-    from hf import gpt2_shape, is_gpt2_source, use_source_shape
-
-    ck = cfg.checkpoint
-    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
-    saved = read_trainer_state(own)["config"] if own else None
-    if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
-        import remote
-        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
-    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
-        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
-                         default_config)
-    elif is_gpt2_source(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-        if cfg.train.data_parallel == "fsdp":  # (hf.load_gpt2_weights copies whole tensors into the model)
-            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load into a whole model, "
-                              f"and train.data_parallel=fsdp shards it; fine-tune with --train.data_parallel=ddp.")
-        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
-    elif not os.path.isdir(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
+# ----------------------------------------------------------------------------- the end
 
 
 def collective_failure(error):
