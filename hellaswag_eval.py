@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_model
+from checkpoint import is_sharded, load_model
 from config import UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer
 from sample import KVCache, check_device
@@ -446,6 +446,20 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
     results["average"] = sum(acc for acc, _ in primary) / len(primary)
     results["average_centered"] = sum((acc - chance) / (1 - chance) for acc, chance in primary) / len(primary)
     return results
+
+
+def evaluate_in_loop(run):
+    """train.py's evaluation of eval.tasks: {"eval/<task>/<metric>": value, "eval/average": ..., ...}.
+    The raw model: variable-length batches would make torch.compile recompile.
+    Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
+    the same forwards, and the examples' lengths differ from rank to rank."""
+    rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
+    with run.autocast:
+        results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
+                                 rank, world_size)
+    scores = {f"eval/{name}/{metric}": results[name][metric]
+              for name in run.task_examples for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")}
+    return {**scores, "eval/average": results["average"], "eval/average_centered": results["average_centered"]}
 
 
 def main(argv):

@@ -295,20 +295,9 @@ def evaluate(run, due, mix):
                   for prefix, loader in run.val_loaders.items()}
         if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
             scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
-    if due.tasks:
-        from hellaswag_eval import evaluate_tasks
-
-        # The raw model: variable-length batches would make torch.compile recompile.
-        # Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
-        # the same forwards, and the examples' lengths differ from rank to rank.
-        rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
-        with run.autocast:
-            results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
-                                     rank, world_size)
-        for name in run.task_examples:
-            scores.update({f"eval/{name}/{metric}": results[name][metric]
-                           for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
-        scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
+    if due.tasks:  # the downstream tasks (hellaswag_eval.py)
+        from hellaswag_eval import evaluate_in_loop
+        scores.update(evaluate_in_loop(run))
     return scores
 
 
