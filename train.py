@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (LossSpikeDetector, Notifier, all_finite, check_finite, memory_metrics, nonfinite_stop,
-                       peak_flops_for_device, register_stack_dump, save_environment)
+from callbacks import (LossSpikeDetector, Notifier, all_finite, memory_metrics, peak_flops_for_device,
+                       register_stack_dump, save_environment)
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
                         model_code)
 from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
@@ -144,7 +144,7 @@ def train(cfg):
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
                 print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
             if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
-                stop_on_nonfinite(run, step, step_metrics, extras.give_up)
+                extras.stop_on_nonfinite(run, step, step_metrics)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -221,16 +221,6 @@ def rank_line(rank, step, step_metrics):
     on the steps it prints."""
     own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
     return f"[rank {rank}] {metrics.console_line(step, own)}"
-
-
-def stop_on_nonfinite(run, step, step_metrics, give_up):
-    """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows, or
-    by this step's own numbers), or train.nan_skip_limit skipped steps in a row (step_extras.py), ends the run."""
-    if run.writer.nonfinite and run.cfg.train.nan_policy == "stop":
-        raise nonfinite_stop(run.writer.nonfinite, run.cfg.train.out_dir)
-    if give_up:
-        raise nonfinite_stop(give_up, run.cfg.train.out_dir, skip=False)
-    check_finite(step, step_metrics, run.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
 
 
 def before_the_first_step(run):
