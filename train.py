@@ -583,19 +583,12 @@ class Stages:
 
     def at(self, step):
         """(mixture, loader, objective) for step `step` (1-based, the step being taken); the objective is None in
-        stage 1 (the model's own loss), else stage 2's: `objective(model, x, y)` gives (CE + beta x KL, CE, KL,
-        the reference's loss), what train.train_step trains on."""
+        stage 1 (the model's own loss), else stage 2's (stage2.begin_stage2)."""
         if self.stage2_step is None or step <= self.stage2_step:
             return (*self.loaders[0], None)
         if self.objective is None:  # the first step of stage 2 in this process
-            from stage2 import make_reference, stage2_loss
-
-            if len(self.loaders) > 1 and not self.resumed_inside:  # sources both stages read continue where they were
-                self.loaders[1][1].load_state_dict(self.loaders[0][1].state_dict())
-            reference = make_reference(self.cfg, self.raw_model, self.out_dir, self.stage2_step, self.device,
-                                       resuming_inside=self.resumed_inside)
-            self.objective = functools.partial(stage2_loss, reference=reference, beta=self.cfg.kl_beta,
-                                               estimator=self.cfg.kl_estimator)
+            from stage2 import begin_stage2
+            self.objective = begin_stage2(self)
         return (*self.loaders[-1], self.objective)
 
 
