@@ -5,15 +5,11 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-The story, in the order of this file: `main` reads and checks the config; `train` is the loop. Each step
-sets the learning rate, takes one `train_step` (right below the loop: forward and backward over the
-micro-steps, clip, optimizer step), records its metrics, then runs what the plan says is due, in a fixed
-order: evaluate, print the console line, checkpoint, sample. The step's rarely used parts (traces, skipped
-data, NaN skipping, GC, the profiler, ...) are behind one call, to step_extras.py. Below: the evaluations, then
-`build_run`, which sets the run up part by part (the processes, the model, where the run starts, the data,
-the optimizer, the `Plan`, the checkpoint to load). Every feature lives in a small module and is called from
-a visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces, the dry run, data preparation)
-are imported where they are used.
+`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right
+below the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs
+what the plan says is due, in a fixed order: evaluate, print, checkpoint, sample. The step's rarely used parts are
+one call to step_extras.py. Then the evaluations, and `build_run`, which sets the run up part by part. Every feature
+is called from a visible line here; the optional ones are imported where they are used.
 """
 
 import dataclasses
@@ -113,9 +109,8 @@ def train(cfg):
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
                     block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
                     world_size=run.world_size, peak_flops=run.peak_flops))
-            # Every rank records the same names (the ranks' values travel in one vector); the time beside the step
-            # (evaluation, samples, ...) is the slowest rank's, the one the loop waited. A checkpoint's time goes in
-            # its own step's row (Run.save).
+            # Every rank records the same names (one vector for all ranks); the time beside the step is the slowest
+            # rank's, which the loop waited for; a checkpoint's time goes in its own step's row (Run.save).
             recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens, **loader.metrics()})
             recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
                                 reduce="max")
@@ -170,11 +165,10 @@ def train(cfg):
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy="stop", objective=None,
                layer_norms=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
-    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
-    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
-    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
-    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip (step_extras.py passes it)."""
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward, clip, optimizer step.
+    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages them over
+    the ranks. In stage 2, `objective(model, x, y)` (Stages, below) replaces the model's own loss with CE + beta x KL.
+    No host sync, unless nan_policy=skip (step_extras.py passes it)."""
     raw_model = model.module if isinstance(model, DDP) else model
     sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (sharding.py)
     names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
@@ -216,9 +210,8 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
 
 
 def rank_line(rank, step, step_metrics):
-    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
-    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
-    on the steps it prints."""
+    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
+    gradient norm is the same on every rank). One host sync, on the steps it prints."""
     own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
     return f"[rank {rank}] {metrics.console_line(step, own)}"
 
@@ -257,9 +250,8 @@ def before_the_first_step(run):
 
 @torch.no_grad()
 def validation_loss(model, loader, steps, autocast):
-    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device).
-    The loop asks for val_steps x grad_accum_steps micro-batches per rank: val_steps global batches,
-    the same sequences whatever the number of ranks."""
+    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device). The loop asks
+    for val_steps x grad_accum_steps per rank: val_steps global batches, the same whatever the number of ranks."""
     model.eval()
     loader.load_state_dict({"position": 0})
     total = torch.zeros((), device=loader.device)
@@ -460,10 +452,8 @@ def start_processes(cfg):
 
 
 def setup_distributed(device_choice, timeout):
-    """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
-    Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements.
-    A collective that waits `timeout` seconds for a rank that never comes ends the run
-    (`collective_failure`, at the end of this file, says so)."""
+    """Read torchrun's environment: one process per GPU with NCCL, or gloo on CPU. Returns (rank, world_size, device,
+    cpu_group). A collective that waits `timeout` seconds for a rank ends the run (collective_failure says so)."""
     want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
     if "RANK" not in os.environ:  # a plain `python train.py`
         device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
@@ -536,18 +526,17 @@ def build_model(cfg, procs):
 
 
 def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
-    """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
-    gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
-    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once; a
-    model built on meta (`init_record`) then gets its pieces, drawn as a whole build would draw them. `confirm_batch`
-    (data.batch_size=auto): one trial micro-batch first (auto_batch.confirm_batch_size)."""
+    """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the gradients);
+    the raw model keeps the weights, which the optimizer and the checkpoints use. Under FSDP the model is sharded in
+    place (sharding.py), both forms at once; one built on meta (`init_record`) then gets its pieces, drawn as a whole
+    build would draw them."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
         from sharding import materialise, shard
         shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
         if init_record is not None:
             materialise(raw_model, init_record, cfg.train.seed, procs.device)
-    if confirm_batch:  # one trial step of the chosen micro-batch (auto_batch.py)
+    if confirm_batch:  # data.batch_size=auto: one trial step of the chosen micro-batch (auto_batch.py)
         from auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
     if cfg.train.data_parallel == "fsdp":
@@ -559,11 +548,10 @@ def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
 
 
 class Stages:
-    """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one
-    place that crosses into stage 2 (stage2.py, imported then), whether the run gets there or resumes inside it.
-
-    `loaders` are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the
-    number of steps completed when stage 2 begins (None: one stage)."""
+    """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one place
+    that crosses into stage 2 (stage2.py, imported then), whether the run gets there or resumes inside it. `loaders`
+    are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the number of steps completed
+    when stage 2 begins (None: one stage)."""
 
     def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
         self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
