@@ -147,8 +147,9 @@ def train(cfg):
                 with clock.aside("sample"):  # rank 0 writes them; under FSDP every rank runs the model's forwards
                     if run.is_master or is_sharded(run.model):
                         write_samples(run, step)
-            if stop:
-                run.end_early(stop)
+            if stop:  # after its checkpoint: why the run stopped (run_end.py)
+                from run_end import end_early
+                end_early(run, stop)
                 break
         if not stop:
             run.notifier.outcome = f"finished at step {state.step}"
@@ -217,9 +218,7 @@ def rank_line(rank, step, step_metrics):
 
 
 def before_the_first_step(run):
-    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says.
-    train.hard_stop=0 trains nothing: the run saves what it loaded (GPT-2's weights, another run's checkpoint) as
-    its checkpoint at the step it starts at, as OLMo saves the state it loaded before training."""
+    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
     plan, state = run.plan, run.state
     if state.step == 0 and not run.resumed:
         first = plan.due(0)
@@ -229,18 +228,9 @@ def before_the_first_step(run):
                 print(line, flush=True)
         if first.checkpoint:
             run.save(first.checkpoint)
-    if plan.end_step == 0 and not run.resumed:
-        if not (state.step == 0 and plan.due(0).checkpoint) and not plan.no_checkpoints:
-            run.save("fixed")
-        if run.is_master:
-            saved = "nothing saved (train.no_checkpoints)" if plan.no_checkpoints else \
-                f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
-            print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
-    elif state.step >= plan.end_step and run.is_master:
-        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
-            if plan.end_step < plan.max_steps else "raise train.max_steps"
-        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
-              f"longer).")
+    if state.step >= plan.end_step:  # train.hard_stop=0, or a run already trained (run_end.py)
+        from run_end import nothing_to_train
+        nothing_to_train(run)
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
 
@@ -360,24 +350,6 @@ class Run:
             print(f"checkpoint step{self.state.step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
             # The step's row is written before its checkpoint (a resume finds every row): the time comes after it.
             self.writer.late(self.state.step, {"throughput/checkpoint_time_sec": stalled})
-
-    def end_early(self, reason):
-        """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
-        self.checkpointer.wait()
-        if reason == "write error":
-            failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
-            raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
-                                    f"then run the same command again to resume.")
-        saved = not self.cfg.train.no_checkpoints  # (a benchmark saves none)
-        self.notifier.outcome = (f"{self.stopper.describe(reason)} after step {self.state.step}; "
-                                 + ("its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)"))
-        if self.is_master:
-            if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
-                os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
-            print(f"{self.stopper.describe(reason)} after step {self.state.step}; " + (
-                "the checkpoint is saved: run the same command again to resume." if saved else
-                "train.no_checkpoints saved no checkpoint, so running the command again starts from step 0."),
-                flush=True)
 
 
 def build_run(cfg, stack):
