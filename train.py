@@ -408,11 +408,27 @@ class Processes:
 
 
 def start_processes(cfg):
-    """Join the job (torchrun's environment, or a plain `python train.py`) and choose the numerics."""
+    """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo on CPU; a
+    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure, below, says so)."""
     if cfg.train.deterministic:
         from debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
-    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
+    choice = cfg.train.device
+    want_cuda = choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available())
+    rank, world_size, cpu_group = 0, 1, None
+    if "RANK" not in os.environ:  # a plain `python train.py`
+        device = ("cuda" if want_cuda else "cpu") if choice == "auto" else choice
+    else:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        device = f"cuda:{local_rank}" if want_cuda else "cpu"
+        if want_cuda:
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=cfg.train.dist_timeout)
+        dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
+        world_size = dist.get_world_size()
+        # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
+        # without waiting for the GPU. On CPU the default group is gloo already.
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
     device_type = torch.device(device).type
     use_bf16 = cfg.train.dtype == "bfloat16" or (
         cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
@@ -423,23 +439,19 @@ def start_processes(cfg):
     return Processes(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
 
 
-def setup_distributed(device_choice, timeout):
-    """Read torchrun's environment: one process per GPU with NCCL, or gloo on CPU. Returns (rank, world_size, device,
-    cpu_group). A collective that waits `timeout` seconds for a rank ends the run (collective_failure says so)."""
-    want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:  # a plain `python train.py`
-        device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
-        return 0, 1, device, None
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    device = f"cuda:{local_rank}" if want_cuda else "cpu"
-    if want_cuda:
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
-    # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
-    # without waiting for the GPU. On CPU the default group is gloo already.
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
-    return rank, dist.get_world_size(), device, cpu_group
+def collective_failure(error):
+    """One sentence for a collective that failed because of another rank, else None."""
+    text = str(error).lower()
+    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
+                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
+                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
+    if "closed by peer" in text or "connection reset" in text:
+        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
+                f"says why (the first error in the log).")
+    return None
 
 
 def prepare_on_first_use(path):
@@ -651,24 +663,6 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
 def async_bookkeeping(cfg, procs):
     """log.async_bookkeeping resolved: auto is on where a gloo group exists, that is with more than one rank."""
     return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
-
-
-# ----------------------------------------------------------------------------- the end
-
-
-def collective_failure(error):
-    """One sentence for a collective that failed because of another rank, else None."""
-    text = str(error).lower()
-    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
-        return None
-    if "timed out" in text or "timeout" in text:
-        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
-                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
-                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
-    if "closed by peer" in text or "connection reset" in text:
-        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
-                f"says why (the first error in the log).")
-    return None
 
 
 if __name__ == "__main__":
