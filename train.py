@@ -277,7 +277,6 @@ def write_samples(run, step):
     """Rank 0 writes them. Samples are optional output: a failure here is reported and training goes on. Under
     FSDP every rank runs the same forwards (each gathers weights from all), from rank 0's sampling generator."""
     from sample import generate_text
-
     e = run.cfg.eval
     if is_sharded(run.model):
         rng = [run.sample_generator.get_state()]
