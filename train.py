@@ -388,10 +388,9 @@ def build_run(cfg, stack):
                compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
                val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
                sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
-               stopper=stopper, extras=extras,
+               stopper=stopper, extras=extras, notifier=notifier, tokenizer=tokenizer,
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier,
-               tokenizer=tokenizer)
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
 
 
 @dataclass
