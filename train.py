@@ -460,8 +460,8 @@ def prepare_on_first_use(path):
 
 
 def rank0_first(work, rank, world_size):
-    """Rank 0 does `work` (prepare data, download) while the others wait; then the others do it too and find it
-    done. Returns this rank's result."""
+    """Rank 0 does `work` (prepare a dataset) while the others wait; then the others do it too and find it done.
+    Returns this rank's result."""
     result = work() if rank == 0 else None
     if world_size > 1:
         dist.barrier()
