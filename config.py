@@ -423,10 +423,6 @@ def parse_step_ranges(text):
     return ranges
 
 
-def in_ranges(step, ranges):
-    return any(start <= step < end for start, end in ranges)
-
-
 def parse_mix(entries, key="data.mix"):
     """['shakespeare:3', 'python:1'] -> [('shakespeare', 0.75), ('python', 0.25)]."""
     weights = {}

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, check_warmup, duration_to_steps, in_ranges, parse_step_ranges
+from config import ConfigError, check_warmup, duration_to_steps, parse_step_ranges
 from model import GPT, loss_slices
 
 
@@ -71,7 +71,7 @@ class Plan:
     skipped: tuple = ()  # train.steps_to_skip as (start, end) ranges of steps whose data is read but not trained on
 
     def skips_data(self, step):
-        return in_ranges(step, self.skipped)
+        return any(start <= step < end for start, end in self.skipped)
 
     def due(self, step, last=False, stop=False):
         """What runs after `step`; `last` at the run's end. On an early stop (signal, CANCEL, time limit) only
@@ -96,13 +96,10 @@ class Plan:
                    output=evals or sample or bool(checkpoint),
                    collect=self.metrics.due(step, last) or self.console.due(step, last) or evals or bool(checkpoint))
 
-    def checkpoint_kind(self, step, last=False):
-        return self.due(step, last).checkpoint
-
     def checkpoint_steps(self):
         """Every step a checkpoint will be saved at if the run is not stopped early (step 0 included)."""
         return [s for s in range(0 if 0 in self.fixed_checkpoints else 1, self.end_step + 1)
-                if self.checkpoint_kind(s, last=s == self.end_step)]
+                if self.due(s, last=s == self.end_step).checkpoint]
 
 
 def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):

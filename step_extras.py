@@ -17,7 +17,6 @@ import time
 import torch
 
 from callbacks import check_finite, nonfinite_stop
-from config import in_ranges
 
 
 class StepExtras:
@@ -55,7 +54,7 @@ class StepExtras:
             with clock.aside("activations"):
                 run.recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
         start = time.perf_counter()
-        if in_ranges(step, plan.skipped):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
+        if plan.skips_data(step):  # train.steps_to_skip: read past a known-bad stretch of data, untrained
             loader.skip_batches(plan.grad_accum_steps)
             step_metrics, data_time = {"train/skipped_data_step": 1.0}, 0.0
         else:

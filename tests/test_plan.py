@@ -95,7 +95,7 @@ def test_an_ephemeral_checkpoint_is_skipped_within_its_cooldown_after_a_fixed_or
     cfg = parse_args(["--train.max_steps=100", "--checkpoint.interval=40", "--checkpoint.fixed_steps=25",
                       "--checkpoint.ephemeral_interval=10", "--checkpoint.ephemeral_cooldown=6"])
     plan = make_plan(cfg, world_size=1, tokens_per_epoch=10**9, non_embedding_params=10**6)
-    kinds = {s: plan.checkpoint_kind(s, last=s == 100) for s in plan.checkpoint_steps()}
+    kinds = {s: plan.due(s, last=s == 100).checkpoint for s in plan.checkpoint_steps()}
     assert [s for s, kind in kinds.items() if kind == "ephemeral"] == [10, 20, 50, 60, 70, 90]  # 30 after 25, 40 is
     assert kinds[25] == "fixed" and kinds[40] == kinds[80] == kinds[100] == "permanent"          # permanent, ...
 
