@@ -1,14 +1,14 @@
 """The run's plan: its length, its micro-steps per step, what is due after each step, and when it stops early.
 
 `make_plan` resolves the config into a `Plan` once, before anything is written; the loop asks `plan.due(step)` after
-every step, `--dry_run` prints it. `Every` is the one cadence rule for everything periodic: every `interval` steps, at
-the last step (so the final evaluation and checkpoint reuse the periodic code) and at fixed steps; interval 0: at fixed
-steps only. The final checkpoint is always written (a run that stops must be resumable) unless `train.no_checkpoints`.
+every step, `--dry_run` prints it. `Every` is the one cadence rule for everything periodic; it fires at the last step
+too, so the final evaluation and checkpoint reuse the periodic code. The final checkpoint is always written (a run
+that stops must be resumable) unless `train.no_checkpoints`. Last, the start-up summary and the memory estimate.
 
 `Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit: the
 loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at different
-moments (a signal reaches them one by one, only rank 0 looks for the file), so every N steps
-(train.cancel_check_interval) they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
+moments (a signal reaches them one by one, only rank 0 looks for the file), so every train.cancel_check_interval steps
+they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
 """
 
 import os
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, check_warmup, duration_to_steps, parse_step_ranges
-from model import GPT, loss_slices
+from model import GPT, loss_slice_rows, loss_slices
 
 
 @dataclass(frozen=True)
@@ -144,53 +144,6 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
 
-# ----------------------------------------------------------------------------- memory per rank
-
-
-def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device_type):
-    """Bytes each rank needs, estimated before the run: {weights, gradients, optimizer, activations, total}.
-
-    fp32 weights and gradients take 4 bytes a parameter and AdamW's two moments 8 (Muon keeps one moment for the
-    matrices: less). DDP holds all of them on every rank; with more than one rank, a second copy of the gradients
-    in the buckets it all-reduces (4); with bf16 autocast, the bf16 copy of the weights it casts once per step (2).
-    FSDP holds 1/world_size of the three, plus whole weights gathered for the parts running (two blocks: the one
-    running and the next, fetched ahead; and the rest of the model, the embeddings and output layer, gathered for
-    the whole step), in bf16 or fp32, and the whole gradient of the largest part before it is reduce-scattered.
-    Activations of one micro-batch, kept for the backward: 34 x width bytes per token and layer with bf16 and fused
-    attention, which keeps no sequence x sequence scores (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", eq. 2 without its 5as/h term), twice that in fp32; then the output
-    layer: the full path's logits, their softmax and its gradient (3 x tokens x vocabulary x 4 bytes), or the
-    chunked path's slice of them and its weight gradient. Against measured peaks: docs/fsdp.md."""
-    from model import loss_slice_rows
-
-    n = model.num_params()
-    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    block, rest = max(blocks), n - sum(blocks)  # rest: what is not in a block (embeddings, final norm, output)
-    cfg, share = model.config, world_size if sharded else 1
-    weights = 4 * n / share + ((2 * block + rest) * (2 if bf16 else 4) if sharded else 2 * n * bf16)
-    gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
-    if not sharded and world_size > 1:
-        gradients += 4 * n  # DDP's buckets: the gradients copied into the flat buffers it all-reduces
-    vocab = cfg.vocab_size  # the width of the logits (GPT.logits)
-    rows = micro_batch_tokens if getattr(model, "loss_path", "full") == "full" else min(
-        micro_batch_tokens, loss_slice_rows(device_type, vocab))
-    output = 3 * rows * vocab * 4 + (4 * vocab * cfg.n_embd if rows < micro_batch_tokens else 0)
-    activations = 34 * cfg.n_embd * cfg.n_layer * micro_batch_tokens * (1 if bf16 else 2) + output
-    return {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
-            "total": weights + gradients + optimizer + activations}
-
-
-def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
-    """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size."""
-    ddp = memory_per_rank(model, micro_batch_tokens, world_size, False, bf16, device_type)
-    fsdp = memory_per_rank(model, micro_batch_tokens, world_size, True, bf16, device_type)
-    gb = 1e9
-    return (f"memory per rank (estimate): weights {ddp['weights'] / gb:.2f} GB, gradients {ddp['gradients'] / gb:.2f}, "
-            f"AdamW {ddp['optimizer'] / gb:.2f}, activations {ddp['activations'] / gb:.2f} at {micro_batch_tokens:,} "
-            f"tokens = {ddp['total'] / gb:.2f} GB with DDP; {fsdp['total'] / gb:.2f} GB with FSDP on {world_size} "
-            f"rank(s)")
-
-
 # ----------------------------------------------------------------------------- stopping early
 
 
@@ -258,7 +211,7 @@ class Stopper:
         return "stopped at the time limit (train.time_limit)"
 
 
-# ----------------------------------------------------------------------------- the plan, described
+# ----------------------------------------------------------------------------- the start-up summary and memory estimate
 
 
 def is_compiled(cfg, device_type):
@@ -297,3 +250,45 @@ def loss_description(raw_model, rows, device_type):
     if raw_model.loss_path == "chunked":
         return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
     return raw_model.loss_path
+
+
+def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device_type):
+    """Bytes each rank needs, estimated before the run: {weights, gradients, optimizer, activations, total}.
+
+    fp32 weights and gradients take 4 bytes a parameter and AdamW's two moments 8 (Muon keeps one moment for the
+    matrices: less). DDP holds all of them on every rank; with more than one rank, a second copy of the gradients
+    in the buckets it all-reduces (4); with bf16 autocast, the bf16 copy of the weights it casts once per step (2).
+    FSDP holds 1/world_size of the three, plus whole weights gathered for the parts running (two blocks: the one
+    running and the next, fetched ahead; and the rest of the model, the embeddings and output layer, gathered for
+    the whole step), in bf16 or fp32, and the whole gradient of the largest part before it is reduce-scattered.
+    Activations of one micro-batch, kept for the backward: 34 x width bytes per token and layer with bf16 and fused
+    attention, which keeps no sequence x sequence scores (Korthikanti et al. 2022, "Reducing Activation
+    Recomputation in Large Transformer Models", eq. 2 without its 5as/h term), twice that in fp32; then the output
+    layer: the full path's logits, their softmax and its gradient (3 x tokens x vocabulary x 4 bytes), or the
+    chunked path's slice of them and its weight gradient. Against measured peaks: docs/fsdp.md."""
+    n = model.num_params()
+    blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
+    block, rest = max(blocks), n - sum(blocks)  # rest: what is not in a block (embeddings, final norm, output)
+    cfg, share = model.config, world_size if sharded else 1
+    weights = 4 * n / share + ((2 * block + rest) * (2 if bf16 else 4) if sharded else 2 * n * bf16)
+    gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
+    if not sharded and world_size > 1:
+        gradients += 4 * n  # DDP's buckets: the gradients copied into the flat buffers it all-reduces
+    vocab = cfg.vocab_size  # the width of the logits (GPT.logits)
+    rows = micro_batch_tokens if getattr(model, "loss_path", "full") == "full" else min(
+        micro_batch_tokens, loss_slice_rows(device_type, vocab))
+    output = 3 * rows * vocab * 4 + (4 * vocab * cfg.n_embd if rows < micro_batch_tokens else 0)
+    activations = 34 * cfg.n_embd * cfg.n_layer * micro_batch_tokens * (1 if bf16 else 2) + output
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
+            "total": weights + gradients + optimizer + activations}
+
+
+def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
+    """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size."""
+    ddp = memory_per_rank(model, micro_batch_tokens, world_size, False, bf16, device_type)
+    fsdp = memory_per_rank(model, micro_batch_tokens, world_size, True, bf16, device_type)
+    gb = 1e9
+    return (f"memory per rank (estimate): weights {ddp['weights'] / gb:.2f} GB, gradients {ddp['gradients'] / gb:.2f}, "
+            f"AdamW {ddp['optimizer'] / gb:.2f}, activations {ddp['activations'] / gb:.2f} at {micro_batch_tokens:,} "
+            f"tokens = {ddp['total'] / gb:.2f} GB with DDP; {fsdp['total'] / gb:.2f} GB with FSDP on {world_size} "
+            f"rank(s)")
