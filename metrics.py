@@ -349,7 +349,7 @@ def read_jsonl(path):
     except (IsADirectoryError, UnicodeDecodeError) as error:
         raise SinkError(f"{path} is not a metrics.jsonl ({type(error).__name__}); give the train.out_dir of a "
                         f"run.") from None
-    rows = []
+    merged = {}  # step -> row
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -363,9 +363,6 @@ def read_jsonl(path):
         if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
             raise SinkError(f"line {number} of {path} is not a metrics row (a JSON object with a step); give the "
                             f"metrics.jsonl a run wrote.")
-        rows.append(row)
-    merged = {}
-    for row in rows:
         merged.setdefault(row["step"], {}).update(row)
     return list(merged.values())
 
