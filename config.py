@@ -134,8 +134,7 @@ class TrainConfig:
     # recover); 0 = never
     nan_skip_limit: int = applied(10, "0 or more")
     loss_spike_threshold: float = free(1.0, "0 or more")  # flag a loss this many nats over the last 50's mean; 0 = off
-    # disable automatic garbage collection and collect every N steps on all ranks; 0 = automatic
-    gc_interval: int = free(1000, "0 or more")
+    gc_interval: int = free(1000, "0 or more")  # gc.collect every N steps on all ranks, automatic GC off; 0 = automatic
     # save no checkpoint, not even the last, and load none, not even checkpoint.load_path: OLMo-core's benchmark switch
     no_checkpoints: bool = free(False)
     no_evals: bool = free(False)  # no validation, tasks or samples at all (benchmarks; OLMo-core's switch)
@@ -143,8 +142,7 @@ class TrainConfig:
     dist_timeout: float = free(1800.0, "greater than 0")
     # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's knob
     cancel_check_interval: int = free(1, "at least 1")
-    # deterministic kernels (torch.use_deterministic_algorithms) to hunt divergences; slower on GPUs
-    deterministic: bool = applied(False)
+    deterministic: bool = applied(False)  # torch.use_deterministic_algorithms, to hunt divergences; slower on GPUs
 
 
 @dataclass(slots=True)
@@ -175,8 +173,7 @@ class OptimConfig:
     beta2: float = applied(0.95, "in [0, 1)", ladder=True)
     eps: float = applied(1e-8, "greater than 0")  # AdamW epsilon
     grad_clip: float = applied(1.0, "0 or more")  # clip the global gradient norm to this; 0 disables clipping
-    # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's
-    # muon ladder)
+    # Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
     muon_lr: float = applied(0.0, "0 or more")
     # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
     muon_weight_decay: float = applied(0.1, "0 or more")
@@ -223,8 +220,7 @@ class LogConfig:
     all_ranks: bool = free(False)
     # steps between collecting metrics to the host (one sync and one collective each)
     metrics_collect_interval: int = free(10, "at least 1")
-    # reduce and write metrics on a background thread over a gloo group; auto: on where a gloo group exists (more than
-    # one rank), as OLMo-core's default
+    # reduce and write metrics on a background thread over gloo; auto: on with more than one rank (OLMo-core's default)
     async_bookkeeping: Literal["auto", "true", "false"] = free("auto")
     # seconds after which collecting metrics or waiting for a checkpoint warns that it is slow (OLMo-core's 30)
     bookkeeping_soft_timeout: float = free(30.0, "greater than 0")
@@ -267,11 +263,9 @@ class CheckpointConfig:
     load_optim: bool = free(True)  # with load_path: also load the optimizer state
     load_trainer_state: bool = free(True)  # with load_path: also load step, data position and RNG
     save_overwrite: bool = free(False)  # allow replacing a different run already in out_dir
-    # rewind: resume this run from its own checkpoint at this step, newer ones and their metrics moved aside into
-    # out_dir/rewound/ (never deleted); 0 = the newest
+    # rewind to this step's checkpoint (newer ones and their metrics are moved into out_dir/rewound/); 0 = the newest
     resume_step: int = free(0, "0 or more")
-    # with resume_step: a rewind to that step is done once per number (a restarted job does not rewind twice); raise
-    # it to rewind to the same step again
+    # with resume_step: rewinds once per number (a restarted job does not rewind twice); raise it to rewind again
     rewind_number: int = free(1, "at least 1")
     # an fsspec URL (s3://bucket/run1, gs://..., file:///...) every checkpoint is also uploaded to, in the
     # background; a fresh node resumes from it into an empty out_dir (remote.py); empty = off
@@ -313,15 +307,10 @@ def check_warmup(warmup_steps, max_steps):
                           f"train.hard_stop.")
 
 
-def check_fsdp(cfg):
-    """What train.data_parallel=fsdp cannot honour, refused in one sentence before anything is written."""
-    cannot = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
-              "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
-              "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
-    for key, (why, remedy) in cannot.items():
-        if get(cfg, key):
-            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
-                              f"or {remedy}.")
+# What train.data_parallel=fsdp cannot honour: why, and the other way out
+FSDP_CANNOT = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
+               "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
+               "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
 
 
 def check_model(model_cfg, where=""):
@@ -369,8 +358,10 @@ def validate(cfg):
     if cfg.eval.tasks_interval and not cfg.eval.tasks:  # (train.py checks the names: hellaswag_eval.py)
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; name the tasks "
                           f"to run, e.g. --eval.tasks=hellaswag,arc_easy.")
-    if cfg.train.data_parallel == "fsdp":
-        check_fsdp(cfg)
+    for key, (why, remedy) in FSDP_CANNOT.items():
+        if cfg.train.data_parallel == "fsdp" and get(cfg, key):
+            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set --train.data_parallel=ddp "
+                              f"or {remedy}.")
     module = cfg.train.model_module
     if module != "model" and not (module.endswith(".py") and os.path.isfile(module)):
         raise ConfigError(f"train.model_module={module!r} is neither model nor an existing .py file; give the path of "
@@ -385,17 +376,14 @@ def validate(cfg):
 
 # ----------------------------------------------------------------------------- durations and step ranges
 
-DURATION = re.compile(r"^\s*([0-9.]+(?:e[0-9]+)?)\s*(steps|tokens|epochs|chinchilla)?\s*$")
+DURATION = re.compile(r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*(steps|tokens|epochs|chinchilla)?\s*$")
 CHINCHILLA_TOKENS_PER_PARAM = 20  # Hoffmann et al. 2022: compute-optimal ~20 tokens per parameter
 
 
 def parse_duration(text, key="train.max_duration"):
     """'5000steps', '2e9tokens', '3epochs', '1chinchilla' or a bare number of steps -> (amount, unit)."""
     match = DURATION.match(str(text).lower())
-    try:
-        amount = float(match.group(1)) if match else -1.0
-    except ValueError:  # 1.2.3
-        amount = -1.0
+    amount = float(match.group(1)) if match else -1.0
     zero_allowed = key == "train.hard_stop"  # a hard stop at 0: train nothing, save what was loaded
     if not (0 < amount < math.inf or (zero_allowed and amount == 0)):
         raise ConfigError(f"{key}={text!r} is not a duration; write e.g. 5000steps, 2e9tokens, 3epochs or 1chinchilla.")
@@ -563,12 +551,10 @@ def load_config_file(cfg, path):
         from config_help import config_file_failure  # only on a mistake
         raise ConfigError(config_file_failure(error, path, sections(cfg), all_keys(cfg))) from None
     for name, value in namespace.items():
-        if name in sections(cfg):
-            if value is not sections(cfg)[name]:
-                raise ConfigError(f"{path}: '{name}' is a section and cannot be assigned; set its fields, "
-                                  f"e.g. {name}.{dataclasses.fields(sections(cfg)[name])[0].name} = ...")
-            continue
-        if name.startswith("_") or isinstance(value, types.ModuleType):
+        if name in sections(cfg) and value is not sections(cfg)[name]:
+            raise ConfigError(f"{path}: '{name}' is a section and cannot be assigned; set its fields, "
+                              f"e.g. {name}.{dataclasses.fields(sections(cfg)[name])[0].name} = ...")
+        if name in sections(cfg) or name.startswith("_") or isinstance(value, types.ModuleType):
             continue
         from config_help import not_a_section_message  # only on a mistake
         raise ConfigError(not_a_section_message(all_keys(cfg), name, path))
