@@ -4,9 +4,8 @@
 sync. Every `log.metrics_collect_interval` steps (OLMo-core's) `collect()` reduces the pending values of all ranks in
 one collective and copies them to the host in one transfer; with `log.async_bookkeeping` (OLMo's), on a background
 thread over a CPU (gloo) group. `RowWriter` writes the rows to `Sinks` (metrics.jsonl, W&B, `metrics_step<N>.json`
-at evaluations) and returns their console lines, which the loop prints on rank 0 (or the bookkeeping thread does).
-Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/ (downstream tasks).
-Plots of the written rows: `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...] [--out DIR]`.
+at evaluations) and returns their console lines, printed on rank 0. Names are namespaced: train/, val/, optim/,
+throughput/, system/, grad/, data/, eval/ (tasks). `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
 """
 
 import contextlib
@@ -72,9 +71,8 @@ class MetricRecorder:
 
     def get(self, name):
         """This step's value of `name` as it will be logged (merged, then reduced over the ranks: OLMo-core's
-        get_metric), as a float; None if not recorded this step. For a callback or a fork that acts on this step's
-        number (a loss threshold, a custom stop): one collective and one host sync, so ask only when needed, on every
-        rank alike (all take part)."""
+        get_metric), a float, or None if not recorded this step. For a callback or a fork that acts on it (a loss
+        threshold, a custom stop): one collective and one host sync, so ask only when needed, on every rank alike."""
         if name not in self.step_values:
             return None
         value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device).reshape(1)
@@ -265,8 +263,26 @@ class RowWriter:
         self.nonfinite = None
 
     def __call__(self, rows):
+        """Each helper takes the whole batch of rows: a collection calls each once, whatever its number of steps."""
+        if not rows:
+            return []
         with self.writing:
-            return self._write(rows)
+            self.spikes.flag(rows)
+            self.add_eta(rows)
+            lines = []
+            if self.sinks:
+                self.sinks.write(rows)
+                lines = [console_line(step, values) for step, values in rows
+                         if self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
+                         or "val/loss" in values]
+            self.nonfinite = self.nonfinite or first_nonfinite(rows)
+            self.last_step = rows[-1][0]
+            for _, values in rows:
+                self.logged.update(values)
+            if self.prints:
+                for line in lines:
+                    print(line, flush=True)
+        return lines
 
     def late(self, step, values):
         """Values measured after step `step`'s row was written (the time its checkpoint took, uploads that failed
@@ -276,27 +292,6 @@ class RowWriter:
                 self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
                 self.sinks.write([(step, dict(values))])
                 self.logged.update(values)
-
-    def _write(self, rows):
-        """Each helper takes the whole batch of rows: a collection calls each once, whatever its number of steps."""
-        if not rows:
-            return []
-        self.spikes.flag(rows)
-        self.add_eta(rows)
-        lines = []
-        if self.sinks:
-            self.sinks.write(rows)
-            lines = [console_line(step, values) for step, values in rows
-                     if self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
-                     or "val/loss" in values]
-        self.nonfinite = self.nonfinite or first_nonfinite(rows)
-        self.last_step = rows[-1][0]
-        for _, values in rows:
-            self.logged.update(values)
-        if self.prints:
-            for line in lines:
-                print(line, flush=True)
-        return lines
 
     def add_eta(self, rows):
         """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
@@ -393,7 +388,7 @@ class Sinks:
     (the best possible save) and train.py ends with one sentence."""
 
     def __init__(self, out_dir, log_cfg, config_dict):
-        self.out_dir, self.log_cfg = out_dir, log_cfg
+        self.out_dir = out_dir
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
         self.wandb_run = None
         if log_cfg.wandb:
