@@ -54,9 +54,8 @@ def check_torch(version):
 #   applied   may change: from the resumed step on, the run trains exactly as a fresh run loading the same
 #             checkpoint with the new value (optimizer settings are re-applied after its state loads)
 #   free      changes no value the run computes for a step both runs log (files, cadences, logging)
-# and its range check, a word of CHECKS that the error quotes; `ladder=True`: ladder.py derives it from the model size,
-# so a ladder file may not set it. tests/test_config_roles.py resumes a real run for every field, so none goes without
-# a role. (model.py's GPTConfig writes the same three things as a metadata dict.)
+# and its range check, ladder flag and secret flag (`setting`). tests/test_config_roles.py resumes a real run for every
+# field, so none goes without a role. (model.py's GPTConfig declares the same in a metadata dict.)
 ROLES = ("identity", "applied", "free")
 
 CHECKS = {
@@ -77,8 +76,8 @@ CHECKS = {
 
 
 def setting(role, default, check=None, ladder=False, secret=False):
-    """A dataclass field with its role (None in ladder.py's own section), range check (a word of CHECKS), whether
-    ladder.py derives it and whether it is a secret (no record holds it: config_to_dict); a list default is copied."""
+    """A dataclass field with its role (None in ladder.py's own section), range check (a word of CHECKS, which the
+    error quotes), whether ladder.py derives it (so a ladder file may not set it) and whether it is a secret."""
     assert role in (*ROLES, None) and check in (*CHECKS, None), (role, check)
     metadata = {"role": role, "ladder": ladder, "check": check, "secret": secret}
     if isinstance(default, list):
