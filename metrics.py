@@ -333,9 +333,8 @@ def console_line(step, values):
 
 
 def read_jsonl(path):
-    """The rows of a metrics.jsonl, one per step: a late row of a step (RowWriter.late) is merged into its row.
-    A last line cut off (a crash or a full disk during an append) is dropped with a warning; a damaged line
-    anywhere else is an error."""
+    """The rows of a metrics.jsonl, one per step (a late row of a step, RowWriter.late, is merged into it). A last
+    line cut off (a crash or a full disk during an append) is dropped with a warning; any other bad line is an error."""
     if not os.path.exists(path):
         return []
     try:
@@ -367,14 +366,13 @@ def truncate_jsonl(path, after_step):
     cut-off last line. Written beside and renamed, so a crash here loses nothing."""
     if not os.path.exists(path):
         return
-    rows = read_jsonl(path)
-    kept = [row for row in rows if row["step"] <= after_step]
+    kept = "".join(json.dumps(row) + "\n" for row in read_jsonl(path) if row["step"] <= after_step)
     with open(path) as f:
-        clean = f.read() == "".join(json.dumps(row) + "\n" for row in rows)
-    if len(kept) != len(rows) or not clean:
+        clean = f.read() == kept  # nothing to drop
+    if not clean:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in kept)
+            f.write(kept)
         os.replace(tmp, path)
 
 
@@ -383,9 +381,8 @@ class SinkError(UserError):
 
 
 class Sinks:
-    """Where collected metrics go (rank 0 only). A write error does not raise here (it may happen on
-    the bookkeeping thread): it is kept in `failed`, the loop stops at the next step with a checkpoint
-    (the best possible save) and train.py ends with one sentence."""
+    """Where collected metrics go (rank 0 only). A write error does not raise here (it may happen on the bookkeeping
+    thread): it is kept in `failed`, and the loop stops at its next step with a checkpoint, then says why."""
 
     def __init__(self, out_dir, log_cfg, config_dict):
         self.out_dir = out_dir
