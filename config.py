@@ -331,11 +331,9 @@ def validate(cfg):
         wanted = field_metadata(cfg, key).get("check")
         if choices and value not in choices:
             raise ConfigError(f"{key}={value!r} is not one of {', '.join(choices)}; pick one of those.")
-        if value is None:  # a field typed `int | None`, at None: there is no number to check
-            continue
         numbers = value if isinstance(value, list) else [value]
         infinite = any(isinstance(v, float) and not math.isfinite(v) for v in numbers)
-        if wanted and (infinite or not CHECKS[wanted](value)):
+        if wanted and value is not None and (infinite or not CHECKS[wanted](value)):  # (`int | None` fields at None)
             shown = "a value not shown: a secret" if field_metadata(cfg, key).get("secret") else repr(value)  # (logs)
             raise ConfigError(f"{key} must be {wanted} (got {shown}); set it to a value in range.")
     check_model(cfg.model)
