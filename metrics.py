@@ -25,7 +25,8 @@ from config import UserError
 from plan import Every
 
 REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
-MERGES = ("warn", "latest", "oldest", "mean", "sum", "max", "min")  # a metric recorded twice in a step
+COMBINE = {"mean": lambda old, new: (old + new) / 2, "sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+MERGES = ("warn", "latest", "oldest", *COMBINE)  # a metric recorded twice in a step
 
 
 class MetricRecorder:
@@ -65,9 +66,7 @@ class MetricRecorder:
             elif merge != "oldest":
                 old, new = (torch.as_tensor(v, dtype=torch.float64, device=self.device)
                             for v in (self.step_values[name], value))
-                self.step_values[name] = {"mean": lambda: (old + new) / 2, "sum": lambda: old + new,
-                                          "max": lambda: torch.maximum(old, new),
-                                          "min": lambda: torch.minimum(old, new)}[merge]()
+                self.step_values[name] = COMBINE[merge](old, new)
 
     def get(self, name):
         """This step's value of `name` as it will be logged (merged, then reduced over the ranks: OLMo-core's
