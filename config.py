@@ -247,8 +247,7 @@ class CheckpointConfig:
     keep_last: int = free(3, "0 or more")  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
     # steps between ephemeral checkpoints (only the newest is kept); 0 = off
     ephemeral_interval: int = free(0, "0 or more", ladder=True)
-    # an ephemeral checkpoint is skipped when a fixed or permanent one was saved fewer than this many steps before it
-    # (OLMo-core's ephemeral_cooldown; its ladder: 250); 0 = off
+    # skip an ephemeral checkpoint under N steps after a fixed or permanent one (OLMo-core's; its ladder: 250); 0 = off
     ephemeral_cooldown: int = free(0, "0 or more", ladder=True)
     # steps whose checkpoints are always kept (0: the untrained model)
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
