@@ -134,13 +134,11 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         val=Every(e.interval, tuple(e.fixed_steps)) if evals else never,
         tasks=Every(e.tasks_interval, tuple(e.fixed_steps)) if evals and e.tasks else never,
         samples=Every(e.sample_interval) if evals else never,
-        checkpoints=Every(c.interval),
+        checkpoints=Every(c.interval), ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
-        ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
         traces=Every(0, tuple(cfg.debug.trace_steps)),
         metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval),
-        grad_norms=Every(cfg.log.grad_norms_interval),
-        activations=Every(cfg.log.activations_interval),
+        grad_norms=Every(cfg.log.grad_norms_interval), activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
 
@@ -230,15 +228,14 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
     device_type = torch.device(device).type
     micro_batch_tokens = cfg.data.batch_size * cfg.model.block_size
     bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
+    data = f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch else "data not prepared yet"
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
             f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
             f"{loss_description(raw_model, micro_batch_tokens, device_type)}"
             f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
-            f"({tokens / non_embedding:.1f} per non-embedding parameter; "
-            + (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch
-               else "data not prepared yet")
-            + f"), {raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
+            f"({tokens / non_embedding:.1f} per non-embedding parameter; {data}), "
+            f"{raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"
             + describe_memory(raw_model, micro_batch_tokens, world_size, bf16, device_type))
 
 
