@@ -11,7 +11,6 @@ scales each group's peak by the schedule, and the loop logs each group's LR as o
 learning-rate schedule (`Schedule`), which the loop asks for the LR of each step.
 """
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -213,10 +212,6 @@ class Schedule:
         if self.shape == "cosine":
             return (1 - math.cos(math.pi * x)) / 2
         return 1 - math.sqrt(1 - x)  # 1-sqrt
-
-    def period_ends(self):
-        """wsds: the step at the bottom of each period's decay (a finished run of that length)."""
-        return list(itertools.accumulate(self.periods))
 
 
 def build_schedule(optim, total_steps):

@@ -1,9 +1,11 @@
 """WSD-S, Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): optim.schedule=wsds. Periods P1..Pk
 each hold their peak (lr x its multiplier) and decay over their last D_i steps to min_lr; the next period jumps back
 to its peak. The checkpoint at each decay's bottom is a finished run of that length, which is what a model ladder
-measures. A module of its own because no other schedule uses it: optimizer.py's Schedule and build_schedule hand
-their wsds case here, so a run with another schedule never reads this.
+measures (`period_ends`, which the dry run prints). A module of its own because no other schedule uses it:
+optimizer.py's Schedule and build_schedule hand their wsds case here, so a run with another schedule never reads this.
 """
+
+import itertools
 
 from config import ConfigError
 
@@ -21,6 +23,11 @@ def period_lr(schedule, n):
             return peak
         start += length
     return schedule.min_lr  # after the last period
+
+
+def period_ends(schedule):
+    """The step at the bottom of each period's decay (a finished run of that length); none for another schedule."""
+    return list(itertools.accumulate(schedule.periods))
 
 
 def warmup_and_decays(optim, total_steps):
