@@ -6,9 +6,8 @@ modded-nanogpt, nanochat's MuonAdamW and OLMo-core's muon ladder (the model says
 Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of the update
 moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025, "Muon is
 Scalable for LLM Training") its update has AdamW's size, so both take the same learning rate, as OLMo-core's muon
-ladder does; `optim.muon_lr` may set Muon's apart. Every parameter group carries a `name` and its `peak_lr`: `set_lr`
-scales each group's peak by the schedule, and the loop logs each group's LR as optim/lr/<name>. At the bottom: the
-learning-rate schedule (`Schedule`), which the loop asks for the LR of each step.
+ladder does; `optim.muon_lr` may set Muon's apart. At the bottom: the learning-rate schedule (`Schedule`), which
+the loop asks for the LR of each step and `set_lr` applies to each parameter group from the group's own `peak_lr`.
 """
 
 import math
@@ -218,11 +217,8 @@ def build_schedule(optim, total_steps):
     """The run's Schedule from the `optim` section; a combination that cannot work is one sentence."""
     o = optim
     if o.schedule == "wsds":
-        from wsds import warmup_and_decays
-        warmup, decays = warmup_and_decays(o, total_steps)
-        multipliers = tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)
-        return Schedule("wsds", o.lr, o.min_lr, total_steps, warmup, decays, tuple(o.periods), multipliers,
-                        o.decay_shape)
+        from wsds import schedule_fields
+        return Schedule("wsds", o.lr, o.min_lr, total_steps, *schedule_fields(o, total_steps), shape=o.decay_shape)
     warmup = o.warmup_steps or round(o.warmup_fraction * total_steps)
     decay = o.decay_steps or round(o.decay_fraction * total_steps)
     if o.schedule == "wsd" and warmup + decay > total_steps:

@@ -30,9 +30,9 @@ def period_ends(schedule):
     return list(itertools.accumulate(schedule.periods))
 
 
-def warmup_and_decays(optim, total_steps):
-    """(warmup steps, the decay steps of each period) of a wsds run from the `optim` section; periods that cannot
-    work are one sentence."""
+def schedule_fields(optim, total_steps):
+    """A wsds Schedule's (warmup_steps, decay_steps, periods, multipliers) from the `optim` section: the warmup, each
+    period's decay, length and LR multiplier. Periods that cannot work are one sentence."""
     o = optim
     if not o.periods:
         raise ConfigError("optim.schedule=wsds needs optim.periods, the length of each period in steps "
@@ -49,4 +49,4 @@ def warmup_and_decays(optim, total_steps):
     if sum(o.periods) != total_steps:  # a checkpoint at each period's end is what a WSD-S run is for
         raise ConfigError(f"optim.periods={','.join(map(str, o.periods))} add up to {sum(o.periods)} steps but the "
                           f"run is {total_steps} steps (train.max_steps or train.max_duration); make them add up.")
-    return warmup, decays
+    return warmup, decays, tuple(o.periods), tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)
