@@ -2,8 +2,8 @@
 without the registry, so that train.py says exactly when each one runs.
 
 - speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's)
-- stability: `LossSpikeDetector`, `check_finite` (train.nan_policy); per-layer gradient norms are step_extras.py's,
-  activation and parameter statistics debug.py's `activation_stats`
+- stability: `LossSpikeDetector`, the non-finite checks (train.nan_policy; the stop's error is nonfinite.py's);
+  per-layer gradient norms are step_extras.py's, activation and parameter statistics debug.py's `activation_stats`
 - system: `memory_metrics`, `save_environment`; the stack dumps are stack_dump.py's, the webhook notifier.py's, the
   garbage collector and the profiler step_extras.py's
 """
@@ -20,7 +20,7 @@ from collections import deque
 
 import torch
 
-from config import UserError, redact_argv
+from config import redact_argv
 
 
 # Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops overrides the table.
@@ -61,23 +61,6 @@ class LossSpikeDetector:
                 self.recent.append(loss)
 
 
-class NonFiniteLoss(UserError):
-    """Training produced NaN or Inf; the message says what to do."""
-
-
-def nonfinite_stop(what, out_dir, skip=True):
-    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on for this run: resume from its last
-    checkpoint, or start again if it has none. `skip`: offer train.nan_policy=skip (a run that skips has a limit)."""
-    from checkpoint import newest_checkpoint
-
-    last = newest_checkpoint(out_dir) if out_dir else None
-    restart = f"resume from its last checkpoint, {os.path.basename(last)}," if last else \
-        "start again (the run has no checkpoint to resume)"
-    then = ", or set train.nan_policy=skip to skip such steps" if skip else \
-        " (train.nan_skip_limit sets how many in a row)"
-    return NonFiniteLoss(f"{what}; {restart} with a lower optim.lr{then}.")
-
-
 def nonfinite_message(step, values):
     """What is non-finite among host `values` (train/loss, train/grad_norm) and at which step, else None."""
     for name in ("train/loss", "train/grad_norm"):
@@ -106,13 +89,6 @@ def all_finite(values):
     """Whether the step's train/loss and train/grad_norm are finite: one host sync, so the loop asks only when
     something is about to read the weights (train.nan_policy=stop never keeps training on garbage)."""
     return nonfinite_message(0, host_values(values)) is None
-
-
-def check_finite(step, values, out_dir=None):
-    """NonFiniteLoss, naming `step`, if the step's train/loss or train/grad_norm is not finite."""
-    message = nonfinite_message(step, host_values(values))
-    if message:
-        raise nonfinite_stop(message, out_dir)
 
 
 def memory_metrics(device):

@@ -261,7 +261,6 @@ def build_loaders(cfg, rank, world_size, device):
     over by name between stages). The datasets are prepared already (train.py prepares a missing built-in one)."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
-    names = dataset_names(cfg)
     loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
                        world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
 
@@ -276,7 +275,7 @@ def build_loaders(cfg, rank, world_size, device):
     # val/loss; with several datasets, val/<name>/loss for each and val/loss the share-weighted mean over
     # the current stage's mixture; then val/<name>/loss for each of eval.extra_datasets.
     several = bool(cfg.data.mix or stage2_mix)
-    val_names = {f"val/{name}": name for name in names} if several else {"val": names[0]}
+    val_names = {f"val/{name}": name for name in dataset_names(cfg)} if several else {"val": cfg.data.dataset}
     val_names.update({f"val/{name}": name for name in cfg.eval.extra_datasets})
     val_loaders = {prefix: TokenLoader(dataset_dir(cfg.data.data_root, name), "val", **loader_args)
                    for prefix, name in val_names.items()}

@@ -17,6 +17,7 @@ from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from auto_batch import resolve_batch_size
 from plan import describe_run, is_compiled, make_plan, shares_text
+from wsds import period_ends
 
 
 def dry_run(cfg):
@@ -63,7 +64,7 @@ def dry_run(cfg):
           f"{plan.grad_accum_steps} micro-step(s) x {world_size} rank(s) = {plan.tokens_per_step:,} tokens per step")
     print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
           f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
-          + (f", periods {list(schedule.periods)} ending at steps {schedule.period_ends()}, decays "
+          + (f", periods {list(schedule.periods)} ending at steps {period_ends(schedule)}, decays "
              f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
     if schedule.kind in ("wsd", "wsds") and 1 in schedule.decay_steps and schedule.min_lr == 0:
         print("warning: a decay of one step trains that step at LR 0, so the checkpoint after the decay equals the "
@@ -72,7 +73,7 @@ def dry_run(cfg):
         print(f"optimizer: {line}")
     print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
           f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
-    marks = [(end, f"period {i + 1}") for i, end in enumerate(schedule.period_ends())]
+    marks = [(end, f"period {i + 1}") for i, end in enumerate(period_ends(schedule))]
     if plan.stage2_step:
         marks.append((plan.stage2_step, "stage 2"))
     if plan.end_step < plan.max_steps:

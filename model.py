@@ -122,8 +122,7 @@ class ParamKind:
 # What each kind of parameter (GPT.param_groups) is to the counts and the optimizer (optimizer.py). Decay only the
 # matrices of matmuls and embeddings, not biases or gains, which shrinking towards zero only hurts (GPT-3, nanoGPT);
 # Muon takes the blocks' matrices and leaves the embeddings and the output layer to AdamW (modded-nanogpt, nanochat).
-# A fork's own kind adds a row here (a GPT of your own, train.model_module, sets `param_kinds` to
-# `{**model.PARAM_KINDS, "kind": ParamKind(...)}`).
+# A fork's own kind adds a row (a model_module GPT: `param_kinds = {**model.PARAM_KINDS, "kind": ParamKind(...)}`).
 PARAM_KINDS = {
     "embedding": ParamKind(in_n=False, muon=False, decay=None),
     "output": ParamKind(in_n=True, muon=False, decay=True),
@@ -201,8 +200,7 @@ class GPT(nn.Module):
         return log_probs
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
-        """The final layer-normed hidden state of every position, before the output layer (`pos` and `attn_mask`
-        for rows that pack several sequences: score_tokens)."""
+        """The final layer-normed hidden state of each position, before `logits` (pos, attn_mask: score_tokens)."""
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
         if pos is None:
@@ -307,9 +305,8 @@ def parameter_kinds(model):
 
 
 def gpt_class(module="model"):
-    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own (model_module.py
-    loads it). It takes the same GPTConfig and answers what the trainer asks a model (model_module.py's
-    WHAT_THE_TRAINER_ASKS), so the rest of the trainer names no layer of it."""
+    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own, which takes the
+    same GPTConfig and answers what the trainer asks (model_module.py loads it), so the trainer names no layer of it."""
     if module == "model":
         return GPT
     from model_module import load_gpt_class

@@ -6,12 +6,10 @@ modded-nanogpt, nanochat's MuonAdamW and OLMo-core's muon ladder (the model says
 Muon orthogonalizes each matrix's momentum with a few Newton-Schulz iterations, so every direction of the update
 moves by about the same amount. With Moonshot's scaling (`adjust_lr_fn="match_rms_adamw"`, Liu et al. 2025, "Muon is
 Scalable for LLM Training") its update has AdamW's size, so both take the same learning rate, as OLMo-core's muon
-ladder does; `optim.muon_lr` may set Muon's apart. Every parameter group carries a `name` and its `peak_lr`: `set_lr`
-scales each group's peak by the schedule, and the loop logs each group's LR as optim/lr/<name>. At the bottom: the
-learning-rate schedule (`Schedule`), which the loop asks for the LR of each step.
+ladder does; `optim.muon_lr` may set Muon's apart. At the bottom: the learning-rate schedule (`Schedule`), which
+the loop asks for the LR of each step and `set_lr` applies to each parameter group from the group's own `peak_lr`.
 """
 
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -74,15 +72,11 @@ class Muon(torch.optim.Muon):
     rule always are."""
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self):  # (no closure: the loop computes the loss itself)
         sharded = any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"])  # DTensors
         on_gpu = any(p.device.type != "cpu" for group in self.param_groups for p in group["params"])
         if on_gpu and not sharded:
-            return super().step(closure)
-        loss = None
-        if closure is not None:  # as torch's step: the closure recomputes the loss and its gradients
-            with torch.enable_grad():
-                loss = closure()
+            return super().step()
         # torch's GPU step orthogonalises in bfloat16; the CPU's in float32 (above)
         dtype = torch.bfloat16 if on_gpu else torch.float32
         for group in self.param_groups:
@@ -105,7 +99,6 @@ class Muon(torch.optim.Muon):
                 p.mul_(1 - lr * group["weight_decay"])
                 # Moonshot's scale (adjust_lr_fn="match_rms_adamw", Liu et al. 2025): the update's RMS is AdamW's
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
-        return loss
 
 
 def orthogonalize(matrix, coefficients, steps, eps, dtype=torch.float32):
@@ -214,20 +207,13 @@ class Schedule:
             return (1 - math.cos(math.pi * x)) / 2
         return 1 - math.sqrt(1 - x)  # 1-sqrt
 
-    def period_ends(self):
-        """wsds: the step at the bottom of each period's decay (a finished run of that length)."""
-        return list(itertools.accumulate(self.periods))
-
 
 def build_schedule(optim, total_steps):
     """The run's Schedule from the `optim` section; a combination that cannot work is one sentence."""
     o = optim
     if o.schedule == "wsds":
-        from wsds import warmup_and_decays
-        warmup, decays = warmup_and_decays(o, total_steps)
-        multipliers = tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)
-        return Schedule("wsds", o.lr, o.min_lr, total_steps, warmup, decays, tuple(o.periods), multipliers,
-                        o.decay_shape)
+        from wsds import schedule_fields
+        return Schedule("wsds", o.lr, o.min_lr, total_steps, *schedule_fields(o, total_steps), shape=o.decay_shape)
     warmup = o.warmup_steps or round(o.warmup_fraction * total_steps)
     decay = o.decay_steps or round(o.decay_fraction * total_steps)
     if o.schedule == "wsd" and warmup + decay > total_steps:

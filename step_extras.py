@@ -16,8 +16,6 @@ import time
 
 import torch
 
-from callbacks import check_finite, nonfinite_stop
-
 
 class StepExtras:
     """The optional parts this run turned on, the steps they run at (`steps`) and what they keep between steps."""
@@ -83,6 +81,7 @@ class StepExtras:
     def stop_on_nonfinite(self, run, step, step_metrics):
         """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows,
         or by this step's own numbers), or train.nan_skip_limit skipped steps in a row, ends the run."""
+        from nonfinite import check_finite, nonfinite_stop
         if run.writer.nonfinite and self.cfg.train.nan_policy == "stop":
             raise nonfinite_stop(run.writer.nonfinite, self.cfg.train.out_dir)
         if self.give_up:

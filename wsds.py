@@ -1,9 +1,11 @@
 """WSD-S, Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): optim.schedule=wsds. Periods P1..Pk
 each hold their peak (lr x its multiplier) and decay over their last D_i steps to min_lr; the next period jumps back
 to its peak. The checkpoint at each decay's bottom is a finished run of that length, which is what a model ladder
-measures. A module of its own because no other schedule uses it: optimizer.py's Schedule and build_schedule hand
-their wsds case here, so a run with another schedule never reads this.
+measures (`period_ends`, which the dry run prints). A module of its own because no other schedule uses it:
+optimizer.py's Schedule and build_schedule hand their wsds case here, so a run with another schedule never reads this.
 """
+
+import itertools
 
 from config import ConfigError
 
@@ -23,9 +25,14 @@ def period_lr(schedule, n):
     return schedule.min_lr  # after the last period
 
 
-def warmup_and_decays(optim, total_steps):
-    """(warmup steps, the decay steps of each period) of a wsds run from the `optim` section; periods that cannot
-    work are one sentence."""
+def period_ends(schedule):
+    """The step at the bottom of each period's decay (a finished run of that length); none for another schedule."""
+    return list(itertools.accumulate(schedule.periods))
+
+
+def schedule_fields(optim, total_steps):
+    """A wsds Schedule's (warmup_steps, decay_steps, periods, multipliers) from the `optim` section: the warmup, each
+    period's decay, length and LR multiplier. Periods that cannot work are one sentence."""
     o = optim
     if not o.periods:
         raise ConfigError("optim.schedule=wsds needs optim.periods, the length of each period in steps "
@@ -42,4 +49,4 @@ def warmup_and_decays(optim, total_steps):
     if sum(o.periods) != total_steps:  # a checkpoint at each period's end is what a WSD-S run is for
         raise ConfigError(f"optim.periods={','.join(map(str, o.periods))} add up to {sum(o.periods)} steps but the "
                           f"run is {total_steps} steps (train.max_steps or train.max_duration); make them add up.")
-    return warmup, decays
+    return warmup, decays, tuple(o.periods), tuple(o.period_lr_multipliers) or (1.0,) * len(o.periods)

@@ -10,6 +10,7 @@ from config import Config, ConfigError, OptimConfig, parse_args
 import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train
 from optimizer import build_schedule
+from wsds import period_ends
 
 
 def lrs(total_steps, **optim):
@@ -40,7 +41,7 @@ def test_wsds_periods_decay_to_the_floor_and_jump_back_to_their_peak():
     schedule = build_schedule(OptimConfig(lr=1.0, min_lr=0.0, warmup_steps=1, schedule="wsds", periods=[4, 4],
                                           period_lr_multipliers=[1.0, 0.5], decay_steps=2), 8)
     assert [schedule.lr_at(n) for n in range(1, 9)] == [1.0, 1.0, 0.5, 0.0, 0.5, 0.5, 0.25, 0.0]
-    assert schedule.period_ends() == [4, 8]
+    assert period_ends(schedule) == [4, 8]
 
 
 def test_wsds_decay_fraction_is_of_each_period():
