@@ -5,7 +5,7 @@ block's weights just before the block runs and frees them after, and reduce-scat
 rank keeps its own piece. PyTorch does the work (FSDP2's `fully_shard`, and torch.distributed.checkpoint, "DCP",
 for checkpoints that each rank writes its own piece of); this file only calls it where the trainer needs it:
 
-    build_on_meta(...)        train.py's build_model: the model's shapes, no weights, and a record of how it drew them
+    build_for_fsdp(...)       train.py's build_model: the model's shapes, no weights, and a record of how it drew them
     shard(model, ...)         train.py's wrap_model: each block, then the whole model
     materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
     start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
@@ -176,6 +176,18 @@ def build_on_meta(make_model):
         elif any(True for _ in model.buffers()):
             record.unreplayable = "the model has buffers"
     return model, record
+
+
+def build_for_fsdp(make_model, device, is_master):
+    """train.py's build_model under FSDP: (model on meta, InitRecord), or, for a fork's init the record cannot replay,
+    (the model built whole on `device`, as DDP builds it, None), which rank 0 says."""
+    model, record = build_on_meta(make_model)
+    if not record.unreplayable:
+        return model, record
+    if is_master:
+        print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
+              f"which sharded initialisation cannot replay; docs/fsdp.md).")
+    return make_model().to(device), None
 
 
 @torch.no_grad()

@@ -476,18 +476,11 @@ def build_model(cfg, procs):
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
     make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
-    record = None
-    if cfg.train.data_parallel == "fsdp":
-        from sharding import build_on_meta
-        raw_model, record = build_on_meta(make)
-        if record.unreplayable:  # a fork's init the record cannot replay: built whole, as DDP does
-            if procs.is_master:
-                print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
-                      f"which sharded initialisation cannot replay; docs/fsdp.md).")
-            raw_model, record = make(), None
+    if cfg.train.data_parallel == "fsdp":  # on meta with its record, or whole where the record cannot replay it
+        from sharding import build_for_fsdp
+        raw_model, record = build_for_fsdp(make, procs.device, procs.is_master)
     else:
-        raw_model = make()
-    raw_model = raw_model if record else raw_model.to(procs.device)
+        raw_model, record = make().to(procs.device), None
     auto = cfg.data.batch_size == "auto"
     if auto:  # the largest micro-batch the estimate fits on this GPU (auto_batch.py)
         from auto_batch import resolve_batch_size
