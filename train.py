@@ -637,11 +637,8 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
         import remote
-        uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last,
-                                   records=lambda: run_dir.run_records(out_dir), replaced=replaced_in_bucket)
-        stack.callback(lambda: writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
-                       if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0) else None)
-        stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
+        uploader = remote.start_uploads(cfg.checkpoint, lambda: run_dir.run_records(out_dir), replaced_in_bucket,
+                                        writer, stack)  # closed after checkpointer.wait below: the last save goes up
     # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of the checkpoints' own.
     shard_group = dist.new_group(backend="gloo") if cfg.train.data_parallel == "fsdp" else None
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
