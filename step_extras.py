@@ -2,7 +2,8 @@
 statistics (log.activations_interval), skipping known-bad data (train.steps_to_skip), per-layer gradient norms
 (log.grad_norms_interval), skipping non-finite steps (train.nan_policy=skip), timing torch.compile's first step,
 Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step is
-here too (`stop_on_nonfinite`): the loop calls it only when a step was non-finite.
+here too (`stop_on_nonfinite`): the loop calls it only when a step was non-finite; so is the console line of a rank
+other than 0 (`rank_line`, log.all_ranks).
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set: the loop's test
 `step in extras.steps` calls no function). At those steps the loop calls `extras.step(...)`, which runs them around
@@ -18,6 +19,7 @@ import torch
 
 from callbacks import check_finite, nonfinite_stop
 from config import in_ranges
+from metrics import console_line
 
 
 class StepExtras:
@@ -89,6 +91,13 @@ class StepExtras:
         if self.give_up:
             raise nonfinite_stop(self.give_up, self.cfg.train.out_dir, skip=False)
         check_finite(step, step_metrics, self.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
+
+
+def rank_line(rank, step, step_metrics):
+    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
+    gradient norm is the same on every rank). One host sync, on the steps it prints."""
+    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
+    return f"[rank {rank}] {console_line(step, own)}"
 
 
 def grad_norm(params):

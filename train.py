@@ -136,7 +136,8 @@ def train(cfg):
             for line in recorder.finish_step(step, due.collect or halt, wait=bool(due.checkpoint) or halt):
                 print(line, flush=True)
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
-                print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
+                from step_extras import rank_line  # log.all_ranks: this rank's own numbers
+                print(rank_line(run.rank, step, step_metrics), flush=True)
             if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
                 extras.stop_on_nonfinite(run, step, step_metrics)
             if due.checkpoint:
@@ -207,13 +208,6 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         step_metrics["train/grad_norm"] = grad_norm
     optimizer.zero_grad(set_to_none=True)
     return step_metrics, data_time
-
-
-def rank_line(rank, step, step_metrics):
-    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
-    gradient norm is the same on every rank). One host sync, on the steps it prints."""
-    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
-    return f"[rank {rank}] {metrics.console_line(step, own)}"
 
 
 def before_the_first_step(run):
