@@ -357,8 +357,7 @@ def build_run(cfg, stack):
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
-    for name in dataset_names(cfg):  # rank 0 prepares a missing built-in dataset first; the others find it done
-        rank0_first(lambda: prepare_on_first_use(dataset_dir(cfg.data.data_root, name)), procs.rank, procs.world_size)
+    prepare_on_first_use(cfg, procs)  # rank 0 prepares a missing built-in dataset first; the others find it done
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
@@ -447,20 +446,18 @@ def collective_failure(error):
     return None
 
 
-def prepare_on_first_use(path):
-    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error."""
-    if not shard_paths(path, "train"):
-        from prepare_data import ensure_dataset
-        ensure_dataset(path)
-
-
-def rank0_first(work, rank, world_size):
-    """Rank 0 does `work` (prepare a dataset) while the others wait; then the others do it too and find it done.
-    Returns this rank's result."""
-    result = work() if rank == 0 else None
-    if world_size > 1:
-        dist.barrier()
-    return work() if rank != 0 else result
+def prepare_on_first_use(cfg, procs):
+    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error.
+    Rank 0 prepares it while the others wait, then the others look and find it done."""
+    for name in dataset_names(cfg):
+        path = dataset_dir(cfg.data.data_root, name)
+        if procs.rank > 0:
+            dist.barrier()  # until rank 0 has prepared it
+        if not shard_paths(path, "train"):
+            from prepare_data import ensure_dataset
+            ensure_dataset(path)
+        if procs.rank == 0 and procs.world_size > 1:
+            dist.barrier()  # it is ready: the others look
 
 
 def build_model(cfg, procs):
