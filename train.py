@@ -401,7 +401,7 @@ class Processes:
 
 def start_processes(cfg):
     """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo on CPU; a
-    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure, below, says so)."""
+    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure says so)."""
     if cfg.train.deterministic:
         from debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
@@ -432,18 +432,10 @@ def start_processes(cfg):
 
 
 def collective_failure(error):
-    """One sentence for a collective that failed because of another rank, else None."""
-    text = str(error).lower()
-    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
-        return None
-    if "timed out" in text or "timeout" in text:
-        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
-                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
-                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
-    if "closed by peer" in text or "connection reset" in text:
-        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
-                f"says why (the first error in the log).")
-    return None
+    """run_command's `also`: one sentence for a collective that failed because of another rank (run_end.py, imported
+    only when a run fails), else None."""
+    import run_end
+    return run_end.collective_failure(error)
 
 
 def prepare_on_first_use(cfg, procs):
