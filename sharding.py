@@ -6,8 +6,8 @@ rank keeps its own piece. PyTorch does the work (FSDP2's `fully_shard`, and torc
 for checkpoints that each rank writes its own piece of); this file only calls it where the trainer needs it:
 
     build_for_fsdp(...)       train.py's build_model: the model's shapes, no weights, and a record of how it drew them
-    shard(model, ...)         train.py's wrap_model: each block, then the whole model
-    materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
+    shard_and_fill(...)       train.py's wrap_model: `shard` each block, then the whole model; then `materialise`:
+                              each rank fills its own pieces, equal to the weights a whole build would draw
     start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
     gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
@@ -63,6 +63,14 @@ def shard(model, bf16, compiled):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def shard_and_fill(model, record, seed, procs, compiled):
+    """train.py's wrap_model: `shard` the model; one built on meta (`record`) then gets its pieces, drawn from `seed`
+    as a whole build would draw them (`materialise`)."""
+    shard(model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
+    if record is not None:
+        materialise(model, record, seed, procs.device)
 
 
 # ----------------------------------------------------------------------------- sharded initialisation

@@ -487,14 +487,11 @@ def build_model(cfg, procs):
 def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the gradients);
     the raw model keeps the weights, which the optimizer and the checkpoints use. Under FSDP the model is sharded in
-    place (sharding.py), both forms at once; one built on meta (`init_record`) then gets its pieces, drawn as a whole
-    build would draw them."""
+    place (sharding.py), both forms at once."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
-        from sharding import materialise, shard
-        shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
-        if init_record is not None:
-            materialise(raw_model, init_record, cfg.train.seed, procs.device)
+        from sharding import shard_and_fill
+        shard_and_fill(raw_model, init_record, cfg.train.seed, procs, compiled)
     if confirm_batch:  # data.batch_size=auto: one trial step of the chosen micro-batch (auto_batch.py)
         from auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
