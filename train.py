@@ -5,11 +5,10 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right
-below the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs
-what the plan says is due, in a fixed order: evaluate, print, checkpoint, sample. The step's rarely used parts are
-one call to step_extras.py. Then the evaluations, and `build_run`, which sets the run up part by part. Every feature
-is called from a visible line here; the optional ones are imported where they are used.
+`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right below
+the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs what the
+plan says is due, in a fixed order: evaluate, print, checkpoint, sample. Then the evaluations, and `build_run`, which
+sets the run up part by part. Every feature is called from a visible line here, the optional ones imported where used.
 """
 
 import dataclasses
@@ -513,9 +512,8 @@ class Stages:
 
     def resume_at(self, steps_completed, data_state):
         """A resumed run: the data position goes to the loader that saved it."""
-        saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
-        self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
-        self.resumed_inside = saved_by == 1
+        self.loader_at(steps_completed).load_state_dict(data_state)
+        self.resumed_inside = self.stage2_step is not None and steps_completed > self.stage2_step
 
     def loader_at(self, step):
         """The loader step `step` (0: none yet) read from."""
