@@ -29,7 +29,7 @@ import run_dir
 from callbacks import LossSpikeDetector, all_finite, memory_metrics, peak_flops_for_device, save_environment
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
                         model_code)
-from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
+from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
@@ -48,8 +48,7 @@ def main(argv):
     if cfg.eval.tasks:
         from hellaswag_eval import check_names
         check_names(cfg.eval.tasks, "eval.tasks")  # the names hellaswag_eval.py defines
-    for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
-                 *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
+    for name in [cfg.data.dataset, *cfg.eval.extra_datasets, *dataset_names(cfg)]:
         dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
     try:
         gpt_class(cfg.train.model_module)  # a model file without a GPT, or without what the trainer asks of it
@@ -427,8 +426,7 @@ def start_processes(cfg):
 
 
 def collective_failure(error):
-    """run_command's `also`: one sentence for a collective that failed because of another rank (run_end.py, imported
-    only when a run fails), else None."""
+    """run_command's `also`: one sentence for a collective another rank made fail, else None (run_end.py words it)."""
     import run_end
     return run_end.collective_failure(error)
 
