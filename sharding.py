@@ -8,6 +8,7 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     build_for_fsdp(...)       train.py's build_model: the model's shapes, no weights, and a record of how it drew them
     shard_and_fill(...)       train.py's wrap_model: `shard` each block, then the whole model; then `materialise`:
                               each rank fills its own pieces, equal to the weights a whole build would draw
+    share_generator(...)      train.py's write_samples: rank 0's sampling generator on every rank
     start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
     gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
@@ -71,6 +72,14 @@ def shard_and_fill(model, record, seed, procs, compiled):
     shard(model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
     if record is not None:
         materialise(model, record, seed, procs.device)
+
+
+def share_generator(generator):
+    """Rank 0's state of `generator` on every rank (train.py's write_samples): each rank runs the samples' forwards,
+    which gather weights from all, so all must draw the same tokens."""
+    state = [generator.get_state()]
+    dist.broadcast_object_list(state, src=0)
+    generator.set_state(state[0])
 
 
 # ----------------------------------------------------------------------------- sharded initialisation

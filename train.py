@@ -266,9 +266,8 @@ def write_samples(run, step):
     from sample import generate_text
     e = run.cfg.eval
     if is_sharded(run.model):
-        rng = [run.sample_generator.get_state()]
-        dist.broadcast_object_list(rng, src=0)
-        run.sample_generator.set_state(rng[0])
+        from sharding import share_generator
+        share_generator(run.sample_generator)
     try:
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
                               temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
