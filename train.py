@@ -582,8 +582,7 @@ def check_start_step(cfg, start, state, plan, fingerprints):
 
 
 def started_from(start, saved, load_optim, step):
-    """What was loaded, as it happened: a resume of this run, or weights (and optimizer or trainer state) from
-    elsewhere (checkpoint.load_path), or nothing (from scratch: "")."""
+    """What was loaded: this run's own checkpoint (a resume), what checkpoint.load_path gave, or nothing ("")."""
     if start.resumed:
         return f"resumed from {start.path} at step {step}"
     if not start.path:
