@@ -1,9 +1,9 @@
 """The step's optional parts, behind one call from train.py's loop: module traces (debug.trace_steps), activation
 statistics (log.activations_interval), skipping known-bad data (train.steps_to_skip), per-layer gradient norms
 (log.grad_norms_interval), skipping non-finite steps (train.nan_policy=skip), timing torch.compile's first step,
-Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step is
-here too (`stop_on_nonfinite`): the loop calls it only when a step was non-finite; so is the console line of a rank
-other than 0 (`rank_line`, log.all_ranks).
+Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step
+(`stop_on_nonfinite`, which the loop calls only when a step was non-finite) and the console line of each rank
+other than 0 (`rank_line`, log.all_ranks) are here too.
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set: the loop's test
 `step in extras.steps` calls no function). At those steps the loop calls `extras.step(...)`, which runs them around
