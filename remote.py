@@ -468,6 +468,20 @@ class Uploader:
                   f"the newest checkpoint (train.out_dir has it).", file=sys.stderr, flush=True)
 
 
+def start_uploads(ck, records, replaced, writer, stack):
+    """train.py's beside_the_loop, on rank 0: the Uploader of checkpoint section `ck`, closed when `stack` closes.
+    Uploads that fail after the last row was written are counted in a late row of their own (writer.late)."""
+    uploader = Uploader(ck.remote_folder, ck.keep_last, records=records, replaced=replaced)
+
+    def report_late_failures():
+        if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0):
+            writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
+
+    stack.callback(report_late_failures)
+    stack.callback(uploader.close)  # runs first: the failures are counted once every upload is done
+    return uploader
+
+
 def rewind(url, step, folder_name):
     """A rewind in the bucket: its checkpoints after `step` move to rewound/<folder_name>/ (copied, then removed
     with their COMPLETE first, so a kill midway leaves no complete checkpoint past `step`). Nothing is deleted

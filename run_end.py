@@ -1,9 +1,11 @@
 """A run that ends without training to its last step: stopped early (a signal, a CANCEL file, the time limit, a
-write error), or with nothing to train (train.hard_stop=0, a run already trained). A module of its own so that
-`import train` does not load it: train.py imports it only then.
+write error), with nothing to train (train.hard_stop=0, a run already trained), or failed at a collective because of
+another rank. A module of its own so that `import train` does not load it: train.py imports it only then.
 """
 
 import os
+
+import torch.distributed as dist
 
 from metrics import SinkError
 
@@ -44,3 +46,18 @@ def nothing_to_train(run):
             if plan.end_step < plan.max_steps else "raise train.max_steps"
         print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
               f"longer).")
+
+
+def collective_failure(error):
+    """One sentence for a collective that failed because of another rank, else None."""
+    text = str(error).lower()
+    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
+        return None
+    if "timed out" in text or "timeout" in text:
+        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
+                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
+                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
+    if "closed by peer" in text or "connection reset" in text:
+        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
+                f"says why (the first error in the log).")
+    return None

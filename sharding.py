@@ -5,9 +5,10 @@ block's weights just before the block runs and frees them after, and reduce-scat
 rank keeps its own piece. PyTorch does the work (FSDP2's `fully_shard`, and torch.distributed.checkpoint, "DCP",
 for checkpoints that each rank writes its own piece of); this file only calls it where the trainer needs it:
 
-    build_on_meta(...)        train.py's build_model: the model's shapes, no weights, and a record of how it drew them
-    shard(model, ...)         train.py's wrap_model: each block, then the whole model
-    materialise(...)          then each rank fills its own pieces, equal to the weights a whole build would draw
+    build_for_fsdp(...)       train.py's build_model: the model's shapes, no weights, and a record of how it drew them
+    shard_and_fill(...)       train.py's wrap_model: `shard` each block, then the whole model; then `materialise`:
+                              each rank fills its own pieces, equal to the weights a whole build would draw
+    share_generator(...)      train.py's write_samples: rank 0's sampling generator on every rank
     start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
     gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
@@ -63,6 +64,22 @@ def shard(model, bf16, compiled):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
     return model
+
+
+def shard_and_fill(model, record, seed, procs, compiled):
+    """train.py's wrap_model: `shard` the model; one built on meta (`record`) then gets its pieces, drawn from `seed`
+    as a whole build would draw them (`materialise`)."""
+    shard(model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
+    if record is not None:
+        materialise(model, record, seed, procs.device)
+
+
+def share_generator(generator):
+    """Rank 0's state of `generator` on every rank (train.py's write_samples): each rank runs the samples' forwards,
+    which gather weights from all, so all must draw the same tokens."""
+    state = [generator.get_state()]
+    dist.broadcast_object_list(state, src=0)
+    generator.set_state(state[0])
 
 
 # ----------------------------------------------------------------------------- sharded initialisation
@@ -176,6 +193,18 @@ def build_on_meta(make_model):
         elif any(True for _ in model.buffers()):
             record.unreplayable = "the model has buffers"
     return model, record
+
+
+def build_for_fsdp(make_model, device, is_master):
+    """train.py's build_model under FSDP: (model on meta, InitRecord), or, for a fork's init the record cannot replay,
+    (the model built whole on `device`, as DDP builds it, None), which rank 0 says."""
+    model, record = build_on_meta(make_model)
+    if not record.unreplayable:
+        return model, record
+    if is_master:
+        print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
+              f"which sharded initialisation cannot replay; docs/fsdp.md).")
+    return make_model().to(device), None
 
 
 @torch.no_grad()

@@ -1,8 +1,9 @@
 """The step's optional parts, behind one call from train.py's loop: module traces (debug.trace_steps), activation
 statistics (log.activations_interval), skipping known-bad data (train.steps_to_skip), per-layer gradient norms
 (log.grad_norms_interval), skipping non-finite steps (train.nan_policy=skip), timing torch.compile's first step,
-Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step is
-here too (`stop_on_nonfinite`): the loop calls it only when a step was non-finite.
+Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step
+(`stop_on_nonfinite`, which the loop calls only when a step was non-finite) and the console line of each rank
+other than 0 (`rank_line`, log.all_ranks) are here too.
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set: the loop's test
 `step in extras.steps` calls no function). At those steps the loop calls `extras.step(...)`, which runs them around
@@ -15,6 +16,8 @@ import os
 import time
 
 import torch
+
+from metrics import console_line
 
 
 class StepExtras:
@@ -87,6 +90,13 @@ class StepExtras:
         if self.give_up:
             raise nonfinite_stop(self.give_up, self.cfg.train.out_dir, skip=False)
         check_finite(step, step_metrics, self.cfg.train.out_dir)  # (the rows hold it: this names the step only if not)
+
+
+def rank_line(rank, step, step_metrics):
+    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
+    gradient norm is the same on every rank). One host sync, on the steps it prints."""
+    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
+    return f"[rank {rank}] {console_line(step, own)}"
 
 
 def grad_norm(params):

@@ -5,11 +5,10 @@
     python train.py config/gpt2.py --dry_run             # print the plan and plot the LR; touch nothing
     torchrun --nproc-per-node=8 train.py config/gpt2.py  # GPT-2 (124M) on FineWeb-Edu, 8 GPUs
 
-`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right
-below the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs
-what the plan says is due, in a fixed order: evaluate, print, checkpoint, sample. The step's rarely used parts are
-one call to step_extras.py. Then the evaluations, and `build_run`, which sets the run up part by part. Every feature
-is called from a visible line here; the optional ones are imported where they are used.
+`main` checks the config; `train` is the loop. Each step sets the learning rate, takes one `train_step` (right below
+the loop: forward and backward over the micro-steps, clip, optimizer step), records its metrics, then runs what the
+plan says is due, in a fixed order: evaluate, print, checkpoint, sample. Then the evaluations, and `build_run`, which
+sets the run up part by part. Every feature is called from a visible line here, the optional ones imported where used.
 """
 
 import dataclasses
@@ -30,7 +29,7 @@ import run_dir
 from callbacks import LossSpikeDetector, all_finite, memory_metrics, peak_flops_for_device, save_environment
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
                         model_code)
-from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, parse_mix, run_command
+from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
@@ -49,8 +48,7 @@ def main(argv):
     if cfg.eval.tasks:
         from hellaswag_eval import check_names
         check_names(cfg.eval.tasks, "eval.tasks")  # the names hellaswag_eval.py defines
-    for name in [cfg.data.dataset, *cfg.eval.extra_datasets,
-                 *(name for name, _ in parse_mix(cfg.data.mix) + parse_mix(cfg.stage2.mix, "stage2.mix"))]:
+    for name in [cfg.data.dataset, *cfg.eval.extra_datasets, *dataset_names(cfg)]:
         dataset_dir(cfg.data.data_root, name)  # a name that leaves the data root: one sentence, before any lock
     try:
         gpt_class(cfg.train.model_module)  # a model file without a GPT, or without what the trainer asks of it
@@ -136,7 +134,8 @@ def train(cfg):
             for line in recorder.finish_step(step, due.collect or halt, wait=bool(due.checkpoint) or halt):
                 print(line, flush=True)
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
-                print(rank_line(run.rank, step, step_metrics), flush=True)  # log.all_ranks: this rank's own numbers
+                from step_extras import rank_line  # log.all_ranks: this rank's own numbers
+                print(rank_line(run.rank, step, step_metrics), flush=True)
             if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
                 extras.stop_on_nonfinite(run, step, step_metrics)
             if due.checkpoint:
@@ -209,24 +208,13 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
     return step_metrics, data_time
 
 
-def rank_line(rank, step, step_metrics):
-    """log.all_ranks: this rank's own loss, prefixed with its rank (the logged row holds the mean over ranks, and the
-    gradient norm is the same on every rank). One host sync, on the steps it prints."""
-    own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
-    return f"[rank {rank}] {metrics.console_line(step, own)}"
-
-
 def before_the_first_step(run):
     """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
     plan, state = run.plan, run.state
-    if state.step == 0 and not run.resumed:
-        first = plan.due(0)
-        if first.evals:
-            run.recorder.record_all(evaluate(run, first, run.stages.loaders[0][0]))
-            for line in run.recorder.finish_step(0, collect=True, wait=True):
-                print(line, flush=True)
-        if first.checkpoint:
-            run.save(first.checkpoint)
+    first = plan.due(0)  # something only where eval.fixed_steps or checkpoint.fixed_steps hold 0
+    if state.step == 0 and not run.resumed and (first.evals or first.checkpoint):  # (step_zero.py)
+        from step_zero import at_step_zero
+        at_step_zero(run, first, evaluate)
     if state.step >= plan.end_step:  # train.hard_stop=0, or a run already trained (run_end.py)
         from run_end import nothing_to_train
         nothing_to_train(run)
@@ -278,9 +266,8 @@ def write_samples(run, step):
     from sample import generate_text
     e = run.cfg.eval
     if is_sharded(run.model):
-        rng = [run.sample_generator.get_state()]
-        dist.broadcast_object_list(rng, src=0)
-        run.sample_generator.set_state(rng[0])
+        from sharding import share_generator
+        share_generator(run.sample_generator)
     try:
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
                               temperature=e.sample_temperature, top_k=e.sample_top_k, device=run.device,
@@ -363,8 +350,7 @@ def build_run(cfg, stack):
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
-    for name in dataset_names(cfg):  # rank 0 prepares a missing built-in dataset first; the others find it done
-        rank0_first(lambda: prepare_on_first_use(dataset_dir(cfg.data.data_root, name)), procs.rank, procs.world_size)
+    prepare_on_first_use(cfg, procs)  # rank 0 prepares a missing built-in dataset first; the others find it done
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
@@ -408,7 +394,7 @@ class Processes:
 
 def start_processes(cfg):
     """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo on CPU; a
-    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure, below, says so)."""
+    collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure says so)."""
     if cfg.train.deterministic:
         from debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
@@ -439,34 +425,23 @@ def start_processes(cfg):
 
 
 def collective_failure(error):
-    """One sentence for a collective that failed because of another rank, else None."""
-    text = str(error).lower()
-    if not (dist.is_initialized() and isinstance(error, RuntimeError)):
-        return None
-    if "timed out" in text or "timeout" in text:
-        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank that never came "
-                f"({str(error).splitlines()[0][-120:]}); another rank is hung or died: see its output, run `python "
-                f"debug.py stacks OUT_DIR` while a job hangs, or raise train.dist_timeout if the wait is expected.")
-    if "closed by peer" in text or "connection reset" in text:
-        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that rank's output "
-                f"says why (the first error in the log).")
-    return None
+    """run_command's `also`: one sentence for a collective another rank made fail, else None (run_end.py words it)."""
+    import run_end
+    return run_end.collective_failure(error)
 
 
-def prepare_on_first_use(path):
-    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error."""
-    if not shard_paths(path, "train"):
-        from prepare_data import ensure_dataset
-        ensure_dataset(path)
-
-
-def rank0_first(work, rank, world_size):
-    """Rank 0 does `work` (prepare a dataset) while the others wait; then the others do it too and find it done.
-    Returns this rank's result."""
-    result = work() if rank == 0 else None
-    if world_size > 1:
-        dist.barrier()
-    return work() if rank != 0 else result
+def prepare_on_first_use(cfg, procs):
+    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error.
+    Rank 0 prepares it while the others wait, then the others look and find it done."""
+    for name in dataset_names(cfg):
+        path = dataset_dir(cfg.data.data_root, name)
+        if procs.rank > 0:
+            dist.barrier()  # until rank 0 has prepared it
+        if not shard_paths(path, "train"):
+            from prepare_data import ensure_dataset
+            ensure_dataset(path)
+        if procs.rank == 0 and procs.world_size > 1:
+            dist.barrier()  # it is ready: the others look
 
 
 def build_model(cfg, procs):
@@ -476,18 +451,11 @@ def build_model(cfg, procs):
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
     make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
-    record = None
-    if cfg.train.data_parallel == "fsdp":
-        from sharding import build_on_meta
-        raw_model, record = build_on_meta(make)
-        if record.unreplayable:  # a fork's init the record cannot replay: built whole, as DDP does
-            if procs.is_master:
-                print(f"note: the model is built whole on every rank before it is sharded ({record.unreplayable}, "
-                      f"which sharded initialisation cannot replay; docs/fsdp.md).")
-            raw_model, record = make(), None
+    if cfg.train.data_parallel == "fsdp":  # on meta with its record, or whole where the record cannot replay it
+        from sharding import build_for_fsdp
+        raw_model, record = build_for_fsdp(make, procs.device, procs.is_master)
     else:
-        raw_model = make()
-    raw_model = raw_model if record else raw_model.to(procs.device)
+        raw_model, record = make().to(procs.device), None
     auto = cfg.data.batch_size == "auto"
     if auto:  # the largest micro-batch the estimate fits on this GPU (auto_batch.py)
         from auto_batch import resolve_batch_size
@@ -511,14 +479,11 @@ def build_model(cfg, procs):
 def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the gradients);
     the raw model keeps the weights, which the optimizer and the checkpoints use. Under FSDP the model is sharded in
-    place (sharding.py), both forms at once; one built on meta (`init_record`) then gets its pieces, drawn as a whole
-    build would draw them."""
+    place (sharding.py), both forms at once."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
-        from sharding import materialise, shard
-        shard(raw_model, bf16=isinstance(procs.autocast, torch.autocast), compiled=compiled)
-        if init_record is not None:
-            materialise(raw_model, init_record, cfg.train.seed, procs.device)
+        from sharding import shard_and_fill
+        shard_and_fill(raw_model, init_record, cfg.train.seed, procs, compiled)
     if confirm_batch:  # data.batch_size=auto: one trial step of the chosen micro-batch (auto_batch.py)
         from auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
@@ -544,9 +509,8 @@ class Stages:
 
     def resume_at(self, steps_completed, data_state):
         """A resumed run: the data position goes to the loader that saved it."""
-        saved_by = 1 if self.stage2_step is not None and steps_completed > self.stage2_step else 0
-        self.loaders[min(saved_by, len(self.loaders) - 1)][1].load_state_dict(data_state)
-        self.resumed_inside = saved_by == 1
+        self.loader_at(steps_completed).load_state_dict(data_state)
+        self.resumed_inside = self.stage2_step is not None and steps_completed > self.stage2_step
 
     def loader_at(self, step):
         """The loader step `step` (0: none yet) read from."""
@@ -618,8 +582,7 @@ def check_start_step(cfg, start, state, plan, fingerprints):
 
 
 def started_from(start, saved, load_optim, step):
-    """What was loaded, as it happened: a resume of this run, or weights (and optimizer or trainer state) from
-    elsewhere (checkpoint.load_path), or nothing (from scratch: "")."""
+    """What was loaded: this run's own checkpoint (a resume), what checkpoint.load_path gave, or nothing ("")."""
     if start.resumed:
         return f"resumed from {start.path} at step {step}"
     if not start.path:
@@ -644,11 +607,8 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
         import remote
-        uploader = remote.Uploader(cfg.checkpoint.remote_folder, cfg.checkpoint.keep_last,
-                                   records=lambda: run_dir.run_records(out_dir), replaced=replaced_in_bucket)
-        stack.callback(lambda: writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
-                       if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0) else None)
-        stack.callback(uploader.close)  # runs after checkpointer.wait below: the last save is uploaded too
+        uploader = remote.start_uploads(cfg.checkpoint, lambda: run_dir.run_records(out_dir), replaced_in_bucket,
+                                        writer, stack)  # closed after checkpointer.wait below: the last save goes up
     # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of the checkpoints' own.
     shard_group = dist.new_group(backend="gloo") if cfg.train.data_parallel == "fsdp" else None
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,

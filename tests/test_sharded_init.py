@@ -1,12 +1,12 @@
 """Sharded initialisation's record and replay (sharding.build_on_meta, materialise) in one process, without sharding:
 the replayed weights equal a whole build's from the same seed, the random state is left as it was, and an init the
-record cannot replay is said so (train.py then builds the model whole). The 2-rank test is in test_fsdp.py."""
+record cannot replay is said so (build_for_fsdp then builds the model whole). The 2-rank test is in test_fsdp.py."""
 
 import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig
-from sharding import build_on_meta, materialise
+from sharding import build_for_fsdp, build_on_meta, materialise
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96)
 
@@ -40,3 +40,9 @@ class WithBuffer(nn.Module):
 def test_an_init_the_record_cannot_replay_is_said_so():
     assert "computed from other tensors" in build_on_meta(Computed)[1].unreplayable
     assert build_on_meta(WithBuffer)[1].unreplayable == "the model has buffers"
+
+
+def test_a_model_whose_init_cannot_be_replayed_is_built_whole_and_the_run_says_so(capsys):
+    model, record = build_for_fsdp(WithBuffer, "cpu", is_master=True)
+    assert record is None and not any(p.is_meta for p in model.parameters())
+    assert "built whole on every rank before it is sharded (the model has buffers" in capsys.readouterr().out
