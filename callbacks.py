@@ -2,7 +2,7 @@
 without the registry, so that train.py says exactly when each one runs.
 
 - speed: the GPU peak-FLOPs table for MFU (the step's clock and speed metrics are metrics.py's)
-- stability: `LossSpikeDetector`, the non-finite checks (train.nan_policy; the stop's error is nonfinite.py's);
+- stability: `LossSpikeDetector`, the non-finite checks (train.nan_policy; the stop's error is step_extras.py's);
   per-layer gradient norms are step_extras.py's, activation and parameter statistics debug.py's `activation_stats`
 - system: `memory_metrics`, `save_environment`; the stack dumps are stack_dump.py's, the webhook notifier.py's, the
   garbage collector and the profiler step_extras.py's

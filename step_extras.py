@@ -2,8 +2,8 @@
 statistics (log.activations_interval), skipping known-bad data (train.steps_to_skip), per-layer gradient norms
 (log.grad_norms_interval), skipping non-finite steps (train.nan_policy=skip), timing torch.compile's first step,
 Python's garbage collector (train.gc_interval) and the profiler (log.profile). The run's end on a non-finite step
-(`stop_on_nonfinite`, which the loop calls only when a step was non-finite) and the console line of each rank
-other than 0 (`rank_line`, log.all_ranks) are here too.
+(`stop_on_nonfinite`, which the loop calls only when a step was non-finite, and its error `NonFiniteLoss`) and the
+console line of each rank other than 0 (`rank_line`, log.all_ranks) are here too.
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set: the loop's test
 `step in extras.steps` calls no function). At those steps the loop calls `extras.step(...)`, which runs them around
@@ -17,6 +17,9 @@ import time
 
 import torch
 
+from callbacks import host_values, nonfinite_message
+from checkpoint import newest_checkpoint
+from config import UserError
 from metrics import console_line
 
 
@@ -84,7 +87,6 @@ class StepExtras:
     def stop_on_nonfinite(self, run, step, step_metrics):
         """After the step's rows are written: a non-finite loss or gradient (train.nan_policy=stop: named by the rows,
         or by this step's own numbers), or train.nan_skip_limit skipped steps in a row, ends the run."""
-        from nonfinite import check_finite, nonfinite_stop
         if run.writer.nonfinite and self.cfg.train.nan_policy == "stop":
             raise nonfinite_stop(run.writer.nonfinite, self.cfg.train.out_dir)
         if self.give_up:
@@ -138,3 +140,25 @@ def make_profiler(cfg):
         on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(cfg.train.out_dir, "profiler"),
                                                                worker_name="rank0"),
     )
+
+
+class NonFiniteLoss(UserError):
+    """Training produced NaN or Inf; the message says what to do."""
+
+
+def nonfinite_stop(what, out_dir, skip=True):
+    """NonFiniteLoss for `what` (what went non-finite, and where), with the way on for this run: resume from its last
+    checkpoint, or start again if it has none. `skip`: offer train.nan_policy=skip (a run that skips has a limit)."""
+    last = newest_checkpoint(out_dir) if out_dir else None
+    restart = f"resume from its last checkpoint, {os.path.basename(last)}," if last else \
+        "start again (the run has no checkpoint to resume)"
+    then = ", or set train.nan_policy=skip to skip such steps" if skip else \
+        " (train.nan_skip_limit sets how many in a row)"
+    return NonFiniteLoss(f"{what}; {restart} with a lower optim.lr{then}.")
+
+
+def check_finite(step, values, out_dir=None):
+    """NonFiniteLoss, naming `step`, if the step's train/loss or train/grad_norm is not finite."""
+    message = nonfinite_message(step, host_values(values))
+    if message:
+        raise nonfinite_stop(message, out_dir)

@@ -14,7 +14,7 @@ import debug
 import hellaswag_eval
 import hf
 import metrics
-import nonfinite
+import step_extras
 from config import ConfigError, parse_args
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 
@@ -44,7 +44,7 @@ def test_no_module_imports_one_that_imports_it_back():
 
 def test_every_error_a_user_can_cause_is_a_user_error():
     for error in (ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.TaskDataError,
-                  nonfinite.NonFiniteLoss, hf.WeightsError, metrics.SinkError,
+                  step_extras.NonFiniteLoss, hf.WeightsError, metrics.SinkError,
                   debug.DebugError):
         assert issubclass(error, config.UserError), error
 
