@@ -211,10 +211,14 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
 def before_the_first_step(run):
     """Step 0's fixed evaluations and checkpoint (the ladder's start), and what a run with nothing left says."""
     plan, state = run.plan, run.state
-    first = plan.due(0)  # something only where eval.fixed_steps or checkpoint.fixed_steps hold 0
-    if state.step == 0 and not run.resumed and (first.evals or first.checkpoint):  # (step_zero.py)
-        from step_zero import at_step_zero
-        at_step_zero(run, first, evaluate)
+    if state.step == 0 and not run.resumed:
+        first = plan.due(0)  # something only where eval.fixed_steps or checkpoint.fixed_steps hold 0
+        if first.evals:
+            run.recorder.record_all(evaluate(run, first, run.stages.loaders[0][0]))
+            for line in run.recorder.finish_step(0, collect=True, wait=True):
+                print(line, flush=True)
+        if first.checkpoint:
+            run.save(first.checkpoint)
     if state.step >= plan.end_step:  # train.hard_stop=0, or a run already trained (run_end.py)
         from run_end import nothing_to_train
         nothing_to_train(run)
