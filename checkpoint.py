@@ -256,13 +256,6 @@ class Checkpointer:
         if uploader:
             uploader.on_done = self.prune
 
-    def upload_metrics(self):
-        """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec (how long the
-        oldest checkpoint still waiting for its upload has waited): rank 0 uploads, the other ranks say 0."""
-        uploader = self.uploader
-        return {"checkpoint/upload_failures": uploader.failures if uploader else 0,
-                "checkpoint/upload_lag_sec": uploader.lag() if uploader else 0.0}
-
     def prune(self):
         with self.pruning:
             prune_checkpoints(self.out_dir, self.keep_last, keep=self.uploader.waiting() if self.uploader else ())

@@ -468,6 +468,13 @@ class Uploader:
                   f"the newest checkpoint (train.out_dir has it).", file=sys.stderr, flush=True)
 
 
+def upload_metrics(uploader):
+    """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec (how long the
+    oldest checkpoint still waiting for its upload has waited): rank 0 uploads, the other ranks (None) say 0."""
+    return {"checkpoint/upload_failures": uploader.failures if uploader else 0,
+            "checkpoint/upload_lag_sec": uploader.lag() if uploader else 0.0}
+
+
 def rewind(url, step, folder_name):
     """A rewind in the bucket: its checkpoints after `step` move to rewound/<folder_name>/ (copied, then removed
     with their COMPLETE first, so a kill midway leaves no complete checkpoint past `step`). Nothing is deleted

@@ -130,7 +130,8 @@ def train(cfg):
             if due.collect:
                 recorder.record_all(memory_metrics(run.device), reduce="max")
                 if cfg.checkpoint.remote_folder:  # the bucket's uploads (rank 0 uploads; every rank records them)
-                    recorder.record_all(run.checkpointer.upload_metrics(), reduce="max")
+                    from remote import upload_metrics
+                    recorder.record_all(upload_metrics(run.checkpointer.uploader), reduce="max")
             # The rows collected go to metrics.jsonl and come back as the console lines to print (rank 0).
             halt = nonfinite or bool(extras.give_up)  # the run ends below: its rows first
             for line in recorder.finish_step(step, due.collect or halt, wait=bool(due.checkpoint) or halt):
