@@ -46,13 +46,16 @@ SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (shard
 STEP_DIR = re.compile(r"^step(\d+)$")
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
+WARNED = set()  # unreadable markers already reported (one warning each)
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says what to do."""
 
 
-# ----------------------------------------------------------------------------- finding checkpoints
+class UntrustedCheckpoint(CheckpointError):
+    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
 
 
 def read_marker(path):
@@ -63,9 +66,6 @@ def read_marker(path):
         return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
     except (OSError, ValueError):
         return None
-
-
-WARNED = set()  # unreadable markers already reported (one warning each)
 
 
 def is_complete_checkpoint(path):
@@ -108,10 +108,6 @@ def verify_checkpoint(path):
     check_sharded_metadata(path, files)
 
 
-class UntrustedCheckpoint(CheckpointError):
-    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
-
-
 def check_sharded_metadata(path, files):
     """One sentence unless an FSDP run's sharded/.metadata unpickles with DCP's own classes only (os.system, say,
     is refused before it runs) and names only pieces the marker's `files` list (sharding.check_metadata)."""
@@ -152,9 +148,6 @@ def resolve_checkpoint(source):
         raise CheckpointError(f"no complete checkpoint at {source}; give a step<N> folder or a run folder "
                               f"that holds one.")
     return path
-
-
-# ----------------------------------------------------------------------------- writing
 
 
 def sha256_file(path):
@@ -309,9 +302,6 @@ def is_sharded(model):
     return hasattr(model, "set_requires_gradient_sync")
 
 
-# ----------------------------------------------------------------------------- what to load
-
-
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a note to
     print at start (or ""). `load`: if_available resumes out_dir's own checkpoint, else starts from load_path (which
@@ -340,9 +330,6 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     return None, False, ""
 
 
-# ----------------------------------------------------------------------------- training state
-
-
 @dataclass
 class TrainState:
     """The loop's counters and data position, saved like any other component (as torchtitan does) beside weights,
@@ -366,8 +353,8 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, saved):
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"],
-                   saved["data_fingerprint"], saved.get("model_code", {}))  # (none in checkpoints from before it)
+        saved = {"model_code": {}, **saved}  # (none in checkpoints from before it)
+        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
 
 
 def read_trainer_state(path):
@@ -414,9 +401,6 @@ def read_file(path, name, device="cpu", mmap=False):
         raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a checkpoint this "
                                   f"trainer saved.")
     return obj
-
-
-MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 
 
 def model_code(model_module):
@@ -468,12 +452,9 @@ def to_cpu(obj):
 def rng_state(sample_generator):
     """This rank's RNG states, in types that torch.load(weights_only=True) accepts."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
-        "sample": sample_generator.get_state(),
-    }
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
+             "sample": sample_generator.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
