@@ -515,7 +515,7 @@ def ties(model):
 
 
 def model_weights(model):
-    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (load_model_state
+    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (saved_weights
     puts it back where the model ties it). Every other weight is saved by its name, whatever the model is."""
     tied = ties(model)
     return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
@@ -531,13 +531,17 @@ def saved_shapes(path):
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
-def saved_weights(path, device):
-    """{name: tensor} of the weights in checkpoint `path`: model.pt (an FSDP run's too, with
-    checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
+def saved_weights(path, model, device):
+    """{name: tensor} of the weights in checkpoint `path`, a tied weight (stored once) under each name `model` ties it
+    to: model.pt (an FSDP run's too, with checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
     if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
-        return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
-    return read_file(path, "model.pt", device)
+        state = {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
+    else:
+        state = read_file(path, "model.pt", device)
+    for name, first in ties(model).items():
+        state.setdefault(name, state[first])
+    return state
 
 
 def check_weights_fit(path, model, advice):
@@ -557,16 +561,6 @@ def check_weights_fit(path, model, advice):
                               f"model code changed since that checkpoint was saved: {advice}")
 
 
-def load_model_state(model, path, device):
-    """model.pt into `model`: each weight by name, and a tied weight (stored once) to each name the model ties
-    it under. A checkpoint that does not fit the model is one sentence (check_weights_fit)."""
-    check_weights_fit(path, model, "load it into the model it was trained with.")
-    state = saved_weights(path, device)
-    for name, first in ties(model).items():
-        state.setdefault(name, state[first])
-    model.load_state_dict(state)
-
-
 def group_layout(state):
     """[(group name, number of parameters)] of an optimizer's state_dict (MuonAdamW's holds one per optimizer)."""
     if "param_groups" in state:
@@ -575,8 +569,8 @@ def group_layout(state):
 
 
 def check_group_layout(saved, optimizer, path):
-    """One sentence when the saved optimizer state belongs to other parameter groups than `optimizer`'s."""
-    if group_layout(saved) != group_layout(optimizer.state_dict()):
+    """One sentence when the saved optimizer state (if any) belongs to other parameter groups than `optimizer`'s."""
+    if saved is not None and group_layout(saved) != group_layout(optimizer.state_dict()):
         raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
                               f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
                               f"optim.name or optim.decay_embeddings differ, or the model code now gives a parameter "
@@ -609,10 +603,11 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
         raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
                               f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
+    check_weights_fit(path, model, "load it into the model it was trained with.")
     if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
-        load_model_state(model, path, device)
+        model.load_state_dict(saved_weights(path, model, device))
         if load_optim:  # the moments, with this run's settings kept
             saved = read_file(path, "optim.pt", device)
             check_group_layout(saved, optimizer, path)
@@ -629,24 +624,19 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
 
 
 def load_with_shards(path, model, optimizer, device):
-    """Where FSDP is on either side: a sharded checkpoint into any model (each rank reads the pieces it holds; DCP
-    reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded model (whole tensors, each
-    rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
+    """Where FSDP is on either side, once check_weights_fit has passed: a sharded checkpoint into any model (each rank
+    reads the pieces it holds; DCP reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded
+    model (whole tensors, each rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
     import sharding
 
-    check_weights_fit(path, model, "load it into the model it was trained with.")
     if os.path.isdir(os.path.join(path, SHARDED)):
         model_state, optim_state = sharding.load_shards(path, model, optimizer, tied=ties(model))
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
+        check_group_layout(optim_state, optimizer, path)
         full = False
     else:
-        model_state = read_file(path, "model.pt", device)
-        for name, first in ties(model).items():
-            model_state.setdefault(name, model_state[first])
+        model_state = saved_weights(path, model, device)
         optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
+        check_group_layout(optim_state, optimizer, path)
         model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
         full = True
     if optim_state is None:
@@ -706,7 +696,8 @@ def load_model(source, device, key):
         model = gpt_class(cfg.train.model_module)(cfg.model)
     except ValueError as error:  # a train.model_module file that is gone or changed
         raise CheckpointError(f"{key}={source}: {error}") from None
-    load_model_state(model, path, "cpu")
+    check_weights_fit(path, model, "load it into the model it was trained with.")
+    model.load_state_dict(saved_weights(path, model, "cpu"))
     note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path, goes_on="it is loaded")
     if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (on stderr: stdout is the tool's own)
         print(note, file=sys.stderr)
