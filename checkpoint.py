@@ -69,19 +69,14 @@ def read_marker(path):
 
 
 def is_complete_checkpoint(path):
-    """A folder with a readable marker. An unreadable marker means "not a valid checkpoint" everywhere
-    (listing, loading, retention), with one warning."""
+    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with one warning."""
     if read_marker(path) is not None:
         return True
     if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
         WARNED.add(path)
-        warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
+        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint", file=sys.stderr,
+              flush=True)
     return False
-
-
-def warn(message):
-    """One line on stderr (a Python warning would add its source line, which tells the user nothing)."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def find_checkpoints(run_dir):
@@ -93,8 +88,8 @@ def find_checkpoints(run_dir):
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError unless every file matches its checksum in the marker and an FSDP run's .metadata is
-    DCP's own (check_sharded_metadata), before any file is loaded."""
+    """Raise CheckpointError, before any file is loaded, unless every file matches its checksum (and sharded/'s
+    .metadata passes check_sharded_metadata)."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -128,7 +123,8 @@ def newest_valid_checkpoint(run_dir):
         except UntrustedCheckpoint:
             raise
         except CheckpointError as error:
-            warn(f"skipping checkpoint: {error}; falling back to the previous one")
+            print(f"warning: skipping checkpoint: {error}; falling back to the previous one", file=sys.stderr,
+                  flush=True)
     return None
 
 
@@ -178,9 +174,8 @@ def write_file_atomic(path, data):
 
 
 def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
-    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>, as the module docstring
-    says. A step<N> already there (a run being replaced) is deleted only after the new one is in place.
-    `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
+    """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, replacing one already there only once it
+    is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -220,9 +215,7 @@ def prune_checkpoints(run_dir, keep_last, keep=()):
     """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; the `keep_last` newest
     permanent ones are kept (0: all), `fixed` ones always; never the newest, nor one in `keep` (awaiting upload)."""
     found = find_checkpoints(run_dir)
-    if not found:
-        return
-    newest = found[-1][1]
+    newest = found[-1][1] if found else None
     kinds = {path: (read_marker(path) or {}).get("kind") for _, path in found}
     permanent = [path for _, path in found if kinds[path] == "permanent"]
     doomed = [path for _, path in found if kinds[path] == "ephemeral"]
@@ -234,11 +227,10 @@ def prune_checkpoints(run_dir, keep_last, keep=()):
 
 
 class Checkpointer:
-    """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
-    `replaced`: the checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once this
-    run's first checkpoint is complete, so the folder always holds one. `uploader` (checkpoint.remote_folder,
-    remote.py): each complete checkpoint is queued for upload, and retention keeps it until the upload ends.
-    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives."""
+    """Saves on rank 0, synchronously or on a background thread (at most one save in flight). `replaced`: the
+    checkpoints of a run this one replaces (checkpoint.save_overwrite), deleted once this run's first is complete.
+    `uploader` (checkpoint.remote_folder, remote.py): each complete checkpoint is queued for upload, and retention
+    keeps it until the upload ends. `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
@@ -303,10 +295,9 @@ def is_sharded(model):
 
 
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a note to
-    print at start (or ""). `load`: if_available resumes out_dir's own checkpoint, else starts from load_path (which
-    must hold weights, never a silent start from scratch), else from scratch; always requires one; never starts
-    fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
+    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes out_dir's own, else
+    starts from load_path (which must hold weights: never a silent start from scratch), else from scratch; always
+    requires one; never starts fresh. As in OLMo-core, the run's own wins (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
@@ -339,10 +330,8 @@ class TrainState:
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
     data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
-    # {dataset name: data.fingerprint}: what the run trains on, by content (a resume on other data is refused)
-    data_fingerprint: dict = field(default_factory=dict)
-    # {file: hash} of the model's source (model_code): a resume with other code is told so, and saves the new one
-    model_code: dict = field(default_factory=dict)
+    data_fingerprint: dict = field(default_factory=dict)  # {name: data.fingerprint}: a resume on other data is refused
+    model_code: dict = field(default_factory=dict)  # {file: hash} (model_code): a resume with other code is told so
 
     def keep_best(self, val_loss):
         if val_loss is not None:
@@ -358,8 +347,7 @@ class TrainState:
 
 
 def read_trainer_state(path):
-    """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU. Its config
-    has every field of this version: one added since the checkpoint was saved takes its default (config.py)."""
+    """trainer.pt of a checkpoint folder, on the CPU; a config field added since it was saved takes its default."""
     trainer = read_file(path, "trainer.pt")
     trainer["config"] = with_defaults(trainer["config"])
     return trainer
@@ -404,9 +392,8 @@ def read_file(path, name, device="cpu", mmap=False):
 
 
 def model_code(model_module):
-    """{file: hash of its code} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your
-    own) and that file. The hash is of the parsed code without docstrings: an edit to a comment, a docstring or the
-    layout is no change; one to what the model computes is, even with the same weights (QK-norm, a logit cap)."""
+    """{file: code_hash} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your own) and
+    that file: an edit to what the model computes is a change even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module
@@ -416,7 +403,7 @@ def model_code(model_module):
 def code_hash(path):
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):  # a docstring, as a comment, says what the code does and changes nothing it does
+    for node in ast.walk(tree):  # docstrings go, as comments and layout did in parsing: none changes what it does
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
@@ -425,9 +412,8 @@ def code_hash(path):
 
 
 def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its
-    weights fit: a resume (or load_model) goes on with the code as it is now, which may compute another function
-    of the same weights. "" when it is the same, or the checkpoint kept no hash (older runs)."""
+    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its weights
+    fit (the code as it is now may compute another function of them); "" if the same, or no hash was kept."""
     if not saved_code:
         return ""
     now = model_code(model_module)
@@ -502,9 +488,8 @@ def check_model_shape(saved_model_config, model_config, path):
 
 
 def ties(model):
-    """{name: the first name of the same tensor} for every weight the model holds under a second name (the
-    output layer tied to the token embedding: lm_head.weight -> transformer.wte.weight). A tie is one Parameter
-    object under two names, not two tensors that happen to be equal."""
+    """{second name: first name} of each tensor the model holds under two names (the output layer tied to the token
+    embedding: lm_head.weight -> transformer.wte.weight): one Parameter object, not two tensors that are equal."""
     first, tied = {}, {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
@@ -545,8 +530,7 @@ def saved_weights(path, model, device):
 
 
 def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when the weights in checkpoint `path` are not the ones `model` has:
-    a name only one side has, or another shape."""
+    """One sentence, before anything is loaded, when the weights in `path` do not fit `model`: a name or a shape."""
     saved = saved_shapes(path)
     wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
     tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
