@@ -104,8 +104,7 @@ def verify_checkpoint(path):
 
 
 def check_sharded_metadata(path, files):
-    """One sentence unless an FSDP run's sharded/.metadata unpickles with DCP's own classes only (os.system, say,
-    is refused before it runs) and names only pieces the marker's `files` list (sharding.check_metadata)."""
+    """An FSDP run's sharded/.metadata through sharding.check_metadata, whose refusal is an UntrustedCheckpoint."""
     if os.path.isdir(os.path.join(path, SHARDED)):
         import sharding
         try:
@@ -367,8 +366,7 @@ def holds_trainer_state(obj):
         and isinstance(obj.get("rng"), list)
 
 
-# What each file of a checkpoint holds, in words and as a check: a file that passes its checksum may still hold
-# anything torch.load(weights_only=True) can build (a list, a number), which would fail later in a traceback.
+# What each file holds, in words and as a check: one that passes its checksum may still hold a list or a number.
 FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
                  "optim.pt": ("an optimizer's state", holds_optimizer_state),
                  "trainer.pt": ("the trainer's state", holds_trainer_state)}
