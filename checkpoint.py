@@ -401,7 +401,7 @@ def model_code(model_module):
 def code_hash(path):
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):  # docstrings go, as comments and layout did in parsing: none changes what it does
+    for node in ast.walk(tree):  # docstrings go, as comments and layout did (ast.parse): none changes what it does
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
@@ -528,7 +528,7 @@ def saved_weights(path, model, device):
 
 
 def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when the weights in `path` do not fit `model`: a name or a shape."""
+    """One sentence, before anything is loaded, when a name or shape differs between `path`'s weights and `model`'s."""
     saved = saved_shapes(path)
     wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
     tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
