@@ -46,13 +46,16 @@ SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (shard
 STEP_DIR = re.compile(r"^step(\d+)$")
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
+WARNED = set()  # unreadable markers already reported (one warning each)
+MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 
 
 class CheckpointError(UserError):
     """A checkpoint that cannot be used; the message says what to do."""
 
 
-# ----------------------------------------------------------------------------- finding checkpoints
+class UntrustedCheckpoint(CheckpointError):
+    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
 
 
 def read_marker(path):
@@ -65,23 +68,15 @@ def read_marker(path):
         return None
 
 
-WARNED = set()  # unreadable markers already reported (one warning each)
-
-
 def is_complete_checkpoint(path):
-    """A folder with a readable marker. An unreadable marker means "not a valid checkpoint" everywhere
-    (listing, loading, retention), with one warning."""
+    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with one warning."""
     if read_marker(path) is not None:
         return True
     if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
         WARNED.add(path)
-        warn(f"{path} has an unreadable {MARKER} marker; it is not used as a checkpoint")
+        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint", file=sys.stderr,
+              flush=True)
     return False
-
-
-def warn(message):
-    """One line on stderr (a Python warning would add its source line, which tells the user nothing)."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def find_checkpoints(run_dir):
@@ -93,8 +88,8 @@ def find_checkpoints(run_dir):
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError unless every file matches its checksum in the marker and an FSDP run's .metadata is
-    DCP's own (check_sharded_metadata), before any file is loaded."""
+    """Raise CheckpointError, before any file is loaded, unless every file matches its checksum (and sharded/'s
+    .metadata passes check_sharded_metadata)."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -108,13 +103,8 @@ def verify_checkpoint(path):
     check_sharded_metadata(path, files)
 
 
-class UntrustedCheckpoint(CheckpointError):
-    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
-
-
 def check_sharded_metadata(path, files):
-    """One sentence unless an FSDP run's sharded/.metadata unpickles with DCP's own classes only (os.system, say,
-    is refused before it runs) and names only pieces the marker's `files` list (sharding.check_metadata)."""
+    """An FSDP run's sharded/.metadata through sharding.check_metadata, whose refusal is an UntrustedCheckpoint."""
     if os.path.isdir(os.path.join(path, SHARDED)):
         import sharding
         try:
@@ -132,7 +122,8 @@ def newest_valid_checkpoint(run_dir):
         except UntrustedCheckpoint:
             raise
         except CheckpointError as error:
-            warn(f"skipping checkpoint: {error}; falling back to the previous one")
+            print(f"warning: skipping checkpoint: {error}; falling back to the previous one", file=sys.stderr,
+                  flush=True)
     return None
 
 
@@ -152,9 +143,6 @@ def resolve_checkpoint(source):
         raise CheckpointError(f"no complete checkpoint at {source}; give a step<N> folder or a run folder "
                               f"that holds one.")
     return path
-
-
-# ----------------------------------------------------------------------------- writing
 
 
 def sha256_file(path):
@@ -185,9 +173,8 @@ def write_file_atomic(path, data):
 
 
 def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
-    """Write `snapshot` ({"model": ..., "optim": ..., "trainer": ...}) as out_dir/step<N>, as the module docstring
-    says. A step<N> already there (a run being replaced) is deleted only after the new one is in place.
-    `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
+    """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, replacing one already there only once it
+    is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -227,9 +214,7 @@ def prune_checkpoints(run_dir, keep_last, keep=()):
     """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; the `keep_last` newest
     permanent ones are kept (0: all), `fixed` ones always; never the newest, nor one in `keep` (awaiting upload)."""
     found = find_checkpoints(run_dir)
-    if not found:
-        return
-    newest = found[-1][1]
+    newest = found[-1][1] if found else None
     kinds = {path: (read_marker(path) or {}).get("kind") for _, path in found}
     permanent = [path for _, path in found if kinds[path] == "permanent"]
     doomed = [path for _, path in found if kinds[path] == "ephemeral"]
@@ -241,11 +226,10 @@ def prune_checkpoints(run_dir, keep_last, keep=()):
 
 
 class Checkpointer:
-    """Saves on rank 0, synchronously or on a background thread (at most one save in flight).
-    `replaced`: the checkpoint folders of a run this one replaces (checkpoint.save_overwrite), deleted once this
-    run's first checkpoint is complete, so the folder always holds one. `uploader` (checkpoint.remote_folder,
-    remote.py): each complete checkpoint is queued for upload, and retention keeps it until the upload ends.
-    `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP's collectives."""
+    """Saves on rank 0, synchronously or on a background thread (at most one save in flight). `replaced`: the
+    checkpoints of a run this one replaces (checkpoint.save_overwrite), deleted once this run's first is complete.
+    `uploader` (checkpoint.remote_folder, remote.py): each complete checkpoint is queued for upload, and retention
+    keeps it until the upload ends. `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP."""
 
     def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
         self.out_dir, self.keep_last = out_dir, keep_last
@@ -316,14 +300,10 @@ def is_sharded(model):
     return hasattr(model, "set_requires_gradient_sync")
 
 
-# ----------------------------------------------------------------------------- what to load
-
-
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming, note): the checkpoint this run starts from, whether it is this run's own, and a note to
-    print at start (or ""). `load`: if_available resumes out_dir's own checkpoint, else starts from load_path (which
-    must hold weights, never a silent start from scratch), else from scratch; always requires one; never starts
-    fresh. As in OLMo-core, out_dir's own checkpoint wins over load_path (a restarted fine-tune resumes)."""
+    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes out_dir's own, else
+    starts from load_path (which must hold weights: never a silent start from scratch), else from scratch; always
+    requires one; never starts fresh. As in OLMo-core, the run's own wins (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
@@ -347,9 +327,6 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     return None, False, ""
 
 
-# ----------------------------------------------------------------------------- training state
-
-
 @dataclass
 class TrainState:
     """The loop's counters and data position, saved like any other component (as torchtitan does) beside weights,
@@ -359,10 +336,8 @@ class TrainState:
     best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
     data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
-    # {dataset name: data.fingerprint}: what the run trains on, by content (a resume on other data is refused)
-    data_fingerprint: dict = field(default_factory=dict)
-    # {file: hash} of the model's source (model_code): a resume with other code is told so, and saves the new one
-    model_code: dict = field(default_factory=dict)
+    data_fingerprint: dict = field(default_factory=dict)  # {name: data.fingerprint}: a resume on other data is refused
+    model_code: dict = field(default_factory=dict)  # {file: hash} (model_code): a resume with other code is told so
 
     def keep_best(self, val_loss):
         if val_loss is not None:
@@ -373,13 +348,12 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, saved):
-        return cls(saved["step"], saved["tokens"], saved["best_val_loss"], saved["data"], saved["nonfinite_skipped"],
-                   saved["data_fingerprint"], saved.get("model_code", {}))  # (none in checkpoints from before it)
+        saved = {"model_code": {}, **saved}  # (none in checkpoints from before it)
+        return cls(**{f.name: saved[f.name] for f in dataclasses.fields(cls)})
 
 
 def read_trainer_state(path):
-    """trainer.pt of a checkpoint folder (step, tokens, data position, RNG states, config), on the CPU. Its config
-    has every field of this version: one added since the checkpoint was saved takes its default (config.py)."""
+    """trainer.pt of a checkpoint folder, on the CPU; a config field added since it was saved takes its default."""
     trainer = read_file(path, "trainer.pt")
     trainer["config"] = with_defaults(trainer["config"])
     return trainer
@@ -399,8 +373,7 @@ def holds_trainer_state(obj):
         and isinstance(obj.get("rng"), list)
 
 
-# What each file of a checkpoint holds, in words and as a check: a file that passes its checksum may still hold
-# anything torch.load(weights_only=True) can build (a list, a number), which would fail later in a traceback.
+# What each file holds, in words and as a check: one that passes its checksum may still hold a list or a number.
 FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
                  "optim.pt": ("an optimizer's state", holds_optimizer_state),
                  "trainer.pt": ("the trainer's state", holds_trainer_state)}
@@ -423,13 +396,9 @@ def read_file(path, name, device="cpu", mmap=False):
     return obj
 
 
-MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
-
-
 def model_code(model_module):
-    """{file: hash of its code} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your
-    own) and that file. The hash is of the parsed code without docstrings: an edit to a comment, a docstring or the
-    layout is no change; one to what the model computes is, even with the same weights (QK-norm, a logit cap)."""
+    """{file: code_hash} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your own) and
+    that file: an edit to what the model computes is a change even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module
@@ -439,7 +408,7 @@ def model_code(model_module):
 def code_hash(path):
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):  # a docstring, as a comment, says what the code does and changes nothing it does
+    for node in ast.walk(tree):  # docstrings go, as comments and layout did (ast.parse): none changes what it does
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
@@ -448,9 +417,8 @@ def code_hash(path):
 
 
 def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its
-    weights fit: a resume (or load_model) goes on with the code as it is now, which may compute another function
-    of the same weights. "" when it is the same, or the checkpoint kept no hash (older runs)."""
+    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its weights
+    fit (the code as it is now may compute another function of them); "" if the same, or no hash was kept."""
     if not saved_code:
         return ""
     now = model_code(model_module)
@@ -475,12 +443,9 @@ def to_cpu(obj):
 def rng_state(sample_generator):
     """This rank's RNG states, in types that torch.load(weights_only=True) accepts."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-        "torch": torch.get_rng_state(),
-        "sample": sample_generator.get_state(),
-    }
+    numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
+             "sample": sample_generator.get_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -528,9 +493,8 @@ def check_model_shape(saved_model_config, model_config, path):
 
 
 def ties(model):
-    """{name: the first name of the same tensor} for every weight the model holds under a second name (the
-    output layer tied to the token embedding: lm_head.weight -> transformer.wte.weight). A tie is one Parameter
-    object under two names, not two tensors that happen to be equal."""
+    """{second name: first name} of each tensor the model holds under two names (the output layer tied to the token
+    embedding: lm_head.weight -> transformer.wte.weight): one Parameter object, not two tensors that are equal."""
     first, tied = {}, {}
     named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
@@ -541,7 +505,7 @@ def ties(model):
 
 
 def model_weights(model):
-    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (load_model_state
+    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (saved_weights
     puts it back where the model ties it). Every other weight is saved by its name, whatever the model is."""
     tied = ties(model)
     return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
@@ -557,18 +521,21 @@ def saved_shapes(path):
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
-def saved_weights(path, device):
-    """{name: tensor} of the weights in checkpoint `path`: model.pt (an FSDP run's too, with
-    checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
+def saved_weights(path, model, device):
+    """{name: tensor} of the weights in checkpoint `path`, a tied weight (stored once) under each name `model` ties it
+    to: model.pt (an FSDP run's too, with checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
     if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
         import sharding
-        return {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
-    return read_file(path, "model.pt", device)
+        state = {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
+    else:
+        state = read_file(path, "model.pt", device)
+    for name, first in ties(model).items():
+        state.setdefault(name, state[first])
+    return state
 
 
 def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when the weights in checkpoint `path` are not the ones `model` has:
-    a name only one side has, or another shape."""
+    """One sentence, before anything is loaded, when a name or shape differs between `path`'s weights and `model`'s."""
     saved = saved_shapes(path)
     wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
     tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
@@ -583,16 +550,6 @@ def check_weights_fit(path, model, advice):
                               f"model code changed since that checkpoint was saved: {advice}")
 
 
-def load_model_state(model, path, device):
-    """model.pt into `model`: each weight by name, and a tied weight (stored once) to each name the model ties
-    it under. A checkpoint that does not fit the model is one sentence (check_weights_fit)."""
-    check_weights_fit(path, model, "load it into the model it was trained with.")
-    state = saved_weights(path, device)
-    for name, first in ties(model).items():
-        state.setdefault(name, state[first])
-    model.load_state_dict(state)
-
-
 def group_layout(state):
     """[(group name, number of parameters)] of an optimizer's state_dict (MuonAdamW's holds one per optimizer)."""
     if "param_groups" in state:
@@ -601,8 +558,8 @@ def group_layout(state):
 
 
 def check_group_layout(saved, optimizer, path):
-    """One sentence when the saved optimizer state belongs to other parameter groups than `optimizer`'s."""
-    if group_layout(saved) != group_layout(optimizer.state_dict()):
+    """One sentence when the saved optimizer state (if any) belongs to other parameter groups than `optimizer`'s."""
+    if saved is not None and group_layout(saved) != group_layout(optimizer.state_dict()):
         raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
                               f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
                               f"optim.name or optim.decay_embeddings differ, or the model code now gives a parameter "
@@ -635,10 +592,11 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
         raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
                               f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
+    check_weights_fit(path, model, "load it into the model it was trained with.")
     if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
-        load_model_state(model, path, device)
+        model.load_state_dict(saved_weights(path, model, device))
         if load_optim:  # the moments, with this run's settings kept
             saved = read_file(path, "optim.pt", device)
             check_group_layout(saved, optimizer, path)
@@ -655,24 +613,19 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
 
 
 def load_with_shards(path, model, optimizer, device):
-    """Where FSDP is on either side: a sharded checkpoint into any model (each rank reads the pieces it holds; DCP
-    reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded model (whole tensors, each
-    rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
+    """Where FSDP is on either side, once check_weights_fit has passed: a sharded checkpoint into any model (each rank
+    reads the pieces it holds; DCP reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded
+    model (whole tensors, each rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
     import sharding
 
-    check_weights_fit(path, model, "load it into the model it was trained with.")
     if os.path.isdir(os.path.join(path, SHARDED)):
         model_state, optim_state = sharding.load_shards(path, model, optimizer, tied=ties(model))
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
+        check_group_layout(optim_state, optimizer, path)
         full = False
     else:
-        model_state = read_file(path, "model.pt", device)
-        for name, first in ties(model).items():
-            model_state.setdefault(name, model_state[first])
+        model_state = saved_weights(path, model, device)
         optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
-        if optim_state is not None:
-            check_group_layout(optim_state, optimizer, path)
+        check_group_layout(optim_state, optimizer, path)
         model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
         full = True
     if optim_state is None:
@@ -732,7 +685,8 @@ def load_model(source, device, key):
         model = gpt_class(cfg.train.model_module)(cfg.model)
     except ValueError as error:  # a train.model_module file that is gone or changed
         raise CheckpointError(f"{key}={source}: {error}") from None
-    load_model_state(model, path, "cpu")
+    check_weights_fit(path, model, "load it into the model it was trained with.")
+    model.load_state_dict(saved_weights(path, model, "cpu"))
     note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path, goes_on="it is loaded")
     if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (on stderr: stdout is the tool's own)
         print(note, file=sys.stderr)
