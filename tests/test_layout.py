@@ -164,14 +164,9 @@ def module_level_imports(path):
 
 def test_import_train_loads_no_more_lines_than_now():
     """What `import train` reads of the project, module-level imports followed from train.py: the default run's
-    core. Optional features (tasks, buckets, stage 2, traces, the step's extras, data preparation, the dry run,
-    sharded checkpoints' writing and metadata check, rewinds, data.batch_size=auto, mixtures) are imported where
-    they are used. 4,759 lines in 10 modules before issue 46; 5,244 once its step's changes were merged with what
-    landed beside them; 5,074 once rewind.py, auto_batch.py and sharding.py took what a default run does not use;
-    5,134 with the fixes a fork's review asked for (no lm_head, 3-D parameters, a check that fails on its values,
-    a moved file); 5,065 once mixture.py took the mixtures; 5,072 after a third review's fixes. The goal of 4,300
-    is not met (docs/loop-and-metrics.md says what stands in the way). The limit holds the figure so that it cannot
-    creep back."""
+    core. Optional features are imported where they are used (docs/loop-and-metrics.md lists what went where).
+    Issue 46's goal is 4,300 lines (4,759 before it, 5,072 at its worst); the limit holds today's figure so that it
+    cannot creep back."""
     loaded, todo = set(), ["train"]
     while todo:
         name = todo.pop()
@@ -179,7 +174,7 @@ def test_import_train_loads_no_more_lines_than_now():
             loaded.add(name)
             todo += module_level_imports(ROOT / f"{name}.py")
     lines = sum(len((ROOT / f"{name}.py").read_text().splitlines()) for name in loaded)
-    assert lines <= 5072, f"import train loads {lines} lines of {sorted(loaded)}"
+    assert lines <= 4239, f"import train loads {lines} lines of {sorted(loaded)}"
     readme = (ROOT / "README.md").read_text()
     assert f"`import train` loads {len(loaded)} of the project's modules" in readme  # the README says the same
 
