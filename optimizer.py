@@ -72,11 +72,15 @@ class Muon(torch.optim.Muon):
     rule always are."""
 
     @torch.no_grad()
-    def step(self):  # (no closure: the loop computes the loss itself)
+    def step(self, closure=None):
         sharded = any(hasattr(p, "device_mesh") for group in self.param_groups for p in group["params"])  # DTensors
         on_gpu = any(p.device.type != "cpu" for group in self.param_groups for p in group["params"])
         if on_gpu and not sharded:
-            return super().step()
+            return super().step(closure)
+        loss = None
+        if closure is not None:  # as torch's step: the closure recomputes the loss and its gradients
+            with torch.enable_grad():
+                loss = closure()
         # torch's GPU step orthogonalises in bfloat16; the CPU's in float32 (above)
         dtype = torch.bfloat16 if on_gpu else torch.float32
         for group in self.param_groups:
@@ -99,6 +103,7 @@ class Muon(torch.optim.Muon):
                 p.mul_(1 - lr * group["weight_decay"])
                 # Moonshot's scale (adjust_lr_fn="match_rms_adamw", Liu et al. 2025): the update's RMS is AdamW's
                 p.add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape)))
+        return loss
 
 
 def orthogonalize(matrix, coefficients, steps, eps, dtype=torch.float32):
