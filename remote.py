@@ -25,6 +25,7 @@ GOOGLE_APPLICATION_CREDENTIALS), as every tool of that store reads them.
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import threading
@@ -76,8 +77,9 @@ def describe_failure(error):
         return f"the local file {local} is gone (deleted before its upload ended)"
     if "NoCredentials" in text or "Unable to locate credentials" in text:
         return "no credentials were found (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or the store's own)"
+    # (403 as a number of its own: the probe's random name, in the text, may hold those digits)
     if any(word in text for word in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "Forbidden",
-                                     "PermissionError", "403")):
+                                     "PermissionError")) or re.search(r"(?<![0-9a-f])403(?![0-9a-f])", text):
         return f"the credentials were refused ({text[:200]})"
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower() or isinstance(error, FileNotFoundError):
         return "the bucket does not exist (create it first)"
