@@ -1,6 +1,6 @@
-"""A run that ends without training to its last step: stopped early (a signal, a CANCEL file, the time limit, a
-write error), with nothing to train (train.hard_stop=0, a run already trained), or failed at a collective because of
-another rank. A module of its own so that `import train` does not load it: train.py imports it only then.
+"""A run that ends before its last step: stopped early (a signal, a CANCEL file, the time limit, a write error), or
+failed at a collective because of another rank. A module of its own so that `import train` does not load it: train.py
+imports it only then.
 """
 
 import os
@@ -27,25 +27,6 @@ def end_early(run, reason):
             "the checkpoint is saved: run the same command again to resume." if saved else
             "train.no_checkpoints saved no checkpoint, so running the command again starts from step 0."),
             flush=True)
-
-
-def nothing_to_train(run):
-    """What a run that starts at or past its end step says. train.hard_stop=0 trains nothing: the run saves what it
-    loaded (GPT-2's weights, another run's checkpoint) as its checkpoint at the step it starts at, as OLMo saves the
-    state it loaded before training."""
-    plan, state = run.plan, run.state
-    if plan.end_step == 0 and not run.resumed:
-        if not (state.step == 0 and plan.due(0).checkpoint) and not plan.no_checkpoints:
-            run.save("fixed")
-        if run.is_master:
-            saved = "nothing saved (train.no_checkpoints)" if plan.no_checkpoints else \
-                f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
-            print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
-    elif run.is_master:
-        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
-            if plan.end_step < plan.max_steps else "raise train.max_steps"
-        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
-              f"longer).")
 
 
 def collective_failure(error):

@@ -219,9 +219,18 @@ def before_the_first_step(run):
                 print(line, flush=True)
         if first.checkpoint:
             run.save(first.checkpoint)
-    if state.step >= plan.end_step:  # train.hard_stop=0, or a run already trained (run_end.py)
-        from run_end import nothing_to_train
-        nothing_to_train(run)
+    if plan.end_step == 0 and not run.resumed:  # train.hard_stop=0: save what was loaded, as OLMo does
+        if not (state.step == 0 and plan.due(0).checkpoint) and not plan.no_checkpoints:
+            run.save("fixed")
+        if run.is_master:
+            saved = "nothing saved (train.no_checkpoints)" if plan.no_checkpoints else \
+                f"step{state.step} in {run.cfg.train.out_dir} holds what was loaded"
+            print(f"train.hard_stop=0: trained nothing; {saved}", flush=True)
+    elif state.step >= plan.end_step and run.is_master:
+        limit = f"train.hard_stop={run.cfg.train.hard_stop} stops it at step {plan.end_step}: raise it" \
+            if plan.end_step < plan.max_steps else "raise train.max_steps"
+        print(f"{run.cfg.train.out_dir} is already trained to step {state.step}; nothing to do ({limit} to train "
+              f"longer).")
     if run.compiled and state.step < plan.end_step and run.is_master:
         print("torch.compile: the first step compiles the model first", flush=True)
 
@@ -612,7 +621,7 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
         import remote
         uploader = remote.start_uploads(cfg.checkpoint, lambda: run_dir.run_records(out_dir), replaced_in_bucket,
-                                        writer, stack)  # closed after checkpointer.wait below: the last save goes up
+                                        writer, stack)  # closed via `stack` after checkpointer.wait: last save goes up
     # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of the checkpoints' own.
     shard_group = dist.new_group(backend="gloo") if cfg.train.data_parallel == "fsdp" else None
     checkpointer = Checkpointer(out_dir, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, procs.is_master,
