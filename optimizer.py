@@ -167,9 +167,12 @@ def set_lr(optimizer, lr, peak_lr):
 #     linear    warmup, then a straight line down to min_lr at the last step
 #     constant  warmup, then optim.lr
 #     wsd       warmup, stable at lr, then a decay over the last D steps to min_lr (Hägele et al. 2024)
-#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods, each a wsd (wsds.py)
+#     wsds      Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods P1..Pk, each a wsd from
+#               its peak (lr x its multiplier) to min_lr, then back up (wsds.py); the bottom of each decay is a finished
+#               run of that length, which is what a model ladder measures
 # Warmup is optim.warmup_steps, or optim.warmup_fraction of the run (of P1 for wsds); the decay optim.decay_steps, or
-# optim.decay_fraction of the run (of each period for wsds), shaped by optim.decay_shape (`decay_shape`).
+# optim.decay_fraction of the run (of each period for wsds), shaped by optim.decay_shape: s(x) = x (linear),
+# (1 - cos(pi x)) / 2 (cosine) or 1 - sqrt(1 - x) (1-sqrt), as x falls from 1 to 0 (`Schedule.decay_shape`).
 
 
 @dataclass(frozen=True)

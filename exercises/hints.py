@@ -20,7 +20,7 @@ HINTS = {
         "Both schedules rise linearly during warmup, to the peak at step W. Cosine then falls to the floor along half "
         "a cosine wave, its progress measured from the end of warmup as (n - 1 - W) / (T - W), so step W + 1 still "
         "has the peak. WSD holds the peak until step T - D, then decays over the last D steps through "
-        "optimizer.decay_shape, with x = (T - n) / D going from 1 to 0."),
+        "optimizer.Schedule.decay_shape, with x = (T - n) / D going from 1 to 0."),
     2: ("train.py, `train_step`: its loop over micro-steps, and the comment on dividing the loss.",
         "`loss.backward()` adds its gradient to what `.grad` already holds: that makes accumulation possible, and "
         "makes the sum of k micro-batches' gradients k times the mean's. Scale each micro-step's loss before "
