@@ -6,7 +6,9 @@ A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
     optim.pt     the optimizer's state (AdamW's; with optim.name=muon, Muon's and AdamW's)
     trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
-    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank writes its own pieces (sharding.py)
+    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank's pieces of both, written through
+                 torch.distributed.checkpoint (`__<rank>_0.distcp`, `.metadata`; the marker lists them too),
+                 nothing gathered on one rank; every reader puts them together (sharding.py)
 
 Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole, so a crash at
 any instant leaves the old state or the new one. `<out_dir>/latest` links the newest. A folder without a readable
