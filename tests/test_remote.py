@@ -258,7 +258,7 @@ def test_a_bucket_checkpoint_replaced_at_the_same_url_is_downloaded_again(s3, da
 
 def test_an_unreachable_endpoint_is_not_called_refused_credentials_whatever_the_probes_name():
     """The probe's name is random hex: one holding "403" was once read as an HTTP 403 (a flaky CI failure)."""
-    unreachable = ConnectionError('Could not connect to the endpoint URL: "http://127.0.0.1:9/runs/.write_check_4033a81"')
+    unreachable = ConnectionError('Could not connect to the endpoint URL: "http://127.0.0.1:9/r/.write_check_4033a81"')
     assert remote.describe_failure(unreachable).startswith("the endpoint cannot be reached")
     assert remote.describe_failure(PermissionError("An error occurred (403) when calling the PutObject operation")) \
         .startswith("the credentials were refused")
