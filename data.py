@@ -117,6 +117,15 @@ def dataset_dir(data_root, name):
     return os.path.join(data_root or DEFAULT_DATA_ROOT, name)
 
 
+def rank0_first(work, rank, world_size):
+    """Rank 0 does `work` (prepare a dataset, download the tasks) while the others wait; then the others do it too
+    and find it done. Returns this rank's result."""
+    result = work() if rank == 0 else None
+    if world_size > 1:
+        torch.distributed.barrier()
+    return work() if rank != 0 else result
+
+
 def fingerprint(data_dir):
     """What a prepared dataset is, by content (cheaply: no full read) rather than by its folder's name; a
     character-level dataset's meta.json counts (its characters reordered are other ids). A run stores it

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from checkpoint import is_sharded, load_model
 from config import ConfigError, UserError, run_command
-from data import GPT2_VOCAB_SIZE, get_tokenizer
+from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
 from sample import KVCache, check_device
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
@@ -454,12 +454,8 @@ def load_task_examples(cfg, tokenizer, rank, world_size):
     if tokenizer.eot_token is None:
         raise ConfigError(f"eval.tasks are scored with GPT-2's tokenizer, and data.dataset={cfg.data.dataset} is "
                           f"character-level; leave eval.tasks empty for this run.")
-    if rank != 0:
-        dist.barrier()
-    examples = load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir, cfg.eval.tasks_limit)
-    if rank == 0 and world_size > 1:
-        dist.barrier()
-    return examples
+    return rank0_first(lambda: load_tasks(cfg.eval.tasks, cfg.model.block_size, cfg.eval.tasks_data_dir,
+                                          cfg.eval.tasks_limit), rank, world_size)
 
 
 def evaluate_in_loop(run):

@@ -30,7 +30,7 @@ from callbacks import LossSpikeDetector, all_finite, memory_metrics, peak_flops_
 from checkpoint import (MARKER, CheckpointError, Checkpointer, TrainState, capture_state, is_sharded, load_checkpoint,
                         model_code)
 from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, run_command
-from data import build_loaders, dataset_dir, dataset_names, fingerprint, shard_paths, tokenizer_of
+from data import build_loaders, dataset_dir, dataset_names, fingerprint, rank0_first, shard_paths, tokenizer_of
 from metrics import StepClock, speed_metrics
 from model import GPT, choose_loss_path, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
@@ -363,7 +363,8 @@ def build_run(cfg, stack):
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
                                  procs.world_size, procs.cpu_group, stack)  # lock, decide, refuse: writes nothing
-    prepare_on_first_use(cfg, procs)  # rank 0 prepares a missing built-in dataset first; the others find it done
+    for name in dataset_names(cfg):  # rank 0 prepares a missing built-in dataset first; the others find it done
+        rank0_first(lambda: prepare_on_first_use(dataset_dir(cfg.data.data_root, name)), procs.rank, procs.world_size)
     model, compiled = wrap_model(cfg, procs, raw_model, init_record, confirm_batch=auto_batch)  # (auto: on a GPU)
     stage_loaders, val_loaders = build_loaders(cfg, procs.rank, procs.world_size, procs.device)
     tokenizer = tokenizer_of(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
@@ -443,18 +444,11 @@ def collective_failure(error):
     return run_end.collective_failure(error)
 
 
-def prepare_on_first_use(cfg, procs):
-    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error.
-    Rank 0 prepares it while the others wait, then the others look and find it done."""
-    for name in dataset_names(cfg):
-        path = dataset_dir(cfg.data.data_root, name)
-        if procs.rank > 0:
-            dist.barrier()  # until rank 0 has prepared it
-        if not shard_paths(path, "train"):
-            from prepare_data import ensure_dataset
-            ensure_dataset(path)
-        if procs.rank == 0 and procs.world_size > 1:
-            dist.barrier()  # it is ready: the others look
+def prepare_on_first_use(path):
+    """A built-in dataset not prepared yet is prepared now (prepare_data.py, imported then); another is an error."""
+    if not shard_paths(path, "train"):
+        from prepare_data import ensure_dataset
+        ensure_dataset(path)
 
 
 def build_model(cfg, procs):

@@ -174,7 +174,7 @@ def test_import_train_loads_no_more_lines_than_now():
             loaded.add(name)
             todo += module_level_imports(ROOT / f"{name}.py")
     lines = sum(len((ROOT / f"{name}.py").read_text().splitlines()) for name in loaded)
-    assert lines <= 4264, f"import train loads {lines} lines of {sorted(loaded)}"
+    assert lines <= 4267, f"import train loads {lines} lines of {sorted(loaded)}"
     readme = (ROOT / "README.md").read_text()
     assert f"`import train` loads {len(loaded)} of the project's modules" in readme  # the README says the same
 
