@@ -27,8 +27,11 @@ def s3():
 
 @contextlib.contextmanager
 def start_s3():
-    """moto's S3 server on a free port of 127.0.0.1, the environment pointing at it, and a bucket `runs`."""
-    from moto import server as moto_server
+    """moto's S3 server on a free port of 127.0.0.1, the environment pointing at it, and a bucket `runs`; skips the
+    test, naming the packages, where s3fs or moto's server is not installed."""
+    pytest.importorskip("s3fs", reason="the bucket tests need s3fs (pip install s3fs)")
+    moto_server = pytest.importorskip("moto.server", reason="the bucket tests run moto's S3 server (pip install "
+                                                            "'moto[server]')")
 
     port = free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port)
