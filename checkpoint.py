@@ -8,7 +8,7 @@ A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
     sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank's pieces of both, written through
                  torch.distributed.checkpoint (`__<rank>_0.distcp`, `.metadata`; the marker lists them too),
-                 nothing gathered on one rank; every reader puts them together (sharding.py)
+                 nothing gathered on one rank; every reader puts them together (fsdp.py)
 
 Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole, so a crash at
 any instant leaves the old state or the new one. `<out_dir>/latest` links the newest. A folder without a readable
@@ -44,7 +44,7 @@ from config import UserError, config_from_dict, keys_with_role, run_command, wit
 from model import gpt_class
 
 MARKER = "COMPLETE"
-SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (sharding.FOLDER)
+SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
 STEP_DIR = re.compile(r"^step(\d+)$")
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
@@ -106,12 +106,12 @@ def verify_checkpoint(path):
 
 
 def check_sharded_metadata(path, files):
-    """An FSDP run's sharded/.metadata through sharding.check_metadata, whose refusal is an UntrustedCheckpoint."""
+    """An FSDP run's sharded/.metadata through fsdp.check_metadata, whose refusal is an UntrustedCheckpoint."""
     if os.path.isdir(os.path.join(path, SHARDED)):
-        import sharding
+        from lab import fsdp
         try:
-            sharding.check_metadata(path, files, MARKER)
-        except sharding.MetadataRefused as refused:
+            fsdp.check_metadata(path, files, MARKER)
+        except fsdp.MetadataRefused as refused:
             raise UntrustedCheckpoint(str(refused)) from None
 
 
@@ -176,7 +176,7 @@ def write_file_atomic(path, data):
 
 def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
     """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, replacing one already there only once it
-    is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (sharding.start_shards)."""
+    is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (fsdp.start_shards)."""
     final = os.path.join(out_dir, f"step{step}")
     partial = f"{final}.partial"
     checksums = {}
@@ -255,12 +255,12 @@ class Checkpointer:
 
     def save(self, step, snapshot, kind, model=None, optimizer=None):
         """Save `snapshot` (capture_state's) as step<N>. A sharded `model` (FSDP) and its `optimizer` are written by
-        every rank first (sharding.start_shards), then rank 0 writes the rest; other models are in the snapshot."""
+        every rank first (fsdp.start_shards), then rank 0 writes the rest; other models are in the snapshot."""
         self.wait()  # the previous save must finish before the next one starts
         shards = None
         if model is not None and is_sharded(model):
-            import sharding
-            shards = sharding.start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
+            from lab import fsdp
+            shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
                                            self.async_save, tied=set(ties(model)))
         elif not self.is_master:
             return
@@ -298,7 +298,7 @@ class Checkpointer:
 
 
 def is_sharded(model):
-    """Sharded by FSDP (train.data_parallel=fsdp, sharding.py): fully_shard gives the model this method."""
+    """Sharded by FSDP (train.data_parallel=fsdp, fsdp.py): fully_shard gives the model this method."""
     return hasattr(model, "set_requires_gradient_sync")
 
 
@@ -309,7 +309,7 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
-        import remote
+        from lab import remote
         load_path = remote.local_copy(load_path, "checkpoint.load_path")
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
     if own:
@@ -319,7 +319,7 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
                    f"checkpoint{changed}")
         return own, True, ignored if load_path else ""
     if load_path:
-        from hf import is_gpt2_source
+        from lab.hf import is_gpt2_source
         if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
             return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
         return check_source(load_path, "checkpoint.load_path"), False, ""
@@ -469,8 +469,8 @@ def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_mast
     (each rank writes its own pieces); with `unsharded` (checkpoint.unsharded_interval) its whole weights are."""
     whole = None
     if unsharded and is_sharded(raw_model):
-        import sharding
-        whole = sharding.gather_weights(raw_model, tied=set(ties(raw_model)))  # every rank sends its pieces
+        from lab import fsdp
+        whole = fsdp.gather_weights(raw_model, tied=set(ties(raw_model)))  # every rank sends its pieces
     rng = rng_state(sample_generator)
     if dist.is_initialized():
         all_rng = [None] * dist.get_world_size()
@@ -517,8 +517,8 @@ def saved_shapes(path):
     """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt is
     memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata."""
     if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
-        import sharding
-        return {name: shape for name, (shape, _) in sharding.tensor_shapes(os.path.join(path, SHARDED)).items()}
+        from lab import fsdp
+        return {name: shape for name, (shape, _) in fsdp.tensor_shapes(os.path.join(path, SHARDED)).items()}
     saved = read_file(path, "model.pt", mmap=True)
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
@@ -527,8 +527,8 @@ def saved_weights(path, model, device):
     """{name: tensor} of the weights in checkpoint `path`, a tied weight (stored once) under each name `model` ties it
     to: model.pt (an FSDP run's too, with checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
     if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
-        import sharding
-        state = {name: t.to(device) for name, t in sharding.read_tensors(os.path.join(path, SHARDED)).items()}
+        from lab import fsdp
+        state = {name: t.to(device) for name, t in fsdp.read_tensors(os.path.join(path, SHARDED)).items()}
     else:
         state = read_file(path, "model.pt", device)
     for name, first in ties(model).items():
@@ -585,7 +585,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     their fresh seeded state (dropout masks then differ from an uninterrupted run, as they must: there is none)."""
     device = next(model.parameters()).device
     if not os.path.exists(os.path.join(path, MARKER)):  # not a checkpoint of ours: GPT-2's weights (hf.py)
-        from hf import load_gpt2_weights
+        from lab.hf import load_gpt2_weights
         load_gpt2_weights(model, path)
         return None
     trainer = read_trainer_state(path)
@@ -618,22 +618,22 @@ def load_with_shards(path, model, optimizer, device):
     """Where FSDP is on either side, once check_weights_fit has passed: a sharded checkpoint into any model (each rank
     reads the pieces it holds; DCP reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded
     model (whole tensors, each rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
-    import sharding
+    from lab import fsdp
 
     if os.path.isdir(os.path.join(path, SHARDED)):
-        model_state, optim_state = sharding.load_shards(path, model, optimizer, tied=ties(model))
+        model_state, optim_state = fsdp.load_shards(path, model, optimizer, tied=ties(model))
         check_group_layout(optim_state, optimizer, path)
         full = False
     else:
         model_state = saved_weights(path, model, device)
         optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
         check_group_layout(optim_state, optimizer, path)
-        model_state, optim_state = sharding.full_into_sharded(model, optimizer, model_state, optim_state)
+        model_state, optim_state = fsdp.full_into_sharded(model, optimizer, model_state, optim_state)
         full = True
     if optim_state is None:
-        sharding.apply(model, None, model_state, None, full)
+        fsdp.apply(model, None, model_state, None, full)
     else:
-        keep_settings(optimizer, lambda: sharding.apply(model, optimizer, model_state, optim_state, full))
+        keep_settings(optimizer, lambda: fsdp.apply(model, optimizer, model_state, optim_state, full))
 
 
 def newest_checkpoint(run_dir):
@@ -646,9 +646,9 @@ def check_source(source, key):
     """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an OpenAI name, with
     transformers installed, or a local HF folder); else one sentence naming `key`, the setting or flag it came
     from. Reads no weights, except a bucket's (an s3:// or gs:// URL), downloaded once into a cache."""
-    from hf import OPENAI_MODELS, is_hf_folder
+    from lab.hf import OPENAI_MODELS, is_hf_folder
     if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
-        import remote
+        from lab import remote
         return resolve_checkpoint(remote.local_copy(source, key))
     if source in OPENAI_MODELS:
         import importlib.util
@@ -679,7 +679,7 @@ def load_model(source, device, key):
     was trained with (train.model_module). Errors name `key` (sample.py's --init_from, stage2.reference, ...)."""
     path = check_source(source, key)
     if path is None:
-        from hf import import_hf
+        from lab.hf import import_hf
         return import_hf(source).to(device).eval()
     trainer = read_trainer_state(path)
     cfg = config_from_dict(trainer["config"])
@@ -720,7 +720,7 @@ def main(argv):
                 state = f"damaged: {error}"
             print(f"step {step:>8}  {read_marker(path).get('kind', '?'):<9}  {path}  {state}")
     else:
-        from hf import check_export_target, export_hf
+        from lab.hf import check_export_target, export_hf
         check_export_target(args.out_dir)  # before the (slow) load
         export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT"), args.out_dir)
 

@@ -111,7 +111,7 @@ class TrainConfig:
     dtype: Literal["auto", "float32", "bfloat16"] = applied("auto")  # auto: bfloat16 on GPUs that have it, else float32
     compile: Literal["auto", "true", "false"] = applied("auto")  # torch.compile; auto: on for CUDA, off on CPU (slower)
     # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank holds 1/world_size of them (PyTorch's
-    # FSDP2, for models past one GPU's memory; checkpoints are then written in pieces by every rank: sharding.py)
+    # FSDP2, for models past one GPU's memory; checkpoints are then written in pieces by every rank: fsdp.py)
     data_parallel: Literal["ddp", "fsdp"] = free("ddp")
     # the module whose GPT class is trained: model (model.py) or a .py file of your own, e.g. the course's capstone
     model_module: str = identity("model")

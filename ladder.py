@@ -46,7 +46,7 @@ from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # n
                                 sized_model)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
 from hellaswag_eval import check_names  # noqa: E402
-import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
+from lab import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
 from run_dir import changed_fields  # noqa: E402
 
 
@@ -207,7 +207,7 @@ def run_config(cfg, plan):
 
 def dry_run(cfg, plans, as_json):
     from optimizer import build_schedule
-    from dry_run import plot_schedule
+    from lab.dry_run import plot_schedule
 
     for p in plans:
         b, r = p.batch, p.run

@@ -6,7 +6,7 @@ import os
 
 from checkpoint import check_source, newest_checkpoint, read_trainer_state
 from config import ConfigError, with_defaults
-from hf import gpt2_shape, is_gpt2_source, use_source_shape
+from lab.hf import gpt2_shape, is_gpt2_source, use_source_shape
 
 
 def use_load_path_shape(cfg, default_config):
@@ -18,7 +18,7 @@ def use_load_path_shape(cfg, default_config):
     own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
     saved = read_trainer_state(own)["config"] if own else None
     if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
-        import remote
+        from lab import remote
         bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
         saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
     if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now

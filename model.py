@@ -266,7 +266,7 @@ class ModelError(Exception):
 def output_parameters(model):
     """The parameters `model.logits` computes from, frozen ones too: the leaves of autograd's graph of one row of
     hidden states, on the model's device (one row of logits; none on the meta device). A model FSDP has sharded,
-    whose pieces a plain row cannot reach, answers by the names sharding.shard read first (`output_names`)."""
+    whose pieces a plain row cannot reach, answers by the names fsdp.shard read first (`output_names`)."""
     params = dict(model.named_parameters())
     if type(next(iter(params.values()))).__name__ == "DTensor":
         return [params[name] for name in model.output_names]
@@ -309,7 +309,7 @@ def gpt_class(module="model"):
     same GPTConfig and answers what the trainer asks (model_module.py loads it), so the trainer names no layer of it."""
     if module == "model":
         return GPT
-    from model_module import load_gpt_class
+    from lab.model_module import load_gpt_class
     return load_gpt_class(module)
 
 

@@ -9,7 +9,7 @@ which imports remote.py; run_dir.py passes in its `identity_difference`, as run_
 import json
 import os
 
-import remote
+from lab import remote
 from checkpoint import STEP_DIR, CheckpointError, find_checkpoints, newest_valid_checkpoint
 from config_help import as_override
 

@@ -177,7 +177,7 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
         bucket_steps, same_run = read_bucket(c, out_dir, run_config, identity_difference)
     rewind_to, rewind_folder, rewind_note = 0, "", ""
     if c.resume_step:  # (rewind.py)
-        from rewind import plan_rewind
+        from lab.rewind import plan_rewind
         rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
@@ -242,7 +242,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
         from remote_start import carry_out_in_bucket
         lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
     if start.rewind_to:
-        from rewind import rewind
+        from lab.rewind import rewind
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
     replaced = []
     if start.resumed:

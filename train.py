@@ -62,16 +62,16 @@ def main(argv):
     if cfg.train.no_checkpoints:  # a benchmark: nothing is loaded or saved, so where from and to is not checked
         cfg.checkpoint = dataclasses.replace(cfg.checkpoint, load="never", load_path="", remote_folder="")
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: one sentence now, not at the first upload
-        import remote
+        from lab import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
     if cfg.checkpoint.load_path:  # a GPT-2's shape, or one sentence for a typo (load_path.py)
         from load_path import use_load_path_shape
         use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if cfg.stage2.reference:  # needed only when stage 2 begins, hours from now: checked now (with the run's shape)
-        from stage2 import check_reference
+        from lab.stage2 import check_reference
         check_reference(cfg.stage2.reference, cfg.model, cfg.stage2.kl_estimator)
     if "--dry_run" in argv:  # the plan, printed (dry_run.py)
-        from dry_run import dry_run
+        from lab.dry_run import dry_run
         return dry_run(cfg)
     train(cfg)
 
@@ -134,7 +134,7 @@ def train(cfg):
             for line in recorder.finish_step(step, due.collect or halt, wait=bool(due.checkpoint) or halt):
                 print(line, flush=True)
             if cfg.log.all_ranks and not run.is_master and (step % cfg.log.interval == 0 or step == plan.end_step):
-                from step_extras import rank_line  # log.all_ranks: this rank's own numbers
+                from lab.step_extras import rank_line  # log.all_ranks: this rank's own numbers
                 print(rank_line(run.rank, step, step_metrics), flush=True)
             if halt or (run.writer.nonfinite and cfg.train.nan_policy == "stop"):
                 extras.stop_on_nonfinite(run, step, step_metrics)
@@ -169,7 +169,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
     the ranks. In stage 2, `objective(model, x, y)` (Stages, below) replaces the model's own loss with CE + beta x KL.
     No host sync, unless nan_policy=skip (step_extras.py passes it)."""
     raw_model = model.module if isinstance(model, DDP) else model
-    sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (sharding.py)
+    sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP's fully_shard (fsdp.py)
     names = ["train/loss"] + (["train/ce_loss", "train/kl", "train/reference_loss"] if objective else [])
     sums = torch.zeros(len(names), device=loader.device)
     data_time = 0.0
@@ -191,7 +191,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, *, grad_cli
         sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
     step_metrics = dict(zip(names, sums))
     if layer_norms:  # before clipping, as train/grad_norm is (log.grad_norms_interval: step_extras.py asks)
-        from step_extras import per_layer_grad_norms
+        from lab.step_extras import per_layer_grad_norms
         step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
     grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), grad_clip or float("inf"))
@@ -279,7 +279,7 @@ def write_samples(run, step):
     from sample import generate_text
     e = run.cfg.eval
     if is_sharded(run.model):
-        from sharding import share_generator
+        from lab.fsdp import share_generator
         share_generator(run.sample_generator)
     try:
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples, max_new_tokens=e.sample_tokens,
@@ -358,7 +358,7 @@ def build_run(cfg, stack):
         raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and this is a plain python "
                           "process; start it with torchrun --nproc-per-node=N, or set --train.data_parallel=ddp.")
     name = cfg.log.wandb_name or os.path.basename(os.path.abspath(cfg.train.out_dir))
-    from notifier import Notifier
+    from lab.notifier import Notifier
     notifier = stack.enter_context(Notifier(cfg.log.slack_webhook, name, procs.is_master))  # a webhook, if any
     raw_model, init_record, auto_batch = build_model(cfg, procs)  # the same initial weights everywhere (FSDP: meta)
     start = run_dir.decide_start(cfg.train.out_dir, cfg.checkpoint, config_to_dict(cfg), raw_model, procs.rank,
@@ -382,7 +382,7 @@ def build_run(cfg, stack):
     from stack_dump import register_stack_dump
     stack.callback(register_stack_dump(cfg.train.out_dir, procs.rank))  # `python debug.py stacks RUN`
     recorder, writer, checkpointer, stopper = beside_the_loop(cfg, procs, plan, replaced, start.replace_bucket, stack)
-    from step_extras import StepExtras
+    from lab.step_extras import StepExtras
     extras = StepExtras(cfg, plan, state.step + 1, compiled, procs.is_master, stack)
     return Run(cfg=cfg, rank=procs.rank, world_size=procs.world_size, device=procs.device,
                is_master=procs.is_master, autocast=procs.autocast, raw_model=raw_model, model=model,
@@ -410,7 +410,7 @@ def start_processes(cfg):
     """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo on CPU; a
     collective that waits train.dist_timeout seconds for a rank ends the run (collective_failure says so)."""
     if cfg.train.deterministic:
-        from debug import make_deterministic
+        from lab.debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
     choice = cfg.train.device
     want_cuda = choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available())
@@ -454,18 +454,18 @@ def prepare_on_first_use(path):
 def build_model(cfg, procs):
     """(the GPT (train.model_module's class) with the same initial weights on every rank, on the device; the record
     of its initialisation or None). Under FSDP it is built on `meta` (shapes, no numbers) and its record is kept:
-    wrap_model shards it, then each rank fills only its own pieces (sharding.py), so no rank holds the whole model."""
+    wrap_model shards it, then each rank fills only its own pieces (fsdp.py), so no rank holds the whole model."""
     torch.manual_seed(cfg.train.seed)  # the same on every rank, so every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, procs.device_type, is_compiled(cfg, procs.device_type))
     make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
     if cfg.train.data_parallel == "fsdp":  # on meta with its record, or whole where the record cannot replay it
-        from sharding import build_for_fsdp
+        from lab.fsdp import build_for_fsdp
         raw_model, record = build_for_fsdp(make, procs.device, procs.is_master)
     else:
         raw_model, record = make().to(procs.device), None
     auto = cfg.data.batch_size == "auto"
     if auto:  # the largest micro-batch the estimate fits on this GPU (auto_batch.py)
-        from auto_batch import resolve_batch_size
+        from lab.auto_batch import resolve_batch_size
         cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, procs.world_size, procs.device,
                                                       isinstance(procs.autocast, torch.autocast))
         if procs.is_master:
@@ -486,13 +486,13 @@ def build_model(cfg, procs):
 def wrap_model(cfg, procs, raw_model, init_record=None, confirm_batch=False):
     """(model, compiled): the form the loop calls, compiled and/or wrapped in DDP (which all-reduces the gradients);
     the raw model keeps the weights, which the optimizer and the checkpoints use. Under FSDP the model is sharded in
-    place (sharding.py), both forms at once."""
+    place (fsdp.py), both forms at once."""
     compiled = is_compiled(cfg, procs.device_type)
     if cfg.train.data_parallel == "fsdp":  # sharded in place: raw_model becomes the form the loop calls too
-        from sharding import shard_and_fill
+        from lab.fsdp import shard_and_fill
         shard_and_fill(raw_model, init_record, cfg.train.seed, procs, compiled)
     if confirm_batch:  # data.batch_size=auto: one trial step of the chosen micro-batch (auto_batch.py)
-        from auto_batch import confirm_batch_size
+        from lab.auto_batch import confirm_batch_size
         confirm_batch_size(cfg, procs, raw_model)
     if cfg.train.data_parallel == "fsdp":
         return raw_model, compiled
@@ -529,7 +529,7 @@ class Stages:
         if self.stage2_step is None or step <= self.stage2_step:
             return (*self.loaders[0], None)
         if self.objective is None:  # the first step of stage 2 in this process
-            from stage2 import begin_stage2
+            from lab.stage2 import begin_stage2
             self.objective = begin_stage2(self)
         return (*self.loaders[-1], self.objective)
 
@@ -613,7 +613,7 @@ def beside_the_loop(cfg, procs, plan, replaced, replaced_in_bucket, stack):
     stack.callback(recorder.close)
     uploader = None
     if cfg.checkpoint.remote_folder and procs.is_master:  # uploads on a thread of their own (remote.py)
-        import remote
+        from lab import remote
         uploader = remote.start_uploads(cfg.checkpoint, lambda: run_dir.run_records(out_dir), replaced_in_bucket,
                                         writer, stack)  # closed via `stack` after checkpointer.wait: last save goes up
     # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of the checkpoints' own.

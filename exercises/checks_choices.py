@@ -30,7 +30,7 @@ def law_text(law):
 
 def compare_law_readings(law, n, d, loss, mine):
     """Raise ExerciseFailed at the first of the three readings that differs from scaling_law's."""
-    import scaling_law
+    from lab import scaling_law
 
     readings = [
         ("predict_loss", f"N {n:.3g}, D {d:.3g}", scaling_law.predict(law, n, d), "scaling_law.predict",
@@ -52,7 +52,7 @@ def compare_law_readings(law, n, d, loss, mine):
 
 
 def check_scaling_law(answers):
-    import scaling_law
+    from lab import scaling_law
 
     rng = np.random.default_rng()
     cases = []

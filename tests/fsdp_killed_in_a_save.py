@@ -9,10 +9,10 @@ import os
 import sys
 import time
 
-import sharding
+from lab import fsdp
 import train
 
-write_shards = sharding.dcp.save
+write_shards = fsdp.dcp.save
 
 
 def hanging(state, checkpoint_id, **kwargs):
@@ -34,5 +34,5 @@ def hanging(state, checkpoint_id, **kwargs):
     time.sleep(600)
 
 
-sharding.dcp.save = hanging
+fsdp.dcp.save = hanging
 train.main(sys.argv[1:])

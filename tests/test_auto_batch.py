@@ -7,7 +7,7 @@ import torch
 from conftest import TINY, assert_one_sentence, run_train
 from config import ConfigError, parse_args
 from model import GPT
-from auto_batch import AUTO_HEADROOM, resolve_batch_size
+from lab.auto_batch import AUTO_HEADROOM, resolve_batch_size
 from plan import memory_per_rank
 
 GB = 1e9

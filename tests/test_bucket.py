@@ -18,7 +18,7 @@ from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_in_proce
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-import remote  # noqa: E402
+from lab import remote  # noqa: E402
 from bucket_fixture import bucket_steps, s3  # noqa: E402,F401 - s3 is a fixture
 from checkpoint import find_checkpoints  # noqa: E402
 
@@ -160,7 +160,8 @@ def test_a_kill_during_a_download_leaves_nothing_that_looks_whole_and_the_next_s
     url = "s3://runs/kill-download"
     run_train(args(data_root, tmp_path / "run", "--train.max_steps=2", f"--checkpoint.remote_folder={url}"))
     fresh = tmp_path / "fresh"
-    script = ("import sys, time, remote, train\n"  # a store slow enough to be killed in the middle of a download
+    # a store slow enough to be killed in the middle of a download
+    script = ("import sys, time, train\nfrom lab import remote\n"
               "def slow(*args, **kwargs):\n"
               "    print('downloading', flush=True)\n"
               "    time.sleep(60)\n"

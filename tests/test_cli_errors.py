@@ -7,7 +7,7 @@ import torch
 
 from tools import bench, bench_eval
 import checkpoint
-import debug
+from lab import debug
 import hellaswag_eval
 import sample
 from conftest import ROOT, TINY, assert_one_sentence, run_in_process, run_train

@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-import debug
+from lab import debug
 import stack_dump
 from checkpoint import sha256_file
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
@@ -28,7 +28,8 @@ def run_debug(*args):
     in a process of its own (it signals other processes and waits for their files)."""
     if args[0] != "stacks":
         return run_in_process(args, debug.main)
-    return subprocess.run([sys.executable, "debug.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "lab/debug.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
 
 
 class Loader:  # the two methods trace_forward uses, and the batch

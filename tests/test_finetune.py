@@ -139,7 +139,7 @@ def test_a_reference_of_another_tokenizer_is_one_sentence(gpt2_folder):
     character ids as GPT-2 tokens, with exit 0."""
     from checkpoint import CheckpointError
     from model import GPTConfig
-    from stage2 import check_reference
+    from lab.stage2 import check_reference
 
     check_reference(str(gpt2_folder), GPTConfig(block_size=64), "full")  # GPT-2's tokens, padded: the same
     with pytest.raises(CheckpointError, match=r"predicts 50257, and this run's model.block_size is 64 and its "
@@ -150,7 +150,7 @@ def test_a_reference_of_another_tokenizer_is_one_sentence(gpt2_folder):
 def test_a_character_reference_needs_the_runs_characters_and_for_the_full_kl_exactly_them(monkeypatch):
     """nll_diff scores this run's ids with the reference, so a reference of more characters serves; the full KL
     compares whole distributions, so it needs as many."""
-    import stage2
+    from lab import stage2
     from checkpoint import CheckpointError
     from config import Config, config_to_dict
     from model import GPTConfig

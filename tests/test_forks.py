@@ -296,7 +296,7 @@ def tools_on_the_fork(tmp_path, args, run_dir, ladder_lines):
 def exported_or_refused(model, folder, refusal):
     """export-hf's result: GPT-2 with the fork's own logits, or (refusal) one sentence and no folder."""
     pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
-    import hf
+    from lab import hf
     from config import UserError
 
     if refusal is None:
@@ -391,7 +391,7 @@ class GPT(model.GPT):
 def test_an_output_layer_by_another_name_is_the_output_whole_and_sharded(tmp_path):
     """param_groups found the output layer as `lm_head`: `unembed` was a matrix, and Muon stepped it (exit 0, another
     model). Now it is the output, to AdamW, as what `logits` multiplies by; FSDP's sharded pieces (one gloo rank
-    here) are answered by the names sharding.shard read while the weights were whole."""
+    here) are answered by the names fsdp.shard read while the weights were whole."""
     module = tmp_path / "my_gpt.py"
     module.write_text(RENAMED_OUTPUT)
     script = f"""
@@ -400,7 +400,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from config import OptimConfig
 from model import GPTConfig, gpt_class
 from optimizer import param_groups
-from sharding import shard
+from lab.fsdp import shard
 GPT = gpt_class({str(module)!r})
 def answers(m):
     return (m.num_params_with_output(), m.flops_per_token(),

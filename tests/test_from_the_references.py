@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from debug import activation_stats
+from lab.debug import activation_stats
 from conftest import TINY, assert_one_sentence, read_metrics, run_in_process, run_train
 from model import GPT, GPTConfig
 
@@ -75,7 +75,7 @@ def test_activation_statistics_are_logged_on_their_cadence_and_change_no_trainin
     rows = {r["step"]: r for r in read_metrics(tmp_path / "on")}
     assert "activations/layer01/rms" in rows[2] and "params/layer00/norm" in rows[4]
     assert not any("activations/" in key for key in rows[1]) and not any("activations/" in key for key in rows[3])
-    import debug  # at 0 (the default) the step does no extra work: the function is never called
+    from lab import debug  # at 0 (the default) the step does no extra work: the function is never called
     monkeypatch.setattr(debug, "activation_stats", lambda *a: pytest.fail("activation statistics at interval 0"))
     run_train(args(data_root, tmp_path / "off", "--train.max_steps=4"))
     off = read_metrics(tmp_path / "off")

@@ -64,7 +64,7 @@ def runs(data_root, tmp_path_factory):
                                           *remote], nproc=2, env=s3 or {}).stdout
         if s3:  # what the bucket holds, and the model read back from it (downloaded: every file its marker lists)
             import checkpoint
-            import remote as bucket_files
+            from lab import remote as bucket_files
             fs, root = bucket_files.filesystem("s3://runs/fsdp")
             fs.invalidate_cache()
             found["bucket_listing"] = sorted(path[len(root) + 1:] for path in fs.find(root))
@@ -198,9 +198,9 @@ def test_a_ddp_checkpoint_resumes_as_fsdp(runs):
 
 def test_every_reader_reads_a_sharded_checkpoint(runs, tmp_path):
     import checkpoint
-    import debug
+    from lab import debug
     import sample
-    from sharding import read_tensors
+    from lab.fsdp import read_tensors
 
     listed = run_in_process(["list", str(runs["fsdp"])], checkpoint.main)
     assert "step6" in listed.stdout and "complete" in listed.stdout
@@ -259,7 +259,7 @@ def run_code_instead_of_metadata(checkpoint_dir, marker_file):
 
 def test_a_sharded_metadata_that_runs_code_is_refused_by_every_entry_point(runs, data_root, tmp_path):
     import checkpoint
-    import debug
+    from lab import debug
     import hellaswag_eval
     import sample
     import train
@@ -280,7 +280,7 @@ def test_a_sharded_metadata_that_runs_code_is_refused_by_every_entry_point(runs,
              (checkpoint.main, ["export-hf", crafted, tmp_path / "hf"]),
              (debug.main, ["compare-state", crafted / "step6", runs["fsdp"] / "step6"])]
     if runs["s3"]:  # the same checkpoint from a bucket
-        import remote
+        from lab import remote
         fs, root = remote.filesystem("s3://runs/crafted")
         fs.put(str(crafted / "step6"), f"{root}/step6", recursive=True)
         calls += [(sample.main, ["--init_from", "s3://runs/crafted", "--device=cpu"]),

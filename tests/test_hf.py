@@ -9,7 +9,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import hf  # noqa: E402
+from lab import hf  # noqa: E402
 from checkpoint import load_model  # noqa: E402
 from config import UserError  # noqa: E402
 import warm_python

@@ -231,7 +231,7 @@ def test_micro_ladder_end_to_end(tmp_path, data_root):
     from bucket_fixture import start_s3
 
     with start_s3():
-        import remote
+        from lab import remote
         fs, root = remote.filesystem("s3://runs/ladder-copy")
         fs.put(str(tmp_path / "ladder"), root, recursive=True)
         elsewhere = ["--ladder.dir=" + str(tmp_path / "empty"), "--ladder.alternative_dirs=s3://runs/ladder-copy"]

@@ -10,11 +10,11 @@ import pytest
 import checkpoint
 import config
 import data
-import debug
+from lab import debug
 import hellaswag_eval
-import hf
+from lab import hf
 import metrics
-import step_extras
+from lab import step_extras
 from config import ConfigError, parse_args
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 

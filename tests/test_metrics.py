@@ -240,7 +240,7 @@ def test_garbage_collector_disables_automatic_gc_and_collects_every_n_steps(monk
     from types import SimpleNamespace
 
     from plan import make_plan
-    from step_extras import StepExtras
+    from lab.step_extras import StepExtras
 
     collected_at = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: collected_at.append(generation))

@@ -144,7 +144,7 @@ def test_resuming_with_the_other_optimizer_is_refused_before_anything_is_loaded(
 
 
 def test_compare_state_names_both_optimizers_moments(data_root, tmp_path):
-    import debug
+    from lab import debug
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=2",
                       "--optim.name=muon"])
     _, state = debug.named_state(str(tmp_path))

@@ -17,7 +17,7 @@ from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 pytest.importorskip("s3fs")
 moto_server = pytest.importorskip("moto.server")
 
-import remote  # noqa: E402
+from lab import remote  # noqa: E402
 from bucket_fixture import bucket_steps, free_port, s3  # noqa: E402,F401 - s3 is a fixture
 from checkpoint import find_checkpoints  # noqa: E402
 

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-import scaling_law
+from lab import scaling_law
 from conftest import run_ladder
 
 TRUTH = {"E": 1.7, "A": 400.0, "alpha": 0.34, "B": 410.0, "beta": 0.28}

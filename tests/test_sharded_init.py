@@ -1,4 +1,4 @@
-"""Sharded initialisation's record and replay (sharding.build_on_meta, materialise) in one process, without sharding:
+"""Sharded initialisation's record and replay (fsdp.build_on_meta, materialise) in one process, without sharding:
 the replayed weights equal a whole build's from the same seed, the random state is left as it was, and an init the
 record cannot replay is said so (build_for_fsdp then builds the model whole). The 2-rank test is in test_fsdp.py."""
 
@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 
 from model import GPT, GPTConfig
-from sharding import build_for_fsdp, build_on_meta, materialise
+from lab.fsdp import build_for_fsdp, build_on_meta, materialise
 
 CONFIG = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=96)
 

@@ -5,12 +5,12 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-import stage2
+from lab import stage2
 import train
 from checkpoint import find_checkpoints, read_marker
 from config import ConfigError, parse_args
 from conftest import TINY, read_metrics, run_train
-from stage2 import full_kl
+from lab.stage2 import full_kl
 
 
 def stage2_args(root, out, *extra):

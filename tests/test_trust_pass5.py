@@ -29,7 +29,7 @@ class RunsCode:
 def test_dcp_values_are_read_without_running_code(tmp_path):
     """DCP reads a sharded checkpoint's non-tensor values (the optimizer's lr, betas, names) with torch.load; the
     trainer's planner reads them as weights_only, so a piece file cannot run code either."""
-    from sharding import Planner
+    from lab.fsdp import Planner
 
     planner = Planner(flatten_state_dict=False)
     planner.state_dict = {}
@@ -48,7 +48,7 @@ def test_dcp_values_are_read_without_running_code(tmp_path):
 
 
 def test_the_metadata_reader_builds_only_dcp_classes(tmp_path):
-    from sharding import MetadataRefused, read_metadata
+    from lab.fsdp import MetadataRefused, read_metadata
 
     (tmp_path / ".metadata").write_bytes(pickle.dumps(RunsCode(tmp_path / "ran")))
     with pytest.raises(MetadataRefused, match="asks to run posix.system"):
@@ -77,7 +77,7 @@ def test_the_webhook_url_reaches_no_file_bucket_or_wandb_record(s3, data_root, t
     pytest.importorskip("wandb")
     import json
 
-    import remote
+    from lab import remote
     import train
     from checkpoint import read_trainer_state
 
@@ -114,7 +114,7 @@ def test_the_webhook_url_reaches_no_file_bucket_or_wandb_record(s3, data_root, t
 @pytest.mark.parametrize("url", ["notaurl", "file:///etc/passwd", "ftp://example.com/hook"])
 def test_a_webhook_that_is_no_http_url_is_one_sentence_that_does_not_show_it(url, monkeypatch):
     from config import ConfigError, parse_args
-    from notifier import Notifier
+    from lab.notifier import Notifier
 
     with pytest.raises(ConfigError, match=r"log.slack_webhook must be an http:// or https:// URL") as refused:
         parse_args([f"--log.slack_webhook={url}"])
@@ -280,7 +280,7 @@ def test_a_damaged_marker_in_the_bucket_or_the_folder_is_a_one_line_warning(s3, 
     import shutil
 
     import checkpoint
-    import remote
+    from lab import remote
     import sample
 
     url = "s3://runs/damaged"
@@ -305,7 +305,7 @@ def test_the_bucket_start_messages_name_every_step_and_the_run_they_hold(s3, tin
     import json
     import shutil
 
-    import remote
+    from lab import remote
     import train
     from conftest import assert_one_sentence
 
@@ -350,7 +350,7 @@ def test_a_hard_stop_below_the_checkpoint_names_itself_and_records_no_change(tin
 
 
 def test_a_shape_from_the_default_config_file_is_one_clean_sentence():
-    from hf import WeightsError, use_source_shape
+    from lab.hf import WeightsError, use_source_shape
     from model import GPTConfig
 
     shape = {**dataclasses.asdict(GPTConfig()), "n_layer": 12}
@@ -362,7 +362,7 @@ def test_a_shape_from_the_default_config_file_is_one_clean_sentence():
 
 def test_warnings_after_the_run_ended_do_not_say_training_goes_on(capsys):
     from metrics import warn_if_slow
-    from notifier import Notifier
+    from lab.notifier import Notifier
 
     with Notifier("http://127.0.0.1:9/nobody", "run", is_master=True) as notifier:  # nothing listens on port 9
         notifier.outcome = "finished at step 2"

@@ -11,7 +11,7 @@ import math
 import os
 import re
 
-import scaling_law
+from lab import scaling_law
 from checkpoint import is_complete_checkpoint
 from config import UserError
 from configurator.model import PARAMS
@@ -33,7 +33,7 @@ def missing_alternative_dirs(cfg):
     missing = []
     for folder in cfg.ladder.alternative_dirs:
         if "://" in folder:
-            import remote
+            from lab import remote
 
             fs, root = remote.filesystem(folder, "ladder.alternative_dirs")
             exists = fs.exists(root)
@@ -47,7 +47,7 @@ def missing_alternative_dirs(cfg):
 def listing(folder):
     """(complete checkpoint steps, metrics_step<N>.json steps) of a local folder or a bucket URL ({} when missing)."""
     if "://" in folder:
-        import remote
+        from lab import remote
 
         fs, root = remote.filesystem(folder, "ladder.alternative_dirs")
         names = [] if not fs.exists(root) else [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
@@ -88,7 +88,7 @@ def read_metrics_file(path):
     """A metrics_step<N>.json a run wrote (in a folder or a bucket); a damaged one is one sentence naming it."""
     try:
         if "://" in path:
-            import remote
+            from lab import remote
 
             fs, root = remote.filesystem(path, "ladder.alternative_dirs")
             saved = json.loads(fs.cat_file(root))

@@ -301,7 +301,7 @@ class Shards:
 
 
 def start_shards(out_dir, step, model, optimizer, is_master, group, async_save, tied=()):
-    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (sharding.py);
+    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (fsdp.py);
     rank 0 first clears what a killed save left there. With async_save, they are written in the background.
     `tied`: second names of a tied weight, left out as model.pt leaves them out."""
     partial = os.path.join(out_dir, f"step{step}.partial")

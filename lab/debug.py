@@ -12,9 +12,9 @@ In the loop (train.py calls these; every rank also registers a stack dump, stack
 
 From the command line:
 
-    python debug.py compare-traces RUN_A RUN_B [--step N] [--atol 0] [--rtol 0]
-    python debug.py compare-state CKPT_A CKPT_B [--top 20]
-    python debug.py stacks RUN [--wait 10]
+    python lab/debug.py compare-traces RUN_A RUN_B [--step N] [--atol 0] [--rtol 0]
+    python lab/debug.py compare-state CKPT_A CKPT_B [--top 20]
+    python lab/debug.py stacks RUN [--wait 10]
 
 compare-traces answers "where did these two runs start to differ?": per traced step, the modules in
 the order they ran, the largest absolute and relative difference of their outputs, and the first
@@ -38,14 +38,18 @@ import time
 
 import torch
 
-import stack_dump
+if __name__ == "__main__":  # `python lab/debug.py`: the project's modules are one folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import stack_dump  # noqa: E402 - after the line above
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
 from model import gpt_class
 from optimizer import build_optimizer
 
 TRACES = "traces"
-HERE = os.path.dirname(os.path.abspath(__file__))  # this project's folder: its frames are the telling ones
+# this project's folder: its frames are the telling ones
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class DebugError(UserError):
@@ -267,8 +271,8 @@ def named_state(path):
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
     path = resolve_checkpoint(path)
-    if os.path.isdir(os.path.join(path, SHARDED)):  # an FSDP run's pieces, put together (sharding.py)
-        from sharding import read_tensors
+    if os.path.isdir(os.path.join(path, SHARDED)):  # an FSDP run's pieces, put together (fsdp.py)
+        from lab.fsdp import read_tensors
 
         state = read_tensors(os.path.join(path, SHARDED))
         for name, moments in read_tensors(os.path.join(path, SHARDED), "optim.state.").items():

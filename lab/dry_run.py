@@ -15,7 +15,7 @@ from data import build_loaders, dataset_dir, prepare_hint
 from model import choose_loss_path, gpt_class
 from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
-from auto_batch import resolve_batch_size
+from lab.auto_batch import resolve_batch_size
 from plan import describe_run, is_compiled, make_plan, shares_text
 from wsds import period_ends
 

@@ -48,13 +48,13 @@ class StepExtras:
         """Step `step` with whatever of the above is due at it: ({metric: value}, data seconds), as train_step."""
         plan, cfg = self.plan, self.cfg
         if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (debug.py)
-            import debug
+            from lab import debug
             with clock.aside("trace"):  # (on every rank, as all record the same metrics)
                 if self.is_master:
                     debug.trace_forward(run.raw_model, loader, run.autocast, cfg.train.out_dir, step,
                                         cfg.debug.trace_sequences)
         if plan.activations.due(step):  # each block's activations and each layer's weights, off the step's clock
-            from debug import activation_stats
+            from lab.debug import activation_stats
             with clock.aside("activations"):
                 run.recorder.record_all(activation_stats(run.raw_model, loader, run.autocast))
         start = time.perf_counter()

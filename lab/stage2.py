@@ -65,7 +65,7 @@ def check_reference(source, model_cfg, estimator):
     sentence otherwise. Shapes and configs are read, not weights."""
     path = check_source(source, "stage2.reference")
     if path is None:  # a GPT-2 name or a Hugging Face folder (hf.py)
-        from hf import gpt2_shape
+        from lab.hf import gpt2_shape
         shape = gpt2_shape(source)
     else:
         cfg = config_from_dict(read_trainer_state(path)["config"])
