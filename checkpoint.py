@@ -34,6 +34,7 @@ import re
 import shutil
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,13 +61,17 @@ class UntrustedCheckpoint(CheckpointError):
     """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
 
 
-def read_marker(path):
-    """The COMPLETE marker of a checkpoint folder, or None if it is missing or unreadable."""
+def read_marker(path, fs=None):
+    """The COMPLETE marker of checkpoint folder `path` (in a bucket with `fs`, an fsspec filesystem),
+    or None if it is missing or unreadable (not a dict of files): such a folder is never used."""
     try:
-        with open(os.path.join(path, MARKER)) as f:
-            marker = json.load(f)
+        if fs is None:
+            with open(os.path.join(path, MARKER), "rb") as f:
+                marker = json.loads(f.read())
+        else:
+            marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
         return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, UnicodeDecodeError):
         return None
 
 
@@ -155,138 +160,166 @@ def sha256_file(path):
     return digest.hexdigest()
 
 
-def fsync_dir(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_file_atomic(path, data):
-    """Write `data` so that `path` holds either nothing or all of it; returns its sha256."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return hashlib.sha256(data).hexdigest()
-
-
-def write_checkpoint(out_dir, step, snapshot, kind, shards=False):
-    """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, replacing one already there only once it
-    is in place. `shards`: FSDP's ranks have written step<N>.partial/sharded/ already (fsdp.start_shards)."""
-    final = os.path.join(out_dir, f"step{step}")
-    partial = f"{final}.partial"
-    checksums = {}
-    if shards:
-        pieces = os.path.join(partial, SHARDED)
-        checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
-                     for name in sorted(os.listdir(pieces))}
-        fsync_dir(pieces)
-    else:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    for name, obj in snapshot.items():
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        checksums[f"{name}.pt"] = write_file_atomic(os.path.join(partial, f"{name}.pt"), buffer.getvalue())
-    marker = {"step": step, "kind": kind, "files": checksums}
-    write_file_atomic(os.path.join(partial, MARKER), json.dumps(marker, indent=1).encode())
-    fsync_dir(partial)
-    old = f"{final}.replaced"
-    if os.path.exists(final):
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(final, old)
-    os.replace(partial, final)
-    fsync_dir(out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    # Swap the `latest` symlink atomically: a reader sees the old target or the new one.
-    tmp_link = os.path.join(out_dir, "latest.tmp")
-    if os.path.lexists(tmp_link):
-        os.remove(tmp_link)
-    os.symlink(f"step{step}", tmp_link)
-    os.replace(tmp_link, os.path.join(out_dir, "latest"))
-    fsync_dir(out_dir)
-    return final
-
-
-def prune_checkpoints(run_dir, keep_last, keep=()):
-    """Retention (as OLMo-core): an ephemeral checkpoint lives until a newer one exists; the `keep_last` newest
-    permanent ones are kept (0: all), `fixed` ones always; never the newest, nor one in `keep` (awaiting upload)."""
-    found = find_checkpoints(run_dir)
-    newest = found[-1][1] if found else None
-    kinds = {path: (read_marker(path) or {}).get("kind") for _, path in found}
-    permanent = [path for _, path in found if kinds[path] == "permanent"]
-    doomed = [path for _, path in found if kinds[path] == "ephemeral"]
-    if keep_last > 0:
-        doomed += permanent[:-keep_last]
-    for path in doomed:
-        if path != newest and path not in keep:
-            shutil.rmtree(path, ignore_errors=True)
+def doomed(kinds, keep_last):
+    """Retention (as OLMo-core), in the folder and in the bucket alike: {step: kind} -> the steps to
+    delete. An ephemeral checkpoint lives until a newer one exists; the `keep_last` newest permanent
+    ones are kept (0: all), fixed ones always; never the newest."""
+    steps = sorted(kinds)
+    permanent = [s for s in steps if kinds[s] == "permanent"]
+    gone = [s for s in steps if kinds[s] == "ephemeral"] + (permanent[:-keep_last] if keep_last > 0 else [])
+    return sorted(s for s in gone if s != steps[-1])
 
 
 class Checkpointer:
-    """Saves on rank 0, synchronously or on a background thread (at most one save in flight). `replaced`: the
-    checkpoints of a run this one replaces (checkpoint.save_overwrite), deleted once this run's first is complete.
-    `uploader` (checkpoint.remote_folder, remote.py): each complete checkpoint is queued for upload, and retention
-    keeps it until the upload ends. `shard_group` (FSDP): a gloo group of the checkpoints' own, for DCP."""
+    """Saves the run's checkpoints in `out_dir`: every rank captures its part (the RNG states of all
+    ranks are gathered; under FSDP each rank writes its own pieces), rank 0 writes the rest,
+    synchronously or on a background thread (checkpoint.async_save: at most one save in flight), then
+    applies retention (`doomed`) to the checkpoints it knows, read from the folder once at start.
+    `replaced`: the checkpoints of a run this one replaces (checkpoint.save_overwrite), deleted once
+    this run's first is complete. `uploader` (lab/remote.py): each complete checkpoint is queued for
+    upload, and retention keeps it until its upload ends. `shard_group` (FSDP): a gloo group of the
+    checkpoints' own."""
 
-    def __init__(self, out_dir, keep_last, async_save, is_master, replaced=(), uploader=None, shard_group=None):
-        self.out_dir, self.keep_last = out_dir, keep_last
-        self.async_save, self.is_master = async_save, is_master
+    def __init__(self, out_dir, checkpoint_cfg, config_dict, is_master, replaced=(), uploader=None,
+                 shard_group=None, soft_timeout=30.0):
+        c = checkpoint_cfg
+        self.out_dir, self.keep_last, self.async_save = out_dir, c.keep_last, c.async_save
+        self.unsharded_interval, self.config_dict, self.is_master = c.unsharded_interval, config_dict, is_master
         self.replaced, self.uploader, self.shard_group = list(replaced), uploader, shard_group
+        self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
+        self.kinds = {step: read_marker(path).get("kind") for step, path in find_checkpoints(out_dir)
+                      if path not in self.replaced} if is_master else {}  # {step: kind}
         self.thread, self.error = None, None
-        self.pruning = threading.Lock()  # retention runs on the save thread and, after each upload, the upload thread
+        self.pruning = threading.Lock()  # retention runs on the save thread and the upload thread
         if uploader:
             uploader.on_done = self.prune
 
     def upload_metrics(self):
-        """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec (how long the
-        oldest checkpoint still waiting for its upload has waited): rank 0 uploads, the other ranks say 0."""
+        """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec
+        (how long the oldest checkpoint waiting for its upload has waited); other ranks say 0."""
         uploader = self.uploader
         return {"checkpoint/upload_failures": uploader.failures if uploader else 0,
                 "checkpoint/upload_lag_sec": uploader.lag() if uploader else 0.0}
 
-    def prune(self):
-        with self.pruning:
-            prune_checkpoints(self.out_dir, self.keep_last, keep=self.uploader.waiting() if self.uploader else ())
-
-    def save(self, step, snapshot, kind, model=None, optimizer=None):
-        """Save `snapshot` (capture_state's) as step<N>. A sharded `model` (FSDP) and its `optimizer` are written by
-        every rank first (fsdp.start_shards), then rank 0 writes the rest; other models are in the snapshot."""
-        self.wait()  # the previous save must finish before the next one starts
-        shards = None
-        if model is not None and is_sharded(model):
+    def save(self, step, kind, model, optimizer, state, sample_generator):
+        """Save the state after `step`: the raw `model`'s weights, the optimizer's state, the trainer's
+        `state` (a TrainState: counters, data position) with the config, and every rank's RNG states.
+        Every rank calls it. Prints how long the loop stalled (rank 0)."""
+        start = time.perf_counter()
+        if self.thread is not None or self.error is not None:  # the previous save lands first: at
+            self.wait()  # most one snapshot in CPU memory
+            if time.perf_counter() - start > self.soft_timeout:
+                from metrics import warn_slow
+                warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
+                          self.soft_timeout)
+        sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP (lab/fsdp.py)
+        whole, shards = None, None
+        if sharded and self.unsharded_interval and step % self.unsharded_interval == 0:
             from lab import fsdp
-            shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master, self.shard_group,
-                                           self.async_save, tied=set(ties(model)))
+            whole = fsdp.gather_weights(model, tied=set(ties(model)))  # every rank sends its pieces
+        trainer = state.to_dict()
+        rng = [rng_state(sample_generator)]
+        if dist.is_initialized():
+            rng = [None] * dist.get_world_size()
+            dist.all_gather_object(rng, rng_state(sample_generator))
+        if sharded:  # every rank writes its pieces of the weights and the optimizer's state
+            from lab import fsdp
+            shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
+                                       self.shard_group, self.async_save, tied=set(ties(model)))
         elif not self.is_master:
-            return
+            return time.perf_counter() - start
+        snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()} if not sharded else \
+            ({"model": whole} if whole else {})
+        snapshot["trainer"] = {**trainer, "config": self.config_dict, "rng": rng}
+        snapshot = to_cpu(snapshot)  # a copy: training changes the originals while a thread writes
         if self.async_save:
-            self.thread = threading.Thread(target=self._write, args=(step, snapshot, kind, shards), daemon=True)
+            self.thread = threading.Thread(target=self.write, args=(step, snapshot, kind, shards),
+                                           daemon=True)
             self.thread.start()
         else:
-            self._write(step, snapshot, kind, shards)
-            self.wait()
+            self.write(step, snapshot, kind, shards)
+            if self.error is not None:
+                self.wait()  # (raises it)
+        stalled = time.perf_counter() - start
+        if self.is_master and step > 0:
+            how = "async" if self.async_save else "sync"
+            print(f"checkpoint step{step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
+        return stalled
 
-    def _write(self, step, snapshot, kind, shards=None):
+    def write(self, step, snapshot, kind, shards=None):
+        """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N> (rank 0; on the save
+        thread with async_save). Every file goes into step<N>.partial and is fsynced, COMPLETE last
+        ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole, so a crash
+        at any instant leaves the old state or the new one. Then `latest` links it, the replaced run's
+        checkpoints go, its upload is queued and retention runs. `shards`: FSDP's ranks are writing
+        step<N>.partial/sharded/ (lab/fsdp.py)."""
         try:
             if shards is not None:
                 shards.wait()  # every rank's pieces, and .metadata, are on disk
                 if not self.is_master:
                     return
-            written = write_checkpoint(self.out_dir, step, snapshot, kind, shards=shards is not None)
+            final = os.path.join(self.out_dir, f"step{step}")
+            partial, old = f"{final}.partial", f"{final}.replaced"
+            checksums = {}
+            if shards is not None:
+                pieces = os.path.join(partial, SHARDED)
+                checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
+                             for name in sorted(os.listdir(pieces))}
+            else:
+                shutil.rmtree(partial, ignore_errors=True)
+                os.makedirs(partial)
+            files = {f"{name}.pt": obj for name, obj in snapshot.items()}
+            for name, obj in [*files.items(), (MARKER, None)]:
+                if name == MARKER:
+                    data = json.dumps({"step": step, "kind": kind, "files": checksums}, indent=1).encode()
+                else:
+                    buffer = io.BytesIO()
+                    torch.save(obj, buffer)
+                    data = buffer.getvalue()
+                    checksums[name] = hashlib.sha256(data).hexdigest()
+                with open(os.path.join(partial, name), "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+            for folder in [partial, *(os.path.join(partial, SHARDED),) * (shards is not None)]:
+                fd = os.open(folder, os.O_RDONLY)  # the folder's entries are on disk too
+                os.fsync(fd)
+                os.close(fd)
+            if os.path.exists(final):  # the same step saved again: the new one replaces it whole
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(final, old)
+            os.replace(partial, final)
+            shutil.rmtree(old, ignore_errors=True)
+            link = os.path.join(self.out_dir, "latest.tmp")  # swapped atomically: old or new target
+            if os.path.lexists(link):
+                os.remove(link)
+            os.symlink(f"step{step}", link)
+            os.replace(link, os.path.join(self.out_dir, "latest"))
+            fd = os.open(self.out_dir, os.O_RDONLY)
+            os.fsync(fd)
+            os.close(fd)
             for path in self.replaced:
-                if os.path.abspath(path) != os.path.abspath(written):
+                if os.path.abspath(path) != os.path.abspath(final):
                     shutil.rmtree(path, ignore_errors=True)
             self.replaced = []
             if self.uploader:
-                self.uploader.upload_checkpoint(written, step, kind)
+                self.uploader.upload_checkpoint(final, step, kind)
+            self.kinds[step] = kind
             self.prune()
         except BaseException as error:  # re-raised in the training thread by wait()
             self.error = error
+
+    def prune(self):
+        """Retention on the checkpoints this run knows, but never one still waiting for its upload."""
+        with self.pruning:
+            waiting = self.uploader.waiting() if self.uploader else ()
+            for step in doomed(self.kinds, self.keep_last):
+                path = os.path.join(self.out_dir, f"step{step}")
+                if path not in waiting:  # its marker first: a kill midway leaves no checkpoint
+                    if os.path.exists(os.path.join(path, MARKER)):
+                        os.remove(os.path.join(path, MARKER))
+                    shutil.rmtree(path, ignore_errors=True)
+                    del self.kinds[step]
 
     def wait(self):
         if self.thread is not None:
@@ -302,33 +335,6 @@ def is_sharded(model):
     return hasattr(model, "set_requires_gradient_sync")
 
 
-def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes out_dir's own, else
-    starts from load_path (which must hold weights: never a silent start from scratch), else from scratch; always
-    requires one; never starts fresh. As in OLMo-core, the run's own wins (a restarted fine-tune resumes)."""
-    if load == "never":
-        return None, False, ""
-    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
-        from lab import remote
-        load_path = remote.local_copy(load_path, "checkpoint.load_path")
-    own = None if ignore_own else newest_valid_checkpoint(out_dir)
-    if own:
-        source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
-        changed = f" (this run started from checkpoint.load_path={source})" if source and source != load_path else ""
-        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
-                   f"checkpoint{changed}")
-        return own, True, ignored if load_path else ""
-    if load_path:
-        from lab.hf import is_gpt2_source
-        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
-            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
-        return check_source(load_path, "checkpoint.load_path"), False, ""
-    if load == "always":
-        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
-                              f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
-    return None, False, ""
-
-
 @dataclass
 class TrainState:
     """The loop's counters and data position, saved like any other component (as torchtitan does) beside weights,
@@ -340,10 +346,6 @@ class TrainState:
     nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
     data_fingerprint: dict = field(default_factory=dict)  # {name: data.fingerprint}: a resume on other data is refused
     model_code: dict = field(default_factory=dict)  # {file: hash} (model_code): a resume with other code is told so
-
-    def keep_best(self, val_loss):
-        if val_loss is not None:
-            self.best_val_loss = torch.minimum(torch.as_tensor(self.best_val_loss, device=val_loss.device), val_loss)
 
     def to_dict(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -463,28 +465,6 @@ def set_rng_state(state, sample_generator):
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def capture_state(raw_model, optimizer, trainer_state, sample_generator, is_master, unsharded=False):
-    """Everything needed to resume, copied to the CPU on rank 0. Every rank must call it: the RNG states of all
-    ranks are gathered (ranks draw different dropout masks). A sharded model's weights and optimizer are not in it
-    (each rank writes its own pieces); with `unsharded` (checkpoint.unsharded_interval) its whole weights are."""
-    whole = None
-    if unsharded and is_sharded(raw_model):
-        from lab import fsdp
-        whole = fsdp.gather_weights(raw_model, tied=set(ties(raw_model)))  # every rank sends its pieces
-    rng = rng_state(sample_generator)
-    if dist.is_initialized():
-        all_rng = [None] * dist.get_world_size()
-        dist.all_gather_object(all_rng, rng)
-    else:
-        all_rng = [rng]
-    if not is_master:
-        return None
-    if is_sharded(raw_model):
-        return to_cpu({**({"model": whole} if whole else {}), "trainer": {**trainer_state, "rng": all_rng}})
-    return to_cpu({"model": model_weights(raw_model), "optim": optimizer.state_dict(),
-                   "trainer": {**trainer_state, "rng": all_rng}})
-
-
 def check_model_shape(saved_model_config, model_config, path):
     """Weights load only into the same shape: `model_config` (a dict, as the config saves it) against the saved."""
     for name in SHAPE_FIELDS:
@@ -507,10 +487,15 @@ def ties(model):
 
 
 def model_weights(model):
-    """The model's state_dict with each tensor once: a second name of a tied tensor is left out (saved_weights
-    puts it back where the model ties it). Every other weight is saved by its name, whatever the model is."""
-    tied = ties(model)
-    return {name: tensor for name, tensor in model.state_dict().items() if name not in tied}
+    """The model's state_dict with each tensor once: the second name of a tied tensor (one Parameter
+    under two names, `ties`) is left out, and saved_weights puts it back. Every other weight is
+    saved by its name, whatever the model is."""
+    weights, seen = {}, set()
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            weights[name] = tensor.detach()
+    return weights
 
 
 def saved_shapes(path):

@@ -3,7 +3,7 @@
 A prepared dataset (prepare_data.py) is a folder of memory-mapped shards of uint16 GPT-2 token ids (10B tokens cost no
 RAM), documents separated by <|endoftext|>. `TokenLoader` hands each rank its slice of every global batch, the same
 sequences at step s whatever the world size and micro-batch split; its position is one number, so a checkpoint resumes
-it exactly on any number of GPUs. `MixtureLoader` (mixture.py) does so over several datasets (`data.mix`).
+it exactly on any number of GPUs. `MixtureLoader` (at the bottom) does so over several datasets (`data.mix`).
 """
 
 import functools
@@ -46,9 +46,27 @@ def gpt2_tokenizer_files():
     return os.path.join(spec.submodule_search_locations[0], "data")
 
 
+def get_tokenizer(data_dir=None):
+    """The tokenizer a dataset was prepared with: its character vocabulary when `data_dir` holds a
+    meta.json, else (and without `data_dir`) GPT-2's BPE."""
+    path = os.path.join(data_dir, "meta.json") if data_dir else None
+    if path is None or not os.path.exists(path):
+        return gpt2_encoding()
+    try:
+        with open(path) as f:
+            chars = json.load(f)["vocab"]
+        if not (isinstance(chars, (str, list)) and all(isinstance(c, str) and len(c) == 1 for c in chars)
+                and len(set(chars)) == len(chars)):
+            raise ValueError("its vocab is not a string of distinct characters")
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise DataError(f"{path} is not a readable character vocabulary ({type(error).__name__}: {error}); "
+                        f"{prepare_hint(data_dir)}") from None
+    return CharTokenizer(chars)
+
+
 @functools.cache
-def get_tokenizer():
-    """GPT-2's BPE as a tiktoken Encoding, built from the local files."""
+def gpt2_encoding():
+    """GPT-2's BPE as a tiktoken Encoding, built once from the local files."""
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str  # GPT-2's pre-tokenization regex
@@ -80,23 +98,6 @@ class CharTokenizer:
 
     def decode(self, ids):
         return "".join(self.chars[i] for i in ids if i < len(self.chars))
-
-
-def tokenizer_of(data_dir):
-    """The tokenizer a dataset was prepared with: its character vocabulary when it has a meta.json, else GPT-2's."""
-    path = os.path.join(data_dir, "meta.json")
-    if not os.path.exists(path):
-        return get_tokenizer()
-    try:
-        with open(path) as f:
-            chars = json.load(f)["vocab"]
-        if not (isinstance(chars, (str, list)) and all(isinstance(c, str) and len(c) == 1 for c in chars)
-                and len(set(chars)) == len(chars)):
-            raise ValueError("its vocab is not a string of distinct characters")
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise DataError(f"{path} is not a readable character vocabulary ({type(error).__name__}: {error}); "
-                        f"{prepare_hint(data_dir)}") from None
-    return CharTokenizer(chars)
 
 
 # ----------------------------------------------------------------------------- datasets on disk
@@ -185,10 +186,6 @@ class TokenLoader:
         self.position = 0  # sequences consumed by all ranks together since the start of training
         self._order_epoch, self._order = None, None
 
-    @property
-    def epoch(self):
-        return self.position // self.num_sequences
-
     def sequence(self, index):
         """The index-th sequence of the whole stream (across epochs) as block_size + 1 tokens."""
         epoch, i = divmod(index, self.num_sequences)
@@ -205,11 +202,10 @@ class TokenLoader:
         first = self.position + self.rank * self.batch_size
         rows = [self.sequence(first + j) for j in range(self.batch_size)]
         self.position += self.world_size * self.batch_size
-        return self.to_batch(rows)
-
-    def to_batch(self, rows):
-        """Sequences -> (x, y) on this loader's device (a mixture batches its sources' sequences so)."""
-        return rows_to_batch(rows, self.device)
+        batch = torch.from_numpy(np.stack(rows).astype(np.int64))
+        if torch.device(self.device).type == "cuda":  # pinned: the copy runs alongside the compute
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]  # y is x shifted by one
 
     def skip_batches(self, n):
         """Move past n micro-batches of every rank without reading them (train.steps_to_skip)."""
@@ -217,21 +213,14 @@ class TokenLoader:
 
     def metrics(self):
         """data/epoch: the epoch of the next sequence, counted from 1 as OLMo-core's docs count (a host number)."""
-        return {"data/epoch": self.epoch + 1}
+        return {"data/epoch": self.position // self.num_sequences + 1}
 
     def state_dict(self):
-        return {"position": self.position, "epoch": self.epoch}  # the epoch follows from the position
+        # the epoch follows from the position
+        return {"position": self.position, "epoch": self.position // self.num_sequences}
 
     def load_state_dict(self, state):
         self.position = state["position"]
-
-
-def rows_to_batch(rows, device):
-    """Sequences of block_size + 1 tokens -> (x, y) on `device`, y being x shifted by one."""
-    batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-    if torch.device(device).type == "cuda":  # pinned memory: the copy to the GPU runs asynchronously with the compute
-        batch = batch.pin_memory().to(device, non_blocking=True)
-    return batch[:, :-1], batch[:, 1:]
 
 
 def open_shard(path, vocab_limit):
@@ -249,7 +238,7 @@ def open_shard(path, vocab_limit):
         largest, data_dir = int(shard.max()), os.path.dirname(path)
         advice = "prepare the dataset again with data.py"  # ids beyond GPT-2's: not what data.py writes
         if vocab_limit < GPT2_VOCAB_SIZE:  # a model.vocab_size below the data's: the setting is what to change
-            chars = tokenizer_of(data_dir).n_vocab if os.path.exists(os.path.join(data_dir, "meta.json")) else 0
+            chars = get_tokenizer(data_dir).n_vocab if os.path.exists(os.path.join(data_dir, "meta.json")) else 0
             advice = (f"set --model.vocab_size={chars}, the number of characters in its meta.json" if chars > largest
                       else f"set model.vocab_size above {largest}")
         raise DataError(f"shard {path} holds token id {largest}, beyond the {vocab_limit} ids of the vocabulary "
@@ -273,8 +262,7 @@ def build_loaders(cfg, rank, world_size, device):
     loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
                        world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
 
-    def mixture_loader(mixture):  # (mixture.py: imported only by a run of several datasets)
-        from mixture import MixtureLoader
+    def mixture_loader(mixture):
         sources = [TokenLoader(dataset_dir(cfg.data.data_root, name), "train", batch_size=1,
                                block_size=cfg.model.block_size, shuffle=cfg.data.shuffle, seed=cfg.train.seed,
                                device=device, vocab_size=cfg.model.vocab_size) for name, _ in mixture]
@@ -296,3 +284,89 @@ def build_loaders(cfg, rank, world_size, device):
     if stage2_mix:
         stages.append((stage2_mix, mixture_loader(stage2_mix)))
     return stages, val_loaders
+
+
+# ----------------------------------------------------------------------------- mixtures of datasets
+# data.mix, stage2.mix: several datasets read at fixed shares, as one loader. Each step's global batch is handed out
+# one sequence at a time to the source furthest below its share (`allocate`), so after every step each source is
+# within one sequence of its share. The plan depends only on the counts so far, never on the world size or the
+# micro-batch split, and the counts are the loader's whole state: a checkpoint resumes it exactly, and a stage that
+# changes the mixture carries each source's position over by name.
+
+
+def allocate(counts, start_counts, shares, n):
+    """Hand out n sequences one at a time to the source with the largest deficit (share x handed out
+    since start_counts, minus what it got). Returns (plan [(source, index in its stream)], new counts)."""
+    counts = list(counts)
+    handed = sum(counts) - sum(start_counts)
+    plan = []
+    for _ in range(n):
+        handed += 1
+        deficits = [share * handed - (c - s) for share, c, s in zip(shares, counts, start_counts)]
+        source = int(np.argmax(deficits))  # ties go to the first source
+        plan.append((source, counts[source]))
+        counts[source] += 1
+    return plan, counts
+
+
+class MixtureLoader:
+    """Drop-in for TokenLoader's training use (next_batch, skip_batches, state) over several sources."""
+
+    def __init__(self, mix, sources, *, sequences_per_step, batch_size, rank=0, world_size=1):
+        self.names = [name for name, _ in mix]
+        self.shares = [share for _, share in mix]
+        self.sources = sources  # a TokenLoader of batch_size 1 per source, in mix's order (data.build_loaders)
+        self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
+        self.sequences_per_step = sequences_per_step
+        self.batch_size, self.rank, self.world_size, self.device = batch_size, rank, world_size, sources[0].device
+        self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
+        self.start_counts = [0] * len(self.names)  # the counts when this mixture began
+        self.skipped = [0] * len(self.names)  # of those, sequences passed over by train.steps_to_skip
+        self.slot, self.plan, self.next_counts = 0, None, None
+
+    def next_batch(self):
+        first = self._take_slots()
+        rows = [self.sources[s].sequence(i) for s, i in self.plan[first:first + self.batch_size]]
+        batch = torch.from_numpy(np.stack(rows).astype(np.int64))  # (as TokenLoader.next_batch)
+        if torch.device(self.device).type == "cuda":
+            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        return batch[:, :-1], batch[:, 1:]
+
+    def skip_batches(self, n):
+        """train.steps_to_skip: move past n micro-batches (a whole step) unread; they are counted as skipped."""
+        before = list(self.counts)
+        for _ in range(n):
+            self._take_slots()
+        self.skipped = [s + after - b for s, after, b in zip(self.skipped, self.counts, before)]
+
+    def _take_slots(self):
+        """This rank's first slot in the current global batch (planned on its first micro-batch); moves on."""
+        if self.slot == 0:
+            self.plan, self.next_counts = allocate(self.counts, self.start_counts, self.shares, self.sequences_per_step)
+        first = self.slot + self.rank * self.batch_size
+        self.slot += self.world_size * self.batch_size
+        if self.slot >= self.sequences_per_step:
+            self.counts, self.slot = self.next_counts, 0
+        return first
+
+    def metrics(self):
+        """data/<source>/sequences: sequences trained on from each source so far, and data/epoch: the pass over all
+        the sources' sequences under way, counted from 1 (host numbers: no sync)."""
+        return {**{f"data/{name}/sequences": count - skipped
+                   for name, count, skipped in zip(self.names, self.counts, self.skipped)},
+                "data/epoch": sum(self.counts) // self.num_sequences + 1}
+
+    def state_dict(self):
+        return {"mix": self.names, "counts": list(self.counts), "start_counts": list(self.start_counts),
+                "skipped": list(self.skipped), "epoch": sum(self.counts) // self.num_sequences}
+
+    def load_state_dict(self, state):
+        """Restore every source's position by name. A source new to this run starts at 0, and a changed
+        mixture starts its accounting afresh from the restored positions."""
+        saved = dict(zip(state.get("mix", []), state.get("counts", [])))
+        self.counts = [saved.get(name, 0) for name in self.names]
+        skipped = dict(zip(state.get("mix", []), state.get("skipped", [])))
+        self.skipped = [skipped.get(name, 0) for name in self.names]
+        same_mix = state.get("mix") == self.names
+        self.start_counts = list(state["start_counts"]) if same_mix else list(self.counts)
+        self.slot = 0

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import is_sharded, load_model
+from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
 from sample import KVCache, check_device
@@ -458,18 +458,19 @@ def load_task_examples(cfg, tokenizer, rank, world_size):
                                           cfg.eval.tasks_limit), rank, world_size)
 
 
-def evaluate_in_loop(run):
-    """train.py's evaluation of eval.tasks: {"eval/<task>/<metric>": value, "eval/average": ..., ...}.
-    The raw model: variable-length batches would make torch.compile recompile.
-    Under FSDP every rank scores every example: each forward gathers weights from all ranks, so all must run
-    the same forwards, and the examples' lengths differ from rank to rank."""
-    rank, world_size = (0, 1) if is_sharded(run.model) else (run.rank, run.world_size)
-    with run.autocast:
-        results = evaluate_tasks(run.raw_model, run.task_examples, run.device, run.cfg.eval.tasks_batch_size,
-                                 rank, world_size)
-    scores = {f"eval/{name}/{metric}": results[name][metric]
-              for name in run.task_examples for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")}
-    return {**scores, "eval/average": results["average"], "eval/average_centered": results["average_centered"]}
+def evaluate_in_loop(raw_model, task_examples, place, batch_size):
+    """train.py's evaluation of eval.tasks: {"eval/<task>/<metric>": value, "eval/average": ...}.
+    The raw model: variable-length batches would make torch.compile recompile. Under FSDP every rank
+    scores every example: each forward gathers weights from all ranks, so all must run the same
+    forwards, and the examples' lengths differ from rank to rank."""
+    sharded = hasattr(raw_model, "set_requires_gradient_sync")
+    rank, world_size = (0, 1) if sharded else (place.rank, place.world_size)
+    with place.autocast:
+        results = evaluate_tasks(raw_model, task_examples, place.device, batch_size, rank, world_size)
+    scores = {f"eval/{name}/{metric}": results[name][metric] for name in task_examples
+              for metric in ("acc", "acc_norm", "acc_per_char", "loss", "skipped")}
+    return {**scores, "eval/average": results["average"],
+            "eval/average_centered": results["average_centered"]}
 
 
 def main(argv):

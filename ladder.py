@@ -46,7 +46,6 @@ from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # n
                                 sized_model)
 from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
 from hellaswag_eval import check_names  # noqa: E402
-from lab import ladder_fit  # noqa: E402 - fit and compare, and reading what the runs wrote
 from run_dir import changed_fields  # noqa: E402
 
 
@@ -410,6 +409,8 @@ def benchmark(cfg, plan):
 
 
 def show_checkpoints(cfg, plans, as_json):
+    from lab import ladder_fit  # (reading what the runs wrote)
+
     for folder in ladder_fit.missing_alternative_dirs(cfg):  # (on stderr: --json's lines stay JSON)
         print(f"note: ladder.alternative_dirs has {folder}, which does not exist; no checkpoint was looked for there.",
               file=sys.stderr)
@@ -425,6 +426,8 @@ def show_checkpoints(cfg, plans, as_json):
 
 def metrics_table(cfg, plans):
     """[{size, checkpoint, step, tokens, non_embedding_params, <every metric saved at that step>}]."""
+    from lab import ladder_fit
+
     table = []
     for p in plans:
         for c in ladder_fit.checkpoint_rows(cfg, p):
@@ -495,6 +498,7 @@ def main(argv):
         ladders = [(path, cfg, plan_sizes(cfg)) for path in args.config for cfg in [read_config(path, overrides)]]
         for _, cfg, plans in ladders:
             refuse_any_different(cfg, plans)
+        from lab import ladder_fit
         return ladder_fit.compare(*ladders, args.params, args.rounds)
     cfg = read_config(args.config[0], overrides)
     if args.task:
@@ -519,6 +523,7 @@ def main(argv):
         show_metrics(cfg, plans, args.csv)
     else:
         refuse_any_different(cfg, plans)
+        from lab import ladder_fit
         ladder_fit.fit(cfg, plans, args.params, args.task, args.rounds)
 
 

@@ -1,122 +1,154 @@
-"""Metrics: recorded on the device every step, reduced across ranks and written out in batches.
+"""What a run measures: metrics recorded on the device every step, reduced across ranks and written
+out in batches; the step's clock; the monitors (loss spikes, non-finite losses, memory, W&B).
 
-`recorder.record_all({"train/loss": loss, ...})` keeps the tensors on the device, so recording costs no host-device
-sync. Every `log.metrics_collect_interval` steps (OLMo-core's) `collect()` reduces the pending values of all ranks in
-one collective and copies them to the host in one transfer; with `log.async_bookkeeping` (OLMo's), on a background
-thread over a CPU (gloo) group. `RowWriter` writes the rows to `Sinks` (metrics.jsonl, W&B, `metrics_step<N>.json`
-at evaluations) and returns their console lines, printed on rank 0. Names are namespaced: train/, val/, optim/,
-throughput/, system/, grad/, data/, eval/ (tasks). `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
+`recorder.finish_step(step, {"train/loss": loss, ...}, write)` keeps the tensors on the device, so
+recording costs no host-device sync. Every `log.metrics_collect_interval` steps (OLMo-core's) the
+pending values of all ranks are reduced in one collective and copied to the host in one transfer;
+with `log.async_bookkeeping` (OLMo's), on a background thread over a CPU (gloo) group. `RowWriter`
+writes the rows (metrics.jsonl, `metrics_step<N>.json` at evaluations, W&B) and returns their
+console lines. Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/.
+`python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
 """
 
 import contextlib
 import json
+import math
 import os
+import platform
+import resource
+import socket
+import subprocess
 import sys
 import threading
 import time
+import uuid
 import warnings
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.distributed as dist
 
-from callbacks import first_nonfinite
-from config import UserError
-from plan import Every
+from config import UserError, redact_argv
 
-REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's value
-COMBINE = {"mean": lambda old, new: (old + new) / 2, "sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+REDUCTIONS = ("mean", "sum", "max", "l2_norm", None)  # how ranks' values combine; None: rank 0's
+COMBINE = {"mean": lambda old, new: (old + new) / 2, "sum": torch.add, "max": torch.maximum,
+           "min": torch.minimum}
 MERGES = ("warn", "latest", "oldest", *COMBINE)  # a metric recorded twice in a step
 
 
 class MetricRecorder:
-    """Records a step's metrics on the device; `finish_step` collects them every so often and hands the
-    rows to `on_rows` (a RowWriter in training), on this thread or, with async bookkeeping, the worker's."""
+    """Records a step's metrics on the device; `finish_step` collects them every so often and hands
+    the rows to `on_rows` (a RowWriter in training), on this thread or, with async bookkeeping, the
+    worker's."""
 
-    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None, on_rows=None,
-                 soft_timeout=30.0):
+    def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None,
+                 on_rows=None, soft_timeout=30.0):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
-        self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a collection or a wait longer warns
+        self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
         self.pending = []  # (step, {name: value}) not yet collected
-        self.group = bookkeeping_group  # async bookkeeping's own gloo group: apart from the loop's collectives
+        self.group = bookkeeping_group  # async bookkeeping's own gloo group
         self.worker = ThreadPoolExecutor(max_workers=1) if async_bookkeeping else None
         self.in_flight = None
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
-        """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean, sum, max,
-        l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (rank 0's value). A metric recorded
-        twice in a step is merged as OLMo-core does: warn (keep the first, with a warning), latest, oldest, mean (of
-        the two), sum, max, min. Merging is tensor arithmetic: no host sync."""
+        """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
+        sum, max, l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (rank 0's
+        value). A metric recorded twice in a step is merged as OLMo-core does: warn (keep the first,
+        with a warning), latest, oldest, mean (of the two), sum, max, min. Merging is tensor
+        arithmetic: no host sync."""
         self.record_all({name: value}, reduce, merge)
 
     def record_all(self, values, reduce="mean", merge="warn"):
-        """record_metric for each of {name: value}, in one call (the loop records a step's metrics so)."""
+        """record_metric for each of {name: value}, in one call."""
         assert reduce in REDUCTIONS and merge in MERGES, (reduce, merge)
         for name, value in values.items():
             if self.reductions.setdefault(name, reduce) != reduce:
-                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} and now with "
-                                 f"reduce={reduce!r}; a metric must keep one reduce type.")
+                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} "
+                                 f"and now with reduce={reduce!r}; a metric must keep one reduce type.")
             value = value.detach() if torch.is_tensor(value) else value
             if name not in self.step_values or merge == "latest":
                 self.step_values[name] = value
             elif merge == "warn":
-                warnings.warn(f"metric {name} recorded twice in one step; keeping the value already recorded")
+                warnings.warn(f"metric {name} recorded twice in one step; keeping the first value")
             elif merge != "oldest":
                 old, new = (torch.as_tensor(v, dtype=torch.float64, device=self.device)
                             for v in (self.step_values[name], value))
                 self.step_values[name] = COMBINE[merge](old, new)
 
     def get(self, name):
-        """This step's value of `name` as it will be logged (merged, then reduced over the ranks: OLMo-core's
-        get_metric), a float, or None if not recorded this step. For a callback or a fork that acts on it (a loss
-        threshold, a custom stop): one collective and one host sync, so ask only when needed, on every rank alike."""
+        """This step's value of `name` as it will be logged (merged, then reduced over the ranks:
+        OLMo-core's get_metric), a float, or None if not recorded this step. One collective and one
+        host sync: ask only when needed, on every rank alike."""
         if name not in self.step_values:
             return None
-        value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device).reshape(1)
+        value = torch.as_tensor(self.step_values[name], dtype=torch.float64, device=self.device)
         if self.world_size > 1:
-            value = self._reduce(value, [self.reductions[name]], group=None)
+            value = self.reduce(value.reshape(1), [self.reductions[name]], group=None)
         return value.item()
 
-    def finish_step(self, step, collect, wait=False):
-        """End `step`; with `collect`, reduce every pending step over the ranks and pass the rows to `on_rows`; with
-        `wait` too, return once they are handled (metrics.jsonl then holds every step so far: the loop asks for that
-        before a checkpoint). Returns the console lines `on_rows` returned here, or [] (none collected, or async)."""
+    def finish_step(self, step, values=None, write=False, wait=False):
+        """Record `values` (reduced as means) and end `step`; with `write`, reduce every pending step
+        over the ranks and hand the rows to `on_rows`; with `wait` too, return once they are handled
+        (metrics.jsonl then holds every step so far). Returns the console lines `on_rows` returned
+        here, or [] (none written, or async)."""
+        for name, value in (values or {}).items():  # (as record_all: a mean; the first value kept)
+            if self.reductions.setdefault(name, "mean") != "mean":
+                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} "
+                                 f"and now as a mean; a metric must keep one reduce type.")
+            self.step_values.setdefault(name, value.detach() if torch.is_tensor(value) else value)
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
-        if not collect:
+        if not write:
             return []
         start = time.perf_counter()
+        lines = []
         if self.worker is None:
             lines = self.on_rows(self.collect())
         else:
-            lines = []
-            self.collect_in_background(self.on_rows)
+            self.collect(self.on_rows)
             if wait:
                 self.wait()
-        warn_if_slow(f"collecting the metrics of step {step}", time.perf_counter() - start, self.soft_timeout)
+        seconds = time.perf_counter() - start
+        if seconds > self.soft_timeout:
+            warn_slow(f"collecting the metrics of step {step}", seconds, self.soft_timeout)
         return lines
 
-    def collect(self):
-        """Reduce every pending metric over ranks: one collective, one copy to the host.
-        Returns [(step, {name: float}), ...] in step order. Every rank must call it together."""
-        packed = self._pack()
-        if packed is None:
+    def collect(self, handle_rows=None):
+        """Reduce every pending metric over the ranks: one collective, one copy to the host. Returns
+        [(step, {name: float})] in step order; every rank calls it together. With `handle_rows`
+        (async bookkeeping) the reduction and handle_rows(rows) run on the worker thread instead,
+        and the error of the batch before is raised here."""
+        if self.in_flight is not None:
+            self.wait()
+        entries = [(step, name, value) for step, step_values in self.pending
+                   for name, value in sorted(step_values.items())]
+        self.pending = []
+        if not entries:
             return []
-        labels, values, kinds = packed
-        if self.world_size > 1:  # one rank has nothing to combine
-            values = self._reduce(values, kinds, group=None)
-        return self._rows(labels, values.tolist())
-
-    def collect_in_background(self, handle_rows):
-        """Async bookkeeping: collect() and handle_rows(rows) on the worker thread; raises the prior batch's error."""
-        self.wait()
-        packed = self._pack()
-        if packed is None:
-            return
-        labels, values, kinds = packed
+        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host
+        # numbers go in one copy.
+        values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
+        on_device = [i for i, entry in enumerate(entries) if torch.is_tensor(entry[2])]
+        on_host = [i for i, entry in enumerate(entries) if not torch.is_tensor(entry[2])]
+        if on_device:
+            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64).reshape(())
+                                             for i in on_device])
+        if on_host:
+            values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host],
+                                           dtype=torch.float64).to(self.device)
+        kinds = [self.reductions[name] for _, name, _ in entries]
+        labels = [(step, name) for step, name, _ in entries]
+        if handle_rows is None:
+            if self.world_size > 1:  # (one rank has nothing to combine)
+                values = self.reduce(values, kinds, group=None)
+            rows = {}
+            for (step, name), value in zip(labels, values.tolist()):
+                rows.setdefault(step, {})[name] = value
+            return sorted(rows.items())
         host_values = values.to("cpu", non_blocking=True)  # the copy overlaps with the next steps
         copied = torch.cuda.Event() if values.is_cuda else None
         if copied is not None:
@@ -125,13 +157,19 @@ class MetricRecorder:
         def finish():
             if copied is not None:
                 copied.synchronize()
-            values = self._reduce(host_values, kinds, self.group) if self.world_size > 1 else host_values
-            handle_rows(self._rows(labels, values.tolist()))
+            reduced = host_values
+            if self.world_size > 1:
+                reduced = self.reduce(host_values, kinds, self.group)
+            rows = {}  # (as above)
+            for (step, name), value in zip(labels, reduced.tolist()):
+                rows.setdefault(step, {})[name] = value
+            handle_rows(sorted(rows.items()))
 
         self.in_flight = self.worker.submit(finish)
+        return []
 
     def wait(self):
-        """Wait for async bookkeeping in flight (before a checkpoint, at the end); re-raise its error."""
+        """Wait for async bookkeeping in flight (before a checkpoint, at the end); raise its error."""
         if self.in_flight is not None:
             in_flight, self.in_flight = self.in_flight, None
             in_flight.result()
@@ -140,181 +178,297 @@ class MetricRecorder:
         if self.worker is not None:
             self.worker.shutdown(wait=True)
 
-    def _pack(self):
-        """All pending values as one float64 vector on the device (no sync)."""
-        entries = [(step, name, value) for step, metrics in self.pending for name, value in sorted(metrics.items())]
-        self.pending = []
-        if not entries:
-            return None
-        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host numbers go in one copy.
-        values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
-        on_device = [i for i, (_, _, v) in enumerate(entries) if torch.is_tensor(v)]
-        on_host = [i for i, (_, _, v) in enumerate(entries) if not torch.is_tensor(v)]
-        if on_device:
-            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64).reshape(())
-                                             for i in on_device])
-        if on_host:
-            values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host], dtype=torch.float64).to(self.device)
-        labels = [(step, name) for step, name, _ in entries]
-        return labels, values, [self.reductions[name] for _, name in labels]
-
-    def _reduce(self, values, kinds, group):
+    def reduce(self, values, kinds, group):
         """Combine every rank's vector with one all-gather, each entry by its own reduction."""
         device = values.device
         squared = torch.tensor([k == "l2_norm" for k in kinds], device=device)
         values = torch.where(squared, values * values, values)
         gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
-        # all_gather_single is torch 2.13's name for all_gather_into_tensor, which now warns on every call
+        # all_gather_single is torch 2.13's name for all_gather_into_tensor, which now warns
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, values, group=group)
         gathered = gathered.view(self.world_size, -1)
         is_max = torch.tensor([k == "max" for k in kinds], device=device)
         is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
         is_rank0 = torch.tensor([k is None for k in kinds], device=device)
         summed = gathered.sum(0)
-        values = torch.where(is_max, gathered.max(0).values, torch.where(is_mean, summed / self.world_size, summed))
+        values = torch.where(is_max, gathered.max(0).values,
+                             torch.where(is_mean, summed / self.world_size, summed))
         values = torch.where(is_rank0, gathered[0], values)
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
 
-    @staticmethod
-    def _rows(labels, values):
-        rows = {}
-        for (step, name), value in zip(labels, values):
-            rows.setdefault(step, {})[name] = value
-        return sorted(rows.items())
+
+def warn_slow(what, seconds, soft_timeout):
+    """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that held the loop this long."""
+    print(f"warning: {what} took {seconds:.3g} s, more than log.bookkeeping_soft_timeout="
+          f"{soft_timeout:g} s; a slow disk, bucket or network holds the loop.", file=sys.stderr,
+          flush=True)
 
 
-def warn_if_slow(what, seconds, soft_timeout):
-    """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that holds the loop this long is said, with its time."""
-    if seconds > soft_timeout:
-        print(f"warning: {what} took {seconds:.3g} s, more than log.bookkeeping_soft_timeout={soft_timeout:g} s; a "
-              f"slow disk, bucket or network holds the loop.", file=sys.stderr, flush=True)
+# ------------------------------------------------------------------------------ the step's clock and speed
+
+# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops
+# overrides the table.
+PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
+    "A100": 312e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+}
 
 
-# ----------------------------------------------------------------------------- the step's speed
+def peak_flops_for_device(device, override=0.0):
+    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not
+    logged."""
+    if override > 0:
+        return override
+    if torch.device(device).type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
+
+
+def mfu(flops_per_token, tokens_per_sec, world_size, peak_flops):
+    """Model FLOPs utilisation (PaLM, appendix B): the model's training FLOP/s per device as a
+    share of one device's peak."""
+    return flops_per_token * tokens_per_sec / world_size / peak_flops
 
 
 class StepClock:
-    """Step time measured between consecutive step ends (as OLMo-core's speed monitor, torchtitan and nanoGPT do), so
-    a run's step times add up to the loop's wall time: the host's waits for the GPU (at each metrics collection) count
-    in the step after them. Evaluation, checkpoint and sample time is measured apart (`aside`), out of the steps."""
+    """Step time measured between consecutive step ends (as OLMo-core's speed monitor, torchtitan
+    and nanoGPT do), so a run's step times add up to the loop's wall time: the host's waits for the
+    GPU (at each metrics collection) count in the step after them. Evaluations, checkpoints and
+    samples are timed apart (`paused`), out of the steps."""
 
-    def __init__(self, device):
-        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    def __init__(self, device, tokens_per_step, block_size, flops_per_token, world_size,
+                 peak_flops):
+        cuda = torch.device(device).type == "cuda"
+        self.synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+        self.tokens_per_step, self.block_size = tokens_per_step, block_size
+        self.flops_per_token, self.world_size, self.peak_flops = flops_per_token, world_size, peak_flops
         self.last_end = time.perf_counter()
-        self.set_aside = {}  # kind -> seconds since the last step ended
+        self.apart = {}  # throughput/<kind>_time_sec -> seconds paused since the last step ended
 
-    def lap(self):
-        """At the end of a step: (its seconds, {kind: seconds set aside in its window})."""
+    def lap(self, tokens_seen, data_time, trained=True):
+        """At the end of a step: ({throughput metric: value} of the step, or {} for a step that
+        trained nothing; {throughput/<kind>_time_sec: seconds} paused in its window)."""
         now = time.perf_counter()
-        aside, self.set_aside = self.set_aside, {}
-        step_time, self.last_end = now - self.last_end - sum(aside.values()), now
-        return step_time, aside
+        apart, self.apart = self.apart, {}
+        step_time, self.last_end = now - self.last_end - sum(apart.values()), now
+        if not trained:
+            return {}, apart
+        tokens_per_sec = self.tokens_per_step / step_time
+        speed = {"throughput/tokens_per_sec": tokens_per_sec,
+                 "throughput/sequences_per_sec": tokens_per_sec / self.block_size,
+                 "throughput/step_time_sec": step_time, "throughput/data_time_sec": data_time,
+                 # OLMo's global_train_petaflops: the training compute spent so far, all ranks
+                 "throughput/total_petaflops": self.flops_per_token * tokens_seen / 1e15}
+        if self.peak_flops:  # (unknown on CPUs: no MFU rather than a made-up one)
+            speed["throughput/mfu"] = mfu(self.flops_per_token, tokens_per_sec, self.world_size,
+                                          self.peak_flops)
+        return speed, apart
 
     @contextlib.contextmanager
-    def aside(self, kind):
-        """Time a block that is not training: the GPU finishes the step's queued work before the clock starts and the
-        block's own work before it stops, so neither spills into the other (two syncs, only around such blocks)."""
+    def paused(self, kind):
+        """Time a block that is not training: the GPU finishes the step's queued work before the
+        clock stops and the block's own work before it restarts, so neither spills into the other
+        (two syncs, only around such blocks)."""
         self.synchronize()
         start = time.perf_counter()
         yield
         self.synchronize()
-        self.set_aside[kind] = self.set_aside.get(kind, 0.0) + time.perf_counter() - start
+        name = f"throughput/{kind}_time_sec"
+        self.apart[name] = self.apart.get(name, 0.0) + time.perf_counter() - start
 
 
-def speed_metrics(*, step_time, data_time, tokens_per_step, block_size, tokens_seen, flops_per_token,
-                  world_size, peak_flops):
-    """Throughput of one step from its StepClock time (on a GPU the host runs ahead between syncs, so a
-    single step is noisy, but the steps of a window between syncs add up to its wall time)."""
-    tokens_per_sec = tokens_per_step / step_time
-    values = {
-        "throughput/tokens_per_sec": tokens_per_sec,
-        "throughput/sequences_per_sec": tokens_per_sec / block_size,
-        "throughput/step_time_sec": step_time,
-        "throughput/data_time_sec": data_time,
-        # OLMo's global_train_petaflops: training compute spent so far (trained tokens only), all ranks together.
-        "throughput/total_petaflops": flops_per_token * tokens_seen / 1e15,
-    }
-    if peak_flops:
-        # MFU (PaLM, appendix B): the model's training FLOP/s per device as a share of the device's peak.
-        values["throughput/mfu"] = flops_per_token * tokens_per_sec / world_size / peak_flops
+# ------------------------------------------------------------------------------ the monitors
+
+
+class LossSpikeDetector:
+    """Flags a logged loss that exceeds the mean of the previous `window` finite losses by
+    `threshold` nats, once there are 10 of them (train.loss_spike_threshold)."""
+
+    def __init__(self, threshold, window=50):
+        self.threshold, self.recent = threshold, deque(maxlen=window)
+
+    def flag(self, rows):
+        """Mark train/loss_spike in each host row [(step, {name: value})] whose loss is a spike."""
+        for _, values in rows:
+            loss = values.get("train/loss")
+            if loss is None:
+                continue
+            if (self.threshold > 0 and len(self.recent) >= 10
+                    and loss > sum(self.recent) / len(self.recent) + self.threshold):
+                values["train/loss_spike"] = 1.0
+            if math.isfinite(loss):
+                self.recent.append(loss)
+
+
+class NonFiniteLoss(UserError):
+    """Training produced NaN or Inf; the message says what to do."""
+
+
+def memory_metrics(device):
+    """Memory in GiB: on a GPU what PyTorch's allocator holds, on a CPU the process's resident
+    set."""
+    if torch.device(device).type == "cuda":
+        gib = 2**30
+        return {"system/gpu_memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
+                "system/gpu_memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
+                "system/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(device) / gib}
+    # ru_maxrss is in KiB on Linux and in bytes on macOS. The kernel updates this high-water mark
+    # lazily, so it can read below the current resident set just after memory grew.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    values = {}
+    if os.path.exists("/proc/self/statm"):  # Linux: resident pages are the second number
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        values["system/cpu_rss_gb"] = rss / 2**30
+        peak = max(peak, rss)
+    values["system/cpu_rss_peak_gb"] = peak / 2**30
     return values
 
 
-# ----------------------------------------------------------------------------- collected rows: the writer and the sinks
+def save_environment(out_dir, world_size):
+    """What produced this run, beside config.json: the code version, the software, the hardware."""
+    repo = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    env = {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "command": redact_argv(sys.argv),  # a secret on the command line is "***"
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "host": socket.gethostname(),
+        "world_size": world_size,
+    }
+    with open(os.path.join(out_dir, "environment.json"), "w") as f:
+        json.dump(env, f, indent=2)
 
 
-PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")  # in step_time_sec already
+# ------------------------------------------------------------------------------ writing the rows
+
+# In throughput/step_time_sec already: not added again to the time a step window took (the ETA)
+PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")
+CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
+    "train/loss": "loss", "val/loss": "val", "eval/hellaswag/acc_norm": "hellaswag acc_norm",
+    "eval/average": "tasks average", "train/grad_norm": "norm", "optim/lr": "lr",
+    "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
+    "train/loss_spike": "SPIKE",
+}
+
+
+class SinkError(UserError):
+    """Rank 0 could not write its metrics (a full disk, say)."""
 
 
 class RowWriter:
-    """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write the sinks (rank 0)
-    and return the console lines of the rows that get one (every log.interval steps, step 0, the last step, a spike, an
-    evaluation), printed here with `prints` (async bookkeeping: no loop waits for them). It never raises (it may run on
-    the worker thread): the first non-finite loss or grad norm is kept in `nonfinite`, a sentence the loop stops on."""
+    """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write
+    them (rank 0: metrics.jsonl, a metrics_step<N>.json per evaluation, W&B) and return the console
+    lines of those that get one (every log.interval steps, step 0, the last step, a spike, an
+    evaluation), printed here with `prints` (async bookkeeping: no loop waits for them). It never
+    raises (it may run on the worker thread): a write error is kept in `failed`, on which the loop
+    saves and stops, and the first non-finite loss or gradient norm in `nonfinite`, on which it
+    stops. A context manager: W&B's run finishes when it closes. `out_dir` None: a rank other
+    than 0, which writes nothing."""
 
-    def __init__(self, sinks, spikes, log_interval, end_step, prints=False):
-        self.sinks, self.spikes, self.end_step, self.prints = sinks, spikes, end_step, prints
-        self.writing = threading.Lock()  # rows come from the bookkeeping thread, late values from the loop
-        self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest value
-        self.console = Every(log_interval, fixed=(0,))  # a console line every log.interval steps, step 0 and the last
+    def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0, prints=False):
+        self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
+        self.interval = log_cfg.interval
+        self.spikes = LossSpikeDetector(spike_threshold)
+        self.writing = threading.Lock()  # rows come from the bookkeeping thread, others from the loop
+        self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest
         self.warm = False  # past the first step this process trains
-        self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on, and their time
-        self.nonfinite = None
+        self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
+        self.failed = self.nonfinite = None  # sentences
+        self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb and out_dir else None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
 
     def __call__(self, rows):
-        """Each helper takes the whole batch of rows: a collection calls each once, whatever its number of steps."""
         if not rows:
             return []
         with self.writing:
             self.spikes.flag(rows)
-            self.add_eta(rows)
             lines = []
-            if self.sinks:
-                self.sinks.write(rows)
-                lines = [console_line(step, values) for step, values in rows
-                         if self.console.due(step, last=step == self.end_step) or "train/loss_spike" in values
-                         or "val/loss" in values]
-            self.nonfinite = self.nonfinite or first_nonfinite(rows)
+            for step, values in rows:
+                # throughput/eta_sec: the mean time per step so far (the step and what was timed
+                # apart in its window: evaluations, checkpoints, samples) x the steps left. The first
+                # step this process trains holds torch.compile and the allocator's warm-up: left out.
+                if "throughput/step_time_sec" in values and self.warm:
+                    self.timed_steps += 1
+                    self.timed_seconds += sum(v for name, v in values.items()
+                                              if name.startswith("throughput/")
+                                              and name.endswith("_time_sec")
+                                              and name not in PARTS_OF_THE_STEP)
+                    left = self.end_step - step
+                    values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * left
+                self.warm = self.warm or "throughput/step_time_sec" in values
+                bad = [name for name in ("train/loss", "train/grad_norm")
+                       if not math.isfinite(values.get(name, 0.0))]
+                if bad and self.nonfinite is None:  # (train.nan_policy=stop: the loop stops on it)
+                    self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no "
+                                      f"checkpoint was saved after it")
+                if self.out_dir and (step % self.interval == 0 or step == self.end_step
+                                     or "train/loss_spike" in values or "val/loss" in values):
+                    lines.append(console_line(step, values))
+            self.write(rows)
             self.last_step = rows[-1][0]
-            for _, values in rows:
-                self.logged.update(values)
             if self.prints:
                 for line in lines:
                     print(line, flush=True)
         return lines
 
-    def late(self, step, values):
-        """Values measured after step `step`'s row was written (the time its checkpoint took, uploads that failed
-        after the last row): written as a row of that step, which readers merge into it (read_jsonl). Rank 0."""
-        if self.sinks:
-            with self.writing:
-                self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
-                self.sinks.write([(step, dict(values))])
-                self.logged.update(values)
+    def add_to_row(self, step, values):
+        """Values measured after step `step`'s row was written (its checkpoint's time, uploads that
+        failed after the last row): written as a row of that step, which readers merge into it
+        (read_jsonl). Rank 0; a checkpoint's time counts in the ETA as any time apart."""
+        if not self.out_dir:
+            return
+        with self.writing:
+            self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
+            self.write([(step, dict(values))])
 
-    def add_eta(self, rows):
-        """throughput/eta_sec: the mean time per step so far (the step and what was set aside in its window:
-        evaluations, checkpoints, samples, traces) x the steps left. Measured on the times the rows carry, not on the
-        clock: the rows of a collection window arrive together, long after most of their steps ended. The first step
-        this process trains is left out: it holds torch.compile and the allocator's warm-up."""
-        for step, values in rows:
-            if "throughput/step_time_sec" not in values:  # step 0 (evaluations before training), a skipped step
-                continue
-            if not self.warm:
-                self.warm = True
-                continue
-            self.timed_steps += 1
-            self.timed_seconds += sum(value for name, value in values.items() if name.startswith("throughput/")
-                                      and name.endswith("_time_sec") and name not in PARTS_OF_THE_STEP)
-            values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * (self.end_step - step)
-
-
-CONSOLE_LABELS = {  # metric -> its short label in the console line, in this order
-    "train/loss": "loss", "val/loss": "val", "eval/hellaswag/acc_norm": "hellaswag acc_norm",
-    "eval/average": "tasks average", "train/grad_norm": "norm",  # (each task's primary accuracy: hellaswag_eval.py)
-    "optim/lr": "lr", "throughput/tokens_per_sec": "tok/s", "throughput/mfu": "mfu", "throughput/eta_sec": "eta",
-    "train/loss_spike": "SPIKE",
-}
+    def write(self, rows):
+        """[(step, {name: value})] to metrics.jsonl (a snapshot per evaluation too) and W&B."""
+        for _, values in rows:
+            self.logged.update(values)
+            for name in values:
+                if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
+                    values[name] = int(values[name])  # counts, exact in float64
+        if not self.out_dir or self.failed:
+            return
+        step = rows[0][0]
+        try:
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+                for step, values in rows:
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+                    if any(name.startswith(("val/", "eval/")) for name in values):
+                        # OLMo's MetricSaver: one file per evaluation, which the ladder reads.
+                        path = os.path.join(self.out_dir, f"metrics_step{step}.json")
+                        with open(f"{path}.tmp", "w") as snapshot:
+                            json.dump({"step": step, **values}, snapshot, indent=1)
+                        os.replace(f"{path}.tmp", path)
+        except OSError as error:
+            self.failed = f"writing metrics in {self.out_dir} failed at step {step} " \
+                          f"({error.strerror or error})"
+            return
+        if self.wandb_run is not None:
+            for step, values in rows:
+                self.wandb_run.log(values, step=step)
 
 
 def console_line(step, values):
@@ -325,23 +479,56 @@ def console_line(step, values):
         if name in values:
             value = values[name]
             if name == "throughput/eta_sec":
-                parts.append(f"eta {int(value) // 3600}:{int(value) % 3600 // 60:02d}:{int(value) % 60:02d}")
+                parts.append(f"eta {int(value) // 3600}:{int(value) % 3600 // 60:02d}:"
+                             f"{int(value) % 60:02d}")
+            elif name == "throughput/tokens_per_sec":
+                parts.append(f"{label} {value:,.0f}")
             else:
-                parts.append(f"{label} {value:,.0f}" if name == "throughput/tokens_per_sec" else f"{label} {value:.4g}")
+                parts.append(f"{label} {value:.4g}")
     return " | ".join(parts)
 
 
+def start_wandb(out_dir, log_cfg, config_dict):
+    """Start or resume this run's W&B run (log.wandb). The run id is kept in
+    <out_dir>/wandb_id.txt, so a restart logs into the same run; WANDB_MODE=offline writes it under
+    <out_dir>/wandb/ for a later sync."""
+    import wandb
+
+    id_path = os.path.join(out_dir, "wandb_id.txt")
+    if os.path.exists(id_path):
+        with open(id_path) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
+        with open(id_path, "w") as f:
+            f.write(run_id)
+    # W&B records the command line (sys.argv): it reads one whose secrets are "***", as
+    # `config_dict` holds them.
+    argv, sys.argv = sys.argv, redact_argv(sys.argv)
+    try:
+        return wandb.init(project=log_cfg.wandb_project,
+                          name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
+                          group=log_cfg.wandb_group or None, tags=log_cfg.wandb_tags or None,
+                          id=run_id, resume="allow", dir=out_dir, config=config_dict)
+    finally:
+        sys.argv = argv
+
+
+# ------------------------------------------------------------------------------ reading the rows back
+
+
 def read_jsonl(path):
-    """The rows of a metrics.jsonl, one per step (a late row of a step, RowWriter.late, is merged into it). A last
-    line cut off (a crash or a full disk during an append) is dropped with a warning; any other bad line is an error."""
+    """The rows of a metrics.jsonl, one per step (a row added to a step later is merged into it). A
+    last line cut off (a crash or a full disk during an append) is dropped with a warning; any other
+    bad line is an error."""
     if not os.path.exists(path):
         return []
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
     except (IsADirectoryError, UnicodeDecodeError) as error:
-        raise SinkError(f"{path} is not a metrics.jsonl ({type(error).__name__}); give the train.out_dir of a "
-                        f"run.") from None
+        raise SinkError(f"{path} is not a metrics.jsonl ({type(error).__name__}); give the "
+                        f"train.out_dir of a run.") from None
     merged = {}  # step -> row
     for number, line in enumerate(lines, 1):
         if not line.strip():
@@ -350,77 +537,26 @@ def read_jsonl(path):
             row = json.loads(line)
         except ValueError:
             if any(rest.strip() for rest in lines[number:]):
-                raise SinkError(f"line {number} of {path} is not JSON; repair or remove that line.") from None
-            warnings.warn(f"dropping the cut-off last line of {path} (the run that wrote it was interrupted)")
+                raise SinkError(f"line {number} of {path} is not JSON; repair or remove that "
+                                f"line.") from None
+            warnings.warn(f"dropping the cut-off last line of {path} (its run was interrupted)")
             continue
         if not (isinstance(row, dict) and isinstance(row.get("step"), int)):
-            raise SinkError(f"line {number} of {path} is not a metrics row (a JSON object with a step); give the "
-                            f"metrics.jsonl a run wrote.")
+            raise SinkError(f"line {number} of {path} is not a metrics row (a JSON object with a "
+                            f"step); give the metrics.jsonl a run wrote.")
         merged.setdefault(row["step"], {}).update(row)
     return list(merged.values())
 
 
 def truncate_jsonl(path, after_step):
-    """On resume from step N, drop rows past N (those steps run again, and must not appear twice) and a
-    cut-off last line. Written beside and renamed, so a crash here loses nothing."""
+    """On resume from step N, drop rows past N (those steps run again, and must not appear twice)
+    and a cut-off last line. Written beside and renamed, so a crash here loses nothing."""
     if not os.path.exists(path):
         return
     kept = "".join(json.dumps(row) + "\n" for row in read_jsonl(path) if row["step"] <= after_step)
     with open(path) as f:
         clean = f.read() == kept  # nothing to drop
     if not clean:
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with open(f"{path}.tmp", "w") as f:
             f.write(kept)
-        os.replace(tmp, path)
-
-
-class SinkError(UserError):
-    """Rank 0 could not write its metrics (a full disk, say)."""
-
-
-class Sinks:
-    """Where collected metrics go (rank 0 only). A write error does not raise here (it may happen on the bookkeeping
-    thread): it is kept in `failed`, and the loop stops at its next step with a checkpoint, then says why."""
-
-    def __init__(self, out_dir, log_cfg, config_dict):
-        self.out_dir = out_dir
-        self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
-        self.wandb_run = None
-        if log_cfg.wandb:
-            from wandb_run import start_wandb
-            self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
-        self.failed = None  # the first write error, as a sentence
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-
-    def write(self, rows):
-        """[(step, {name: value})] to metrics.jsonl (and a snapshot per evaluation, and W&B)."""
-        for _, values in rows:
-            for name in values:
-                if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
-                    values[name] = int(values[name])  # counts, exact in float64
-        if self.failed:
-            return
-        step = rows[0][0]
-        try:
-            with open(self.jsonl_path, "a") as f:
-                for step, values in rows:
-                    f.write(json.dumps({"step": step, **values}) + "\n")
-                    if any(name.startswith(("val/", "eval/")) for name in values):
-                        # OLMo's MetricSaver: one file per evaluation, which the model ladder reads.
-                        tmp = os.path.join(self.out_dir, f"metrics_step{step}.json.tmp")
-                        with open(tmp, "w") as snapshot:
-                            json.dump({"step": step, **values}, snapshot, indent=1)
-                        os.replace(tmp, os.path.join(self.out_dir, f"metrics_step{step}.json"))
-        except OSError as error:
-            self.failed = f"writing metrics in {self.out_dir} failed at step {step} ({error.strerror or error})"
-            return
-        if self.wandb_run is not None:
-            for step, values in rows:
-                self.wandb_run.log(values, step=step)
+        os.replace(f"{path}.tmp", path)

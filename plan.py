@@ -1,14 +1,17 @@
-"""The run's plan: its length, its micro-steps per step, what is due after each step, and when it stops early.
+"""The run's plan: its length, its micro-steps per step, what is due after each step, and when it
+stops early.
 
-`make_plan` resolves the config into a `Plan` once, before anything is written; the loop asks `plan.due(step)` after
-every step, `--dry_run` prints it. `Every` is the one cadence rule for everything periodic; it fires at the last step
-too, so the final evaluation and checkpoint reuse the periodic code. The final checkpoint is always written (a run
-that stops must be resumable) unless `train.no_checkpoints`. Last, the start-up summary and the memory estimate.
+`make_plan` resolves the config into a `Plan` once, before anything is written; the loop asks
+`plan.due(step)` after every step, `--dry_run` prints it. `Every` is the one cadence rule for
+everything periodic; it fires at the last step too, so the final evaluation and checkpoint reuse
+the periodic code. The final checkpoint is always written (a run that stops must be resumable)
+unless `train.no_checkpoints`. Last, the start-up summary and the memory estimate.
 
-`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file or the time limit: the
-loop finishes the step, saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at different
-moments (a signal reaches them one by one, only rank 0 looks for the file), so every train.cancel_check_interval steps
-they agree in one tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
+`Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file,
+the time limit or a metrics write error: the loop finishes the step, saves a checkpoint and exits,
+so at most one step is lost. Ranks see the cause at different moments (a signal reaches them one by
+one, only rank 0 looks for the file), so every train.cancel_check_interval steps they agree in one
+tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
 """
 
 import os
@@ -26,12 +29,14 @@ from model import GPT, loss_slice_rows, loss_slices
 
 @dataclass(frozen=True)
 class Every:
-    """Every `interval` steps and at the last step (interval 0: not periodically), and at `fixed` steps."""
+    """Every `interval` steps and at the last step (interval 0: not periodically), and at `fixed`
+    steps."""
     interval: int = 0
     fixed: tuple = ()
 
     def due(self, step, last=False):
-        return step in self.fixed or (self.interval > 0 and step > 0 and (step % self.interval == 0 or last))
+        return step in self.fixed or (self.interval > 0 and step > 0 and
+                                      (step % self.interval == 0 or last))
 
 
 @dataclass(frozen=True)
@@ -39,13 +44,17 @@ class Due:
     """What runs after a step, in the loop's order."""
     val: bool = False  # validation losses
     tasks: bool = False  # downstream tasks (HellaSwag is one of them)
-    checkpoint: str | None = None  # the kind of checkpoint to save: fixed, permanent, ephemeral, or None
+    checkpoint: str | None = None  # the kind of checkpoint to save: fixed, permanent, ephemeral
     sample: bool = False  # text samples (rank 0)
-    # metrics to the host and the sinks: at console lines and evaluations, so that a line prints on the step it
-    # describes, and before a checkpoint, so that metrics.jsonl is then complete
-    collect: bool = False
+    # metrics to the host and the sinks: at console lines and evaluations, so that a line prints on
+    # the step it describes, and before a checkpoint, so that metrics.jsonl is then complete
+    write_metrics: bool = False
     evals: bool = False  # val or tasks
-    output: bool = False  # anything that reads the model's state: the moment to check that the loss is finite
+    reads_weights: bool = False  # an evaluation, a checkpoint or samples
+    collect_garbage: bool = False  # gc.collect on every rank (train.gc_interval)
+
+
+NOTHING = Due()  # an ordinary step
 
 
 @dataclass(frozen=True)
@@ -61,24 +70,32 @@ class Plan:
     checkpoints: Every  # permanent ones (the final one is always saved)
     fixed_checkpoints: tuple  # kept forever: checkpoint.fixed_steps and the stage-2 boundary
     ephemeral: Every  # only the newest is kept
-    ephemeral_cooldown: int  # an ephemeral checkpoint this soon after a fixed or permanent one is skipped
+    ephemeral_cooldown: int  # an ephemeral checkpoint this soon after a fixed or permanent one: none
     traces: Every  # debug.trace_steps: fixed steps only
     metrics: Every  # log.metrics_collect_interval: one sync and one collective each time
-    console: Every  # log.interval: a console line, so its metrics are collected at that step
+    console: Every  # log.interval: a console line, so its metrics are written at that step
     grad_norms: Every  # log.grad_norms_interval: per-layer gradient norms
     activations: Every  # log.activations_interval: activation statistics and parameter norms
+    garbage: Every  # train.gc_interval
     no_checkpoints: bool
-    skipped: tuple = ()  # train.steps_to_skip as (start, end) ranges of steps whose data is read but not trained on
+    skipped: tuple = ()  # train.steps_to_skip as (start, end) ranges: data read, not trained on
 
     def skips_data(self, step):
         return any(start <= step < end for start, end in self.skipped)
 
     def due(self, step, last=False, stop=False):
-        """What runs after `step`; `last` at the run's end. On an early stop (signal, CANCEL, time limit) only
-        the checkpoint: a scheduler's grace period is short, and an evaluation could eat it."""
+        """What runs after `step`; `last` at the run's end. On an early stop (signal, CANCEL, time
+        limit) only the checkpoint: a scheduler's grace period is short, and an evaluation could
+        eat it."""
         if stop and not last:
             checkpoint = None if self.no_checkpoints else "permanent"
-            return Due(checkpoint=checkpoint, collect=True, output=bool(checkpoint))
+            return Due(checkpoint=checkpoint, write_metrics=True, reads_weights=bool(checkpoint))
+        cadences = (self.val, self.tasks, self.samples, self.checkpoints, self.ephemeral,
+                    self.metrics, self.console, self.garbage)
+        if not (last or step in self.fixed_checkpoints or any(
+                step in every.fixed or (every.interval and step % every.interval == 0)
+                for every in cadences)):
+            return NOTHING  # (most steps: no Every is asked)
         checkpoint = None  # the kind of checkpoint due, if any
         if self.no_checkpoints:
             pass
@@ -87,17 +104,19 @@ class Plan:
         elif last or self.checkpoints.due(step):
             checkpoint = "permanent"
         elif self.ephemeral.due(step):
-            recent = range(max(1, step - self.ephemeral_cooldown + 1), step)  # OLMo-core's ephemeral_cooldown
+            recent = range(max(1, step - self.ephemeral_cooldown + 1), step)  # OLMo-core's cooldown
             if not any(s in self.fixed_checkpoints or self.checkpoints.due(s) for s in recent):
                 checkpoint = "ephemeral"
-        val, tasks, sample = self.val.due(step, last), self.tasks.due(step, last), self.samples.due(step, last)
-        evals = val or tasks
+        val, tasks = self.val.due(step, last), self.tasks.due(step, last)
+        sample, evals = self.samples.due(step, last), val or tasks
+        write = (self.metrics.due(step, last) or self.console.due(step, last) or evals
+                 or bool(checkpoint))
         return Due(val=val, tasks=tasks, checkpoint=checkpoint, sample=sample, evals=evals,
-                   output=evals or sample or bool(checkpoint),
-                   collect=self.metrics.due(step, last) or self.console.due(step, last) or evals or bool(checkpoint))
+                   reads_weights=evals or sample or bool(checkpoint), write_metrics=write,
+                   collect_garbage=self.garbage.interval > 0 and step % self.garbage.interval == 0)
 
     def checkpoint_steps(self):
-        """Every step a checkpoint will be saved at if the run is not stopped early (step 0 included)."""
+        """Every step a checkpoint will be saved at if the run is not stopped early (step 0 too)."""
         return [s for s in range(0 if 0 in self.fixed_checkpoints else 1, self.end_step + 1)
                 if self.due(s, last=s == self.end_step).checkpoint]
 
@@ -138,6 +157,7 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
         traces=Every(0, tuple(cfg.debug.trace_steps)),
         metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval),
+        garbage=Every(t.gc_interval),
         grad_norms=Every(cfg.log.grad_norms_interval), activations=Every(cfg.log.activations_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
@@ -175,19 +195,21 @@ class SignalFlag:
 
 
 class Stopper:
-    """`poll(step)` after every step: the reason to stop now that the ranks agree on, or "". They agree
-    every `check_interval` steps (one small collective) and at no other step."""
+    """`poll(step)` after every step: the reason to stop now that the ranks agree on, or "". They
+    agree every `check_interval` steps (one small collective) and at no other step. `stopped`
+    says, once the stop's checkpoint has landed, why the run stopped."""
 
-    def __init__(self, flag, out_dir, time_limit, check_interval, is_master, sinks=None, group=None):
-        self.flag, self.out_dir, self.time_limit, self.checks = flag, out_dir, time_limit, Every(check_interval)
-        self.is_master, self.sinks, self.group = is_master, sinks, group
+    def __init__(self, flag, out_dir, time_limit, check_interval, is_master, writer=None,
+                 group=None):
+        self.flag, self.out_dir, self.time_limit, self.interval = flag, out_dir, time_limit, check_interval
+        self.is_master, self.writer, self.group = is_master, writer, group
         self.start_time = time.monotonic()
 
     def poll(self, step):
-        if not self.checks.due(step):
+        if step % self.interval:
             return ""
         reason = ""
-        if self.sinks is not None and self.sinks.failed:  # rank 0 cannot write its metrics: save, then stop
+        if self.writer is not None and self.writer.failed:  # rank 0 cannot write its metrics
             reason = "write error"
         elif self.flag.received:
             reason = "signal"
@@ -197,16 +219,36 @@ class Stopper:
             reason = "time limit"
         if not dist.is_initialized():
             return reason
-        code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)  # the reason any rank has: every rank
-        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)  # polls at the same steps
+        code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)  # the reason any rank has:
+        dist.all_reduce(code, op=dist.ReduceOp.MAX, group=self.group)  # every rank polls alike
         return REASONS[int(code)]
 
-    def describe(self, reason):
+    def stopped(self, reason, step, saved):
+        """After the stop's checkpoint (if `saved`) has landed: say why the run stopped (rank 0),
+        remove a CANCEL file that did its job (left there, it would cancel the resumed run at once)
+        and return the outcome, for the webhook. A metrics write error ends the run with its
+        sentence."""
+        if reason == "write error":
+            from metrics import SinkError
+            failed = (self.writer.failed if self.writer is not None and self.writer.failed
+                      else "rank 0 could not write its metrics")
+            raise SinkError(f"{failed}; a checkpoint was saved at step {step}: free disk space, then "
+                            f"run the same command again to resume.")
         if reason == "signal":
-            return f"stopped by {self.flag.received or 'a signal on another rank'}"
-        if reason == "cancel file":  # (train.py removes the file once the checkpoint is saved)
-            return f"canceled by {os.path.join(self.out_dir, 'CANCEL')} (now removed)"
-        return "stopped at the time limit (train.time_limit)"
+            why = f"stopped by {self.flag.received or 'a signal on another rank'}"
+        elif reason == "cancel file":
+            why = f"canceled by {os.path.join(self.out_dir, 'CANCEL')} (now removed)"
+        else:
+            why = "stopped at the time limit (train.time_limit)"
+        if self.is_master:
+            if reason == "cancel file":
+                os.remove(os.path.join(self.out_dir, "CANCEL"))
+            print(f"{why} after step {step}; " + (
+                "the checkpoint is saved: run the same command again to resume." if saved else
+                "train.no_checkpoints saved no checkpoint, so running the command again starts "
+                "from step 0."), flush=True)
+        return f"{why} after step {step}; " + (
+            "its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)")
 
 
 # ----------------------------------------------------------------------------- the start-up summary and memory estimate

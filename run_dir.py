@@ -1,29 +1,40 @@
-"""The run folder (`train.out_dir`): who may write it, and what a fresh start or a resume may do to it.
+"""The run folder (`train.out_dir`) and where a run starts: who may write the folder, what a fresh
+start or a resume may do to it, and the checkpoint the run starts from.
 
-Before the loop writes anything, `decide_start` locks the folder (`RunLock`: one training per folder), checks that
-every rank sees it, and decides on rank 0 where the run starts (`Start`): this run's newest checkpoint, a rewind to
-`checkpoint.resume_step`, or a fresh start (from scratch or `checkpoint.load_path`). Every refusal is made then, so a
-refused command leaves the folder and the bucket exactly as they were. Once the checkpoint is loaded,
-`carry_out_start` carries the Start out on rank 0: a rewind moves newer checkpoints aside, a resume records changed
-settings in `config_changes.jsonl` (`config.json` keeps the first config), a fresh start replaces the old record.
+Before the loop writes anything, `decide_start` locks the folder (`RunLock`: one training per
+folder), checks that every rank sees it, and decides on rank 0 where the run starts (`Start`): this
+run's newest checkpoint (or the bucket's, with checkpoint.remote_folder), a rewind to
+`checkpoint.resume_step`, or a fresh start (from scratch or `checkpoint.load_path`). Every refusal
+is made then, so a refused command leaves the folder and the bucket exactly as they were.
+`load_start` loads the checkpoint, then `carry_out_start` carries the Start out on rank 0: a rewind
+moves newer checkpoints aside, a resume records changed settings in `config_changes.jsonl`
+(`config.json` keeps the first config), a fresh start replaces the old record. Last, each rank's
+pid file and stack dump, which `python lab/debug.py stacks RUN` reads.
 """
 
+import faulthandler
 import json
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, check_model_shape, check_sharded_metadata, check_weights_fit,
-                        code_change_note, find_checkpoints, find_start_checkpoint, read_marker, read_trainer_state,
-                        verify_checkpoint)
-from config import keys_with_role, parse_duration, parse_mix, secret_keys, with_defaults
-from metrics import truncate_jsonl
+from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_model_shape,
+                        check_sharded_metadata, check_source, check_weights_fit, code_change_note,
+                        find_checkpoints, load_checkpoint, model_code, newest_checkpoint,
+                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
+from config import (ConfigError, as_override, config_to_dict, keys_with_role, parse_duration,
+                    parse_mix, secret_keys, with_defaults)
+from data import dataset_dir, fingerprint
+from metrics import save_environment, truncate_jsonl
+from plan import describe_run, shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
@@ -138,13 +149,14 @@ class Start:
     notes: list = field(default_factory=list)  # what to print about it
 
 
-def decide_start(out_dir, checkpoint_cfg, run_config, model, rank, world_size, group, stack):
+def decide_start(out_dir, checkpoint_cfg, run_config, model, place, stack):
     """Where this run starts; rank 0 holds the lock while `stack` is open, and a checkpoint's weights must fit `model`
     (the one the run trains). A refusal is one sentence on rank 0; the other ranks stop quietly."""
-    if rank == 0:
+    if place.rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
-    check_shared_folder(out_dir, rank, world_size, group)
-    return from_rank0(lambda: start_on_rank0(out_dir, checkpoint_cfg, run_config, model), rank, world_size, group)
+    check_shared_folder(out_dir, place.rank, place.world_size, place.cpu_group)
+    return from_rank0(lambda: start_on_rank0(out_dir, checkpoint_cfg, run_config, model), place.rank,
+                      place.world_size, place.cpu_group)
 
 
 def from_rank0(work, rank, world_size, group):
@@ -172,21 +184,18 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     `checkpoint.save_overwrite`, which replaces it whole)."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
-    if c.remote_folder:  # (remote_start.py)
-        from remote_start import read_bucket
-        bucket_steps, same_run = read_bucket(c, out_dir, run_config, identity_difference)
+    if c.remote_folder:
+        bucket_steps, same_run = read_bucket(c, out_dir, run_config)
     rewind_to, rewind_folder, rewind_note = 0, "", ""
-    if c.resume_step:  # (rewind.py)
+    if c.resume_step:
         from lab.rewind import plan_rewind
         rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
-        from remote_start import fetch_from_bucket
         fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
         if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
-            from remote_start import replace_bucket_note
             start.notes.append(replace_bucket_note(c, bucket_steps))
             start.replace_bucket = bucket_steps
     except BaseException:
@@ -238,8 +247,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to delete once this
     run's first is complete, and the lines to print. `trains`: False for a resume past its end (no change recorded)."""
     c, lines = checkpoint_cfg, []
-    if c.remote_folder:  # (remote_start.py)
-        from remote_start import carry_out_in_bucket
+    if c.remote_folder:
         lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
     if start.rewind_to:
         from lab.rewind import rewind
@@ -269,7 +277,6 @@ def check_identity(out_dir, saved_config, run_config):
     """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
     difference = identity_difference(saved_config, run_config)
     if difference:
-        from config_help import as_override
         key, old, new = difference
         gone = key == "train.model_module" and old != "model" and not os.path.isfile(old)  # (moved, or deleted)
         to_resume = f"put that file back at {old} and set {as_override(key, old)}" if gone else \
@@ -374,3 +381,255 @@ def remove_stale_cancel(out_dir):
         os.remove(path)
         return f"note: removed {path}, left by an earlier run (touch it again to stop this one)"
     return None
+
+
+# ----------------------------------------------------------------------------- checkpoint.load_path, checked at start
+
+
+def use_load_path_shape(cfg, default_config):
+    """Before anything is written: a GPT-2 gives the model its shape, and a path that is neither a folder nor a
+    GPT-2 name is one sentence (a typo would train from scratch). A run that already has its own checkpoint of the
+    same load_path resumes it: the shape is the checkpoint's, and the source is not needed any more (a deleted
+    folder, a hub name offline)."""
+    from lab.hf import gpt2_shape, is_gpt2_source, use_source_shape
+
+    ck = cfg.checkpoint
+    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
+    saved = read_trainer_state(own)["config"] if own else None
+    if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
+        from lab import remote
+        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
+        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
+    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
+        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
+                         default_config)
+    elif is_gpt2_source(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+        if cfg.train.data_parallel == "fsdp":  # (hf.load_gpt2_weights copies whole tensors into the model)
+            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load into a whole model, "
+                              f"and train.data_parallel=fsdp shards it; fine-tune with --train.data_parallel=ddp.")
+        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
+    elif not os.path.isdir(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+
+
+def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
+    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes out_dir's own, else
+    starts from load_path (which must hold weights: never a silent start from scratch), else from scratch; always
+    requires one; never starts fresh. As in OLMo-core, the run's own wins (a restarted fine-tune resumes)."""
+    if load == "never":
+        return None, False, ""
+    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
+        from lab import remote
+        load_path = remote.local_copy(load_path, "checkpoint.load_path")
+    own = None if ignore_own else newest_valid_checkpoint(out_dir)
+    if own:
+        source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
+        changed = f" (this run started from checkpoint.load_path={source})" if source and source != load_path else ""
+        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
+                   f"checkpoint{changed}")
+        return own, True, ignored if load_path else ""
+    if load_path:
+        from lab.hf import is_gpt2_source
+        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
+            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
+        return check_source(load_path, "checkpoint.load_path"), False, ""
+    if load == "always":
+        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
+                              f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
+    return None, False, ""
+
+
+# ----------------------------------------------------------------------------- the bucket's part (checkpoint.remote_folder)
+
+
+def read_bucket(c, out_dir, run_config):
+    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
+    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
+    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
+    from lab import remote
+
+    url = c.remote_folder
+    saved, steps = remote.read_run(url)
+    if saved is None and not steps:
+        return steps, True
+    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
+    own = os.path.join(out_dir, "config.json")
+    if difference and saved is not None and os.path.exists(own):
+        with open(own) as f:
+            ours = json.load(f)
+        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
+            key, old, new = difference
+            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
+                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
+                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
+                                  f"and remote folder.")
+    if difference and not c.save_overwrite:
+        key, old, new = difference
+        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
+                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
+                              f"to replace that run there.")
+    return steps, not difference
+
+
+def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
+    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
+    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
+    to a step only the bucket has, that step."""
+    from lab import remote
+
+    own = newest_valid_checkpoint(out_dir)
+    own_step = int(STEP_DIR.match(os.path.basename(own)).group(1)) if own else -1
+    if rewind_to:
+        wanted = [] if rewind_to in {s for s, _ in find_checkpoints(out_dir)} else [rewind_to]
+    else:
+        wanted = [s for s in reversed(bucket_steps) if s > own_step]
+    return remote.download_newest(url, wanted, out_dir, fall_back=not rewind_to)
+
+
+def replace_bucket_note(c, bucket_steps):
+    """A fresh start, or another run, with checkpoints in the bucket: refused (it would mix two runs there) unless
+    save_overwrite, which replaces that run whole. Returns the note to print."""
+    if not c.save_overwrite:
+        raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
+                              f"({steps_text(bucket_steps)}) and this run starts afresh, which "
+                              f"would mix two runs there; resume them (checkpoint.load=if_available), give "
+                              f"another remote folder, or pass --checkpoint.save_overwrite=true.")
+    return (f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its checkpoints go once this "
+            f"run's first is uploaded")
+
+
+def carry_out_in_bucket(out_dir, start, url):
+    """carry_out_start's part in the bucket, before the folder's: a downloaded checkpoint becomes the folder's own,
+    and a rewind moves the bucket's newer steps aside (first: a restart must not download what goes aside). Returns
+    the line to print, or None."""
+    from lab import remote
+
+    line = None
+    if start.fetched:
+        start.path, line = remote.install_download(out_dir, start.fetched, url)
+    if start.rewind_to:
+        remote.rewind(url, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+    return line
+
+
+def steps_text(steps):
+    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
+    if len(steps) <= 3:
+        return f"steps {', '.join(map(str, steps))}"
+    return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
+
+
+# ----------------------------------------------------------------------------- loading the start
+
+
+def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator, plan, run_config):
+    """Load the checkpoint the run starts from (the optimizer keeps this config's settings), carry out the
+    rest of the start in the run folder (carry_out_start), and say where the run starts.
+    Returns (TrainState, the checkpoint folders of a run this one replaces, deleted after our first save)."""
+    ck, out_dir = cfg.checkpoint, cfg.train.out_dir
+    state = TrainState(best_val_loss=torch.tensor(float("inf"), device=place.device),
+                       data=stages.loaders[0][1].state_dict())
+    names = [name for loaders in stages.loaders for name, _ in loaders[0]]
+    fingerprints = {name: fingerprint(dataset_dir(cfg.data.data_root, name)) for name in dict.fromkeys(names)}
+    load_optim = start.resumed or ck.load_optim
+    saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
+                            rank=place.rank, world_size=place.world_size, load_optim=load_optim,
+                            load_trainer_state=start.resumed or ck.load_trainer_state) if start.path else None
+    if saved:
+        state = TrainState.from_dict(saved)
+        state.best_val_loss = state.best_val_loss.to(place.device)
+        stages.resume_at(state.step, state.data)  # the data position is global: any world size works
+        check_start_step(cfg, start, state, plan, fingerprints)
+    state.data_fingerprint, state.model_code = fingerprints, model_code(cfg.train.model_module)
+    replaced = []
+    if place.world_size > 1:
+        dist.barrier()  # every rank has read the start before rank 0 moves files into place
+    if place.is_master:
+        replaced, lines = carry_out_start(out_dir, start, saved["config"] if start.resumed else None,
+                                          run_config, state.step, ck,
+                                          trains=state.step < plan.end_step or not start.resumed)
+        save_environment(out_dir, place.world_size)
+        print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
+                           sequences_per_epoch=stages.loaders[0][1].num_sequences))
+        mixes = "; ".join([f"data: {shares_text(stages.loaders[0][0])}"] + [
+            f"stage 2 after step {plan.stage2_step}: {shares_text(stages.loaders[-1][0])}"] * bool(plan.stage2_step))
+        benchmark = "note: train.no_checkpoints: this run loads no checkpoint and saves none" * cfg.train.no_checkpoints
+        for line in filter(None, [benchmark, started_from(start, saved, load_optim, state.step),
+                                  mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
+            print(line)
+    if place.world_size > 1:
+        dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
+    return state, replaced
+
+
+def check_start_step(cfg, start, state, plan, fingerprints):
+    """Before the run folder changes: a resume must read the data it trained on (the same content, whatever
+    data.data_root now says), and a start from another run's trainer state must leave steps to train."""
+    changed = [name for name, print_ in fingerprints.items() if state.data_fingerprint.get(name, print_) != print_]
+    if start.resumed and changed:
+        raise CheckpointError(f"the dataset {changed[0]} under data.data_root={cfg.data.data_root or '(data/)'} is not "
+                              f"the one this run trained on (its content differs); point data.data_root at the run's "
+                              f"data, or train on this data in a new train.out_dir.")
+    if not start.resumed and state.step >= plan.end_step > 0:  # (hard_stop=0: save what was loaded, train nothing)
+        raise CheckpointError(f"checkpoint.load_path={start.path} is at step {state.step}, and this run ends at step "
+                              f"{plan.end_step}, so nothing would train; raise train.max_steps, or pass "
+                              f"--checkpoint.load_trainer_state=false to train from its weights from step 0.")
+
+
+def started_from(start, saved, load_optim, step):
+    """What was loaded: this run's own checkpoint (a resume), what checkpoint.load_path gave, or nothing ("")."""
+    if start.resumed:
+        return f"resumed from {start.path} at step {step}"
+    if not start.path:
+        return ""
+    ours = os.path.exists(os.path.join(start.path, MARKER))  # else GPT-2's weights, with a fresh optimizer
+    loaded = ["weights"] + ["optimizer state"] * (ours and load_optim) + ["trainer state"] * (saved is not None)
+    return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
+
+
+# ----------------------------------------------------------------------------- stack dumps of a running job
+# Each rank writes its pid file and dumps its threads' stacks on SIGUSR1 when `python lab/debug.py stacks RUN` asks
+# for them (lab/debug.py reads both).
+
+STACKS = "stacks"  # <out_dir>/stacks/: each rank's pid file and stack dumps
+PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
+
+
+def process_start_time(pid):
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
+    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
+    try:
+        with open(os.path.join(PROC, str(pid), "stat")) as f:
+            stat = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
+def register_stack_dump(out_dir, rank):
+    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
+    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
+    not exist (Windows)."""
+    if not hasattr(signal, "SIGUSR1"):
+        return lambda: None
+    folder = os.path.join(out_dir, STACKS)
+    os.makedirs(folder, exist_ok=True)
+    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
+    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
+    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
+    start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
+    with open(pid_path, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
+    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
+    stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+
+    def undo():
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks_file.close()
+        if os.path.exists(pid_path):
+            os.remove(pid_path)
+
+    return undo

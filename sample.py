@@ -14,34 +14,37 @@ import math
 import os
 import re
 import sys
+from dataclasses import dataclass, field
 
 import torch
 from torch.nn import functional as F
 
 from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
-from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer, tokenizer_of
+from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer
 
 
+@dataclass
 class KVCache:
-    """Keys and values of the tokens seen so far, one pair per layer, so each new token costs O(T)."""
-
-    def __init__(self, n_layer):
-        self.layers = [None] * n_layer
-        self.layer = 0  # which layer the next `append` belongs to
+    """Keys and values of the tokens seen so far, one pair per layer, so each new token costs O(T).
+    Each layer's attention calls `append` in turn; `length` is the number of tokens cached (the
+    position of the next one, as the model reads it before the first layer appends)."""
+    n_layer: int
+    layers: list = field(default_factory=list)  # (keys, values) of each layer
+    layer: int = 0  # which layer the next `append` belongs to
+    length: int = 0
 
     def append(self, k, v):
-        past = self.layers[self.layer]
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        self.layers[self.layer] = (k, v)
-        self.layer = (self.layer + 1) % len(self.layers)
+        if len(self.layers) < self.n_layer:  # the first tokens
+            self.layers.append((k, v))
+        else:
+            past_k, past_v = self.layers[self.layer]
+            k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            self.layers[self.layer] = (k, v)
+        if self.layer == 0:
+            self.length = k.size(2)
+        self.layer = (self.layer + 1) % self.n_layer
         return k, v
-
-    @property
-    def length(self):
-        return 0 if self.layers[0] is None else self.layers[0][0].size(2)
 
     def reorder(self, index):
         """Keep the rows `index` (beam search reorders its beams after every step)."""
@@ -76,13 +79,13 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
     the k most likely tokens, top_p the smallest set of tokens whose probability reaches p
     (Holtzman et al. 2019). Generation stops early once every row has produced `stop_token`.
     A `generator` of its own keeps sampling from disturbing the training RNG (exact resume)."""
-    kv_cache = KVCache(len(model.blocks))
+    kv_cache = KVCache(model.config.n_layer)  # (train.py holds every model to it)
     finished = torch.zeros(idx.size(0), dtype=torch.bool, device=idx.device)
     new = idx
     for _ in range(max_new_tokens):
         if kv_cache.length + new.size(1) > model.config.block_size:
             # The context is full: start a fresh cache over the last block_size - 1 tokens.
-            kv_cache = KVCache(len(model.blocks))
+            kv_cache = KVCache(model.config.n_layer)  # (train.py holds every model to it)
             new = idx[:, -(model.config.block_size - 1) :]
         logits = model(new, kv_cache=kv_cache)
         logits = filter_logits(logits[:, -1, :], top_k=top_k, top_p=top_p, vocab_size=vocab_size)
@@ -122,7 +125,7 @@ def decode_until_end(tokens, prompt, prompt_length, tokenizer=None):
 def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, top_k, device, generator=None,
                   top_p=None, tokenizer=None):
     """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model wrote one.
-    `tokenizer`: GPT-2's (None), or a character-level dataset's (data.tokenizer_of)."""
+    `tokenizer`: GPT-2's (None), or a character-level dataset's (data.get_tokenizer)."""
     tokenizer = tokenizer or get_tokenizer()
     tokens = encode_prompt(prompt, tokenizer)
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
@@ -143,7 +146,7 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     finished; the search ends when no live beam can beat the finished ones or the length is reached."""
     device = next(model.parameters()).device
     assert len(prompt_tokens) + max_new_tokens <= model.config.block_size, "prompt + new tokens > block_size"
-    cache = KVCache(len(model.blocks))
+    cache = KVCache(model.config.n_layer)
     logits = model(torch.tensor([prompt_tokens], device=device), kv_cache=cache)
     beams = torch.tensor([prompt_tokens], device=device)  # (live beams, T)
     scores = torch.zeros(1, device=device)  # total log-probability of each live beam
@@ -183,11 +186,12 @@ def check_device(device, key="--device"):
                         f"give one of them.")
 
 
-def tokenizer_for(source, model):
-    """GPT-2's tokenizer, or for a model with a smaller vocabulary (trained on a character-level dataset, `python
-    data.py shakespeare-char`) that dataset's characters, from the meta.json its checkpoint's config points at."""
+def dataset_of(source, model):
+    """None for a model of GPT-2's vocabulary; for a model with a smaller one (trained on a
+    character-level dataset, `python prepare_data.py shakespeare-char`) the folder of that dataset,
+    whose meta.json holds its characters, from the config its checkpoint saved."""
     if model.config.vocab_size >= GPT2_VOCAB_SIZE:
-        return get_tokenizer()
+        return None
     path = check_source(source, "--init_from")
     cfg = config_from_dict(read_trainer_state(path)["config"]) if path else None
     data_dir = dataset_dir(cfg.data.data_root, cfg.data.dataset) if cfg else source
@@ -195,13 +199,13 @@ def tokenizer_for(source, model):
         raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
                         f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
                         f"dataset first (e.g. `python prepare_data.py shakespeare-char`).")
-    tokenizer = tokenizer_of(data_dir)
+    get_tokenizer(data_dir)  # a damaged meta.json is one sentence of its own
     saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset) if path else None
     if saved and saved != fingerprint(data_dir):  # the ids would decode to other characters
         raise UserError(f"the dataset under {data_dir} is not the one {path} trained on (its meta.json or shards "
                         f"differ), so its ids would decode to other characters; prepare that run's dataset again, or "
                         f"point data.data_root at it.")
-    return tokenizer
+    return data_dir
 
 
 def check_args(args):
@@ -236,7 +240,7 @@ def main(argv):
     args = parser.parse_args(argv)
     check_args(args)
     model = load_model(args.init_from, args.device, "--init_from")
-    tokenizer = tokenizer_for(args.init_from, model)
+    tokenizer = get_tokenizer(dataset_of(args.init_from, model))
     tokens = encode_prompt(args.prompt, tokenizer)
     if len(tokens) >= model.config.block_size:
         raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most {model.config.block_size}; "

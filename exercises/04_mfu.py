@@ -3,10 +3,10 @@
 Goal: count the training FLOPs per token of a GPT, then turn a measured speed into MFU (model FLOPs
 utilisation): the share of the accelerator's peak that the model's own arithmetic uses. The loop logs
 it every step as throughput/mfu; README.md's 48.4% for GPT-2 on an H100 is this number.
-In the project: model.py, `GPT.flops_per_token`; metrics.py, `speed_metrics` (throughput/mfu).
+In the project: model.py, `GPT.flops_per_token`; metrics.py, `mfu` (throughput/mfu, which `StepClock.lap` logs).
 Check: python exercises/check.py 4
 (your count against the project's on random model shapes, GPT-2's included, and your MFU against
-speed_metrics' on random speeds)
+metrics.mfu's on random speeds)
 """
 
 

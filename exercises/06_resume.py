@@ -5,7 +5,7 @@ that a run stopped at step 4 and resumed trains steps 5 to 8 with bit-identical 
 never stopped. Weights and optimizer state are not enough: the loop's counters, where the data
 loader was, and the random number generators (dropout draws from them) must come back too.
 In the project: checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, `set_rng_state`,
-`capture_state`; train.py's `Run.save` and `load_start` (where a resume restores them).
+`Checkpointer.save`; run_dir.py's `load_start` (where a resume restores them).
 Check: python exercises/check.py 6
 (short real runs with dropout on: in your answer's process, one stopped after step 4 then resumed with your
 four functions; in the check's, one of 8 steps that never stopped; the losses of steps 5 to 8 must be identical)

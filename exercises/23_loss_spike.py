@@ -7,7 +7,7 @@ mean of the previous `window` finite losses, once there are at least 10 of them;
 by nothing here and joins no mean), then choose the checkpoint to rewind to: the latest one saved before the
 update that may have caused the spike. Mind what a step's loss measures: the loss logged at step n is computed
 in step n's forward pass, with the weights that step n - 1's update left.
-In the project: callbacks.py, `LossSpikeDetector` (train.loss_spike_threshold; flagged rows hold
+In the project: metrics.py, `LossSpikeDetector` (train.loss_spike_threshold; flagged rows hold
 `train/loss_spike`); `--checkpoint.resume_step=N` rewinds a run to its step-N checkpoint
 (docs/checkpoints-and-reliability.md, "Rewinding in place"); OLMo rewinds, then changes what caused the spike
 (the data order, the learning rate) so it does not happen again.

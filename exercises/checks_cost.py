@@ -30,7 +30,7 @@ def flops_advice(c, gap):
 
 
 def check_mfu(answers):
-    from metrics import speed_metrics
+    from metrics import mfu
     from model import GPT, GPTConfig
 
     shapes = [{}]  # GPT-2 (124M) first, then random shapes
@@ -43,9 +43,7 @@ def check_mfu(answers):
         flops, tokens_per_step, seconds = random.uniform(1e5, 1e10), random.randint(1, 10**6), random.uniform(1e-3, 10)
         world_size, peak = random.randint(1, 64), random.uniform(1e11, 1e16)
         speeds.append((flops, tokens_per_step / seconds, world_size, peak))
-        wants.append(speed_metrics(step_time=seconds, data_time=0.0, tokens_per_step=tokens_per_step, block_size=1,
-                                   tokens_seen=tokens_per_step, flops_per_token=flops, world_size=world_size,
-                                   peak_flops=peak)["throughput/mfu"])
+        wants.append(mfu(flops, tokens_per_step / seconds, world_size, peak))
     mine = answers.run(mfu_answers, {"shapes": shapes, "speeds": speeds})
     for shape, count in zip(shapes, mine["flops"]):
         c = GPTConfig(**shape)
@@ -68,7 +66,7 @@ def check_mfu(answers):
                 advice = "MFU is a fraction between 0 and 1, not a percentage"
             else:
                 advice = "MFU is the model's FLOP/s per device over one device's peak"
-            raise ExerciseFailed(f"mfu is {shown(value)}, {compared(value, want)} what metrics.speed_metrics gives "
+            raise ExerciseFailed(f"mfu is {shown(value)}, {compared(value, want)} what metrics.mfu gives "
                                  f"for {flops:.4g} FLOPs per "
                                  f"token, {tokens_per_sec:.4g} tokens/s on {world_size} device(s) of {peak:.4g} "
                                  f"FLOP/s: {advice}.")

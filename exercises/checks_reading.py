@@ -181,8 +181,8 @@ def spike_cases(losses, rng):
 
 
 def flagged_by_the_trainer(losses, threshold, window):
-    """The steps callbacks.py's LossSpikeDetector flags in `losses`: the trainer's own rule."""
-    from callbacks import LossSpikeDetector
+    """The steps metrics.py's LossSpikeDetector flags in `losses`: the trainer's own rule."""
+    from metrics import LossSpikeDetector
 
     detector = LossSpikeDetector(threshold, window)
     rows = [(step, {"train/loss": loss}) for step, loss in enumerate(losses, 1)]

@@ -64,7 +64,7 @@ def metric_answers(answers, data_root):
 
     def record(run, raw_model, before):
         with host_syncs() as calls:
-            answers.record_update_ratio(RecorderSpy(run.recorder, notes), raw_model, before)
+            answers.record_update_ratio(RecorderSpy(run.books.recorder, notes), raw_model, before)
         syncs.extend(calls)
 
     with tempfile.TemporaryDirectory() as out:

@@ -44,7 +44,7 @@ def resume_answers(answers, data_root):
         saved["last"] = state.step
         return answers.trainer_state_to_dict(state)
 
-    def rng_state(generator):  # capture_state calls it right after to_dict, for the same step
+    def rng_state(generator):  # Checkpointer.save calls it right after to_dict, for the same step
         saved[saved["last"]].update(generators(), sample=generator.get_state())
         return answers.rng_state(generator)
 

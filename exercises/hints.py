@@ -30,7 +30,7 @@ HINTS = {
         "times keys, scaled by 1/sqrt(head size); a lower-triangular boolean matrix says which key each query may "
         "see; the others get -inf before the softmax over the keys; then the values, the heads side by side again, "
         "and c_proj."),
-    4: ("model.py, `GPT.flops_per_token`; metrics.py, `speed_metrics` (throughput/mfu); PaLM, appendix B.",
+    4: ("model.py, `GPT.flops_per_token`; metrics.py, `mfu` (throughput/mfu); PaLM, appendix B.",
         "Each parameter that takes part in a matrix multiply costs 2 FLOPs per token forward and 4 backward. The "
         "embeddings are lookups, but the tied output layer multiplies: count it. Attention's products have no "
         "parameters and add 12 x n_layer x n_embd x block_size. MFU: the model's FLOP/s per device over the peak."),
@@ -39,7 +39,7 @@ HINTS = {
         "The norm of all the parameters together is the norm of the per-tensor norms. Keep everything a tensor: "
         ".item() or float() would make the host wait for the device every step. Every rank holds the same "
         "weights: pick the reduce type that logs that one value on any number of ranks."),
-    6: ("checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, `set_rng_state`; train.py's `Run.save` "
+    6: ("checkpoint.py, `TrainState` (`to_dict`, `from_dict`), `rng_state`, `set_rng_state`; checkpoint.py's `Checkpointer.save` "
         "and `load_start`, where a resume restores them.",
         "Each TrainState field is there because a resume needs it. Four generators draw numbers: torch's, the "
         "samples' generator, Python's `random` and NumPy's; NumPy's state holds a uint32 array, which "
@@ -116,7 +116,7 @@ HINTS = {
          "Read the curve as fastai's lr_find does: a smoothed loss (the goal names the average and its "
          "correction), read from the start and no further than where it clearly diverged; the best LR sits near "
          "the bottom of the smoothed curve, and the suggestion leaves room below it."),
-    23: ("callbacks.py, `LossSpikeDetector`; docs/checkpoints-and-reliability.md, \"Rewinding in place\".",
+    23: ("metrics.py, `LossSpikeDetector`; docs/checkpoints-and-reliability.md, \"Rewinding in place\".",
          "A spike is judged against the recent past, not against the step before: keep what the trainer's "
          "detector keeps and test each loss before it joins. For the rewind, ask which update made the weights "
          "that measured the spiking loss, and keep no checkpoint that already holds it."),

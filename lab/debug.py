@@ -1,6 +1,6 @@
 """When a run goes wrong: where two runs part, how two checkpoints differ, where a hung job waits.
 
-In the loop (train.py calls these; every rank also registers a stack dump, stack_dump.register_stack_dump):
+In the loop (train.py calls these; every rank also registers a stack dump, run_dir.register_stack_dump):
 - `trace_forward` (debug.trace_steps): at the chosen steps, rank 0 runs the step's first micro-batch
   through the model once more with forward hooks on every submodule, and saves each module's inputs
   and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
@@ -41,7 +41,7 @@ import torch
 if __name__ == "__main__":  # `python lab/debug.py`: the project's modules are one folder up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import stack_dump  # noqa: E402 - after the line above
+import run_dir as run_folder  # noqa: E402 - after the line above
 from checkpoint import to_cpu
 from config import UserError, config_from_dict, run_command
 from model import gpt_class
@@ -384,10 +384,10 @@ def verified_rank(path, here):
         return None, f"{path} is unreadable ({type(error).__name__}); not signalled"
     if host != here:
         return info, ""
-    if not os.path.isdir(stack_dump.PROC):
-        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {stack_dump.PROC}; not "
+    if not os.path.isdir(run_folder.PROC):
+        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {run_folder.PROC}; not "
                       f"signalled (use `py-spy dump --pid {pid}` if it is)")
-    started = stack_dump.process_start_time(pid)
+    started = run_folder.process_start_time(pid)
     if started is None:
         return info, f"rank {rank}: stale pid file, pid {pid} has ended; not signalled"
     if started != info.get("start_time"):  # None: a file from before start times were recorded
@@ -399,7 +399,7 @@ def collect_stacks(run_dir, wait=10.0):
     """{rank: dump} of every rank of the run started on this host that answers SIGUSR1, and the ranks
     that were asked and did not answer. Only a process proven to be the rank is signalled (see
     register_stack_dump); each pid file that is not is reported in one line."""
-    folder = os.path.join(run_dir, stack_dump.STACKS)
+    folder = os.path.join(run_dir, run_folder.STACKS)
     pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if os.path.isdir(folder) else []
     if not pid_files:
         raise DebugError(f"no running training has registered in {folder}; give the train.out_dir of a run that "

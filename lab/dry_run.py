@@ -17,7 +17,7 @@ from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size
 from plan import describe_run, is_compiled, make_plan, shares_text
-from wsds import period_ends
+from optimizer import period_ends
 
 
 def dry_run(cfg):

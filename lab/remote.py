@@ -32,9 +32,9 @@ import threading
 import time
 import uuid
 
+from checkpoint import MARKER, doomed, read_marker, sha256_file
 from config import UserError
 
-MARKER = "COMPLETE"  # checkpoint.py's marker (checkpoint.py imports this module, so the name is repeated here)
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # schemes whose package is optional
 # Short timeouts and few attempts per request, so an endpoint that went away fails an upload in seconds
 # (it is retried as a whole) instead of holding the upload thread for minutes.
@@ -114,25 +114,7 @@ def sha256_bytes(data):
     return hashlib.sha256(data).hexdigest()
 
 
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 # ----------------------------------------------------------------------------- reading the bucket
-
-
-def read_marker(fs, path):
-    """The COMPLETE marker at `path`, or None when it is missing or damaged (not a dict of files): such a step is
-    never used, as checkpoint.read_marker treats a local one."""
-    try:
-        marker = json.loads(fs.cat_file(path))
-    except (FileNotFoundError, ValueError, UnicodeDecodeError):
-        return None
-    return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
 
 
 def step_folders(fs, root):
@@ -155,7 +137,7 @@ def complete_checkpoints(fs, root):
     found = {}
     for step in step_folders(fs, root):
         path = f"{root}/step{step}/{MARKER}"
-        marker = read_marker(fs, path)
+        marker = read_marker(f"{root}/step{step}", fs)
         if marker is not None:  # else an upload cut short (no marker), or a damaged marker: not a checkpoint
             found[step] = marker
         elif path not in WARNED and fs.exists(path):
@@ -209,7 +191,7 @@ def download(url, step, folder, key="checkpoint.remote_folder"):
     for leftover in (partial, folder):  # what a download cut short left behind
         shutil.rmtree(leftover, ignore_errors=True)
     try:
-        marker = read_marker(fs, f"{root}/step{step}/{MARKER}")
+        marker = read_marker(f"{root}/step{step}", fs)
         if marker is None:
             raise RemoteError(f"{where} has a missing or damaged {MARKER} marker, so it is not a checkpoint; give "
                               f"another step, or delete that step from the bucket.")
@@ -315,22 +297,10 @@ def same_checkpoint(folder, run_url, step, key):
     except (OSError, ValueError):
         return False
     fs, root = filesystem(run_url, key)
-    return read_marker(fs, f"{root}/step{step}/{MARKER}") == cached
+    return read_marker(f"{root}/step{step}", fs) == cached
 
 
 # ----------------------------------------------------------------------------- writing the bucket
-
-
-def doomed_steps(kinds, keep_last):
-    """Retention, the rule checkpoint.prune_checkpoints applies to the folder: {step: kind} -> steps to
-    delete. Ephemeral ones go once a newer one exists, permanent ones beyond the `keep_last` newest (0 keeps
-    all), fixed ones never; the newest is never deleted."""
-    steps = sorted(kinds)
-    permanent = [s for s in steps if kinds[s] == "permanent"]
-    doomed = [s for s in steps if kinds[s] == "ephemeral"]
-    if keep_last > 0:
-        doomed += permanent[:-keep_last]
-    return sorted(s for s in doomed if s != steps[-1])
 
 
 class Uploader:
@@ -407,8 +377,8 @@ class Uploader:
                 self.fs.rm(f"{self.root}/step{old}", recursive=True)
         self.replaced = []
         found = complete_checkpoints(self.fs, self.root)
-        for doomed in doomed_steps({s: marker.get("kind") for s, marker in found.items()}, self.keep_last):
-            self.fs.rm(f"{self.root}/step{doomed}", recursive=True)
+        for gone in doomed({s: marker.get("kind") for s, marker in found.items()}, self.keep_last):
+            self.fs.rm(f"{self.root}/step{gone}", recursive=True)
         for cut in set(step_folders(self.fs, self.root)) - set(found):  # uploads a kill or a failure cut short
             self.fs.rm(f"{self.root}/step{cut}", recursive=True)
 
@@ -471,13 +441,13 @@ class Uploader:
 
 
 def start_uploads(ck, records, replaced, writer, stack):
-    """train.py's beside_the_loop, on rank 0: the Uploader of checkpoint section `ck`, closed when `stack` closes.
-    Uploads that fail after the last row was written are counted in a late row of their own (writer.late)."""
+    """train.py's start_bookkeeping, on rank 0: the Uploader of checkpoint section `ck`, closed when `stack` closes.
+    Uploads that fail after the last row was written are counted in a late row of their own (writer.add_to_row)."""
     uploader = Uploader(ck.remote_folder, ck.keep_last, records=records, replaced=replaced)
 
     def report_late_failures():
         if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0):
-            writer.late(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
+            writer.add_to_row(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
 
     stack.callback(report_late_failures)
     stack.callback(uploader.close)  # runs first: the failures are counted once every upload is done

@@ -17,9 +17,9 @@ value = torch.tensor(float(rank + 1))  # rank 0 records 1, rank 1 records 2
 for reduce in ("mean", "sum", "max", "l2_norm"):
     recorder.record_metric(f"test/{reduce}", value, reduce=reduce)
 recorder.record_metric("test/rank0", value, reduce=None)  # no reduction: rank 0's value
-recorder.finish_step(1, collect=False)
+recorder.finish_step(1, write=False)
 recorder.record_metric("test/mean", 10.0 * (rank + 1))  # a second step, a plain number
-recorder.finish_step(2, collect=False)
+recorder.finish_step(2, write=False)
 rows = recorder.collect()
 if rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(rows))

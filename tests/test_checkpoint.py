@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from run_dir import claim_for_fresh_start
-from checkpoint import (Checkpointer, CheckpointError, find_checkpoints, newest_valid_checkpoint,
-                        prune_checkpoints, verify_checkpoint, write_checkpoint)
-from conftest import ROOT, TINY, read_metrics, run_train
+from checkpoint import (Checkpointer, CheckpointError, TrainState, find_checkpoints, newest_valid_checkpoint,
+                        verify_checkpoint)
+from config import CheckpointConfig
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 
 
 def args(data_root, out, *extra):
@@ -94,14 +95,20 @@ def test_retention_keeps_last_permanent_fixed_and_newest_ephemeral(data_root, tm
     assert os.readlink(out / "latest") == "step10"
 
 
-def test_prune_never_deletes_the_newest_checkpoint(tmp_path):
+def checkpointer(out, **settings):
+    """A Checkpointer of `out` on rank 0, with checkpoint.* `settings`."""
+    return Checkpointer(str(out), CheckpointConfig(**settings), {}, is_master=True)
+
+
+def test_retention_never_deletes_the_newest_checkpoint(tmp_path):
     snap = {"model": {"w": torch.ones(2)}}
-    write_checkpoint(str(tmp_path), 1, snap, "permanent")
-    write_checkpoint(str(tmp_path), 2, snap, "ephemeral")
-    prune_checkpoints(str(tmp_path), keep_last=1)
+    saver = checkpointer(tmp_path, keep_last=1)
+    saver.write(1, snap, "permanent")
+    saver.write(2, snap, "ephemeral")
+    saver.wait()
     assert [s for s, _ in find_checkpoints(tmp_path)] == [1, 2]
-    write_checkpoint(str(tmp_path), 3, snap, "permanent")
-    prune_checkpoints(str(tmp_path), keep_last=1)
+    saver.write(3, snap, "permanent")
+    saver.wait()
     assert [s for s, _ in find_checkpoints(tmp_path)] == [3]
 
 
@@ -109,10 +116,15 @@ def test_async_and_sync_saves_write_identical_files(tmp_path):
     torch.manual_seed(0)
     snapshot = {"model": {"w": torch.randn(64, 64)}, "optim": {"state": {0: torch.randn(64)}},
                 "trainer": {"step": 7, "rng": [torch.get_rng_state()]}}
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
     for name, async_save in [("sync", False), ("async", True)]:
-        saver = Checkpointer(str(tmp_path / name), keep_last=0, async_save=async_save, is_master=True)
         os.makedirs(tmp_path / name)
-        saver.save(7, snapshot, "permanent")
+        saver = checkpointer(tmp_path / name, keep_last=0, async_save=async_save)
+        torch.manual_seed(0)
+        saver.save(7, "permanent", model, optimizer, TrainState(step=7), torch.Generator().manual_seed(0))
         saver.wait()
     for file in ["model.pt", "optim.pt", "trainer.pt", "COMPLETE"]:
         a = (tmp_path / "sync" / "step7" / file).read_bytes()
@@ -135,12 +147,14 @@ def test_truncated_checkpoint_file_is_detected_and_skipped(data_root, tmp_path, 
 KILLER = """
 import sys, torch
 sys.path.insert(0, {root!r})
-from checkpoint import write_checkpoint
+from checkpoint import Checkpointer, find_checkpoints
+from config import CheckpointConfig
 snapshot = {{"model": {{"w": torch.randn(512, 1024)}}, "optim": {{"m": torch.randn(512, 1024)}}}}
+saver = Checkpointer({out!r}, CheckpointConfig(keep_last=0), {{}}, is_master=True)
 print("saving", flush=True)
-step = 1
+step = max((s for s, _ in find_checkpoints({out!r})), default=0) + 1  # a resumed run goes on
 while True:
-    write_checkpoint({out!r}, step, snapshot, "ephemeral")
+    saver.write(step, snapshot, "ephemeral")
     step += 1
 """
 
@@ -211,3 +225,30 @@ def test_load_path_without_trainer_state_fine_tunes_from_step_zero(data_root, tm
     rows = read_metrics(tmp_path / "b")
     assert [r["step"] for r in rows] == [1, 2]
     assert rows[0]["train/loss"] < read_metrics(tmp_path / "a")[0]["train/loss"]  # starts from trained weights
+
+
+@pytest.mark.parametrize("folder", ["empty", "no weights", "no config", "bad json"])
+def test_a_load_path_that_holds_no_weights_is_refused_not_trained_from_scratch(data_root, tmp_path, folder):
+    """The user asked for weights: an empty folder or a broken Hugging Face folder is one sentence (it used to warn
+    and train a random GPT-2 to the end)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    if folder == "no weights":
+        (source / "config.json").write_text('{"model_type": "gpt2"}')
+    elif folder in ("no config", "bad json"):
+        (source / "model.safetensors").write_bytes(b"weights")
+        if folder == "bad json":
+            (source / "config.json").write_text("{not json")
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
+                               "--train.max_steps=2", f"--checkpoint.load_path={source}"], check=False)
+    assert_one_sentence(result, f"checkpoint.load_path")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_load_path_ignored_for_the_runs_own_checkpoint_is_said_once(data_root, tmp_path):
+    common = TINY + [f"--data.data_root={data_root}", "--eval.interval=0"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'base'}", "--train.max_steps=2"])
+    run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=2"])
+    result = run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=4",
+                                 f"--checkpoint.load_path={tmp_path / 'base'}"])
+    assert result.stdout.count("is ignored because") == 1 and "at step 2" in result.stdout

@@ -111,3 +111,14 @@ def test_export_hf_refuses_an_empty_output_folder_before_loading_or_writing(run_
 def test_compare_state_refuses_a_top_below_one(run_dir, top):
     result = run_in_process(["compare-state", str(run_dir), str(run_dir), f"--top={top}"], debug.main)
     assert_one_sentence(result, f"--top={top} lists no tensor", "give --top=1 or more.")
+
+
+def test_every_error_a_user_can_cause_is_a_user_error():
+    import config
+    import data
+    import metrics
+    from lab import hf
+
+    for error in (config.ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.TaskDataError,
+                  metrics.NonFiniteLoss, hf.WeightsError, metrics.SinkError, debug.DebugError):
+        assert issubclass(error, config.UserError), error

@@ -1,10 +1,12 @@
 import json
+import subprocess
+import sys
 
 import pytest
 
 from config import ConfigError, config_from_dict, config_to_dict, parse_args
 import warm_python
-from conftest import ROOT
+from conftest import ROOT, TINY, run_train
 
 
 def write(tmp_path, text):
@@ -113,3 +115,37 @@ def test_counts_must_be_positive_and_heads_must_divide_the_width(tmp_path):
 def test_shipped_config_files_parse():
     assert parse_args([str(ROOT / "config" / "gpt2.py")]).train.total_batch_size == 524288
     assert parse_args([str(ROOT / "config" / "shakespeare.py")]).model.n_layer == 4
+
+
+def test_word_fields_are_literals_whose_choices_config_py_alone_states(tmp_path):
+    with pytest.raises(ConfigError, match="train.dtype='float16' is not one of auto, float32, bfloat16"):
+        parse_args(["--train.dtype=float16"])
+    help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    assert "--train.nan_policy=\"stop\"" in help_text and "(one of: stop, skip)" in help_text
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--train.max_duration=3 fortnights", "train.max_duration='3 fortnights' is not a duration"),
+    ("--train.hard_stop=soon", "train.hard_stop='soon' is not a duration"),
+    ("--train.steps_to_skip=9-3", "train.steps_to_skip part '9-3' is not a range"),
+])
+def test_formatted_strings_fail_before_the_run_folder_is_created(data_root, tmp_path, override, message):
+    out = tmp_path / "run"
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", override], check=False)
+    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_a_config_file_may_write_hard_stop_as_a_number(tmp_path):
+    path = tmp_path / "c.py"
+    path.write_text("train.hard_stop = 500\n")
+    assert parse_args([str(path)]).train.hard_stop == "500"
+
+
+def test_help_prints_a_fields_comment_lines_above_it_and_its_trailing_comment():
+    from config import TrainConfig
+    from config import field_comments
+    comments = field_comments(TrainConfig)
+    assert comments["nan_skip_limit"].startswith("nan_policy=skip: stop with a sentence after this many")
+    assert comments["nan_skip_limit"].endswith("0 = never")  # one sentence, from two comment lines above the field
+    assert comments["seed"] == "seeds model init, data order and sampling"  # a trailing comment alone

@@ -76,7 +76,7 @@ def test_loader_wraps_counts_epochs_and_restores_its_position(tmp_path):
     d = make_dataset(tmp_path, n_train=8 * 5 + 1, shards=1)  # 5 sequences per epoch
     loader = TokenLoader(d, "train", batch_size=2, block_size=8, shuffle=True, seed=0)
     batches(loader, 3)
-    assert loader.epoch == 1
+    assert loader.state_dict()["epoch"] == 1
     state = json.loads(json.dumps(loader.state_dict()))
     expected = batches(loader, 4)
     resumed = TokenLoader(d, "train", batch_size=2, block_size=8, shuffle=True, seed=0)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lab import debug
-import stack_dump
+import run_dir
 from checkpoint import sha256_file
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
 from hellaswag_fixture import tiny_model
@@ -230,10 +230,10 @@ def test_stacks_of_every_rank_then_a_hung_rank_ends_the_run_with_a_message(data_
 
 
 def test_stacks_signals_a_rank_proven_by_its_pid_and_start_time(tmp_path):
-    undo = stack_dump.register_stack_dump(str(tmp_path), 0)  # this process plays rank 0
+    undo = run_dir.register_stack_dump(str(tmp_path), 0)  # this process plays rank 0
     try:
         info = json.loads((tmp_path / "stacks" / "rank0.pid").read_text())
-        assert info["pid"] == os.getpid() and info["start_time"] == stack_dump.process_start_time(os.getpid())
+        assert info["pid"] == os.getpid() and info["start_time"] == run_dir.process_start_time(os.getpid())
         dumps, silent = debug.collect_stacks(str(tmp_path), wait=10)
         assert silent == [] and "test_debug.py" in dumps[0]  # our own stack, dumped on SIGUSR1
     finally:
@@ -252,9 +252,9 @@ def point_at(pid_path, pid):
 ])
 def test_a_pid_file_naming_an_unrelated_live_process_does_not_signal_it(tmp_path, monkeypatch, capsys, proc, report):
     if proc != "/proc":
-        monkeypatch.setattr(stack_dump, "PROC", str(tmp_path / proc))
+        monkeypatch.setattr(run_dir, "PROC", str(tmp_path / proc))
     unrelated = subprocess.Popen(["sleep", "30"])  # SIGUSR1 would end it: its default action is to terminate
-    undo = stack_dump.register_stack_dump(str(tmp_path / "run"), 0)
+    undo = run_dir.register_stack_dump(str(tmp_path / "run"), 0)
     try:
         # The file a rank wrote, but its pid now names another process, as after a kill -9 and a reused pid.
         point_at(tmp_path / "run" / "stacks" / "rank0.pid", unrelated.pid)

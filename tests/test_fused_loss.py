@@ -270,13 +270,15 @@ def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeyp
     assert calls == [(None, True), (None, True)]
 
 
-def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch):
-    from data import rows_to_batch
+def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch, tmp_path):
+    from data import TokenLoader
 
+    np.save(tmp_path / "train_000.npy", np.arange(40, dtype=np.uint16))
+    loader = TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8, device="cuda:0")
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
     monkeypatch.setattr(
         torch.Tensor, "to", lambda self, device, non_blocking=False: copies.append((device, non_blocking)) or self
     )
-    rows_to_batch([np.arange(9), np.arange(9)], "cuda:0")
+    loader.next_batch()
     assert copies == ["pinned", ("cuda:0", True)]

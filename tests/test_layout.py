@@ -1,246 +1,207 @@
-"""The layout and the OLMo-core semantics of the read-through issue: no import cycles, one error class,
-config formats checked before anything is written, load_path rules, hard_stop durations, the summary."""
+"""The house a reader finds: the core at the top, each optional feature one folder down (lab/) and
+imported on the line that tests its setting, layers that point one way, short lines, and a step of
+the quick start that visits few functions and files."""
 
 import ast
+import collections
+import contextlib
+import io
+import re
 import subprocess
 import sys
+import threading
+from pathlib import Path
 
-import pytest
+import torch
 
-import checkpoint
-import config
-import data
-from lab import debug
-import hellaswag_eval
-from lab import hf
-import metrics
-from lab import step_extras
-from config import ConfigError, parse_args
-from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
+from config import parse_args
+from conftest import ROOT
 
-
-def top_level_imports(path):
-    """The project modules `path` imports, anywhere in the file (lazy imports count too)."""
-    modules = {p.stem for p in ROOT.glob("*.py")}
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module.split(".")[0])
-    return found & modules - {path.stem}
+# What the layout issue fixes: the design card's files, the core every run reads, the commands.
+TOP_LEVEL = {"train.py", "model.py", "config.py", "checkpoint.py", "hellaswag_eval.py", "ladder.py",
+             "data.py", "optimizer.py", "metrics.py", "plan.py", "run_dir.py", "sample.py",
+             "prepare_data.py"}
+NOT_MODULES = ("tests", "exercises", "tools", "config", ".git", ".bench", "data", "out")
 
 
-def test_no_module_imports_one_that_imports_it_back():
-    graph = {p.stem: top_level_imports(p) for p in ROOT.glob("*.py")}
+def tracked_python_files():
+    listed = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    return [ROOT / name for name in listed] or [p for p in ROOT.rglob("*.py") if ".bench" not in p.parts]
 
+
+def modules():
+    """The project's modules: every .py file outside tests/, exercises/, tools/ and config/."""
+    return [p for p in tracked_python_files() if p.relative_to(ROOT).parts[0] not in NOT_MODULES]
+
+
+def imports(path):
+    """[(module imported, inside a function?)] of `path`: `import a.b`, `from a.b import c` as a.b
+    and a.b.c (c may be a module), each project module by its dotted name."""
+    found = []
+
+    def visit(node, in_function):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+            if isinstance(child, ast.Import):
+                found.extend((alias.name, inside) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                found.append((child.module, inside))
+                found.extend((f"{child.module}.{alias.name}", inside) for alias in child.names)
+            visit(child, inside)
+
+    visit(ast.parse(path.read_text()), False)
+    names = {".".join(p.relative_to(ROOT).with_suffix("").parts) for p in modules()}
+    return [(name, inside) for name, inside in found if name in names]
+
+
+def graph(keep):
+    """{module: {module it imports}} over the project's modules, for the imports `keep` accepts."""
+    return {".".join(p.relative_to(ROOT).with_suffix("").parts):
+            {name for name, inside in imports(p) if keep(p, name, inside)} for p in modules()}
+
+
+def cycles(edges):
     def reaches(start, goal, seen=()):
-        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in graph.get(start, ()))
-
-    cycles = [m for m in graph if reaches(m, m)]
-    assert cycles == [], f"import cycles through {cycles}"
-    assert graph["hf"] <= {"config", "model", "data"}  # a leaf: export takes a model, not a checkpoint path
+        return any(n == goal or (n not in seen and reaches(n, goal, (*seen, n))) for n in edges.get(start, ()))
+    return [m for m in edges if reaches(m, m)]
 
 
-def test_every_error_a_user_can_cause_is_a_user_error():
-    for error in (ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.TaskDataError,
-                  step_extras.NonFiniteLoss, hf.WeightsError, metrics.SinkError,
-                  debug.DebugError):
-        assert issubclass(error, config.UserError), error
+def is_core(module):
+    return "." not in module or module.startswith("configurator.")
 
 
-def test_word_fields_are_literals_whose_choices_config_py_alone_states(tmp_path):
-    with pytest.raises(ConfigError, match="train.dtype='float16' is not one of auto, float32, bfloat16"):
-        parse_args(["--train.dtype=float16"])
-    help_text = subprocess.run([sys.executable, "train.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
-    assert "--train.nan_policy=\"stop\"" in help_text and "(one of: stop, skip)" in help_text
+def test_the_top_level_holds_the_core_and_the_commands_at_most_13_files():
+    top = {p.name for p in ROOT.glob("*.py")}
+    assert top == TOP_LEVEL and len(top) <= 13, sorted(top ^ TOP_LEVEL)
 
 
-@pytest.mark.parametrize("override,message", [
-    ("--train.max_duration=3 fortnights", "train.max_duration='3 fortnights' is not a duration"),
-    ("--train.hard_stop=soon", "train.hard_stop='soon' is not a duration"),
-    ("--train.steps_to_skip=9-3", "train.steps_to_skip part '9-3' is not a range"),
-])
-def test_formatted_strings_fail_before_the_run_folder_is_created(data_root, tmp_path, override, message):
-    out = tmp_path / "run"
-    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", override], check=False)
-    assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
-    assert not out.exists()
+def test_at_most_30_modules_none_over_800_lines():
+    found = modules()
+    assert len(found) <= 30, [str(p.relative_to(ROOT)) for p in found]
+    long = [f"{p.relative_to(ROOT)}: {n}" for p in found if (n := len(p.read_text().splitlines())) > 800]
+    assert long == [], long
 
 
-@pytest.mark.parametrize("hard_stop", ["3", "3steps", "384tokens"])
-def test_hard_stop_takes_a_duration_and_a_bare_number_is_steps(data_root, tmp_path, hard_stop):
-    out = tmp_path / "run"
-    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=10",
-                      f"--train.hard_stop={hard_stop}", "--eval.interval=0"])  # 128 tokens per step
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["optim/lr"] > 0.1 * rows[0]["optim/lr"]  # the schedule still runs to step 10
+def test_the_core_imports_the_optional_folder_only_inside_functions():
+    at_module_level = [f"{p.name} imports {name}" for p in ROOT.glob("*.py") for name, inside in imports(p)
+                       if name.startswith("lab") and not inside]
+    assert at_module_level == [], at_module_level
 
 
-def test_a_config_file_may_write_hard_stop_as_a_number(tmp_path):
-    path = tmp_path / "c.py"
-    path.write_text("train.hard_stop = 500\n")
-    assert parse_args([str(path)]).train.hard_stop == "500"
+def test_layers_point_one_way():
+    """The core imports the core without a cycle, lazy imports included; lab/ builds on the core (at
+    module level or not) without a cycle of its own; the core reaches lab/ only on the line that tests a
+    setting, inside a function: the one arrow allowed to point up. tools/ and exercises/ import the
+    core; the core never imports them."""
+    core = graph(lambda path, name, inside: is_core(".".join(path.relative_to(ROOT).with_suffix("").parts))
+                 and is_core(name))
+    assert cycles(core) == []
+    downward = graph(lambda path, name, inside: not (is_core(".".join(
+        path.relative_to(ROOT).with_suffix("").parts)) and not is_core(name)))
+    assert cycles(downward) == []
+    reaching_up = [f"{p.relative_to(ROOT)}:{node.lineno}" for p in modules() for node in ast.walk(ast.parse(
+        p.read_text())) if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+        (n or "").split(".")[0] in ("tools", "exercises") for n in
+        ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]))]
+    assert reaching_up == [], reaching_up
 
 
-@pytest.mark.parametrize("folder", ["empty", "no weights", "no config", "bad json"])
-def test_a_load_path_that_holds_no_weights_is_refused_not_trained_from_scratch(data_root, tmp_path, folder):
-    """The user asked for weights: an empty folder or a broken Hugging Face folder is one sentence (it used to warn
-    and train a random GPT-2 to the end)."""
-    source = tmp_path / "source"
-    source.mkdir()
-    if folder == "no weights":
-        (source / "config.json").write_text('{"model_type": "gpt2"}')
-    elif folder in ("no config", "bad json"):
-        (source / "model.safetensors").write_bytes(b"weights")
-        if folder == "bad json":
-            (source / "config.json").write_text("{not json")
-    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}",
-                               "--train.max_steps=2", f"--checkpoint.load_path={source}"], check=False)
-    assert_one_sentence(result, f"checkpoint.load_path")
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_load_path_ignored_for_the_runs_own_checkpoint_is_said_once(data_root, tmp_path):
-    common = TINY + [f"--data.data_root={data_root}", "--eval.interval=0"]
-    run_train(common + [f"--train.out_dir={tmp_path / 'base'}", "--train.max_steps=2"])
-    run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=2"])
-    result = run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=4",
-                                 f"--checkpoint.load_path={tmp_path / 'base'}"])
-    assert result.stdout.count("is ignored because") == 1 and "at step 2" in result.stdout
-
-
-def test_start_summary_and_console_eta(data_root, tmp_path):
-    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=3"])
-    assert "model: 1,636,224 parameters (25,472 non-embedding)" in result.stdout
-    assert "run: 3 steps x 128 tokens = 384 tokens (0.0 per non-embedding parameter" in result.stdout
-    assert "training FLOPs" in result.stdout
-    assert "| eta 0:00:00" in result.stdout
+def test_lines_of_the_top_level_modules_are_at_most_100_characters():
+    long = [f"{p.name}:{number}" for p in ROOT.glob("*.py")
+            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
+    assert long == [], long
 
 
 def test_no_line_of_the_project_is_over_120_characters():
-    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    files = tracked or [str(p.relative_to(ROOT)) for p in ROOT.rglob("*.py") if ".bench" not in p.parts]
-    long = [f"{name}:{number}" for name in files
-            for number, line in enumerate((ROOT / name).read_text().splitlines(), 1) if len(line) > 120]
-    assert long == [], f"lines over 120 characters: {long}"
+    long = [f"{p.relative_to(ROOT)}:{number}" for p in tracked_python_files()
+            for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120]
+    assert long == [], long
 
 
-def test_help_prints_a_fields_comment_lines_above_it_and_its_trailing_comment():
-    from config import TrainConfig
-    from config_help import field_comments
-    comments = field_comments(TrainConfig)
-    assert comments["nan_skip_limit"].startswith("nan_policy=skip: stop with a sentence after this many")
-    assert comments["nan_skip_limit"].endswith("0 = never")  # one sentence, from two comment lines above the field
-    assert comments["seed"] == "seeds model init, data order and sampling"  # a trailing comment alone
+def test_no_issue_numbers_or_history_in_code_tests_or_config_files():
+    """History lives in docs/measurements.md and the commit messages."""
+    pattern = re.compile(r"\b[Ii]ssue \d+|\(was \d|\bwas \d[\d,.]* (?:s|ms|lines|files|GB)\b|\b20\d\d-\d\d-\d\d\b")
+    found = [f"{p.relative_to(ROOT)}:{number}" for p in tracked_python_files()
+             for number, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == [], found
 
 
-# ----------------------------------------------------------------------------- a step a reader can follow (issue 46)
+def test_no_project_file_inspects_autograds_graph():
+    """The loss a reader meets is plain PyTorch: no autograd node class names, no walk of the graph."""
+    words = ("Backward0", "next_functions", ".grad_fn")
+    found = [f"{p.relative_to(ROOT)}: {w}" for p in modules() for w in words if w in p.read_text()]
+    assert found == [], found
 
 
-def test_no_core_module_imports_from_tools():
-    """Layers point one way: tools/ imports the core, never the reverse (lazy imports count too)."""
-    reaching_up = []
-    for path in sorted(ROOT.glob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            reaching_up += [f"{path.name}:{node.lineno}" for name in names if name.split(".")[0] == "tools"]
-    assert reaching_up == [], f"core modules importing from tools/: {reaching_up}"
+def test_models_forward_computes_its_loss_with_cross_entropy():
+    tree = ast.parse((ROOT / "model.py").read_text())
+    gpt = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "GPT")
+    forward = next(n for n in gpt.body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    assert "F.cross_entropy(" in ast.unparse(forward)
 
 
-def module_level_imports(path):
-    """The project modules `path` imports when it is imported: its module-level imports, not those in functions."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        for inner in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-            if isinstance(inner, ast.Import):
-                found |= {a.name.split(".")[0] for a in inner.names}
-            elif isinstance(inner, ast.ImportFrom) and inner.module and not inner.level:
-                found.add(inner.module.split(".")[0])
-    return {name for name in found if (ROOT / f"{name}.py").exists()}
+def test_the_loop_calls_train_step_from_one_line():
+    calls = [node.lineno for p in modules() for node in ast.walk(ast.parse(p.read_text()))
+             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "train_step"]
+    assert len(calls) == 1, calls
+    functions = [n for n in ast.parse((ROOT / "train.py").read_text()).body if isinstance(n, ast.FunctionDef)]
+    names = [f.name for f in functions]
+    assert names[names.index("train") + 1] == "train_step"  # the step is the function right below the loop
+    step = ast.unparse(functions[names.index("train_step")])
+    assert all(call in step for call in ("model(x, y)", ".backward()", "clip_grad_norm_", "optimizer.step()"))
 
 
-def test_import_train_loads_no_more_lines_than_now():
-    """What `import train` reads of the project, module-level imports followed from train.py: the default run's
-    core. Optional features are imported where they are used (docs/loop-and-metrics.md lists what went where).
-    Issue 46's goal is 4,300 lines (4,759 before it, 5,072 at its worst); the limit holds today's figure so that it
-    cannot creep back."""
-    loaded, todo = set(), ["train"]
-    while todo:
-        name = todo.pop()
-        if name not in loaded:
-            loaded.add(name)
-            todo += module_level_imports(ROOT / f"{name}.py")
-    lines = sum(len((ROOT / f"{name}.py").read_text().splitlines()) for name in loaded)
-    assert lines <= 4267, f"import train loads {lines} lines of {sorted(loaded)}"
-    readme = (ROOT / "README.md").read_text()
-    assert f"`import train` loads {len(loaded)} of the project's modules" in readme  # the README says the same
+def steps_of_the_quick_start(data_root, out):
+    """{step: {(file, function)}}: the project's functions run from the call of train_step at a step to
+    the next one, every thread included, in the quick start's own config (config/shakespeare.py: Muon,
+    GPT-2's vocabulary), 12 steps in which evaluation, the console line, a checkpoint and samples are all
+    due at steps 4, 8 and 12."""
+    import train
+
+    cfg = parse_args([f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=12",
+                      "--optim.warmup_steps=2", "--eval.interval=4", "--eval.sample_interval=4",
+                      "--checkpoint.interval=4", "--log.interval=4", "--eval.val_steps=1",
+                      "--eval.sample_tokens=4"])
+    segments, current = {}, [0]
+    root = str(ROOT)
+
+    def profile(frame, event, arg):
+        code = frame.f_code
+        if event != "call" or not code.co_filename.startswith(root) or "/tests/" in code.co_filename:
+            return
+        if code.co_qualname.split(".")[-1].startswith("<"):  # comprehensions and lambdas
+            return
+        if code.co_name == "train_step" and code.co_filename.endswith("train.py"):
+            current[0] += 1
+        segments.setdefault(current[0], set()).add((Path(code.co_filename).relative_to(ROOT).as_posix(),
+                                                     code.co_qualname))
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    threading.setprofile(profile)
+    sys.setprofile(profile)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            train.train(cfg)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+        torch.set_num_threads(threads)
+    return segments
+
+
+def test_the_quick_starts_step_visits_few_functions_and_files(data_root, tmp_path):
+    """An ordinary step at most 20 project functions over 6 files (nanoGPT: 7 over 2; nanochat about
+    15-20 over 5-6); a step where evaluation, the console line, a checkpoint and samples are all due at
+    most 45 over 8 (its second time: the first imports the sampler)."""
+    steps = steps_of_the_quick_start(data_root, tmp_path / "run")
+    ordinary, all_due = steps[6], steps[8]
+    files = collections.Counter(file for file, _ in ordinary)
+    assert len(ordinary) <= 20 and len(files) <= 6, sorted(ordinary)
+    files = collections.Counter(file for file, _ in all_due)
+    assert len(all_due) <= 45 and len(files) <= 8, sorted(all_due)
 
 
 def test_the_readme_is_at_most_250_lines():
     """The quick start and the map; the detail lives in docs/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 250
-
-
-def test_the_console_line_prints_at_log_interval_on_the_step_it_describes(data_root, tmp_path, monkeypatch):
-    """log.interval=3 with metrics collected every 10 steps: the line of step 3 comes out before step 4 trains
-    (it used to wait for the collection at step 7, the last)."""
-    import train
-
-    def marked_step(*args, **kwargs):
-        print("(a step trains)")
-        return train_step(*args, **kwargs)
-
-    train_step = train.train_step
-    monkeypatch.setattr(train, "train_step", marked_step)
-    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=7",
-                               "--log.interval=3", "--log.metrics_collect_interval=10", "--eval.interval=0"])
-    events = [line.split()[1] if line.startswith("step ") else "train" for line in result.stdout.splitlines()
-              if line.startswith("step ") or line == "(a step trains)"]
-    assert events == ["train"] * 3 + ["3"] + ["train"] * 3 + ["6"] + ["train", "7"], events
-
-
-def test_a_step_runs_at_most_25_project_functions_over_6_files(data_root, tmp_path):
-    """Profile two tiny AdamW runs of 12 and 24 steps in this process: the project's functions called at least
-    12 more times in the longer one are those every step runs. Named functions only: comprehensions and
-    lambdas are code objects of their own before Python 3.12 and none after. Was 44 over 9 files (issue 46);
-    nanoGPT's step runs 8 over 2."""
-    import cProfile
-    import contextlib
-    import io
-    import pstats
-
-    import torch
-
-    import train
-
-    def calls(steps):
-        cfg = parse_args(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / str(steps)}",
-                                 f"--train.max_steps={steps}", "--log.interval=10", "--eval.interval=0"])
-        profile, threads = cProfile.Profile(), torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            with contextlib.redirect_stdout(io.StringIO()):
-                profile.runcall(train.train, cfg)
-        finally:
-            torch.set_num_threads(threads)
-        return {(path, name): stats[1] for (path, _, name), stats in pstats.Stats(profile).stats.items()
-                if path.startswith(str(ROOT)) and "/tests/" not in path and not name.startswith("<")}
-
-    short, long = calls(12), calls(24)
-    per_step = sorted(key for key, count in long.items() if count - short.get(key, 0) >= 12)
-    files = {path for path, _ in per_step}
-    assert len(per_step) <= 25 and len(files) <= 6, per_step
-
-
-def test_the_loop_is_at_most_60_lines_and_its_step_is_the_function_right_below_it():
-    """The forward, backward, clip and optimizer step are `train_step`, the next function after the loop."""
-    functions = [node for node in ast.parse((ROOT / "train.py").read_text()).body if isinstance(node, ast.FunctionDef)]
-    names = [f.name for f in functions]
-    assert names[names.index("train") + 1] == "train_step"
-    loop = next(node for node in ast.walk(functions[names.index("train")]) if isinstance(node, ast.While))
-    assert loop.end_lineno - loop.lineno <= 60  # the body, below its `while` line
-    step = ast.unparse(functions[names.index("train_step")])
-    assert all(call in step for call in ("model(x, y)", ".backward()", "clip_grad_norm_", "optimizer.step()"))

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from callbacks import LossSpikeDetector
+from metrics import LossSpikeDetector
 from config import ConfigError, duration_to_steps, parse_args, parse_step_ranges
 from conftest import ROOT, TINY, read_metrics, run_train
 from metrics import MetricRecorder
@@ -32,7 +32,7 @@ def test_merge_rules_for_a_metric_recorded_twice_in_a_step(merge, expected):
     recorder = MetricRecorder("cpu")
     for value in (1.0, 2.0, 3.0):
         recorder.record_metric("x", torch.tensor(value), merge=merge)
-    recorder.finish_step(1, collect=False)
+    recorder.finish_step(1, write=False)
     assert recorder.collect() == [(1, {"x": expected})]
 
 
@@ -42,14 +42,14 @@ def test_default_merge_warns_every_time_and_keeps_the_value_already_recorded():
     for value in (2.0, 3.0):
         with pytest.warns(UserWarning, match="recorded twice"):
             recorder.record_metric("x", value)
-    recorder.finish_step(1, collect=False)
+    recorder.finish_step(1, write=False)
     assert recorder.collect() == [(1, {"x": 1.0})]
 
 
 def test_a_metric_recorded_with_another_reduce_type_is_an_error():
     recorder = MetricRecorder("cpu")
     recorder.record_metric("x", 1.0, reduce="sum")
-    recorder.finish_step(1, collect=False)
+    recorder.finish_step(1, write=False)
     with pytest.raises(ValueError, match="must keep one reduce type"):
         recorder.record_metric("x", 1.0, reduce="max")
 
@@ -57,7 +57,7 @@ def test_a_metric_recorded_with_another_reduce_type_is_an_error():
 def test_large_counts_survive_collection_exactly():
     recorder = MetricRecorder("cpu")
     recorder.record_metric("tokens", 10_000_000_001)
-    recorder.finish_step(1, collect=False)
+    recorder.finish_step(1, write=False)
     assert recorder.collect()[0][1]["tokens"] == 10_000_000_001
 
 
@@ -234,24 +234,13 @@ def test_plot_command_writes_non_empty_pngs(data_root, tmp_path):
     assert (tmp_path / "plots" / "lr_vs_tokens.png").exists()
 
 
-def test_garbage_collector_disables_automatic_gc_and_collects_every_n_steps(monkeypatch):
+def test_the_garbage_collector_runs_every_n_steps_with_automatic_gc_off(data_root, tmp_path, monkeypatch):
+    """train.gc_interval (OLMo's GarbageCollector): automatic GC off for the run, a collection of the young
+    generations every N steps on every rank, and automatic GC back on after."""
     import gc
-    from contextlib import ExitStack
-    from types import SimpleNamespace
 
-    from plan import make_plan
-    from lab.step_extras import StepExtras
-
-    collected_at = []
-    monkeypatch.setattr(gc, "collect", lambda generation=2: collected_at.append(generation))
-    for interval in (3, 0):  # 0 leaves Python's automatic GC alone
-        cfg = parse_args([f"--train.gc_interval={interval}", "--train.max_steps=9", "--optim.warmup_steps=1"])
-        plan = make_plan(cfg, 1, 10**6, 10**6)
-        run = SimpleNamespace(model=None, optimizer=None, autocast=None)
-        with ExitStack() as stack:
-            extras = StepExtras(cfg, plan, 1, compiled=False, is_master=True, stack=stack)
-            assert gc.isenabled() == (interval == 0)
-            assert extras.steps == ({3, 6, 9} if interval else set())  # the loop calls extras.step at these alone
-            for step in sorted(extras.steps):
-                extras.step(run, step, None, None, None, lambda *args, **kwargs: ({}, 0.0))
-        assert gc.isenabled() and collected_at == [1, 1, 1]
+    collected = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: collected.append((generation, gc.isenabled())))
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=9",
+                      "--train.gc_interval=3", "--eval.interval=0"])
+    assert collected == [(1, False)] * 3 and gc.isenabled()

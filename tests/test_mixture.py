@@ -6,7 +6,7 @@ import pytest
 
 from config import ConfigError, parse_mix
 from conftest import TINY, read_metrics, run_train
-from mixture import allocate
+from data import allocate
 
 
 def test_weights_are_normalised_and_bad_entries_are_one_sentence():

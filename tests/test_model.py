@@ -63,11 +63,13 @@ def test_flops_per_token_is_6n_plus_attention():
     c = model.config
     n = model.num_params(non_embedding=True) + c.n_embd * c.vocab_size
     assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
-    from metrics import speed_metrics
+    from metrics import StepClock
 
-    speed = speed_metrics(step_time=1.0, data_time=0.0, tokens_per_step=1000, block_size=c.block_size, tokens_seen=1000,
-                          flops_per_token=model.flops_per_token(), world_size=1, peak_flops=1e12)
-    assert math.isclose(speed["throughput/mfu"], model.flops_per_token() * 1000 / 1e12)
+    clock = StepClock("cpu", 1000, c.block_size, model.flops_per_token(), world_size=1, peak_flops=1e12)
+    clock.last_end -= 1.0  # a step of about one second
+    speed, _ = clock.lap(tokens_seen=1000, data_time=0.0)
+    tokens_per_sec = speed["throughput/tokens_per_sec"]
+    assert math.isclose(speed["throughput/mfu"], model.flops_per_token() * tokens_per_sec / 1e12)
 
 
 def test_weight_decay_only_on_matrices():
@@ -111,7 +113,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
 
 
 def test_peak_flops_lookup_for_mfu(monkeypatch):
-    from callbacks import peak_flops_for_device
+    from metrics import peak_flops_for_device
 
     assert peak_flops_for_device("cpu") is None  # unknown peak: MFU is not logged
     assert peak_flops_for_device("cpu", override=1e12) == 1e12

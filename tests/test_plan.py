@@ -3,6 +3,7 @@
 import pytest
 
 from config import ConfigError, parse_args
+from conftest import TINY, read_metrics, run_train
 from plan import Every, make_plan
 
 
@@ -63,7 +64,7 @@ def test_the_stage2_boundary_is_a_fixed_checkpoint_and_switches_turn_things_off(
     off = plan_of(
         "--train.no_evals=true", "--train.no_checkpoints=true", "--eval.interval=1", "--eval.sample_interval=1"
     )
-    assert not any(off.due(s, last=True).output for s in range(1, 21))
+    assert not any(off.due(s, last=True).reads_weights for s in range(1, 21))
     with pytest.raises(ConfigError, match="stage2.start=30steps is step 30, not before the run's end at step 20"):
         plan_of("--stage2.start=30steps")
 
@@ -83,7 +84,7 @@ def test_an_early_stop_saves_a_checkpoint_first_and_evaluates_nothing():
     plan = plan_of("--eval.interval=5", "--eval.sample_interval=5", "--checkpoint.interval=5")
     assert plan.due(5).val and plan.due(5).sample  # what step 5 runs when nothing stops the run
     stopped = plan.due(5, stop=True)
-    assert stopped.checkpoint == "permanent" and stopped.collect
+    assert stopped.checkpoint == "permanent" and stopped.write_metrics
     assert not (stopped.val or stopped.tasks or stopped.sample)
     assert plan.due(20, last=True, stop=True).val  # a stop at the run's last step is just the end
     assert plan_of("--train.no_checkpoints=true").due(7, stop=True).checkpoint is None
@@ -123,3 +124,13 @@ def test_the_memory_estimate_counts_what_each_rank_holds_with_ddp_and_with_fsdp(
     assert 34 * 768 * 12 * 16384 < many[0] < many[1] == 34 * 768 * 12 * 16384 + 3 * 16384 * 50304 * 4
     line = describe_memory(gpt2, 1024, 8, True, "cuda")
     assert line.startswith("memory per rank (estimate): weights") and "with FSDP on 8 rank(s)" in line
+
+
+@pytest.mark.parametrize("hard_stop", ["3", "3steps", "384tokens"])
+def test_hard_stop_takes_a_duration_and_a_bare_number_is_steps(data_root, tmp_path, hard_stop):
+    out = tmp_path / "run"
+    run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--train.max_steps=10",
+                      f"--train.hard_stop={hard_stop}", "--eval.interval=0"])  # 128 tokens per step
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["optim/lr"] > 0.1 * rows[0]["optim/lr"]  # the schedule still runs to step 10

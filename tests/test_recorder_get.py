@@ -16,7 +16,7 @@ def test_get_returns_this_steps_value_as_it_will_be_logged():
     recorder.record_metric("train/loss", torch.tensor(4.0), merge="mean")
     recorder.record_metric("tokens", 1024, reduce="sum")
     assert recorder.get("train/loss") == 3.0 and recorder.get("tokens") == 1024.0
-    recorder.finish_step(1, collect=True)
+    recorder.finish_step(1, write=True)
     assert logged == [(1, {"tokens": 1024.0, "train/loss": 3.0})]  # what get said is what was logged
     assert recorder.get("train/loss") is None  # a new step
 

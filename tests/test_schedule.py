@@ -10,7 +10,7 @@ from config import Config, ConfigError, OptimConfig, parse_args
 import warm_python
 from conftest import ROOT, TINY, read_metrics, run_train
 from optimizer import build_schedule
-from wsds import period_ends
+from optimizer import period_ends
 
 
 def lrs(total_steps, **optim):

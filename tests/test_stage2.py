@@ -21,10 +21,10 @@ def stage2_args(root, out, *extra):
 def test_beta_zero_trains_bit_for_bit_like_a_run_that_only_switches_data(mixture_root, tmp_path, monkeypatch):
     run_train(stage2_args(mixture_root, tmp_path / "kl", "--stage2.kl_beta=0"))
     # The run that only switches data: stage 2's data from the same step, but no reference built and no KL
-    # term. Patched where the loop gets them (Stages.at, and the make_reference it calls); monkeypatch
+    # term. Patched where the loop gets them (Stages.for_step, and the make_reference it calls); monkeypatch
     # raises if either name is gone, so the patch cannot silently leave the same run as above.
-    stage_at = train.Stages.at
-    monkeypatch.setattr(train.Stages, "at", lambda self, step: (*stage_at(self, step)[:2], None))
+    stage_at = train.Stages.for_step
+    monkeypatch.setattr(train.Stages, "for_step", lambda self, step: (*stage_at(self, step)[:2], None))
     monkeypatch.setattr(stage2, "make_reference", lambda *args, **kwargs: "no reference built")
     run_train(stage2_args(mixture_root, tmp_path / "switch"))  # in this process, as the run above
     kl, switch = read_metrics(tmp_path / "kl"), read_metrics(tmp_path / "switch")

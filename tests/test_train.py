@@ -212,3 +212,29 @@ def test_the_loop_syncs_only_when_it_collects_metrics(data_root, tmp_path, monke
                       "--train.no_checkpoints=true"])
     assert syncs.calls == {"metrics.py": 2}, syncs.calls
     assert len(read_metrics(tmp_path)) == 8
+
+
+def test_start_summary_and_console_eta(data_root, tmp_path):
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=3"])
+    assert "model: 1,636,224 parameters (25,472 non-embedding)" in result.stdout
+    assert "run: 3 steps x 128 tokens = 384 tokens (0.0 per non-embedding parameter" in result.stdout
+    assert "training FLOPs" in result.stdout
+    assert "| eta 0:00:00" in result.stdout
+
+
+def test_the_console_line_prints_at_log_interval_on_the_step_it_describes(data_root, tmp_path, monkeypatch):
+    """log.interval=3 with metrics collected every 10 steps: the line of step 3 comes out before step 4 trains
+    (it used to wait for the collection at step 7, the last)."""
+    import train
+
+    def marked_step(*args, **kwargs):
+        print("(a step trains)")
+        return train_step(*args, **kwargs)
+
+    train_step = train.train_step
+    monkeypatch.setattr(train, "train_step", marked_step)
+    result = run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=7",
+                               "--log.interval=3", "--log.metrics_collect_interval=10", "--eval.interval=0"])
+    events = [line.split()[1] if line.startswith("step ") else "train" for line in result.stdout.splitlines()
+              if line.startswith("step ") or line == "(a step trains)"]
+    assert events == ["train"] * 3 + ["3"] + ["train"] * 3 + ["6"] + ["train", "7"], events

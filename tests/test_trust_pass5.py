@@ -361,14 +361,14 @@ def test_a_shape_from_the_default_config_file_is_one_clean_sentence():
 
 
 def test_warnings_after_the_run_ended_do_not_say_training_goes_on(capsys):
-    from metrics import warn_if_slow
+    from metrics import warn_slow
     from lab.notifier import Notifier
 
     with Notifier("http://127.0.0.1:9/nobody", "run", is_master=True) as notifier:  # nothing listens on port 9
         notifier.outcome = "finished at step 2"
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].endswith("training goes on.") and lines[-1].endswith("the run's outcome is as printed above.")
-    warn_if_slow("waiting for the previous checkpoint", 0.0042, 0.001)
+    warn_slow("waiting for the previous checkpoint", 0.0042, 0.001)
     assert "took 0.0042 s, more than log.bookkeeping_soft_timeout=0.001 s" in capsys.readouterr().err
 
 
