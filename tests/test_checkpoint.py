@@ -252,3 +252,35 @@ def test_a_load_path_ignored_for_the_runs_own_checkpoint_is_said_once(data_root,
     result = run_train(common + [f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=4",
                                  f"--checkpoint.load_path={tmp_path / 'base'}"])
     assert result.stdout.count("is ignored because") == 1 and "at step 2" in result.stdout
+
+
+# The last commit before the optional features moved to lab/ and the core was reshaped.
+BEFORE_THE_MOVE = "423d8d0"
+
+
+def test_a_run_saved_before_the_move_to_lab_resumes_bit_for_bit(data_root, tmp_path):
+    """A run the code before the move saved after step 4 resumes under today's code exactly as the old
+    code goes on: the same losses at steps 5 to 8, to the bit. (The plain F.cross_entropy path, so the
+    comparison is of the move alone.)"""
+    old = tmp_path / "old"
+    made = subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(old), BEFORE_THE_MOVE],
+                          capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"needs the project's git history to run the code of {BEFORE_THE_MOVE} ({made.stderr.strip()})")
+    try:
+        common = args(data_root, None, "--train.max_steps=8", "--checkpoint.interval=4", "--train.loss_path=full")
+        common = [a for a in common if not a.startswith("--train.out_dir=")]
+
+        def old_code(out, *extra):
+            subprocess.run([sys.executable, str(old / "train.py"), *common, f"--train.out_dir={out}", *extra],
+                           cwd=old, check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+        old_code(tmp_path / "through")  # the old code, steps 1 to 8
+        old_code(tmp_path / "moved", "--train.hard_stop=4")  # the old code, steps 1 to 4
+        resumed = run_train(common + [f"--train.out_dir={tmp_path / 'moved'}"])  # today's code, steps 5 to 8
+        assert "resumed from" in resumed.stdout and "at step 4" in resumed.stdout
+        through, moved = read_metrics(tmp_path / "through"), read_metrics(tmp_path / "moved")
+        assert [r["train/loss"] for r in moved[4:]] == [r["train/loss"] for r in through[4:]]
+        assert [r["step"] for r in moved] == list(range(1, 9))
+    finally:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)

@@ -143,10 +143,11 @@ def test_when_the_endpoint_goes_away_training_goes_on_and_the_failure_is_reporte
     save = checkpoint.Checkpointer.save
 
     def save_then_wait_for_uploads(self, *args):  # each upload done before the next step: a deterministic count
-        save(self, *args)
+        stalled = save(self, *args)
         self.wait()
         if self.uploader:
             self.uploader.wait_idle()
+        return stalled
 
     monkeypatch.setattr(checkpoint.Checkpointer, "save", save_then_wait_for_uploads)
     out = tmp_path / "run"
