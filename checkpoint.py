@@ -231,7 +231,10 @@ class Checkpointer:
         snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()} if not sharded else \
             ({"model": whole} if whole else {})
         snapshot["trainer"] = {**trainer, "config": self.config_dict, "rng": rng}
-        snapshot = to_cpu(snapshot)  # a copy: training changes the originals while a thread writes
+        # A copy on the CPU, which training cannot change while a thread writes it; a sync save on a
+        # CPU writes the tensors themselves, as nothing runs meanwhile.
+        if self.async_save or next(model.parameters()).device.type != "cpu":
+            snapshot = to_cpu(snapshot)
         if self.async_save:
             self.thread = threading.Thread(target=self.write, args=(step, snapshot, kind, shards),
                                            daemon=True)

@@ -89,16 +89,19 @@ class MetricRecorder:
             value = self.reduce(value.reshape(1), [self.reductions[name]], group=None)
         return value.item()
 
-    def finish_step(self, step, values=None, write=False, wait=False):
-        """Record `values` (reduced as means) and end `step`; with `write`, reduce every pending step
-        over the ranks and hand the rows to `on_rows`; with `wait` too, return once they are handled
-        (metrics.jsonl then holds every step so far). Returns the console lines `on_rows` returned
-        here, or [] (none written, or async)."""
-        for name, value in (values or {}).items():  # (as record_all: a mean; the first value kept)
-            if self.reductions.setdefault(name, "mean") != "mean":
-                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} "
-                                 f"and now as a mean; a metric must keep one reduce type.")
-            self.step_values.setdefault(name, value.detach() if torch.is_tensor(value) else value)
+    def finish_step(self, step, values=None, write=False, wait=False, maxima=None):
+        """Record the step's `values` (their means over the ranks) and `maxima` (the largest rank's:
+        times every rank waited for, memory), as record_all would, and end `step`; with `write`,
+        reduce every pending step over the ranks and hand the rows to `on_rows`; with `wait` too,
+        return once they are handled (metrics.jsonl then holds every step so far). Returns the
+        console lines `on_rows` returned here, or [] (none written, or async)."""
+        for reduce, recorded in (("mean", values or {}), ("max", maxima or {})):
+            for name, value in recorded.items():  # (a name recorded already keeps its first value)
+                if self.reductions.setdefault(name, reduce) != reduce:
+                    raise ValueError(f"metric {name} was recorded with reduce="
+                                     f"{self.reductions[name]!r} and now with reduce={reduce!r}; a "
+                                     f"metric must keep one reduce type.")
+                self.step_values.setdefault(name, value.detach() if torch.is_tensor(value) else value)
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
@@ -247,13 +250,15 @@ class StepClock:
         self.flops_per_token, self.world_size, self.peak_flops = flops_per_token, world_size, peak_flops
         self.last_end = time.perf_counter()
         self.apart = {}  # throughput/<kind>_time_sec -> seconds paused since the last step ended
+        self.unlogged = 0.0  # seconds paused whose time is logged elsewhere (a checkpoint's)
 
     def lap(self, tokens_seen, data_time, trained=True):
         """At the end of a step: ({throughput metric: value} of the step, or {} for a step that
         trained nothing; {throughput/<kind>_time_sec: seconds} paused in its window)."""
         now = time.perf_counter()
         apart, self.apart = self.apart, {}
-        step_time, self.last_end = now - self.last_end - sum(apart.values()), now
+        paused, self.unlogged = sum(apart.values()) + self.unlogged, 0.0
+        step_time, self.last_end = now - self.last_end - paused, now
         if not trained:
             return {}, apart
         tokens_per_sec = self.tokens_per_step / step_time
@@ -268,16 +273,20 @@ class StepClock:
         return speed, apart
 
     @contextlib.contextmanager
-    def paused(self, kind):
-        """Time a block that is not training: the GPU finishes the step's queued work before the
-        clock stops and the block's own work before it restarts, so neither spills into the other
-        (two syncs, only around such blocks)."""
+    def paused(self, kind, logged=True):
+        """Time a block that is not training, out of the next step's time and, if `logged`, into
+        its throughput/<kind>_time_sec. The GPU finishes the step's queued work before the clock
+        stops and the block's own work before it restarts, so neither spills into the other (two
+        syncs, only around such blocks)."""
         self.synchronize()
         start = time.perf_counter()
         yield
         self.synchronize()
-        name = f"throughput/{kind}_time_sec"
-        self.apart[name] = self.apart.get(name, 0.0) + time.perf_counter() - start
+        seconds, name = time.perf_counter() - start, f"throughput/{kind}_time_sec"
+        if logged:
+            self.apart[name] = self.apart.get(name, 0.0) + seconds
+        else:
+            self.unlogged += seconds
 
 
 # ------------------------------------------------------------------------------ the monitors
@@ -371,20 +380,22 @@ class SinkError(UserError):
 
 
 class RowWriter:
-    """Collected rows, on the main or the bookkeeping thread: flag loss spikes, add the ETA, write
-    them (rank 0: metrics.jsonl, a metrics_step<N>.json per evaluation, W&B) and return the console
-    lines of those that get one (every log.interval steps, step 0, the last step, a spike, an
-    evaluation), printed here with `prints` (async bookkeeping: no loop waits for them). It never
-    raises (it may run on the worker thread): a write error is kept in `failed`, on which the loop
-    saves and stops, and the first non-finite loss or gradient norm in `nonfinite`, on which it
-    stops. A context manager: W&B's run finishes when it closes. `out_dir` None: a rank other
-    than 0, which writes nothing."""
+    """Rows of collected metrics, from the main or the bookkeeping thread (the recorder calls it):
+    flags loss spikes, adds the ETA, writes them (rank 0: metrics.jsonl, a metrics_step<N>.json per
+    evaluation, W&B) and returns the console lines of those that get one (every log.interval steps,
+    the last step, a spike, an evaluation), printed here with `prints` (async bookkeeping: no loop
+    waits for them). It never raises (it may run on the worker thread): a write error is kept in
+    `failed`, on which the loop saves and stops, and the first non-finite loss or gradient norm in
+    `nonfinite`, on which it stops. A row for a step already written (a checkpoint's time, uploads
+    that failed late) is written as any other, and readers merge it in (read_jsonl). A context
+    manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0, which writes
+    nothing."""
 
     def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0, prints=False):
         self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
         self.interval = log_cfg.interval
         self.spikes = LossSpikeDetector(spike_threshold)
-        self.writing = threading.Lock()  # rows come from the bookkeeping thread, others from the loop
+        self.writing = threading.Lock()  # rows come from the bookkeeping thread and the loop
         self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
@@ -398,7 +409,8 @@ class RowWriter:
         if self.wandb_run is not None:
             self.wandb_run.finish()
 
-    def __call__(self, rows):
+    def write(self, rows):
+        """[(step, {name: value})]: returns their console lines."""
         if not rows:
             return []
         with self.writing:
@@ -408,12 +420,13 @@ class RowWriter:
                 # throughput/eta_sec: the mean time per step so far (the step and what was timed
                 # apart in its window: evaluations, checkpoints, samples) x the steps left. The first
                 # step this process trains holds torch.compile and the allocator's warm-up: left out.
-                if "throughput/step_time_sec" in values and self.warm:
-                    self.timed_steps += 1
-                    self.timed_seconds += sum(v for name, v in values.items()
+                if self.warm or "throughput/checkpoint_time_sec" in values:
+                    self.timed_seconds += sum(value for name, value in values.items()
                                               if name.startswith("throughput/")
                                               and name.endswith("_time_sec")
                                               and name not in PARTS_OF_THE_STEP)
+                if "throughput/step_time_sec" in values and self.warm:
+                    self.timed_steps += 1
                     left = self.end_step - step
                     values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * left
                 self.warm = self.warm or "throughput/step_time_sec" in values
@@ -422,70 +435,51 @@ class RowWriter:
                 if bad and self.nonfinite is None:  # (train.nan_policy=stop: the loop stops on it)
                     self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no "
                                       f"checkpoint was saved after it")
-                if self.out_dir and (step % self.interval == 0 or step == self.end_step
-                                     or "train/loss_spike" in values or "val/loss" in values):
-                    lines.append(console_line(step, values))
-            self.write(rows)
-            self.last_step = rows[-1][0]
+                shown = "train/loss" in values or "val/loss" in values
+                if self.out_dir and shown and (step % self.interval == 0 or step == self.end_step
+                                               or "train/loss_spike" in values or "val/loss" in values):
+                    parts = [f"step {step:>6}"]  # the numbers a person watches
+                    extra_val = {n: n[4:] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
+                    for name, label in {**CONSOLE_LABELS, **extra_val}.items():
+                        value = values.get(name)
+                        if value is None:
+                            continue
+                        if name == "throughput/eta_sec":
+                            value = int(value)
+                            parts.append(f"eta {value // 3600}:{value % 3600 // 60:02d}:{value % 60:02d}")
+                        elif name == "throughput/tokens_per_sec":
+                            parts.append(f"{label} {value:,.0f}")
+                        else:
+                            parts.append(f"{label} {value:.4g}")
+                    lines.append(" | ".join(parts))
+                for name in values:
+                    if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
+                        values[name] = int(values[name])  # counts, exact in float64
+                self.logged.update(values)
+            self.last_step = max(self.last_step, rows[-1][0])
+            if self.out_dir and not self.failed:
+                try:
+                    with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+                        for step, values in rows:
+                            f.write(json.dumps({"step": step, **values}) + "\n")
+                            if any(name.startswith(("val/", "eval/")) for name in values):
+                                # OLMo's MetricSaver: a file per evaluation, which the ladder reads
+                                path = os.path.join(self.out_dir, f"metrics_step{step}.json")
+                                with open(f"{path}.tmp", "w") as snapshot:
+                                    json.dump({"step": step, **values}, snapshot, indent=1)
+                                os.replace(f"{path}.tmp", path)
+                except OSError as error:
+                    self.failed = (f"writing metrics in {self.out_dir} failed at step {step} "
+                                   f"({error.strerror or error})")
+                if self.wandb_run is not None and not self.failed:
+                    for step, values in rows:
+                        self.wandb_run.log(values, step=step)
             if self.prints:
                 for line in lines:
                     print(line, flush=True)
         return lines
 
-    def add_to_row(self, step, values):
-        """Values measured after step `step`'s row was written (its checkpoint's time, uploads that
-        failed after the last row): written as a row of that step, which readers merge into it
-        (read_jsonl). Rank 0; a checkpoint's time counts in the ETA as any time apart."""
-        if not self.out_dir:
-            return
-        with self.writing:
-            self.timed_seconds += values.get("throughput/checkpoint_time_sec", 0.0)
-            self.write([(step, dict(values))])
-
-    def write(self, rows):
-        """[(step, {name: value})] to metrics.jsonl (a snapshot per evaluation too) and W&B."""
-        for _, values in rows:
-            self.logged.update(values)
-            for name in values:
-                if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
-                    values[name] = int(values[name])  # counts, exact in float64
-        if not self.out_dir or self.failed:
-            return
-        step = rows[0][0]
-        try:
-            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                for step, values in rows:
-                    f.write(json.dumps({"step": step, **values}) + "\n")
-                    if any(name.startswith(("val/", "eval/")) for name in values):
-                        # OLMo's MetricSaver: one file per evaluation, which the ladder reads.
-                        path = os.path.join(self.out_dir, f"metrics_step{step}.json")
-                        with open(f"{path}.tmp", "w") as snapshot:
-                            json.dump({"step": step, **values}, snapshot, indent=1)
-                        os.replace(f"{path}.tmp", path)
-        except OSError as error:
-            self.failed = f"writing metrics in {self.out_dir} failed at step {step} " \
-                          f"({error.strerror or error})"
-            return
-        if self.wandb_run is not None:
-            for step, values in rows:
-                self.wandb_run.log(values, step=step)
-
-
-def console_line(step, values):
-    """One compact line with the numbers a person watches; metrics.jsonl has all of them."""
-    parts = [f"step {step:>6}"]
-    extra_val = {n: n[len("val/"):] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
-    for name, label in {**CONSOLE_LABELS, **extra_val}.items():
-        if name in values:
-            value = values[name]
-            if name == "throughput/eta_sec":
-                parts.append(f"eta {int(value) // 3600}:{int(value) % 3600 // 60:02d}:"
-                             f"{int(value) % 60:02d}")
-            elif name == "throughput/tokens_per_sec":
-                parts.append(f"{label} {value:,.0f}")
-            else:
-                parts.append(f"{label} {value:.4g}")
-    return " | ".join(parts)
+    __call__ = write  # (the recorder hands it the rows it collects)
 
 
 def start_wandb(out_dir, log_cfg, config_dict):

@@ -106,38 +106,33 @@ def train(cfg):
             # stop (a scheduler's grace period is short) only the checkpoint runs.
             stop = books.stopper.poll(step)  # a signal, CANCEL, the time limit: all ranks agree
             due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
-            if apart:  # evaluations, samples, ...: the slowest rank's time, which all waited for
-                books.recorder.record_all({name: seconds for name, seconds in apart.items()
-                                           if "checkpoint" not in name}, reduce="max")
+            values = {**step_metrics, **speed, **lrs, "tokens": state.tokens}  # means over ranks
+            maxima = apart  # the time every rank waited for: the slowest rank's
             if due.evals:
                 with clock.paused("eval"):
-                    scores = evaluate(run, due, mix)
-                books.recorder.record_all(scores)
-                if "val/loss" in scores:  # (a device tensor: no sync)
-                    state.best_val_loss = torch.minimum(state.best_val_loss, scores["val/loss"])
+                    values.update(evaluate(run, due, mix))
+                if "val/loss" in values:  # (a device tensor: no sync)
+                    state.best_val_loss = torch.minimum(state.best_val_loss, values["val/loss"])
             if due.write_metrics:  # the data's position; memory and uploads: the largest rank's
-                books.recorder.record_all(loader.metrics())
-                system = memory_metrics(place.device)
-                if cfg.checkpoint.remote_folder:  # (rank 0 uploads)
-                    system.update(books.checkpointer.upload_metrics())
-                books.recorder.record_all(system, reduce="max")
-            # The rows written come back as the console lines to print; before a checkpoint the
-            # rows up to this step are written, and a non-finite loss among them ends the run.
-            values = {**step_metrics, **speed, **lrs, "tokens": state.tokens}
+                values.update(loader.metrics())
+                maxima.update(memory_metrics(place.device))
+                if cfg.checkpoint.remote_folder:
+                    maxima.update(books.checkpointer.upload_metrics())
+            # The rows written come back as the console lines to print. Before a checkpoint every
+            # row so far is written, and a non-finite loss among them ends the run.
             halt = bool(books.writer.nonfinite)  # (lab/step_extras.py: too many steps skipped)
             for line in books.recorder.finish_step(step, values, due.write_metrics or halt,
-                                                   wait=bool(due.checkpoint) or halt):
+                                                   wait=bool(due.checkpoint) or halt, maxima=maxima):
                 print(line, flush=True)
-            if books.writer.nonfinite:  # train/loss or grad_norm NaN or Inf (train.nan_policy)
+            if books.writer.nonfinite:  # NaN or Inf in train/loss or grad_norm (train.nan_policy)
                 raise NonFiniteLoss(nonfinite_advice(books.writer.nonfinite, cfg.train.out_dir,
                                                      skipping=cfg.train.nan_policy == "skip"))
-            if due.checkpoint:
-                with clock.paused("checkpoint"):
+            if due.checkpoint:  # (its time goes in its own step's row, the last one's too)
+                with clock.paused("checkpoint", logged=False):
                     state.data = loader.state_dict()  # where the next step reads
                     seconds = books.checkpointer.save(step, due.checkpoint, run.raw_model,
                                                       run.optimizer, state, run.sample_generator)
-                # in its own step's row (written above), the last one's too
-                books.writer.add_to_row(step, {"throughput/checkpoint_time_sec": seconds})
+                books.writer.write([(step, {"throughput/checkpoint_time_sec": seconds})])
             if due.sample:
                 with clock.paused("sample"):
                     write_samples(run, step)

@@ -442,12 +442,12 @@ class Uploader:
 
 def start_uploads(ck, records, replaced, writer, stack):
     """train.py's start_bookkeeping, on rank 0: the Uploader of checkpoint section `ck`, closed when `stack` closes.
-    Uploads that fail after the last row was written are counted in a late row of their own (writer.add_to_row)."""
+    Uploads that fail after the last row was written are counted in a late row of their own (writer.write)."""
     uploader = Uploader(ck.remote_folder, ck.keep_last, records=records, replaced=replaced)
 
     def report_late_failures():
         if uploader.failures != writer.logged.get("checkpoint/upload_failures", 0):
-            writer.add_to_row(writer.last_step, {"checkpoint/upload_failures": uploader.failures})
+            writer.write([(writer.last_step, {"checkpoint/upload_failures": uploader.failures})])
 
     stack.callback(report_late_failures)
     stack.callback(uploader.close)  # runs first: the failures are counted once every upload is done

@@ -14,7 +14,6 @@ import time
 
 import torch
 
-from metrics import console_line
 
 
 class StepExtras:
@@ -77,8 +76,9 @@ class StepExtras:
             self.profiler.step()
         if cfg.log.all_ranks and not self.is_master and self.plan.console.due(step, step == self.plan.end_step):
             # this rank's own loss (the logged row holds the mean over ranks); one host sync
-            own = {name: float(value) for name, value in step_metrics.items() if name == "train/loss"}
-            print(f"[rank {run.place.rank}] {console_line(step, own)}", flush=True)
+            if "train/loss" in step_metrics:
+                print(f"[rank {run.place.rank}] step {step:>6} | loss {float(step_metrics['train/loss']):.4g}",
+                      flush=True)
 
 
 def grad_norm(params):
