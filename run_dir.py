@@ -30,7 +30,7 @@ from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_mod
                         check_sharded_metadata, check_source, check_weights_fit, code_change_note,
                         find_checkpoints, load_checkpoint, model_code, newest_checkpoint,
                         newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
-from config import (ConfigError, as_override, config_to_dict, keys_with_role, parse_duration,
+from config import (ConfigError, config_to_dict, keys_with_role, parse_duration,
                     parse_mix, secret_keys, with_defaults)
 from data import dataset_dir, fingerprint
 from metrics import save_environment, truncate_jsonl
@@ -110,7 +110,7 @@ def pid_alive(pid):
     return True
 
 
-def identity(config_dict):
+def identity_of(config_dict):
     """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same stage-2 start,
     `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field saved without is at its default."""
     config_dict = with_defaults(config_dict)
@@ -218,7 +218,7 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
     saved = read_trainer_state(path)["config"] if resuming else None
     # save_overwrite replaces a different run, but never one being rewound (that would do both): refused below
-    if resuming and c.save_overwrite and not rewind_to and identity(saved) != identity(run_config):
+    if resuming and c.save_overwrite and not rewind_to and identity_of(saved) != identity_of(run_config):
         if fetched:
             shutil.rmtree(fetched, ignore_errors=True)
             fetched = None
@@ -266,11 +266,20 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
 def identity_difference(saved_config, run_config):
     """None when the configs are one run, else (key, saved value, this run's) of the first identity field to differ."""
     changes = changed_fields(saved_config, run_config)
-    saved_identity, run_identity = identity(saved_config), identity(run_config)
+    saved_identity, run_identity = identity_of(saved_config), identity_of(run_config)
     for key in IDENTITY:
         if saved_identity[key] != run_identity[key]:
             return (key, *changes.get(key, (saved_identity[key], run_identity[key])))
     return None
+
+
+def as_override(key, value):
+    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key}={value}"
 
 
 def check_identity(out_dir, saved_config, run_config):
@@ -309,7 +318,7 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
         same_run = False
         if "config.json" in names and not find_checkpoints(out_dir):
             with open(os.path.join(out_dir, "config.json")) as f:
-                same_run = identity(json.load(f)) == identity(run_config)
+                same_run = identity_of(json.load(f)) == identity_of(run_config)
         if not same_run:
             shown = ", ".join(leftovers[:3])
             raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, choose "

@@ -14,6 +14,7 @@ import datetime
 import functools
 import gc
 import os
+import re
 import sys
 import time
 from contextlib import ExitStack, nullcontext
@@ -26,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import metrics
 import run_dir
 from checkpoint import Checkpointer, TrainState, newest_checkpoint
-from config import ConfigError, check_torch, check_warmup, config_to_dict, parse_args, run_command
+from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
 from metrics import NonFiniteLoss, StepClock, memory_metrics
 from model import GPT, choose_loss_path, gpt_class
@@ -35,6 +36,18 @@ from plan import Plan, SignalFlag, Stopper, is_compiled, make_plan
 
 
 # ------------------------------------------------------------------------------ the command line
+
+TORCH_FLOOR = (2, 9)  # Muon's adjust_lr_fn="match_rms_adamw" came in torch 2.9 (requirements.txt)
+
+
+def check_torch(version):
+    """One sentence if `version` (torch.__version__) is older than TORCH_FLOOR."""
+    found = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if found < TORCH_FLOOR:
+        floor = ".".join(map(str, TORCH_FLOOR))
+        raise UserError(f"this is torch {version}, and the trainer needs torch {floor} or newer "
+                        f"(torch.optim.Muon); pip install 'torch>={floor}'.")
+
 
 
 def main(argv):

@@ -143,9 +143,10 @@ def test_a_config_file_may_write_hard_stop_as_a_number(tmp_path):
 
 
 def test_help_prints_a_fields_comment_lines_above_it_and_its_trailing_comment():
-    from config import TrainConfig
-    from config import field_comments
+    from config import TrainConfig, field_comments
+
     comments = field_comments(TrainConfig)
-    assert comments["nan_skip_limit"].startswith("nan_policy=skip: stop with a sentence after this many")
-    assert comments["nan_skip_limit"].endswith("0 = never")  # one sentence, from two comment lines above the field
-    assert comments["seed"] == "seeds model init, data order and sampling"  # a trailing comment alone
+    # one sentence, from the two comment lines above the field
+    assert comments["hard_stop"].startswith("stop (with a checkpoint) after this duration (500steps,")
+    assert comments["hard_stop"].endswith("0 trains nothing and saves what was loaded")
+    assert comments["seed"] == "model init, data order and sampling"  # a trailing comment alone

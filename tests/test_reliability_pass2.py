@@ -89,11 +89,11 @@ def test_17_an_identity_refusal_hints_valid_command_line_syntax(data_root, tmp_p
 
 def test_17_equal_values_written_differently_are_the_same_run(data_root, tmp_path):
     """`8` and `8steps` are one stage-2 start; shares 6:2 and 3:1 one mixture: a resume is not refused."""
-    from run_dir import identity
+    from run_dir import identity_of
     a = {"data": {"mix": ["shakespeare:6", "python:2"]}, "stage2": {"start": "8"}}
     b = {"data": {"mix": ["shakespeare:3", "python:1"]}, "stage2": {"start": "8steps"}}
-    assert identity(a) == identity(b)
-    assert identity(a) != identity({**b, "stage2": {"start": "9steps"}})
+    assert identity_of(a) == identity_of(b)
+    assert identity_of(a) != identity_of({**b, "stage2": {"start": "9steps"}})
 
 
 @pytest.mark.parametrize("content, message", [

@@ -19,7 +19,8 @@ import torch
 import metrics
 from checkpoint import find_checkpoints
 from conftest import ROOT, TINY, read_metrics, run_in_process, run_train
-from config import TORCH_FLOOR, ConfigError, UserError, check_torch, parse_args, run_command
+from config import ConfigError, UserError, parse_args, run_command
+from train import TORCH_FLOOR, check_torch
 from optimizer import build_schedule
 
 
