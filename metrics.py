@@ -6,8 +6,8 @@ recording costs no host-device sync. Every `log.metrics_collect_interval` steps 
 pending values of all ranks are reduced in one collective and copied to the host in one transfer;
 with `log.async_bookkeeping` (OLMo's), on a background thread over a CPU (gloo) group. `RowWriter`
 writes the rows (metrics.jsonl, `metrics_step<N>.json` at evaluations, W&B) and returns their
-console lines. Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/, eval/.
-`python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
+console lines. Names are namespaced: train/, val/, optim/, throughput/, system/, grad/, data/,
+eval/. `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
 """
 
 import contextlib
@@ -55,9 +55,9 @@ class MetricRecorder:
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
         """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
-        sum, max, l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (rank 0's
-        value). A metric recorded twice in a step is merged as OLMo-core does: warn (keep the first,
-        with a warning), latest, oldest, mean (of the two), sum, max, min. Merging is tensor
+        sum, max, l2_norm (sqrt of the sum of squares: for norms computed per rank) or None (rank
+        0's value). A metric recorded twice in a step is merged as OLMo-core does: warn (keep the
+        first, with a warning), latest, oldest, mean (of the two), sum, max, min. Merging is tensor
         arithmetic: no host sync."""
         self.record_all({name: value}, reduce, merge)
 
@@ -66,8 +66,9 @@ class MetricRecorder:
         assert reduce in REDUCTIONS and merge in MERGES, (reduce, merge)
         for name, value in values.items():
             if self.reductions.setdefault(name, reduce) != reduce:
-                raise ValueError(f"metric {name} was recorded with reduce={self.reductions[name]!r} "
-                                 f"and now with reduce={reduce!r}; a metric must keep one reduce type.")
+                raise ValueError(f"metric {name} was recorded with "
+                                 f"reduce={self.reductions[name]!r} and now with "
+                                 f"reduce={reduce!r}; a metric must keep one reduce type.")
             value = value.detach() if torch.is_tensor(value) else value
             if name not in self.step_values or merge == "latest":
                 self.step_values[name] = value
@@ -101,7 +102,8 @@ class MetricRecorder:
                     raise ValueError(f"metric {name} was recorded with reduce="
                                      f"{self.reductions[name]!r} and now with reduce={reduce!r}; a "
                                      f"metric must keep one reduce type.")
-                self.step_values.setdefault(name, value.detach() if torch.is_tensor(value) else value)
+                value = value.detach() if torch.is_tensor(value) else value
+                self.step_values.setdefault(name, value)
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
@@ -138,8 +140,8 @@ class MetricRecorder:
         on_device = [i for i, entry in enumerate(entries) if torch.is_tensor(entry[2])]
         on_host = [i for i, entry in enumerate(entries) if not torch.is_tensor(entry[2])]
         if on_device:
-            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64).reshape(())
-                                             for i in on_device])
+            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64)
+                                             .reshape(()) for i in on_device])
         if on_host:
             values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host],
                                            dtype=torch.float64).to(self.device)
@@ -172,7 +174,8 @@ class MetricRecorder:
         return []
 
     def wait(self):
-        """Wait for async bookkeeping in flight (before a checkpoint, at the end); raise its error."""
+        """Wait for async bookkeeping in flight (before a checkpoint, at the end); raise its error.
+        """
         if self.in_flight is not None:
             in_flight, self.in_flight = self.in_flight, None
             in_flight.result()
@@ -188,7 +191,8 @@ class MetricRecorder:
         values = torch.where(squared, values * values, values)
         gathered = torch.empty(self.world_size * len(values), dtype=values.dtype, device=device)
         # all_gather_single is torch 2.13's name for all_gather_into_tensor, which now warns
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, values, group=group)
+        all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        all_gather(gathered, values, group=group)
         gathered = gathered.view(self.world_size, -1)
         is_max = torch.tensor([k == "max" for k in kinds], device=device)
         is_mean = torch.tensor([k == "mean" for k in kinds], device=device)
@@ -207,7 +211,8 @@ def warn_slow(what, seconds, soft_timeout):
           flush=True)
 
 
-# ------------------------------------------------------------------------------ the step's clock and speed
+# ------------------------------------------------------------------------------ the step's clock
+# and speed
 
 # Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops
 # overrides the table.
@@ -247,7 +252,8 @@ class StepClock:
         cuda = torch.device(device).type == "cuda"
         self.synchronize = torch.cuda.synchronize if cuda else (lambda: None)
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
-        self.flops_per_token, self.world_size, self.peak_flops = flops_per_token, world_size, peak_flops
+        self.flops_per_token, self.world_size = flops_per_token, world_size
+        self.peak_flops = peak_flops
         self.last_end = time.perf_counter()
         self.apart = {}  # throughput/<kind>_time_sec -> seconds paused since the last step ended
         self.unlogged = 0.0  # seconds paused whose time is logged elsewhere (a checkpoint's)
@@ -326,7 +332,8 @@ def memory_metrics(device):
                 "system/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(device) / gib}
     # ru_maxrss is in KiB on Linux and in bytes on macOS. The kernel updates this high-water mark
     # lazily, so it can read below the current resident set just after memory grew.
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    unit = 1 if sys.platform == "darwin" else 1024
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
     values = {}
     if os.path.exists("/proc/self/statm"):  # Linux: resident pages are the second number
         with open("/proc/self/statm") as f:
@@ -391,7 +398,8 @@ class RowWriter:
     manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0, which writes
     nothing."""
 
-    def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0, prints=False):
+    def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0,
+                 prints=False):
         self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
         self.interval = log_cfg.interval
         self.spikes = LossSpikeDetector(spike_threshold)
@@ -400,7 +408,9 @@ class RowWriter:
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
         self.failed = self.nonfinite = None  # sentences
-        self.wandb_run = start_wandb(out_dir, log_cfg, config_dict) if log_cfg.wandb and out_dir else None
+        self.wandb_run = None
+        if log_cfg.wandb and out_dir:
+            self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
 
     def __enter__(self):
         return self
@@ -418,8 +428,9 @@ class RowWriter:
             lines = []
             for step, values in rows:
                 # throughput/eta_sec: the mean time per step so far (the step and what was timed
-                # apart in its window: evaluations, checkpoints, samples) x the steps left. The first
-                # step this process trains holds torch.compile and the allocator's warm-up: left out.
+                # apart in its window: evaluations, checkpoints, samples) x the steps left. The
+                # first step this process trains holds torch.compile and the allocator's warm-up:
+                # left out.
                 if self.warm or "throughput/checkpoint_time_sec" in values:
                     self.timed_seconds += sum(value for name, value in values.items()
                                               if name.startswith("throughput/")
@@ -435,22 +446,19 @@ class RowWriter:
                 if bad and self.nonfinite is None:  # (train.nan_policy=stop: the loop stops on it)
                     self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no "
                                       f"checkpoint was saved after it")
-                shown = "train/loss" in values or "val/loss" in values
-                if self.out_dir and shown and (step % self.interval == 0 or step == self.end_step
-                                               or "train/loss_spike" in values or "val/loss" in values):
+                due = (step % self.interval == 0 or step == self.end_step
+                       or "train/loss_spike" in values)
+                if self.out_dir and ("val/loss" in values or "train/loss" in values and due):
                     parts = [f"step {step:>6}"]  # the numbers a person watches
-                    extra_val = {n: n[4:] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
-                    for name, label in {**CONSOLE_LABELS, **extra_val}.items():
-                        value = values.get(name)
-                        if value is None:
-                            continue
-                        if name == "throughput/eta_sec":
-                            value = int(value)
-                            parts.append(f"eta {value // 3600}:{value % 3600 // 60:02d}:{value % 60:02d}")
-                        elif name == "throughput/tokens_per_sec":
-                            parts.append(f"{label} {value:,.0f}")
-                        else:
-                            parts.append(f"{label} {value:.4g}")
+                    val = {n: n[4:] for n in sorted(values)
+                           if n.startswith("val/") and n != "val/loss"}
+                    for name, label in {**CONSOLE_LABELS, **val}.items():
+                        v = values.get(name)
+                        if v is not None:
+                            text = (f"{v:,.0f}" if name == "throughput/tokens_per_sec" else
+                                    f"{int(v) // 3600}:{int(v) % 3600 // 60:02d}:{int(v) % 60:02d}"
+                                    if name == "throughput/eta_sec" else f"{v:.4g}")
+                            parts.append(f"{label} {text}")
                     lines.append(" | ".join(parts))
                 for name in values:
                     if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
@@ -508,7 +516,8 @@ def start_wandb(out_dir, log_cfg, config_dict):
         sys.argv = argv
 
 
-# ------------------------------------------------------------------------------ reading the rows back
+# ------------------------------------------------------------------------------ reading the rows
+# back
 
 
 def read_jsonl(path):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from config import ConfigError, check_warmup, duration_to_steps, parse_step_ranges
+from metrics import SinkError
 from model import GPT, loss_slice_rows, loss_slices
 
 
@@ -70,7 +71,8 @@ class Plan:
     checkpoints: Every  # permanent ones (the final one is always saved)
     fixed_checkpoints: tuple  # kept forever: checkpoint.fixed_steps and the stage-2 boundary
     ephemeral: Every  # only the newest is kept
-    ephemeral_cooldown: int  # an ephemeral checkpoint this soon after a fixed or permanent one: none
+    # an ephemeral checkpoint this soon after a fixed or permanent one: none
+    ephemeral_cooldown: int
     traces: Every  # debug.trace_steps: fixed steps only
     metrics: Every  # log.metrics_collect_interval: one sync and one collective each time
     console: Every  # log.interval: a console line, so its metrics are written at that step
@@ -122,43 +124,46 @@ class Plan:
 
 
 def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
-    """The Plan of a run; a batch that does not divide, or a stage 2 that never begins, is one sentence."""
+    """The Plan of a run; a batch that does not divide, or a stage 2 that never begins, is one
+    sentence."""
     t = cfg.train
     tokens_per_micro_step = cfg.data.batch_size * cfg.model.block_size * world_size
     if t.total_batch_size % tokens_per_micro_step:
         raise ConfigError(
-            f"train.total_batch_size={t.total_batch_size} is not a multiple of data.batch_size x model.block_size "
-            f"x world_size = {cfg.data.batch_size} x {cfg.model.block_size} x {world_size} = "
-            f"{tokens_per_micro_step}; change one of them so it divides.")
+            f"train.total_batch_size={t.total_batch_size} is not a multiple of data.batch_size x "
+            f"model.block_size x world_size = {cfg.data.batch_size} x {cfg.model.block_size} x "
+            f"{world_size} = {tokens_per_micro_step}; change one of them so it divides.")
 
     def steps(duration, key):
-        return duration_to_steps(duration, t.total_batch_size, tokens_per_epoch, non_embedding_params, key=key)
+        return duration_to_steps(duration, t.total_batch_size, tokens_per_epoch,
+                                 non_embedding_params, key=key)
 
     max_steps = steps(t.max_duration, "train.max_duration") if t.max_duration else t.max_steps
     end_step = min(max_steps, steps(t.hard_stop, "train.hard_stop")) if t.hard_stop else max_steps
     stage2_step = steps(cfg.stage2.start, "stage2.start") if cfg.stage2.start else None
     if stage2_step is not None and stage2_step >= max_steps:
-        raise ConfigError(f"stage2.start={cfg.stage2.start} is step {stage2_step}, not before the run's end at "
-                          f"step {max_steps}; start stage 2 earlier or train longer.")
+        raise ConfigError(f"stage2.start={cfg.stage2.start} is step {stage2_step}, not before the "
+                          f"run's end at step {max_steps}; start stage 2 earlier or train longer.")
     check_warmup(cfg.optim.warmup_steps, max_steps)
-    e, c = cfg.eval, cfg.checkpoint
-    if e.tasks and not (e.tasks_interval or e.fixed_steps):  # here, not in config.py: the ladder sets fixed_steps
-        raise ConfigError(f"eval.tasks={','.join(e.tasks)} would never run: set eval.tasks_interval (every N steps "
-                          f"and at the end) or eval.fixed_steps (at those steps only).")
-    evals = not t.no_evals  # train.no_evals: no validation, tasks or samples (OLMo-core's switch, for benchmarks)
-    never = Every()
+    e, c, log = cfg.eval, cfg.checkpoint, cfg.log
+    if e.tasks and not (e.tasks_interval or e.fixed_steps):  # (here: the ladder sets fixed_steps)
+        raise ConfigError(f"eval.tasks={','.join(e.tasks)} would never run: set "
+                          f"eval.tasks_interval (every N steps and at the end) or eval.fixed_steps "
+                          f"(at those steps only).")
+    evals, never = not t.no_evals, Every()  # train.no_evals: no validation, tasks or samples
+    boundary = (stage2_step,) if stage2_step is not None else ()
     return Plan(
-        grad_accum_steps=t.total_batch_size // tokens_per_micro_step, tokens_per_step=t.total_batch_size,
-        max_steps=max_steps, end_step=end_step, stage2_step=stage2_step,
+        grad_accum_steps=t.total_batch_size // tokens_per_micro_step,
+        tokens_per_step=t.total_batch_size, max_steps=max_steps, end_step=end_step,
+        stage2_step=stage2_step,
         val=Every(e.interval, tuple(e.fixed_steps)) if evals else never,
         tasks=Every(e.tasks_interval, tuple(e.fixed_steps)) if evals and e.tasks else never,
         samples=Every(e.sample_interval) if evals else never,
-        checkpoints=Every(c.interval), ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
-        fixed_checkpoints=tuple(c.fixed_steps) + ((stage2_step,) if stage2_step is not None else ()),
-        traces=Every(0, tuple(cfg.debug.trace_steps)),
-        metrics=Every(cfg.log.metrics_collect_interval), console=Every(cfg.log.interval),
-        garbage=Every(t.gc_interval),
-        grad_norms=Every(cfg.log.grad_norms_interval), activations=Every(cfg.log.activations_interval),
+        checkpoints=Every(c.interval), fixed_checkpoints=tuple(c.fixed_steps) + boundary,
+        ephemeral=Every(c.ephemeral_interval), ephemeral_cooldown=c.ephemeral_cooldown,
+        traces=Every(0, tuple(cfg.debug.trace_steps)), metrics=Every(log.metrics_collect_interval),
+        console=Every(log.interval), grad_norms=Every(log.grad_norms_interval),
+        activations=Every(log.activations_interval), garbage=Every(t.gc_interval),
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
 
@@ -170,7 +175,8 @@ REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0:
 
 class SignalFlag:
     """Remembers the first SIGTERM/SIGINT; a second SIGINT exits at once. A context manager: the
-    handlers it replaced come back when the run ends (train.train may run inside another program)."""
+    handlers it replaced come back when the run ends (train.train may run inside another program).
+    """
 
     def __init__(self):
         self.received, self.previous = None, {}  # the signal received; the handlers replaced
@@ -201,7 +207,8 @@ class Stopper:
 
     def __init__(self, flag, out_dir, time_limit, check_interval, is_master, writer=None,
                  group=None):
-        self.flag, self.out_dir, self.time_limit, self.interval = flag, out_dir, time_limit, check_interval
+        self.flag, self.out_dir, self.time_limit = flag, out_dir, time_limit
+        self.interval = check_interval
         self.is_master, self.writer, self.group = is_master, writer, group
         self.start_time = time.monotonic()
 
@@ -229,11 +236,10 @@ class Stopper:
         and return the outcome, for the webhook. A metrics write error ends the run with its
         sentence."""
         if reason == "write error":
-            from metrics import SinkError
             failed = (self.writer.failed if self.writer is not None and self.writer.failed
                       else "rank 0 could not write its metrics")
-            raise SinkError(f"{failed}; a checkpoint was saved at step {step}: free disk space, then "
-                            f"run the same command again to resume.")
+            raise SinkError(f"{failed}; a checkpoint was saved at step {step}: free disk space, "
+                            "then run the same command again to resume.")
         if reason == "signal":
             why = f"stopped by {self.flag.received or 'a signal on another rank'}"
         elif reason == "cancel file":
@@ -251,7 +257,8 @@ class Stopper:
             "its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)")
 
 
-# ----------------------------------------------------------------------------- the start-up summary and memory estimate
+# ----------------------------------------------------------------------------- the start-up summary
+# and memory estimate
 
 
 def is_compiled(cfg, device_type):
@@ -263,16 +270,20 @@ def shares_text(mix):
 
 
 def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
-    """The start-up summary a student reads: the model's size, the batch and the run's cost, from the model and plan."""
+    """The start-up summary a student reads: the model's size, the batch and the run's cost, from
+    the model and plan."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
-    stop = f", stopping after step {plan.end_step:,} (train.hard_stop)" if plan.end_step < plan.max_steps else ""
+    stop = ""
+    if plan.end_step < plan.max_steps:
+        stop = f", stopping after step {plan.end_step:,} (train.hard_stop)"
     device_type = torch.device(device).type
     micro_batch_tokens = cfg.data.batch_size * cfg.model.block_size
     bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
-    data = f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch else "data not prepared yet"
-    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) on {device}, "
-            f"{plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
+    data = (f"{sequences_per_epoch:,} training sequences per epoch" if sequences_per_epoch else
+            "data not prepared yet")
+    return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) "
+            f"on {device}, {plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
             f"{loss_description(raw_model, micro_batch_tokens, device_type)}"
             f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
@@ -282,52 +293,61 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
 
 
 def loss_description(raw_model, rows, device_type):
-    """How this model computes its loss, read from the model: model.py's forward follows its `loss_path`; a model
-    with a forward of its own (a subclass, a train.model_module file) says nothing of it, so neither does this."""
+    """How this model computes its loss, read from the model: model.py's forward follows its
+    `loss_path`; a model with a forward of its own (a subclass, a train.model_module file) says
+    nothing of it, so neither does this."""
     if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
         return "the model's own forward"
     if raw_model.loss_path == "chunked":
-        return f"chunked in {loss_slices(rows, raw_model.config.vocab_size, device_type)} slice(s) per micro-step"
+        slices = loss_slices(rows, raw_model.config.vocab_size, device_type)
+        return f"chunked in {slices} slice(s) per micro-step"
     return raw_model.loss_path
 
 
 def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device_type):
-    """Bytes each rank needs, estimated before the run: {weights, gradients, optimizer, activations, total}.
+    """Bytes each rank needs, estimated before the run: {weights, gradients, optimizer, activations,
+    total}.
 
-    fp32 weights and gradients take 4 bytes a parameter and AdamW's two moments 8 (Muon keeps one moment for the
-    matrices: less). DDP holds all of them on every rank; with more than one rank, a second copy of the gradients
-    in the buckets it all-reduces (4); with bf16 autocast, the bf16 copy of the weights it casts once per step (2).
-    FSDP holds 1/world_size of the three, plus whole weights gathered for the parts running (two blocks: the one
-    running and the next, fetched ahead; and the rest of the model, the embeddings and output layer, gathered for
-    the whole step), in bf16 or fp32, and the whole gradient of the largest part before it is reduce-scattered.
-    Activations of one micro-batch, kept for the backward: 34 x width bytes per token and layer with bf16 and fused
-    attention, which keeps no sequence x sequence scores (Korthikanti et al. 2022, "Reducing Activation
-    Recomputation in Large Transformer Models", eq. 2 without its 5as/h term), twice that in fp32; then the output
-    layer: the full path's logits, their softmax and its gradient (3 x tokens x vocabulary x 4 bytes), or the
-    chunked path's slice of them and its weight gradient. Against measured peaks: docs/fsdp.md."""
+    fp32 weights and gradients take 4 bytes a parameter and AdamW's two moments 8 (Muon keeps one
+    moment for the matrices: less). DDP holds all of them on every rank; with more than one rank, a
+    second copy of the gradients in the buckets it all-reduces (4); with bf16 autocast, the bf16
+    copy of the weights it casts once per step (2). FSDP holds 1/world_size of the three, plus whole
+    weights gathered for the parts running (two blocks: the one running and the next, fetched ahead;
+    and the rest of the model, the embeddings and output layer, gathered for the whole step), in
+    bf16 or fp32, and the whole gradient of the largest part before it is reduce-scattered.
+    Activations of one micro-batch, kept for the backward: 34 x width bytes per token and layer with
+    bf16 and fused attention, which keeps no sequence x sequence scores (Korthikanti et al. 2022,
+    "Reducing Activation Recomputation in Large Transformer Models", eq. 2 without its 5as/h term),
+    twice that in fp32; then the output layer: the full path's logits, their softmax and its
+    gradient (3 x tokens x vocabulary x 4 bytes), or the chunked path's slice of them and its weight
+    gradient. Against measured peaks: docs/fsdp.md."""
     n = model.num_params()
     blocks = [sum(p.numel() for p in b.parameters()) for b in model.blocks]
-    block, rest = max(blocks), n - sum(blocks)  # rest: what is not in a block (embeddings, final norm, output)
+    # rest: what is not in a block (embeddings, final norm, output)
+    block, rest = max(blocks), n - sum(blocks)
     cfg, share = model.config, world_size if sharded else 1
     weights = 4 * n / share + ((2 * block + rest) * (2 if bf16 else 4) if sharded else 2 * n * bf16)
     gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
     if not sharded and world_size > 1:
-        gradients += 4 * n  # DDP's buckets: the gradients copied into the flat buffers it all-reduces
+        # DDP's buckets: the gradients copied into the flat buffers it all-reduces
+        gradients += 4 * n
     vocab = cfg.vocab_size  # the width of the logits (GPT.logits)
     rows = micro_batch_tokens if getattr(model, "loss_path", "full") == "full" else min(
         micro_batch_tokens, loss_slice_rows(device_type, vocab))
     output = 3 * rows * vocab * 4 + (4 * vocab * cfg.n_embd if rows < micro_batch_tokens else 0)
     activations = 34 * cfg.n_embd * cfg.n_layer * micro_batch_tokens * (1 if bf16 else 2) + output
-    return {"weights": weights, "gradients": gradients, "optimizer": optimizer, "activations": activations,
-            "total": weights + gradients + optimizer + activations}
+    return {"weights": weights, "gradients": gradients, "optimizer": optimizer,
+            "activations": activations, "total": weights + gradients + optimizer + activations}
 
 
 def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
-    """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size."""
+    """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size.
+    """
     ddp = memory_per_rank(model, micro_batch_tokens, world_size, False, bf16, device_type)
     fsdp = memory_per_rank(model, micro_batch_tokens, world_size, True, bf16, device_type)
     gb = 1e9
-    return (f"memory per rank (estimate): weights {ddp['weights'] / gb:.2f} GB, gradients {ddp['gradients'] / gb:.2f}, "
-            f"AdamW {ddp['optimizer'] / gb:.2f}, activations {ddp['activations'] / gb:.2f} at {micro_batch_tokens:,} "
-            f"tokens = {ddp['total'] / gb:.2f} GB with DDP; {fsdp['total'] / gb:.2f} GB with FSDP on {world_size} "
-            f"rank(s)")
+    return (f"memory per rank (estimate): weights {ddp['weights'] / gb:.2f} GB, gradients "
+            f"{ddp['gradients'] / gb:.2f}, AdamW {ddp['optimizer'] / gb:.2f}, activations "
+            f"{ddp['activations'] / gb:.2f} at {micro_batch_tokens:,} tokens = "
+            f"{ddp['total'] / gb:.2f} GB with DDP; {fsdp['total'] / gb:.2f} GB with FSDP on "
+            f"{world_size} rank(s)")

@@ -36,14 +36,17 @@ from data import dataset_dir, fingerprint
 from metrics import save_environment, truncate_jsonl
 from plan import describe_run, shares_text
 
-# A run's record besides checkpoints (a run that replaces it with save_overwrite starts without them).
+# A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
+# them).
 RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
-# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of these.
+# What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of
+# these.
 IDENTITY = keys_with_role("identity")
 
 
 def run_records(out_dir):
-    """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and metrics snapshots."""
+    """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and
+    metrics snapshots."""
     snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
 
@@ -56,15 +59,18 @@ class RunLock:
         self.out_dir = out_dir
 
     def __enter__(self):
-        self.created = not os.path.exists(self.out_dir)  # a run that fails at start leaves no empty folder behind
+        # a run that fails at start leaves no empty folder behind
+        self.created = not os.path.exists(self.out_dir)
         try:
             os.makedirs(self.out_dir, exist_ok=True)
             probe = os.path.join(self.out_dir, f".writable.{os.getpid()}")
             open(probe, "w").close()
             os.remove(probe)
-        except OSError as error:  # a read-only filesystem, no permission, a file in the way: before anything is written
-            raise CheckpointError(f"cannot write in train.out_dir={self.out_dir} ({error.strerror or error}); choose "
-                                  f"a folder you can write to.") from None
+        # a read-only filesystem, no permission, a file in the way: before anything is written
+        except OSError as error:
+            raise CheckpointError(f"cannot write in train.out_dir={self.out_dir} "
+                                  f"({error.strerror or error}); choose a folder you can write "
+                                  "to.") from None
         mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
             try:
@@ -74,16 +80,17 @@ class RunLock:
                 if owner and (owner.get("host") != mine["host"] or pid_alive(owner.get("pid"))):
                     raise CheckpointError(
                         f"{self.out_dir} is in use by another training (pid {owner.get('pid')} on "
-                        f"{owner.get('host')}, started {owner.get('started')}); wait for it to end or choose another "
-                        f"train.out_dir (if that process is surely gone, delete {self.path}).") from None
+                        f"{owner.get('host')}, started {owner.get('started')}); wait for it to end "
+                        "or choose another train.out_dir (if that process is surely gone, delete "
+                        f"{self.path}).") from None
                 print(f"note: removing the lock of a run that ended without releasing it ({owner})")
                 os.remove(self.path)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(mine, f)
             return self
-        raise CheckpointError(f"could not take the lock {self.path}; another process keeps creating it, so "
-                              f"choose another train.out_dir.")
+        raise CheckpointError(f"could not take the lock {self.path}; another process keeps "
+                              "creating it, so choose another train.out_dir.")
 
     def _owner(self):
         try:
@@ -111,11 +118,13 @@ def pid_alive(pid):
 
 
 def identity_of(config_dict):
-    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the same stage-2 start,
-    `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A field saved without is at its default."""
+    """The identity fields of a saved config, each in a canonical form: `8` and `8steps` are the
+    same stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A
+    field saved without is at its default."""
     config_dict = with_defaults(config_dict)
     values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
-    if str(values["train.model_module"]).endswith(".py"):  # one file, by a relative path or an absolute one
+    # one file, by a relative path or an absolute one
+    if str(values["train.model_module"]).endswith(".py"):
         values["train.model_module"] = os.path.realpath(values["train.model_module"])
     for key in ("data.mix", "stage2.mix"):
         if values[key]:
@@ -126,8 +135,9 @@ def identity_of(config_dict):
 
 
 def changed_fields(old, new):
-    """{'section.field': (old, new)} for every field that differs (a field saved without: its default), but secrets
-    (config.secret_keys) and config_to_dict's note of them: a record holds "***", and a new webhook URL is no change."""
+    """{'section.field': (old, new)} for every field that differs (a field saved without: its
+    default), but secrets (config.secret_keys) and config_to_dict's note of them: a record holds
+    "***", and a new webhook URL is no change."""
     old, new, changes, secrets = with_defaults(old), with_defaults(new), {}, set(secret_keys())
     for section in sorted((set(old) | set(new)) - {"redacted"}):
         for name in sorted(set(old.get(section, {})) | set(new.get(section, {}))):
@@ -141,17 +151,23 @@ def changed_fields(old, new):
 class Start:
     """Where a run starts, decided before anything in the run folder changes (`decide_start`)."""
     path: str | None = None  # the checkpoint to load; None: from scratch
-    resumed: bool = False  # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
-    rewind_to: int = 0  # checkpoint.resume_step to carry out: newer checkpoints move aside in `carry_out_start`
-    rewind_folder: str = ""  # where they go (a rewind that a crash cut short is finished in its own folder)
-    fetched: str = ""  # a step<N>.download folder from checkpoint.remote_folder; carry_out_start moves it in place
-    replace_bucket: list = field(default_factory=list)  # another run's steps in the bucket, replaced by this run
+    # from this run's own checkpoint (else fresh, from scratch or checkpoint.load_path)
+    resumed: bool = False
+    # checkpoint.resume_step to carry out: newer checkpoints move aside in `carry_out_start`
+    rewind_to: int = 0
+    # where they go (a rewind that a crash cut short is finished in its own folder)
+    rewind_folder: str = ""
+    # a step<N>.download folder from checkpoint.remote_folder; carry_out_start moves it in place
+    fetched: str = ""
+    # another run's steps in the bucket, replaced by this run
+    replace_bucket: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # what to print about it
 
 
 def decide_start(out_dir, checkpoint_cfg, run_config, model, place, stack):
-    """Where this run starts; rank 0 holds the lock while `stack` is open, and a checkpoint's weights must fit `model`
-    (the one the run trains). A refusal is one sentence on rank 0; the other ranks stop quietly."""
+    """Where this run starts; rank 0 holds the lock while `stack` is open, and a checkpoint's
+    weights must fit `model` (the one the run trains). A refusal is one sentence on rank 0; the
+    other ranks stop quietly."""
     if place.rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, place.rank, place.world_size, place.cpu_group)
@@ -160,8 +176,9 @@ def decide_start(out_dir, checkpoint_cfg, run_config, model, place, stack):
 
 
 def from_rank0(work, rank, world_size, group):
-    """Rank 0 runs `work` (reading the run folder, verifying checksums: once, not once per rank) and sends its
-    result to the others; when it raises, rank 0 says why and the other ranks stop quietly."""
+    """Rank 0 runs `work` (reading the run folder, verifying checksums: once, not once per rank) and
+    sends its result to the others; when it raises, rank 0 says why and the other ranks stop
+    quietly."""
     result = [None, False]
     if rank == 0:
         try:
@@ -178,10 +195,11 @@ def from_rank0(work, rank, world_size, group):
 
 
 def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
-    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses it. Every check is
-    here: a rewind to a step without a checkpoint, changed `identity` fields (config.py declares them), weights that do
-    not fit `model`, a load_path of another model shape, a folder or a bucket that holds another run (unless
-    `checkpoint.save_overwrite`, which replaces it whole)."""
+    """Rank 0, before the run writes anything: the Start of this run, or one sentence that refuses
+    it. Every check is here: a rewind to a step without a checkpoint, changed `identity` fields
+    (config.py declares them), weights that do not fit `model`, a load_path of another model shape,
+    a folder or a bucket that holds another run (unless `checkpoint.save_overwrite`, which replaces
+    it whole)."""
     c = checkpoint_cfg
     bucket_steps, same_run = [], True
     if c.remote_folder:
@@ -195,7 +213,8 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
         fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
     try:
         start = checked_start(out_dir, c, run_config, model, rewind_to, fetched)
-        if bucket_steps and (not same_run or not start.resumed):  # a fresh start, or another run: replaced whole
+        # a fresh start, or another run: replaced whole
+        if bucket_steps and (not same_run or not start.resumed):
             start.notes.append(replace_bucket_note(c, bucket_steps))
             start.replace_bucket = bucket_steps
     except BaseException:
@@ -207,36 +226,41 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
 
 
 def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
-    """The Start, once the rewind is planned and the bucket's checkpoint fetched, with every check made."""
+    """The Start, once the rewind is planned and the bucket's checkpoint fetched, with every check
+    made."""
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir)).get(rewind_to, fetched), True, ""
         verify_checkpoint(path)
-    elif fetched:  # its files passed their checksums as they came; an FSDP run's .metadata is checked as data now
+    # its files passed their checksums as they came; an FSDP run's .metadata is checked as data now
+    elif fetched:
         check_sharded_metadata(fetched, read_marker(fetched)["files"])
         path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
     saved = read_trainer_state(path)["config"] if resuming else None
-    # save_overwrite replaces a different run, but never one being rewound (that would do both): refused below
+    # save_overwrite replaces a different run, but never one being rewound (that would do both):
+    # refused below
     if resuming and c.save_overwrite and not rewind_to and identity_of(saved) != identity_of(run_config):
         if fetched:
             shutil.rmtree(fetched, ignore_errors=True)
             fetched = None
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path, ignore_own=True)
-        replacing = (f"note: replacing the different run in train.out_dir={out_dir} (checkpoint.save_overwrite); its "
-                     f"checkpoints go once this run has one")
+        replacing = (f"note: replacing the different run in train.out_dir={out_dir} "
+                     "(checkpoint.save_overwrite); its checkpoints go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
-    ours = path and os.path.exists(os.path.join(path, MARKER))  # else GPT-2's weights (hf.py checks those)
+    # else GPT-2's weights (hf.py checks those)
+    ours = path and os.path.exists(os.path.join(path, MARKER))
     if resuming:
         check_identity(out_dir, saved, run_config)
-        check_weights_fit(path, model, f"train it in a new train.out_dir, or replace the run in {out_dir} with "
-                                       f"--checkpoint.load=never --checkpoint.save_overwrite=true.")
+        check_weights_fit(path, model, "train it in a new train.out_dir, or replace the run in "
+                                       f"{out_dir} with --checkpoint.load=never "
+                                       "--checkpoint.save_overwrite=true.")
     else:
         check_fresh_start(out_dir, run_config, c.save_overwrite)
         if ours:
             check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
-            check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, or leave it "
-                                           "empty to train from scratch.")
+            check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, "
+                                           "or leave it empty to train from scratch.")
     # Weights that fit may still meet other code (QK-norm adds none): said, and the run goes on.
     saved_code = read_trainer_state(path).get("model_code") if resuming or ours else None
     changed_code = code_change_note(saved_code, run_config["train"]["model_module"], path)
@@ -244,8 +268,9 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
 
 
 def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
-    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to delete once this
-    run's first is complete, and the lines to print. `trains`: False for a resume past its end (no change recorded)."""
+    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to
+    delete once this run's first is complete, and the lines to print. `trains`: False for a resume
+    past its end (no change recorded)."""
     c, lines = checkpoint_cfg, []
     if c.remote_folder:
         lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
@@ -264,7 +289,8 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
 
 
 def identity_difference(saved_config, run_config):
-    """None when the configs are one run, else (key, saved value, this run's) of the first identity field to differ."""
+    """None when the configs are one run, else (key, saved value, this run's) of the first identity
+    field to differ."""
     changes = changed_fields(saved_config, run_config)
     saved_identity, run_identity = identity_of(saved_config), identity_of(run_config)
     for key in IDENTITY:
@@ -283,22 +309,24 @@ def as_override(key, value):
 
 
 def check_identity(out_dir, saved_config, run_config):
-    """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose identity changed."""
+    """Rank 0, deciding the start (before anything is loaded or written): refuse a resume whose
+    identity changed."""
     difference = identity_difference(saved_config, run_config)
     if difference:
         key, old, new = difference
-        gone = key == "train.model_module" and old != "model" and not os.path.isfile(old)  # (moved, or deleted)
+        # (moved, or deleted)
+        gone = key == "train.model_module" and old != "model" and not os.path.isfile(old)
         to_resume = f"put that file back at {old} and set {as_override(key, old)}" if gone else \
             f"set {as_override(key, old)}"
         raise CheckpointError(
-            f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which cannot be resumed "
-            f"correctly; {to_resume} to resume it, or start fresh in another train.out_dir (or pass "
-            f"--checkpoint.save_overwrite=true to replace it).")
+            f"{out_dir} holds a run with {key}={old!r} and this run has {key}={new!r}, which "
+            f"cannot be resumed correctly; {to_resume} to resume it, or start fresh in another "
+            "train.out_dir (or pass --checkpoint.save_overwrite=true to replace it).")
 
 
 def accept_resume(out_dir, saved_config, run_config, step, trains=True):
-    """Rank 0, resuming: note and record every change of a setting that may change (check_identity has
-    refused the others), unless the run trains nothing (no step runs under them)."""
+    """Rank 0, resuming: note and record every change of a setting that may change (check_identity
+    has refused the others), unless the run trains nothing (no step runs under them)."""
     changes = changed_fields(saved_config, run_config)
     if changes and trains:
         print(f"note: resuming at step {step} with changed settings: "
@@ -310,8 +338,8 @@ def accept_resume(out_dir, saved_config, run_config, step, trains=True):
 
 
 def check_fresh_start(out_dir, run_config, save_overwrite):
-    """A fresh start into a folder that holds another run is refused unless save_overwrite. A run with the
-    same identity that never reached a checkpoint simply restarts."""
+    """A fresh start into a folder that holds another run is refused unless save_overwrite. A run
+    with the same identity that never reached a checkpoint simply restarts."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
     leftovers = sorted(n for n in names if n in RECORD_FILES or STEP_DIR.match(n) or n.startswith("metrics_step"))
     if leftovers and not save_overwrite:
@@ -321,14 +349,16 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
                 same_run = identity_of(json.load(f)) == identity_of(run_config)
         if not same_run:
             shown = ", ".join(leftovers[:3])
-            raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, choose "
-                                  f"another train.out_dir, or pass --checkpoint.save_overwrite=true to replace it.")
+            raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, "
+                                  "choose another train.out_dir, or pass "
+                                  "--checkpoint.save_overwrite=true to replace it.")
 
 
 def claim_for_fresh_start(out_dir, run_config, save_overwrite):
-    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its config, an empty
-    metrics log (the snapshots go with it) and samples file, and no W&B id (a new W&B run, never the old one
-    continued). Returns the old run's checkpoint folders, to delete once this run's first checkpoint is complete."""
+    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its
+    config, an empty metrics log (the snapshots go with it) and samples file, and no W&B id (a new
+    W&B run, never the old one continued). Returns the old run's checkpoint folders, to delete once
+    this run's first checkpoint is complete."""
     check_fresh_start(out_dir, run_config, save_overwrite)
     checkpoints = [path for _, path in find_checkpoints(out_dir)]
     write_config(out_dir, run_config)
@@ -347,16 +377,18 @@ def write_config(out_dir, run_config):
 
 
 def remove_own_partial_saves(out_dir):
-    """Delete the `step<N>.partial` folders an interrupted save of this project left (nothing else)."""
+    """Delete the `step<N>.partial` folders an interrupted save of this project left (nothing else).
+    """
     for name in os.listdir(out_dir):
         if name.endswith(".partial") and STEP_DIR.match(name[: -len(".partial")]):
             shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def check_shared_folder(out_dir, rank, world_size, group=None):
-    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with node-local folders, the
-    other nodes would start from step 0 with other weights until a collective times out. Rank 0 writes a token there,
-    every rank reads it, and all agree before anyone reads a checkpoint (OLMo-core raises too on an unshared folder)."""
+    """Every rank must see the run folder rank 0 writes (checkpoints, CANCEL, the lock): with
+    node-local folders, the other nodes would start from step 0 with other weights until a
+    collective times out. Rank 0 writes a token there, every rank reads it, and all agree before
+    anyone reads a checkpoint (OLMo-core raises too on an unshared folder)."""
     if world_size == 1:
         return
     path = os.path.join(out_dir, ".shared_folder_check")
@@ -378,8 +410,9 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
         os.remove(path)
     if blind:
         raise CheckpointError(f"rank(s) {', '.join(blind)} do not see the files rank 0 writes in "
-                              f"train.out_dir={out_dir}: every node must reach the run folder on one shared "
-                              f"filesystem (an NFS or Lustre path, not a node-local disk); set train.out_dir to one.")
+                              f"train.out_dir={out_dir}: every node must reach the run folder on "
+                              "one shared filesystem (an NFS or Lustre path, not a node-local "
+                              "disk); set train.out_dir to one.")
 
 
 def remove_stale_cancel(out_dir):
@@ -392,40 +425,46 @@ def remove_stale_cancel(out_dir):
     return None
 
 
-# ----------------------------------------------------------------------------- checkpoint.load_path, checked at start
+# -----------------------------------------------------------------------------
+# checkpoint.load_path, checked at start
 
 
 def use_load_path_shape(cfg, default_config):
-    """Before anything is written: a GPT-2 gives the model its shape, and a path that is neither a folder nor a
-    GPT-2 name is one sentence (a typo would train from scratch). A run that already has its own checkpoint of the
-    same load_path resumes it: the shape is the checkpoint's, and the source is not needed any more (a deleted
-    folder, a hub name offline)."""
+    """Before anything is written: a GPT-2 gives the model its shape, and a path that is neither a
+    folder nor a GPT-2 name is one sentence (a typo would train from scratch). A run that already
+    has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's, and the
+    source is not needed any more (a deleted folder, a hub name offline)."""
     from lab.hf import gpt2_shape, is_gpt2_source, use_source_shape
 
     ck = cfg.checkpoint
     own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
     saved = read_trainer_state(own)["config"] if own else None
-    if saved is None and ck.remote_folder and ck.load != "never":  # a fresh node: the run's own is in the bucket
+    # a fresh node: the run's own is in the bucket
+    if saved is None and ck.remote_folder and ck.load != "never":
         from lab import remote
         bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None  # fields added since: defaults
+        # fields added since: defaults
+        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None
     if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
         use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
                          default_config)
     elif is_gpt2_source(ck.load_path):
         check_source(ck.load_path, "checkpoint.load_path")
-        if cfg.train.data_parallel == "fsdp":  # (hf.load_gpt2_weights copies whole tensors into the model)
-            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load into a whole model, "
-                              f"and train.data_parallel=fsdp shards it; fine-tune with --train.data_parallel=ddp.")
+        # (hf.load_gpt2_weights copies whole tensors into the model)
+        if cfg.train.data_parallel == "fsdp":
+            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load "
+                              "into a whole model, and train.data_parallel=fsdp shards it; "
+                              "fine-tune with --train.data_parallel=ddp.")
         use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
     elif not os.path.isdir(ck.load_path):
         check_source(ck.load_path, "checkpoint.load_path")
 
 
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes out_dir's own, else
-    starts from load_path (which must hold weights: never a silent start from scratch), else from scratch; always
-    requires one; never starts fresh. As in OLMo-core, the run's own wins (a restarted fine-tune resumes)."""
+    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes
+    out_dir's own, else starts from load_path (which must hold weights: never a silent start from
+    scratch), else from scratch; always requires one; never starts fresh. As in OLMo-core, the run's
+    own wins (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
     if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
@@ -435,27 +474,31 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     if own:
         source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
         changed = f" (this run started from checkpoint.load_path={source})" if source and source != load_path else ""
-        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its own "
-                   f"checkpoint{changed}")
+        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its "
+                   f"own checkpoint{changed}")
         return own, True, ignored if load_path else ""
     if load_path:
         from lab.hf import is_gpt2_source
-        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):  # fine-tuning GPT-2
+        # fine-tuning GPT-2
+        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):
             return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
         return check_source(load_path, "checkpoint.load_path"), False, ""
     if load == "always":
-        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint and "
-                              f"checkpoint.load_path is empty; set checkpoint.load_path or use load=if_available.")
+        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint "
+                              "and checkpoint.load_path is empty; set checkpoint.load_path or use "
+                              "load=if_available.")
     return None, False, ""
 
 
-# ----------------------------------------------------------------------------- the bucket's part (checkpoint.remote_folder)
+# ----------------------------------------------------------------------------- the bucket's part
+# (checkpoint.remote_folder)
 
 
 def read_bucket(c, out_dir, run_config):
-    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one (the same
-    identity fields; an empty bucket folder is anyone's). Another run is refused unless save_overwrite; the run of
-    out_dir itself, given another identity setting, is refused as a resume of out_dir would be."""
+    """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one
+    (the same identity fields; an empty bucket folder is anyone's). Another run is refused unless
+    save_overwrite; the run of out_dir itself, given another identity setting, is refused as a
+    resume of out_dir would be."""
     from lab import remote
 
     url = c.remote_folder
@@ -467,24 +510,25 @@ def read_bucket(c, out_dir, run_config):
     if difference and saved is not None and os.path.exists(own):
         with open(own) as f:
             ours = json.load(f)
-        if not identity_difference(ours, saved):  # the bucket holds this folder's run: a setting changed
+        # the bucket holds this folder's run: a setting changed
+        if not identity_difference(ours, saved):
             key, old, new = difference
-            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with {key}={old!r} and "
-                                  f"this run has {key}={new!r}, which cannot be resumed correctly; set "
-                                  f"{as_override(key, old)} to resume it, or start fresh in another train.out_dir "
-                                  f"and remote folder.")
+            raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with "
+                                  f"{key}={old!r} and this run has {key}={new!r}, which cannot be "
+                                  f"resumed correctly; set {as_override(key, old)} to resume it, "
+                                  "or start fresh in another train.out_dir and remote folder.")
     if difference and not c.save_overwrite:
         key, old, new = difference
-        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} there, {new!r} "
-                              f"here); give this run another remote folder, or pass --checkpoint.save_overwrite=true "
-                              f"to replace that run there.")
+        raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} "
+                              f"there, {new!r} here); give this run another remote folder, or pass "
+                              "--checkpoint.save_overwrite=true to replace that run there.")
     return steps, not difference
 
 
 def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
-    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`, or None: the
-    bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a preemption), or with a rewind
-    to a step only the bucket has, that step."""
+    """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`,
+    or None: the bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a
+    preemption), or with a rewind to a step only the bucket has, that step."""
     from lab import remote
 
     own = newest_valid_checkpoint(out_dir)
@@ -497,21 +541,22 @@ def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
 
 
 def replace_bucket_note(c, bucket_steps):
-    """A fresh start, or another run, with checkpoints in the bucket: refused (it would mix two runs there) unless
-    save_overwrite, which replaces that run whole. Returns the note to print."""
+    """A fresh start, or another run, with checkpoints in the bucket: refused (it would mix two runs
+    there) unless save_overwrite, which replaces that run whole. Returns the note to print."""
     if not c.save_overwrite:
         raise CheckpointError(f"checkpoint.remote_folder={c.remote_folder} holds checkpoints "
                               f"({steps_text(bucket_steps)}) and this run starts afresh, which "
-                              f"would mix two runs there; resume them (checkpoint.load=if_available), give "
-                              f"another remote folder, or pass --checkpoint.save_overwrite=true.")
-    return (f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its checkpoints go once this "
-            f"run's first is uploaded")
+                              "would mix two runs there; resume them "
+                              "(checkpoint.load=if_available), give another remote folder, or "
+                              "pass --checkpoint.save_overwrite=true.")
+    return (f"note: replacing the run in {c.remote_folder} (checkpoint.save_overwrite): its "
+            "checkpoints go once this run's first is uploaded")
 
 
 def carry_out_in_bucket(out_dir, start, url):
-    """carry_out_start's part in the bucket, before the folder's: a downloaded checkpoint becomes the folder's own,
-    and a rewind moves the bucket's newer steps aside (first: a restart must not download what goes aside). Returns
-    the line to print, or None."""
+    """carry_out_start's part in the bucket, before the folder's: a downloaded checkpoint becomes
+    the folder's own, and a rewind moves the bucket's newer steps aside (first: a restart must not
+    download what goes aside). Returns the line to print, or None."""
     from lab import remote
 
     line = None
@@ -523,7 +568,8 @@ def carry_out_in_bucket(out_dir, start, url):
 
 
 def steps_text(steps):
-    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury the sentence)."""
+    """`steps 4, 6, 8`, or with more than three `5 steps: 2, ..., 6, 8, 10` (a long list would bury
+    the sentence)."""
     if len(steps) <= 3:
         return f"steps {', '.join(map(str, steps))}"
     return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
@@ -533,9 +579,10 @@ def steps_text(steps):
 
 
 def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator, plan, run_config):
-    """Load the checkpoint the run starts from (the optimizer keeps this config's settings), carry out the
-    rest of the start in the run folder (carry_out_start), and say where the run starts.
-    Returns (TrainState, the checkpoint folders of a run this one replaces, deleted after our first save)."""
+    """Load the checkpoint the run starts from (the optimizer keeps this config's settings), carry
+    out the rest of the start in the run folder (carry_out_start), and say where the run starts.
+    Returns (TrainState, the checkpoint folders of a run this one replaces, deleted after our first
+    save)."""
     ck, out_dir = cfg.checkpoint, cfg.train.out_dir
     state = TrainState(best_val_loss=torch.tensor(float("inf"), device=place.device),
                        data=stages.loaders[0][1].state_dict())
@@ -548,7 +595,8 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
     if saved:
         state = TrainState.from_dict(saved)
         state.best_val_loss = state.best_val_loss.to(place.device)
-        stages.resume_at(state.step, state.data)  # the data position is global: any world size works
+        # the data position is global: any world size works
+        stages.resume_at(state.step, state.data)
         check_start_step(cfg, start, state, plan, fingerprints)
     state.data_fingerprint, state.model_code = fingerprints, model_code(cfg.train.model_module)
     replaced = []
@@ -573,65 +621,77 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
 
 
 def check_start_step(cfg, start, state, plan, fingerprints):
-    """Before the run folder changes: a resume must read the data it trained on (the same content, whatever
-    data.data_root now says), and a start from another run's trainer state must leave steps to train."""
+    """Before the run folder changes: a resume must read the data it trained on (the same content,
+    whatever data.data_root now says), and a start from another run's trainer state must leave steps
+    to train."""
     changed = [name for name, print_ in fingerprints.items() if state.data_fingerprint.get(name, print_) != print_]
     if start.resumed and changed:
-        raise CheckpointError(f"the dataset {changed[0]} under data.data_root={cfg.data.data_root or '(data/)'} is not "
-                              f"the one this run trained on (its content differs); point data.data_root at the run's "
-                              f"data, or train on this data in a new train.out_dir.")
-    if not start.resumed and state.step >= plan.end_step > 0:  # (hard_stop=0: save what was loaded, train nothing)
-        raise CheckpointError(f"checkpoint.load_path={start.path} is at step {state.step}, and this run ends at step "
-                              f"{plan.end_step}, so nothing would train; raise train.max_steps, or pass "
-                              f"--checkpoint.load_trainer_state=false to train from its weights from step 0.")
+        raise CheckpointError(f"the dataset {changed[0]} under "
+                              f"data.data_root={cfg.data.data_root or '(data/)'} is not the one "
+                              "this run trained on (its content differs); point data.data_root at "
+                              "the run's data, or train on this data in a new train.out_dir.")
+    # (hard_stop=0: save what was loaded, train nothing)
+    if not start.resumed and state.step >= plan.end_step > 0:
+        raise CheckpointError(f"checkpoint.load_path={start.path} is at step {state.step}, and "
+                              f"this run ends at step {plan.end_step}, so nothing would train; "
+                              "raise train.max_steps, or pass "
+                              "--checkpoint.load_trainer_state=false to train from its weights "
+                              "from step 0.")
 
 
 def started_from(start, saved, load_optim, step):
-    """What was loaded: this run's own checkpoint (a resume), what checkpoint.load_path gave, or nothing ("")."""
+    """What was loaded: this run's own checkpoint (a resume), what checkpoint.load_path gave, or
+    nothing ("")."""
     if start.resumed:
         return f"resumed from {start.path} at step {step}"
     if not start.path:
         return ""
-    ours = os.path.exists(os.path.join(start.path, MARKER))  # else GPT-2's weights, with a fresh optimizer
+    # else GPT-2's weights, with a fresh optimizer
+    ours = os.path.exists(os.path.join(start.path, MARKER))
     loaded = ["weights"] + ["optimizer state"] * (ours and load_optim) + ["trainer state"] * (saved is not None)
     return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 
-# ----------------------------------------------------------------------------- stack dumps of a running job
-# Each rank writes its pid file and dumps its threads' stacks on SIGUSR1 when `python lab/debug.py stacks RUN` asks
-# for them (lab/debug.py reads both).
+# ----------------------------------------------------------------------------- stack dumps of a
+# running job Each rank writes its pid file and dumps its threads' stacks on SIGUSR1 when `python
+# lab/debug.py stacks RUN` asks for them (lab/debug.py reads both).
 
 STACKS = "stacks"  # <out_dir>/stacks/: each rank's pid file and stack dumps
 PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
 
 
 def process_start_time(pid):
-    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None when
-    no such process runs. A pid is reused once its process ends; a (pid, start time) pair is not."""
+    """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None
+    when no such process runs. A pid is reused once its process ends; a (pid, start time) pair is
+    not."""
     try:
         with open(os.path.join(PROC, str(pid), "stat")) as f:
             stat = f.read()
     except (FileNotFoundError, ProcessLookupError):
         return None
-    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last ")".
+    # Field 2, the command name, is in parentheses and may hold spaces and ")": count from the last
+    # ")".
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
 def register_stack_dump(out_dir, rank):
-    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns a
-    function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1 does
-    not exist (Windows)."""
+    """Write this rank's pid, host and start time, and dump its threads' stacks on SIGUSR1. Returns
+    a function that undoes both (the pid file must not outlive the process). A no-op where SIGUSR1
+    does not exist (Windows)."""
     if not hasattr(signal, "SIGUSR1"):
         return lambda: None
     folder = os.path.join(out_dir, STACKS)
     os.makedirs(folder, exist_ok=True)
-    pid_path = os.path.join(folder, f"rank{rank}.pid")  # the global rank: nodes sharing a folder never collide
-    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9 the
-    # file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default action).
+    # the global rank: nodes sharing a folder never collide
+    pid_path = os.path.join(folder, f"rank{rank}.pid")
+    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9
+    # the file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default
+    # action).
     start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
     with open(pid_path, "w") as f:
         json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
-    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its start.
+    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its
+    # start.
     stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
 

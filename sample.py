@@ -1,12 +1,12 @@
 """Text generation: the samples the training loop writes, and a command-line sampler.
 
-    python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
+    python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --max_new_tokens=200
     python sample.py --init_from=gpt2 --prompt="The meaning of life is" --beam_size=4
 
-Sampling (temperature, top-k, top-p) runs `generate` with a KV cache (`KVCache`), so each new token costs
-one token's forward pass. `--beam_size` switches to beam search, which keeps the `beam_size` most
-likely continuations at every step and returns them with their log-probabilities; beam size 1 is
-greedy decoding.
+Sampling (temperature, top-k, top-p) runs `generate` with a KV cache (`KVCache`), so each new token
+costs one token's forward pass. `--beam_size` switches to beam search, which keeps the `beam_size`
+most likely continuations at every step and returns them with their log-probabilities; beam size 1
+is greedy decoding.
 """
 
 import argparse
@@ -52,9 +52,9 @@ class KVCache:
 
 
 def filter_logits(logits, top_k=None, top_p=None, vocab_size=GPT2_VOCAB_SIZE):
-    """Mask the logits a sample must never pick: the vocabulary padding (ids from `vocab_size` on, the tokenizer's
-    real tokens), and (optionally) tokens outside the top k, or outside the smallest set whose probability
-    reaches top_p (nucleus)."""
+    """Mask the logits a sample must never pick: the vocabulary padding (ids from `vocab_size` on,
+    the tokenizer's real tokens), and (optionally) tokens outside the top k, or outside the smallest
+    set whose probability reaches top_p (nucleus)."""
     logits = logits.clone()
     logits[..., vocab_size:] = float("-inf")
     if top_k:
@@ -71,8 +71,8 @@ def filter_logits(logits, top_k=None, top_p=None, vocab_size=GPT2_VOCAB_SIZE):
 
 
 @torch.no_grad()
-def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None, stop_token=None,
-             generator=None, vocab_size=GPT2_VOCAB_SIZE):
+def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=None,
+             stop_token=None, generator=None, vocab_size=GPT2_VOCAB_SIZE):
     """Sample `max_new_tokens` tokens after `idx` (B, T) with a KV cache; returns (B, T + new).
 
     temperature scales the logits (lower is more conservative, 0 is greedy); top_k keeps only
@@ -104,16 +104,17 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
 
 
 def encode_prompt(prompt, tokenizer=None):
-    """The prompt's tokens; an empty prompt is <|endoftext|> alone, the token GPT-2 saw before every document (for a
-    character-level model, which has none, a newline)."""
+    """The prompt's tokens; an empty prompt is <|endoftext|> alone, the token GPT-2 saw before every
+    document (for a character-level model, which has none, a newline)."""
     tokenizer = tokenizer or get_tokenizer()
     start = [tokenizer.eot_token] if tokenizer.eot_token is not None else tokenizer.encode("\n")
     return tokenizer.encode(prompt, allowed_special={"<|endoftext|>"}) or start
 
 
 def decode_until_end(tokens, prompt, prompt_length, tokenizer=None):
-    """The text of `tokens`, stopping before the first <|endoftext|> the model generated. An empty `prompt`
-    became <|endoftext|> (encode_prompt), which the user did not type: then only the generated text."""
+    """The text of `tokens`, stopping before the first <|endoftext|> the model generated. An empty
+    `prompt` became <|endoftext|> (encode_prompt), which the user did not type: then only the
+    generated text."""
     tokenizer = tokenizer or get_tokenizer()
     new = tokens[prompt_length:]
     if tokenizer.eot_token in new:
@@ -122,17 +123,18 @@ def decode_until_end(tokens, prompt, prompt_length, tokenizer=None):
 
 
 @torch.no_grad()
-def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, top_k, device, generator=None,
-                  top_p=None, tokenizer=None):
-    """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model wrote one.
-    `tokenizer`: GPT-2's (None), or a character-level dataset's (data.get_tokenizer)."""
+def generate_text(model, prompt, *, num_samples, max_new_tokens, temperature, top_k, device,
+                  generator=None, top_p=None, tokenizer=None):
+    """`num_samples` continuations of `prompt`, as text, each ending at <|endoftext|> if the model
+    wrote one. `tokenizer`: GPT-2's (None), or a character-level dataset's (data.get_tokenizer)."""
     tokenizer = tokenizer or get_tokenizer()
     tokens = encode_prompt(prompt, tokenizer)
     idx = torch.tensor([tokens] * num_samples, dtype=torch.long, device=device)
     was_training = model.training
     model.eval()
-    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None, top_p=top_p,
-                   stop_token=tokenizer.eot_token, generator=generator, vocab_size=tokenizer.n_vocab)
+    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k or None,
+                   top_p=top_p, stop_token=tokenizer.eot_token, generator=generator,
+                   vocab_size=tokenizer.n_vocab)
     model.train(was_training)
     return [decode_until_end(row, prompt, len(tokens), tokenizer) for row in out.tolist()]
 
@@ -143,9 +145,10 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
 
     Every step extends each live beam by every token, keeps the beam_size best by total
     log-probability, and reorders the KV cache to follow them. A beam that emits `stop_token` is
-    finished; the search ends when no live beam can beat the finished ones or the length is reached."""
+    finished; the search ends when no live beam can beat the finished ones or the length is reached.
+    """
     device = next(model.parameters()).device
-    assert len(prompt_tokens) + max_new_tokens <= model.config.block_size, "prompt + new tokens > block_size"
+    assert len(prompt_tokens) + max_new_tokens <= model.config.block_size, "longer than block_size"
     cache = KVCache(model.config.n_layer)
     logits = model(torch.tensor([prompt_tokens], device=device), kv_cache=cache)
     beams = torch.tensor([prompt_tokens], device=device)  # (live beams, T)
@@ -154,7 +157,8 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     for _ in range(max_new_tokens):
         log_probs = F.log_softmax(filter_logits(logits[:, -1, :]), dim=-1)
         candidates = (scores[:, None] + log_probs).view(-1)
-        top_scores, top_index = candidates.topk(min(beam_size, int(torch.isfinite(candidates).sum())))
+        alive = int(torch.isfinite(candidates).sum())
+        top_scores, top_index = candidates.topk(min(beam_size, alive))
         vocab = log_probs.size(-1)
         parent, token = top_index // vocab, top_index % vocab
         beams = torch.cat([beams[parent], token[:, None]], dim=1)
@@ -166,8 +170,10 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
             beams, scores, token = beams[~done], scores[~done], token[~done]
             cache.reorder(torch.nonzero(~done).squeeze(1))
             best_finished = max((s for _, s in finished), default=-float("inf"))
-            # Log-probabilities only fall as a beam grows, so a live beam below the best finished one is lost.
-            if len(beams) == 0 or scores.max().item() <= best_finished and len(finished) >= beam_size:
+            # Log-probabilities only fall as a beam grows, so a live beam below the best finished
+            # one is lost.
+            if len(beams) == 0 or (scores.max().item() <= best_finished
+                                   and len(finished) >= beam_size):
                 break
         logits = model(token[:, None], kv_cache=cache)
     finished += [(row.tolist(), s.item()) for row, s in zip(beams, scores)]
@@ -175,15 +181,16 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
 
 
 def check_device(device, key="--device"):
-    """Raise one sentence unless `device` names a device this machine has (cpu, cuda or cuda:N): checked
-    before a model loads, where torch would stop with a traceback. `key` names the setting in the sentence."""
+    """Raise one sentence unless `device` names a device this machine has (cpu, cuda or cuda:N):
+    checked before a model loads, where torch would stop with a traceback. `key` names the setting
+    in the sentence."""
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
         raise UserError(f"{key}={device} is not a device; give cpu, cuda or cuda:N.")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise UserError(f"{key}={device} but this torch sees no CUDA GPU; give {key}=cpu.")
     if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"{key}={device} but this machine has {torch.cuda.device_count()} GPU(s), numbered from 0; "
-                        f"give one of them.")
+        raise UserError(f"{key}={device} but this machine has {torch.cuda.device_count()} GPU(s), "
+                        "numbered from 0; give one of them.")
 
 
 def dataset_of(source, model):
@@ -196,15 +203,19 @@ def dataset_of(source, model):
     cfg = config_from_dict(read_trainer_state(path)["config"]) if path else None
     data_dir = dataset_dir(cfg.data.data_root, cfg.data.dataset) if cfg else source
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
-        raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a character-level model, and "
-                        f"its dataset's characters ({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
-                        f"dataset first (e.g. `python prepare_data.py shakespeare-char`).")
+        raise UserError(f"{source} has a vocabulary of {model.config.vocab_size} tokens, a "
+                        "character-level model, and its dataset's characters "
+                        f"({os.path.join(data_dir, 'meta.json')}) are not here; prepare that "
+                        "dataset first (e.g. `python prepare_data.py shakespeare-char`).")
     get_tokenizer(data_dir)  # a damaged meta.json is one sentence of its own
-    saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset) if path else None
+    saved = None
+    if path:
+        saved = read_trainer_state(path).get("data_fingerprint", {}).get(cfg.data.dataset)
     if saved and saved != fingerprint(data_dir):  # the ids would decode to other characters
-        raise UserError(f"the dataset under {data_dir} is not the one {path} trained on (its meta.json or shards "
-                        f"differ), so its ids would decode to other characters; prepare that run's dataset again, or "
-                        f"point data.data_root at it.")
+        raise UserError(f"the dataset under {data_dir} is not the one {path} trained on (its "
+                        "meta.json or shards differ), so its ids would decode to other "
+                        "characters; prepare that run's dataset again, or point data.data_root at "
+                        "it.")
     return data_dir
 
 
@@ -212,12 +223,13 @@ def check_args(args):
     """Argument mistakes found before a model is loaded, each as one sentence."""
     for name, low in (("num_samples", 1), ("max_new_tokens", 1), ("top_k", 0), ("beam_size", 0)):
         if getattr(args, name) < low:
-            raise UserError(f"--{name}={getattr(args, name)} is out of range; give a value of at least {low}.")
-    # Written so that NaN fails too (it compares false with everything); infinity makes the masked logits
-    # -inf / inf = NaN, which torch.multinomial rejects with a traceback.
+            raise UserError(f"--{name}={getattr(args, name)} is out of range; give a value of at "
+                            f"least {low}.")
+    # Written so that NaN fails too (it compares false with everything); infinity makes the masked
+    # logits -inf / inf = NaN, which torch.multinomial rejects with a traceback.
     if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        raise UserError(f"--temperature={args.temperature} is out of range; give a finite value of at least 0 "
-                        f"(0 is greedy).")
+        raise UserError(f"--temperature={args.temperature} is out of range; give a finite value of "
+                        "at least 0 (0 is greedy).")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p={args.top_p} is out of range; give a probability in (0, 1].")
     check_device(args.device)
@@ -225,16 +237,16 @@ def check_args(args):
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Generate text from a trained model or GPT-2.")
-    parser.add_argument(
-        "--init_from", required=True, help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder"
-    )
+    parser.add_argument("--init_from", required=True,
+                        help="run folder, checkpoint, gpt2[-medium|-large|-xl] or HF folder")
     parser.add_argument("--prompt", default="\n", help="text to continue")
     parser.add_argument("--num_samples", type=int, default=3)
     parser.add_argument("--max_new_tokens", type=int, default=200)
     parser.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
     parser.add_argument("--top_k", type=int, default=200, help="0 for no limit")
     parser.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling; 1 for no limit")
-    parser.add_argument("--beam_size", type=int, default=0, help="beam search with this many beams (0: sample)")
+    parser.add_argument("--beam_size", type=int, default=0,
+                        help="beam search with this many beams (0: sample)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -243,17 +255,19 @@ def main(argv):
     tokenizer = get_tokenizer(dataset_of(args.init_from, model))
     tokens = encode_prompt(args.prompt, tokenizer)
     if len(tokens) >= model.config.block_size:
-        raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most {model.config.block_size}; "
-                        f"give a shorter --prompt.")
+        raise UserError(f"the prompt is {len(tokens)} tokens but the model reads at most "
+                        f"{model.config.block_size}; give a shorter --prompt.")
     if args.beam_size:
         max_new = min(args.max_new_tokens, model.config.block_size - len(tokens))
-        for i, (row, score) in enumerate(beam_search(model, tokens, args.beam_size, max_new, tokenizer.eot_token)):
+        beams = beam_search(model, tokens, args.beam_size, max_new, tokenizer.eot_token)
+        for i, (row, score) in enumerate(beams):
             print(f"--- beam {i}, log-probability {score:.3f}\n"
                   f"{decode_until_end(row, args.prompt, len(tokens), tokenizer)}")
         return
     generator = torch.Generator(args.device).manual_seed(args.seed)
-    texts = generate_text(model, args.prompt, num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_k=args.top_k, device=args.device, generator=generator,
+    texts = generate_text(model, args.prompt, num_samples=args.num_samples,
+                          max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, device=args.device, generator=generator,
                           top_p=args.top_p, tokenizer=tokenizer)
     for i, text in enumerate(texts):
         print(f"--- sample {i}\n{text}")

@@ -71,7 +71,8 @@ def main(argv):
     if not cfg.train.max_duration:  # (a duration in tokens or epochs: make_plan, once data is read)
         check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
     if cfg.train.no_checkpoints:  # a benchmark: nothing is loaded or saved
-        cfg.checkpoint.load, cfg.checkpoint.load_path, cfg.checkpoint.remote_folder = "never", "", ""
+        ck = cfg.checkpoint
+        ck.load, ck.load_path, ck.remote_folder = "never", "", ""
     if cfg.checkpoint.remote_folder:  # credentials, bucket, endpoint: now, not at the first upload
         from lab import remote
         remote.check(cfg.checkpoint.remote_folder, cfg.train.out_dir)
@@ -134,8 +135,9 @@ def train(cfg):
             # The rows written come back as the console lines to print. Before a checkpoint every
             # row so far is written, and a non-finite loss among them ends the run.
             halt = bool(books.writer.nonfinite)  # (lab/step_extras.py: too many steps skipped)
-            for line in books.recorder.finish_step(step, values, due.write_metrics or halt,
-                                                   wait=bool(due.checkpoint) or halt, maxima=maxima):
+            lines = books.recorder.finish_step(step, values, due.write_metrics or halt,
+                                               wait=bool(due.checkpoint) or halt, maxima=maxima)
+            for line in lines:
                 print(line, flush=True)
             if books.writer.nonfinite:  # NaN or Inf in train/loss or grad_norm (train.nan_policy)
                 raise NonFiniteLoss(nonfinite_advice(books.writer.nonfinite, cfg.train.out_dir,
@@ -160,9 +162,9 @@ def train(cfg):
         if books.notifier:
             books.notifier.outcome = outcome
         if state.nonfinite_skipped and place.is_master:
-            print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss or "
-                  f"gradient (train.nan_policy=skip); see train/skipped_nonfinite_step in "
-                  f"metrics.jsonl.", flush=True)
+            print(f"warning: {state.nonfinite_skipped} step(s) were skipped for a non-finite loss "
+                  "or gradient (train.nan_policy=skip); see train/skipped_nonfinite_step in "
+                  "metrics.jsonl.", flush=True)
         books.recorder.wait()  # the last metrics, when they are written on a thread
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -173,11 +175,11 @@ def train(cfg):
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, objective=None,
                nan_policy="stop", layer_norms=False, skip_data=False):
-    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward, clip,
-    optimizer step. Returns ({metric: this rank's value, on the device}, seconds reading data); the
-    recorder averages them over the ranks. In stage 2 `objective(model, x, y)` replaces the model's
-    loss with CE + beta x KL (lab/stage2.py). The keywords after it are lab/step_extras.py's. No host
-    sync, unless nan_policy=skip."""
+    """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward,
+    clip, optimizer step. Returns ({metric: this rank's value, on the device}, seconds reading
+    data); the recorder averages them over the ranks. In stage 2 `objective(model, x, y)` replaces
+    the model's loss with CE + beta x KL (lab/stage2.py). The keywords after it are
+    lab/step_extras.py's. No host sync, unless nan_policy=skip."""
     if skip_data:  # train.steps_to_skip: read past a known-bad stretch of data, untrained
         loader.skip_batches(grad_accum_steps)
         return {"train/skipped_data_step": 1.0}, 0.0
@@ -248,7 +250,8 @@ def before_the_first_step(run):
     plan, state, cfg = run.plan, run.state, run.cfg
     first_loader = run.data.stages.loaders[0][1]
     if state.step == 0 and not run.resumed:
-        first = plan.due(0)  # something only where eval.fixed_steps or checkpoint.fixed_steps hold 0
+        # something only where eval.fixed_steps or checkpoint.fixed_steps hold 0
+        first = plan.due(0)
         if first.evals:
             run.books.recorder.record_all(evaluate(run, first, run.data.stages.loaders[0][0]))
             for line in run.books.recorder.finish_step(0, {}, write=True, wait=True):
@@ -271,7 +274,8 @@ def before_the_first_step(run):
         print("torch.compile: the first step compiles the model first", flush=True)
 
 
-# ------------------------------------------------------------------------------ evaluation and samples
+# ------------------------------------------------------------------------------ evaluation and
+# samples
 
 
 @torch.no_grad()
@@ -348,7 +352,8 @@ class Placement:
 
 @dataclass
 class RunData:
-    """What the run reads: its training data at each step, its val sets, its tasks, its tokenizer."""
+    """What the run reads: its training data at each step, its val sets, its tasks, its tokenizer.
+    """
     stages: "Stages"
     val_loaders: dict  # {metric prefix: TokenLoader}
     task_examples: dict  # eval.tasks' examples (hellaswag_eval.py)
@@ -393,9 +398,9 @@ def build_run(cfg, stack):
     is loaded."""
     place = start_processes(cfg)
     if cfg.train.data_parallel == "fsdp" and not dist.is_initialized():
-        raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and this "
-                          "is a plain python process; start it with torchrun --nproc-per-node=N, or "
-                          "set --train.data_parallel=ddp.")
+        raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and "
+                          "this is a plain python process; start it with torchrun "
+                          "--nproc-per-node=N, or set --train.data_parallel=ddp.")
     if cfg.train.gc_interval:  # OLMo's GarbageCollector: no pause at a moment every rank waits for
         gc.disable()
         stack.callback(gc.enable)
@@ -419,8 +424,9 @@ def build_run(cfg, stack):
         from hellaswag_eval import load_task_examples
         task_examples = load_task_examples(cfg, tokenizer, place.rank, place.world_size)
     optimizer = build_optimizer(raw_model, cfg.optim, place.device_type)
-    plan = make_plan(cfg, place.world_size, stage_loaders[0][1].num_sequences * cfg.model.block_size,
-                     raw_model.num_params(non_embedding=True))
+    tokens_per_epoch = stage_loaders[0][1].num_sequences * cfg.model.block_size
+    non_embedding = raw_model.num_params(non_embedding=True)
+    plan = make_plan(cfg, place.world_size, tokens_per_epoch, non_embedding)
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir,
                     place.device)
     generator = torch.Generator(place.device).manual_seed(cfg.train.seed + place.rank)
@@ -434,9 +440,9 @@ def build_run(cfg, stack):
         from lab.step_extras import StepExtras
         extras = StepExtras(cfg, plan, state.step + 1, compiled, place.is_master, stack)
         extras_steps = extras.steps
-    return Run(cfg=cfg, place=place, raw_model=raw_model, model=model,
-               compiled=compiled, optimizer=optimizer, schedule=build_schedule(cfg.optim, plan.max_steps),
-               plan=plan, data=RunData(stages, val_loaders, task_examples, tokenizer), books=books,
+    return Run(cfg=cfg, place=place, raw_model=raw_model, model=model, compiled=compiled,
+               optimizer=optimizer, schedule=build_schedule(cfg.optim, plan.max_steps), plan=plan,
+               data=RunData(stages, val_loaders, task_examples, tokenizer), books=books,
                state=state, resumed=start.resumed, sample_generator=generator, extras=extras,
                extras_steps=extras_steps, flops_per_token=raw_model.flops_per_token(),
                peak_flops=metrics.peak_flops_for_device(place.device, cfg.train.peak_flops))
@@ -471,7 +477,8 @@ def start_processes(cfg):
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     if device_type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
-    return Placement(rank, world_size, device, device_type, cpu_group, autocast, is_master=rank == 0)
+    return Placement(rank, world_size, device, device_type, cpu_group, autocast,
+                     is_master=rank == 0)
 
 
 def collective_failure(error):
@@ -481,13 +488,13 @@ def collective_failure(error):
     if not (dist.is_initialized() and isinstance(error, RuntimeError)):
         return None
     if "timed out" in text or "timeout" in text:
-        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a rank "
-                f"that never came ({str(error).splitlines()[0][-120:]}); another rank is hung or died: "
-                f"see its output, run `python lab/debug.py stacks OUT_DIR` while a job hangs, or raise "
-                f"train.dist_timeout if the wait is expected.")
+        return (f"rank {dist.get_rank()} waited train.dist_timeout seconds at a collective for a "
+                f"rank that never came ({str(error).splitlines()[0][-120:]}); another rank is hung "
+                "or died: see its output, run `python lab/debug.py stacks OUT_DIR` while a job "
+                "hangs, or raise train.dist_timeout if the wait is expected.")
     if "closed by peer" in text or "connection reset" in text:
-        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; that "
-                f"rank's output says why (the first error in the log).")
+        return (f"rank {dist.get_rank()} lost its connection to another rank, which ended first; "
+                "that rank's output says why (the first error in the log).")
     return None
 
 
@@ -501,7 +508,8 @@ def prepare_on_first_use(path):
 def build_model(cfg, place):
     """(the GPT, with the same initial weights on every rank, on the device; the record of its
     initialisation or None; whether data.batch_size is auto). Under FSDP it is built on `meta`
-    (shapes, no numbers) with its record: wrap_model shards it, then each rank fills its own pieces."""
+    (shapes, no numbers) with its record: wrap_model shards it, then each rank fills its own pieces.
+    """
     torch.manual_seed(cfg.train.seed)  # the same on every rank: every replica starts identical
     loss_path = choose_loss_path(cfg.train.loss_path, place.device_type,
                                  is_compiled(cfg, place.device_type))
@@ -532,10 +540,11 @@ def model_config_differs(cfg, raw_model):
                if getattr(raw_model.config, name, None) != getattr(cfg.model, name)]
     if len(raw_model.blocks) != cfg.model.n_layer and not any(
             d.startswith("model.n_layer=") for d in differs):
-        differs.append(f"model.n_layer={cfg.model.n_layer}, it built {len(raw_model.blocks)} blocks")
+        differs.append(f"model.n_layer={cfg.model.n_layer}, it built {len(raw_model.blocks)} "
+                       f"blocks")
     return (f"train.model_module={cfg.train.model_module}'s GPT was built from a config other than "
-            f"the run's model section ({'; '.join(differs)}); build the model from the GPTConfig it "
-            f"is given, so that its checkpoints load again.")
+            f"the run's model section ({'; '.join(differs)}); build the model from the GPTConfig "
+            "it is given, so that its checkpoints load again.")
 
 
 def wrap_model(cfg, place, raw_model, init_record=None, confirm_batch=False):
@@ -577,7 +586,8 @@ class Stages:
 
     def loader_at(self, step):
         """The loader step `step` (0: none yet) read from."""
-        return self.loaders[-1 if self.stage2_step is not None and step > self.stage2_step else 0][1]
+        in_stage2 = self.stage2_step is not None and step > self.stage2_step
+        return self.loaders[-1 if in_stage2 else 0][1]
 
     def for_step(self, step):
         """(mixture, loader, objective) for step `step` (1-based, the step being taken); the
