@@ -2,19 +2,20 @@
 
 A checkpoint is a folder `<out_dir>/step<N>/` (N = optimizer steps completed):
 
-    model.pt     every weight by name (no DDP or torch.compile prefixes); a tied tensor is stored once
+    model.pt     every weight by name (no DDP or torch.compile prefixes); a tied one stored once
     optim.pt     the optimizer's state (AdamW's; with optim.name=muon, Muon's and AdamW's)
-    trainer.pt   step, tokens seen, data position, every RNG state (per rank), resolved config, ...
+    trainer.pt   step, tokens seen, data position, every rank's RNG states, the config, ...
     COMPLETE     written last: {"step", "kind", "files": {name: sha256}}
-    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank's pieces of both, written through
-                 torch.distributed.checkpoint (`__<rank>_0.distcp`, `.metadata`; the marker lists them too),
-                 nothing gathered on one rank; every reader puts them together (fsdp.py)
+    sharded/     an FSDP run's, instead of model.pt and optim.pt: each rank's pieces of both,
+                 written by torch.distributed.checkpoint (`__<rank>_0.distcp`, `.metadata`),
+                 nothing gathered on one rank; every reader puts them together (lab/fsdp.py)
 
-Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole, so a crash at
-any instant leaves the old state or the new one. `<out_dir>/latest` links the newest. A folder without a readable
-marker is never loaded; a file that fails its checksum makes the loader fall back to the previous checkpoint, with
-a warning. Rank 0 writes (the state is replicated; under FSDP every rank writes its pieces first); every rank
-reads. Locks, fresh starts and resumes in the run folder are run_dir.py's.
+Every file is written into `step<N>.partial` and fsynced; one rename makes `step<N>` appear whole,
+so a crash at any instant leaves the old state or the new one. `<out_dir>/latest` links the newest.
+A folder without a readable marker is never loaded; a file that fails its checksum makes the loader
+fall back to the previous checkpoint, with a warning. Rank 0 writes (the state is replicated; under
+FSDP every rank writes its pieces first); every rank reads. Locks, fresh starts and resumes in the
+run folder are run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
     python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
@@ -47,7 +48,8 @@ from model import gpt_class
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
 STEP_DIR = re.compile(r"^step(\d+)$")
-# What must match to load weights: the model's `identity` fields (config.py); dropout may differ (fine-tuning).
+# What must match to load weights: the model's `identity` fields (config.py); dropout may differ
+# (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
 WARNED = set()  # unreadable markers already reported (one warning each)
 MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
@@ -58,31 +60,36 @@ class CheckpointError(UserError):
 
 
 class UntrustedCheckpoint(CheckpointError):
-    """Files that pass their checksums and still cannot be used: never skipped for an older checkpoint in silence."""
+    """Files that pass their checksums and still cannot be used: never skipped for an older
+    checkpoint in silence."""
 
 
 def read_marker(path, fs=None):
-    """The COMPLETE marker of checkpoint folder `path` (in a bucket with `fs`, an fsspec filesystem),
-    or None if it is missing or unreadable (not a dict of files): such a folder is never used."""
+    """The COMPLETE marker of checkpoint folder `path` (in a bucket with `fs`, an fsspec
+    filesystem), or None if it is missing or unreadable (not a dict of files): such a folder is
+    never used."""
     try:
         if fs is None:
             with open(os.path.join(path, MARKER), "rb") as f:
                 marker = json.loads(f.read())
         else:
             marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
-        return marker if isinstance(marker, dict) and isinstance(marker.get("files"), dict) else None
+        if isinstance(marker, dict) and isinstance(marker.get("files"), dict):
+            return marker
+        return None
     except (OSError, ValueError, UnicodeDecodeError):
         return None
 
 
 def is_complete_checkpoint(path):
-    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with one warning."""
+    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with
+    one warning."""
     if read_marker(path) is not None:
         return True
     if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
         WARNED.add(path)
-        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint", file=sys.stderr,
-              flush=True)
+        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint",
+              file=sys.stderr, flush=True)
     return False
 
 
@@ -91,12 +98,13 @@ def find_checkpoints(run_dir):
     if not os.path.isdir(run_dir):
         return []
     named = [(STEP_DIR.match(name), os.path.join(run_dir, name)) for name in os.listdir(run_dir)]
-    return sorted((int(match.group(1)), path) for match, path in named if match and is_complete_checkpoint(path))
+    return sorted((int(match.group(1)), path) for match, path in named
+                  if match and is_complete_checkpoint(path))
 
 
 def verify_checkpoint(path):
-    """Raise CheckpointError, before any file is loaded, unless every file matches its checksum (and sharded/'s
-    .metadata passes check_sharded_metadata)."""
+    """Raise CheckpointError, before any file is loaded, unless every file matches its checksum (and
+    sharded/'s .metadata passes check_sharded_metadata)."""
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -111,7 +119,8 @@ def verify_checkpoint(path):
 
 
 def check_sharded_metadata(path, files):
-    """An FSDP run's sharded/.metadata through fsdp.check_metadata, whose refusal is an UntrustedCheckpoint."""
+    """An FSDP run's sharded/.metadata through fsdp.check_metadata, whose refusal is an
+    UntrustedCheckpoint."""
     if os.path.isdir(os.path.join(path, SHARDED)):
         from lab import fsdp
         try:
@@ -121,7 +130,8 @@ def check_sharded_metadata(path, files):
 
 
 def newest_valid_checkpoint(run_dir):
-    """The newest checkpoint whose files pass their checksums; corrupt ones are skipped with a warning."""
+    """The newest checkpoint whose files pass their checksums; corrupt ones are skipped with a
+    warning."""
     for _, path in reversed(find_checkpoints(run_dir)):
         try:
             verify_checkpoint(path)
@@ -129,8 +139,8 @@ def newest_valid_checkpoint(run_dir):
         except UntrustedCheckpoint:
             raise
         except CheckpointError as error:
-            print(f"warning: skipping checkpoint: {error}; falling back to the previous one", file=sys.stderr,
-                  flush=True)
+            print(f"warning: skipping checkpoint: {error}; falling back to the previous one",
+                  file=sys.stderr, flush=True)
     return None
 
 
@@ -142,13 +152,13 @@ def resolve_checkpoint(source):
         except UntrustedCheckpoint:
             raise
         except CheckpointError as error:
-            raise CheckpointError(f"{error}; give the run folder instead to fall back to its newest good "
-                                  f"checkpoint.") from None
+            raise CheckpointError(f"{error}; give the run folder instead to fall back to its "
+                                  "newest good checkpoint.") from None
         return source
     path = newest_valid_checkpoint(source)
     if path is None:
-        raise CheckpointError(f"no complete checkpoint at {source}; give a step<N> folder or a run folder "
-                              f"that holds one.")
+        raise CheckpointError(f"no complete checkpoint at {source}; give a step<N> folder or a run "
+                              "folder that holds one.")
     return path
 
 
@@ -166,45 +176,50 @@ def doomed(kinds, keep_last):
     ones are kept (0: all), fixed ones always; never the newest."""
     steps = sorted(kinds)
     permanent = [s for s in steps if kinds[s] == "permanent"]
-    gone = [s for s in steps if kinds[s] == "ephemeral"] + (permanent[:-keep_last] if keep_last > 0 else [])
+    gone = [s for s in steps if kinds[s] == "ephemeral"]
+    gone += permanent[:-keep_last] if keep_last > 0 else []
     return sorted(s for s in gone if s != steps[-1])
 
 
 class Checkpointer:
     """Saves the run's checkpoints in `out_dir`: every rank captures its part (the RNG states of all
     ranks are gathered; under FSDP each rank writes its own pieces), rank 0 writes the rest,
-    synchronously or on a background thread (checkpoint.async_save: at most one save in flight), then
-    applies retention (`doomed`) to the checkpoints it knows, read from the folder once at start.
-    `replaced`: the checkpoints of a run this one replaces (checkpoint.save_overwrite), deleted once
-    this run's first is complete. `uploader` (lab/remote.py): each complete checkpoint is queued for
-    upload, and retention keeps it until its upload ends. `shard_group` (FSDP): a gloo group of the
-    checkpoints' own."""
+    synchronously or on a background thread (checkpoint.async_save: at most one save in flight),
+    then applies retention (`doomed`) to the checkpoints it knows, read from the folder once at
+    start. `replaced`: the checkpoints of a run this one replaces (checkpoint.save_overwrite),
+    deleted once this run's first is complete. `uploader` (lab/remote.py): each complete checkpoint
+    is queued for upload, and retention keeps it until its upload ends. `shard_group` (FSDP): a gloo
+    group of the checkpoints' own."""
 
     def __init__(self, out_dir, checkpoint_cfg, config_dict, is_master, replaced=(), uploader=None,
                  shard_group=None, soft_timeout=30.0):
         c = checkpoint_cfg
         self.out_dir, self.keep_last, self.async_save = out_dir, c.keep_last, c.async_save
-        self.unsharded_interval, self.config_dict, self.is_master = c.unsharded_interval, config_dict, is_master
+        self.unsharded_interval, self.is_master = c.unsharded_interval, is_master
+        self.config_dict = config_dict
         self.replaced, self.uploader, self.shard_group = list(replaced), uploader, shard_group
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
-        self.kinds = {step: read_marker(path).get("kind") for step, path in find_checkpoints(out_dir)
-                      if path not in self.replaced} if is_master else {}  # {step: kind}
+        self.kinds = {}  # {step: kind} of the checkpoints in out_dir, which retention deletes
+        if is_master:
+            self.kinds = {step: read_marker(path).get("kind")
+                          for step, path in find_checkpoints(out_dir) if path not in self.replaced}
         self.thread, self.error = None, None
         self.pruning = threading.Lock()  # retention runs on the save thread and the upload thread
         if uploader:
             uploader.on_done = self.prune
 
     def upload_metrics(self):
-        """checkpoint/upload_failures (uploads that failed every attempt) and checkpoint/upload_lag_sec
-        (how long the oldest checkpoint waiting for its upload has waited); other ranks say 0."""
+        """checkpoint/upload_failures (uploads that failed every attempt) and
+        checkpoint/upload_lag_sec (how long the oldest checkpoint waiting for its upload has
+        waited); other ranks say 0."""
         uploader = self.uploader
         return {"checkpoint/upload_failures": uploader.failures if uploader else 0,
                 "checkpoint/upload_lag_sec": uploader.lag() if uploader else 0.0}
 
     def save(self, step, kind, model, optimizer, state, sample_generator):
-        """Save the state after `step`: the raw `model`'s weights, the optimizer's state, the trainer's
-        `state` (a TrainState: counters, data position) with the config, and every rank's RNG states.
-        Every rank calls it. Prints how long the loop stalled (rank 0)."""
+        """Save the state after `step`: the raw `model`'s weights, the optimizer's state, the
+        trainer's `state` (a TrainState: counters, data position) with the config, and every rank's
+        RNG states. Every rank calls it. Prints how long the loop stalled (rank 0)."""
         start = time.perf_counter()
         if self.thread is not None or self.error is not None:  # the previous save lands first: at
             self.wait()  # most one snapshot in CPU memory
@@ -228,8 +243,10 @@ class Checkpointer:
                                        self.shard_group, self.async_save, tied=set(ties(model)))
         elif not self.is_master:
             return time.perf_counter() - start
-        snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()} if not sharded else \
-            ({"model": whole} if whole else {})
+        if sharded:  # the pieces are being written: a whole model.pt at most
+            snapshot = {"model": whole} if whole else {}
+        else:
+            snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()}
         snapshot["trainer"] = {**trainer, "config": self.config_dict, "rng": rng}
         # A copy on the CPU, which training cannot change while a thread writes it; a sync save on a
         # CPU writes the tensors themselves, as nothing runs meanwhile.
@@ -246,16 +263,17 @@ class Checkpointer:
         stalled = time.perf_counter() - start
         if self.is_master and step > 0:
             how = "async" if self.async_save else "sync"
-            print(f"checkpoint step{step} ({kind}, {how}): the loop stalled {stalled:.3f} s", flush=True)
+            print(f"checkpoint step{step} ({kind}, {how}): the loop stalled {stalled:.3f} s",
+                  flush=True)
         return stalled
 
     def write(self, step, snapshot, kind, shards=None):
         """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N> (rank 0; on the save
         thread with async_save). Every file goes into step<N>.partial and is fsynced, COMPLETE last
-        ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole, so a crash
-        at any instant leaves the old state or the new one. Then `latest` links it, the replaced run's
-        checkpoints go, its upload is queued and retention runs. `shards`: FSDP's ranks are writing
-        step<N>.partial/sharded/ (lab/fsdp.py)."""
+        ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole, so a
+        crash at any instant leaves the old state or the new one. Then `latest` links it, the
+        replaced run's checkpoints go, its upload is queued and retention runs. `shards`: FSDP's
+        ranks are writing step<N>.partial/sharded/ (lab/fsdp.py)."""
         try:
             if shards is not None:
                 shards.wait()  # every rank's pieces, and .metadata, are on disk
@@ -274,7 +292,8 @@ class Checkpointer:
             files = {f"{name}.pt": obj for name, obj in snapshot.items()}
             for name, obj in [*files.items(), (MARKER, None)]:
                 if name == MARKER:
-                    data = json.dumps({"step": step, "kind": kind, "files": checksums}, indent=1).encode()
+                    marker = {"step": step, "kind": kind, "files": checksums}
+                    data = json.dumps(marker, indent=1).encode()
                 else:
                     buffer = io.BytesIO()
                     torch.save(obj, buffer)
@@ -313,7 +332,8 @@ class Checkpointer:
             self.error = error
 
     def prune(self):
-        """Retention on the checkpoints this run knows, but never one still waiting for its upload."""
+        """Retention on the checkpoints this run knows, but never one still waiting for its upload.
+        """
         with self.pruning:
             waiting = self.uploader.waiting() if self.uploader else ()
             for step in doomed(self.kinds, self.keep_last):
@@ -330,25 +350,32 @@ class Checkpointer:
             self.thread = None
         if self.error is not None:
             error, self.error = self.error, None
-            raise CheckpointError(f"saving a checkpoint in {self.out_dir} failed: {error}") from error
+            raise CheckpointError(f"saving a checkpoint in {self.out_dir} failed: "
+                                  f"{error}") from error
 
 
 def is_sharded(model):
-    """Sharded by FSDP (train.data_parallel=fsdp, fsdp.py): fully_shard gives the model this method."""
+    """Sharded by FSDP (train.data_parallel=fsdp, fsdp.py): fully_shard gives the model this method.
+    """
     return hasattr(model, "set_requires_gradient_sync")
 
 
 @dataclass
 class TrainState:
-    """The loop's counters and data position, saved like any other component (as torchtitan does) beside weights,
-    optimizer and RNG states: `to_dict` is what trainer.pt holds, `from_dict` what a resume restores."""
+    """The loop's counters and data position, saved like any other component (as torchtitan does)
+    beside weights, optimizer and RNG states: `to_dict` is what trainer.pt holds, `from_dict` what a
+    resume restores."""
     step: int = 0  # optimizer steps completed
     tokens: int = 0  # training tokens consumed
-    best_val_loss: object = math.inf  # lowest val/loss so far (a device tensor in the loop: no sync to update)
+    # lowest val/loss so far (a device tensor in the loop: no sync to update)
+    best_val_loss: object = math.inf
     data: dict = field(default_factory=dict)  # the position of the loader in use (its state_dict)
-    nonfinite_skipped: int = 0  # steps train.nan_policy=skip passed over for a non-finite loss or gradient
-    data_fingerprint: dict = field(default_factory=dict)  # {name: data.fingerprint}: a resume on other data is refused
-    model_code: dict = field(default_factory=dict)  # {file: hash} (model_code): a resume with other code is told so
+    # steps train.nan_policy=skip passed over for a non-finite loss or gradient
+    nonfinite_skipped: int = 0
+    # {name: data.fingerprint}: a resume on other data is refused
+    data_fingerprint: dict = field(default_factory=dict)
+    # {file: hash} (model_code): a resume with other code is told so
+    model_code: dict = field(default_factory=dict)
 
     def to_dict(self):
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -360,52 +387,57 @@ class TrainState:
 
 
 def read_trainer_state(path):
-    """trainer.pt of a checkpoint folder, on the CPU; a config field added since it was saved takes its default."""
+    """trainer.pt of a checkpoint folder, on the CPU; a config field added since it was saved takes
+    its default."""
     trainer = read_file(path, "trainer.pt")
     trainer["config"] = with_defaults(trainer["config"])
     return trainer
 
 
 def holds_weights(obj):
-    return isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v) for k, v in obj.items())
+    return isinstance(obj, dict) and all(isinstance(k, str) and torch.is_tensor(v)
+                                         for k, v in obj.items())
 
 
 def holds_optimizer_state(obj):  # an optimizer's state_dict, or MuonAdamW's {name: state_dict}
-    return isinstance(obj, dict) and (
-        ("state" in obj and "param_groups" in obj) or (bool(obj) and all(map(holds_optimizer_state, obj.values()))))
+    return isinstance(obj, dict) and (("state" in obj and "param_groups" in obj) or (
+        bool(obj) and all(map(holds_optimizer_state, obj.values()))))
 
 
 def holds_trainer_state(obj):
-    return isinstance(obj, dict) and isinstance(obj.get("config"), dict) and isinstance(obj.get("step"), int) \
-        and isinstance(obj.get("rng"), list)
+    return (isinstance(obj, dict) and isinstance(obj.get("config"), dict)
+            and isinstance(obj.get("step"), int) and isinstance(obj.get("rng"), list))
 
 
-# What each file holds, in words and as a check: one that passes its checksum may still hold a list or a number.
+# What each file holds, in words and as a check: one that passes its checksum may still hold a list
+# or a number.
 FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
                  "optim.pt": ("an optimizer's state", holds_optimizer_state),
                  "trainer.pt": ("the trainer's state", holds_trainer_state)}
 
 
 def read_file(path, name, device="cpu", mmap=False):
-    """torch.load(weights_only=True) of checkpoint file `name` in `path`: one sentence when it is not what this
-    trainer writes there (an object weights_only refuses to build, or another kind of value)."""
+    """torch.load(weights_only=True) of checkpoint file `name` in `path`: one sentence when it is
+    not what this trainer writes there (an object weights_only refuses to build, or another kind of
+    value)."""
     file_path = os.path.join(path, name)
     what, holds = FILE_CONTENTS[name]
     try:
         obj = torch.load(file_path, map_location=device, weights_only=True, mmap=mmap)
     except (pickle.UnpicklingError, RuntimeError, ValueError, EOFError, OSError) as error:
         first_line = (str(error).splitlines() or [""])[0][:150]
-        raise UntrustedCheckpoint(f"{file_path} cannot be read as {what} ({type(error).__name__}: {first_line}); "
-                                  f"give a checkpoint this trainer saved.") from None
+        raise UntrustedCheckpoint(f"{file_path} cannot be read as {what} ({type(error).__name__}: "
+                                  f"{first_line}); give a checkpoint this trainer saved.") from None
     if not holds(obj):
-        raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a checkpoint this "
-                                  f"trainer saved.")
+        raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a "
+                                  "checkpoint this trainer saved.")
     return obj
 
 
 def model_code(model_module):
-    """{file: code_hash} of model.py (GPTConfig, and the GPT unless train.model_module names a file of your own) and
-    that file: an edit to what the model computes is a change even with the same weights (QK-norm, a logit cap)."""
+    """{file: code_hash} of model.py (GPTConfig, and the GPT unless train.model_module names a file
+    of your own) and that file: an edit to what the model computes is a change even with the same
+    weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module
@@ -415,29 +447,33 @@ def model_code(model_module):
 def code_hash(path):
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    for node in ast.walk(tree):  # docstrings go, as comments and layout did (ast.parse): none changes what it does
+    # docstrings go, as comments and layout did (ast.parse): none changes what it does
+    for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
-                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
             node.body = body[1:] or [ast.Pass()]
     return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
 
 
 def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with, though its weights
-    fit (the code as it is now may compute another function of them); "" if the same, or no hash was kept."""
+    """The line to print when the model's source is not the one checkpoint `path` was saved with,
+    though its weights fit (the code as it is now may compute another function of them); "" if the
+    same, or no hash was kept."""
     if not saved_code:
         return ""
     now = model_code(model_module)
     changed = [name for name in {**saved_code, **now} if saved_code.get(name) != now.get(name)]
     if not changed:
         return ""
-    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its weights fit, so "
-            f"{goes_on} with the code as it is now")
+    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
+            f"weights fit, so {goes_on} with the code as it is now")
 
 
 def to_cpu(obj):
-    """A copy of every tensor on the CPU: training may change the originals while a thread writes."""
+    """A copy of every tensor on the CPU: training may change the originals while a thread writes.
+    """
     if torch.is_tensor(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -469,19 +505,23 @@ def set_rng_state(state, sample_generator):
 
 
 def check_model_shape(saved_model_config, model_config, path):
-    """Weights load only into the same shape: `model_config` (a dict, as the config saves it) against the saved."""
+    """Weights load only into the same shape: `model_config` (a dict, as the config saves it)
+    against the saved."""
     for name in SHAPE_FIELDS:
         saved, wanted = saved_model_config.get(name), model_config[name]
         if saved != wanted:
             raise CheckpointError(f"checkpoint {path} has model.{name}={saved} but this run has "
-                                  f"model.{name}={wanted}; set --model.{name}={saved} or load another checkpoint.")
+                                  f"model.{name}={wanted}; set --model.{name}={saved} or load "
+                                  "another checkpoint.")
 
 
 def ties(model):
-    """{second name: first name} of each tensor the model holds under two names (the output layer tied to the token
-    embedding: lm_head.weight -> transformer.wte.weight): one Parameter object, not two tensors that are equal."""
+    """{second name: first name} of each tensor the model holds under two names (the output layer
+    tied to the token embedding: lm_head.weight -> transformer.wte.weight): one Parameter object,
+    not two tensors that are equal."""
     first, tied = {}, {}
-    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    named = [*model.named_parameters(remove_duplicate=False),
+             *model.named_buffers(remove_duplicate=False)]
     for name, tensor in named:
         tied_to = first.setdefault(id(tensor), name)
         if tied_to != name:
@@ -501,22 +541,32 @@ def model_weights(model):
     return weights
 
 
+def only_pieces(path):
+    """An FSDP run's checkpoint without a whole model.pt: its weights are in sharded/ alone."""
+    return os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(
+        os.path.join(path, "model.pt"))
+
+
 def saved_shapes(path):
-    """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt is
-    memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata."""
-    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
+    """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt
+    is memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata.
+    """
+    if only_pieces(path):
         from lab import fsdp
-        return {name: shape for name, (shape, _) in fsdp.tensor_shapes(os.path.join(path, SHARDED)).items()}
+        shapes = fsdp.tensor_shapes(os.path.join(path, SHARDED))
+        return {name: shape for name, (shape, _) in shapes.items()}
     saved = read_file(path, "model.pt", mmap=True)
     return {name: tuple(tensor.shape) for name, tensor in saved.items()}
 
 
 def saved_weights(path, model, device):
-    """{name: tensor} of the weights in checkpoint `path`, a tied weight (stored once) under each name `model` ties it
-    to: model.pt (an FSDP run's too, with checkpoint.unsharded_interval), or an FSDP run's pieces put together."""
-    if os.path.isdir(os.path.join(path, SHARDED)) and not os.path.exists(os.path.join(path, "model.pt")):
+    """{name: tensor} of the weights in checkpoint `path`, a tied weight (stored once) under each
+    name `model` ties it to: model.pt (an FSDP run's too, with checkpoint.unsharded_interval), or an
+    FSDP run's pieces put together."""
+    if only_pieces(path):
         from lab import fsdp
-        state = {name: t.to(device) for name, t in fsdp.read_tensors(os.path.join(path, SHARDED)).items()}
+        pieces = fsdp.read_tensors(os.path.join(path, SHARDED))
+        state = {name: t.to(device) for name, t in pieces.items()}
     else:
         state = read_file(path, "model.pt", device)
     for name, first in ties(model).items():
@@ -525,42 +575,50 @@ def saved_weights(path, model, device):
 
 
 def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when a name or shape differs between `path`'s weights and `model`'s."""
+    """One sentence, before anything is loaded, when a name or shape differs between `path`'s
+    weights and `model`'s."""
     saved = saved_shapes(path)
     wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
-    tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight, twice
+    # a checkpoint may hold a tied weight under both names: the same weight, twice
+    tied = ties(model)
     problems = [f"{name} is not in it" for name in wanted if name not in saved]
     problems += [f"it has {name}, which this model has not" for name in saved
                  if name not in wanted and name not in tied]
-    problems += [f"{name} is {list(saved[name])} there and {list(shape)} here" for name, shape in wanted.items()
-                 if name in saved and tuple(saved[name]) != shape]
+    problems += [f"{name} is {list(saved[name])} there and {list(shape)} here"
+                 for name, shape in wanted.items() if name in saved and tuple(saved[name]) != shape]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise CheckpointError(f"the weights in {path} do not fit this model: {'; '.join(problems[:3])}{more}. The "
-                              f"model code changed since that checkpoint was saved: {advice}")
+        raise CheckpointError(f"the weights in {path} do not fit this model: "
+                              f"{'; '.join(problems[:3])}{more}. The model code changed since that "
+                              f"checkpoint was saved: {advice}")
 
 
 def group_layout(state):
-    """[(group name, number of parameters)] of an optimizer's state_dict (MuonAdamW's holds one per optimizer)."""
+    """[(group name, number of parameters)] of an optimizer's state_dict (MuonAdamW's holds one per
+    optimizer)."""
     if "param_groups" in state:
         return [(group.get("name"), len(group["params"])) for group in state["param_groups"]]
     return [layout for inner in state.values() for layout in group_layout(inner)]
 
 
 def check_group_layout(saved, optimizer, path):
-    """One sentence when the saved optimizer state (if any) belongs to other parameter groups than `optimizer`'s."""
+    """One sentence when the saved optimizer state (if any) belongs to other parameter groups than
+    `optimizer`'s."""
     if saved is not None and group_layout(saved) != group_layout(optimizer.state_dict()):
         raise CheckpointError(f"checkpoint {path} holds optimizer state for other parameter groups "
-                              f"({group_layout(saved)}, this run has {group_layout(optimizer.state_dict())}: "
-                              f"optim.name or optim.decay_embeddings differ, or the model code now gives a parameter "
-                              f"another kind); set them as the checkpoint's run did, or --checkpoint.load_optim=false "
-                              f"to start the optimizer afresh.")
+                              f"({group_layout(saved)}, this run has "
+                              f"{group_layout(optimizer.state_dict())}: optim.name or "
+                              "optim.decay_embeddings differ, or the model code now gives a "
+                              "parameter another kind); set them as the checkpoint's run did, or "
+                              "--checkpoint.load_optim=false to start the optimizer afresh.")
 
 
 def keep_settings(optimizer, load):
-    """Run `load`, which brings back the saved groups' LR peak, weight decay, betas, eps and momentum with the
-    moments, then put this run's settings back: the config in force is what the optimizer uses."""
-    in_force = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+    """Run `load`, which brings back the saved groups' LR peak, weight decay, betas, eps and
+    momentum with the moments, then put this run's settings back: the config in force is what the
+    optimizer uses."""
+    in_force = [{key: value for key, value in group.items() if key != "params"}
+                for group in optimizer.param_groups]
     load()
     for group, settings in zip(optimizer.param_groups, in_force):
         group.update(settings)
@@ -568,20 +626,24 @@ def keep_settings(optimizer, load):
 
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
                     load_trainer_state=True):
-    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved trainer state, or
-    None. RNG states go back only to the rank that saved them: after a change of world size, ranks without one keep
-    their fresh seeded state (dropout masks then differ from an uninterrupted run, as they must: there is none)."""
+    """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved
+    trainer state, or None. RNG states go back only to the rank that saved them: after a change of
+    world size, ranks without one keep their fresh seeded state (dropout masks then differ from an
+    uninterrupted run, as they must: there is none)."""
     device = next(model.parameters()).device
-    if not os.path.exists(os.path.join(path, MARKER)):  # not a checkpoint of ours: GPT-2's weights (hf.py)
+    # not a checkpoint of ours: GPT-2's weights (hf.py)
+    if not os.path.exists(os.path.join(path, MARKER)):
         from lab.hf import load_gpt2_weights
         load_gpt2_weights(model, path)
         return None
     trainer = read_trainer_state(path)
     check_model_shape(trainer["config"]["model"], dataclasses.asdict(model.config), path)
     saved_optimizer = trainer["config"]["optim"].get("name", "adamw")
-    if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):  # MuonAdamW.name is "muon"
-        raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} and this run uses "
-                              f"another optimizer; set --checkpoint.load_optim=false to start the optimizer afresh.")
+    # MuonAdamW.name is "muon"
+    if load_optim and saved_optimizer != getattr(optimizer, "name", "adamw"):
+        raise CheckpointError(f"checkpoint {path} holds the state of optim.name={saved_optimizer} "
+                              "and this run uses another optimizer; set "
+                              "--checkpoint.load_optim=false to start the optimizer afresh.")
     check_weights_fit(path, model, "load it into the model it was trained with.")
     if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
         load_with_shards(path, model, optimizer if load_optim else None, device)
@@ -597,15 +659,17 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     if rank < len(rng):
         set_rng_state(rng[rank], sample_generator)
     if len(rng) != world_size and rank == 0:
-        print(f"note: {path} was saved by {len(rng)} rank(s) and this run has {world_size}; the data position "
-              f"carries over exactly, but only ranks 0..{min(len(rng), world_size) - 1} get their saved RNG state.")
+        print(f"note: {path} was saved by {len(rng)} rank(s) and this run has {world_size}; the "
+              "data position carries over exactly, but only ranks "
+              f"0..{min(len(rng), world_size) - 1} get their saved RNG state.")
     return trainer
 
 
 def load_with_shards(path, model, optimizer, device):
-    """Where FSDP is on either side, once check_weights_fit has passed: a sharded checkpoint into any model (each rank
-    reads the pieces it holds; DCP reshards to any world size), or a DDP run's model.pt and optim.pt into a sharded
-    model (whole tensors, each rank keeping its pieces). `optimizer=None`: the optimizer starts afresh."""
+    """Where FSDP is on either side, once check_weights_fit has passed: a sharded checkpoint into
+    any model (each rank reads the pieces it holds; DCP reshards to any world size), or a DDP run's
+    model.pt and optim.pt into a sharded model (whole tensors, each rank keeping its pieces).
+    `optimizer=None`: the optimizer starts afresh."""
     from lab import fsdp
 
     if os.path.isdir(os.path.join(path, SHARDED)):
@@ -616,55 +680,66 @@ def load_with_shards(path, model, optimizer, device):
         model_state = saved_weights(path, model, device)
         optim_state = read_file(path, "optim.pt", device) if optimizer is not None else None
         check_group_layout(optim_state, optimizer, path)
-        model_state, optim_state = fsdp.full_into_sharded(model, optimizer, model_state, optim_state)
+        model_state, optim_state = fsdp.full_into_sharded(model, optimizer, model_state,
+                                                          optim_state)
         full = True
     if optim_state is None:
         fsdp.apply(model, None, model_state, None, full)
     else:
-        keep_settings(optimizer, lambda: fsdp.apply(model, optimizer, model_state, optim_state, full))
+        keep_settings(optimizer,
+                      lambda: fsdp.apply(model, optimizer, model_state, optim_state, full))
 
 
 def newest_checkpoint(run_dir):
-    """The newest complete checkpoint of `run_dir`, or None; unverified (a run resumes newest_valid_checkpoint)."""
+    """The newest complete checkpoint of `run_dir`, or None; unverified (a run resumes
+    newest_valid_checkpoint)."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
 
 
 def check_source(source, key):
-    """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an OpenAI name, with
-    transformers installed, or a local HF folder); else one sentence naming `key`, the setting or flag it came
-    from. Reads no weights, except a bucket's (an s3:// or gs:// URL), downloaded once into a cache."""
+    """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an
+    OpenAI name, with transformers installed, or a local HF folder); else one sentence naming `key`,
+    the setting or flag it came from. Reads no weights, except a bucket's (an s3:// or gs:// URL),
+    downloaded once into a cache."""
     from lab.hf import OPENAI_MODELS, is_hf_folder
-    if "://" in source:  # a bucket (remote.py): the local copy is checked as any checkpoint folder is
+    # a bucket (remote.py): the local copy is checked as any checkpoint folder is
+    if "://" in source:
         from lab import remote
         return resolve_checkpoint(remote.local_copy(source, key))
     if source in OPENAI_MODELS:
         import importlib.util
         if importlib.util.find_spec("transformers") is None:
-            raise CheckpointError(f"{key}={source} is loaded with the transformers package, which is not installed; "
-                                  f"pip install transformers, or give a run folder.")
+            raise CheckpointError(f"{key}={source} is loaded with the transformers package, which "
+                                  "is not installed; pip install transformers, or give a run "
+                                  "folder.")
         return None
     if is_hf_folder(source):
         return None
     if not os.path.isdir(source):
-        raise CheckpointError(f"{key}={source} is not a folder nor one of {', '.join(OPENAI_MODELS)}; give a "
-                              f"run folder, a step<N> checkpoint folder, a GPT-2 name or a HF GPT-2 folder.")
+        raise CheckpointError(f"{key}={source} is not a folder nor one of "
+                              f"{', '.join(OPENAI_MODELS)}; give a run folder, a step<N> "
+                              "checkpoint folder, a GPT-2 name or a HF GPT-2 folder.")
     try:
         return resolve_checkpoint(source)
     except CheckpointError as error:
-        if any(os.path.exists(os.path.join(source, name)) for name in ("model.safetensors", "pytorch_model.bin")):
-            raise CheckpointError(f"{key}={source} holds Hugging Face weights but no readable config.json with a "
-                                  f"model_type; save the model again with save_pretrained.") from None
+        hf_files = ("model.safetensors", "pytorch_model.bin")
+        if any(os.path.exists(os.path.join(source, name)) for name in hf_files):
+            raise CheckpointError(f"{key}={source} holds Hugging Face weights but no readable "
+                                  "config.json with a model_type; save the model again with "
+                                  "save_pretrained.") from None
         if os.path.exists(os.path.join(source, "config.json")) and not find_checkpoints(source):
-            raise CheckpointError(f"{key}={source} holds a config.json but no weights (no checkpoint of this trainer, "
-                                  f"no model.safetensors or pytorch_model.bin); give a folder that holds weights.") \
+            raise CheckpointError(f"{key}={source} holds a config.json but no weights (no "
+                                  "checkpoint of this trainer, no model.safetensors or "
+                                  "pytorch_model.bin); give a folder that holds weights.") \
                 from None
         raise CheckpointError(f"{key}: {error}") from None
 
 
 def load_model(source, device, key):
-    """A GPT in eval mode from a source check_source takes; a checkpoint of ours is loaded into the GPT class it
-    was trained with (train.model_module). Errors name `key` (sample.py's --init_from, stage2.reference, ...)."""
+    """A GPT in eval mode from a source check_source takes; a checkpoint of ours is loaded into the
+    GPT class it was trained with (train.model_module). Errors name `key` (sample.py's --init_from,
+    stage2.reference, ...)."""
     path = check_source(source, key)
     if path is None:
         from lab.hf import import_hf
@@ -677,29 +752,36 @@ def load_model(source, device, key):
         raise CheckpointError(f"{key}={source}: {error}") from None
     check_weights_fit(path, model, "load it into the model it was trained with.")
     model.load_state_dict(saved_weights(path, model, "cpu"))
-    note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path, goes_on="it is loaded")
-    if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (on stderr: stdout is the tool's own)
+    note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path,
+                            goes_on="it is loaded")
+    if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (stdout is the tool's)
         print(note, file=sys.stderr)
     return model.to(device).eval()
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description="List a run's checkpoints, or export one as a Hugging Face GPT-2.")
+    parser = argparse.ArgumentParser(
+        description="List a run's checkpoints, or export one as a Hugging Face GPT-2.")
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("list", help="the complete checkpoints of a run").add_argument("run_dir")
-    export = commands.add_parser("export-hf", help="a Hugging Face GPT-2 folder (see hf.py)")
-    export.add_argument("checkpoint", help="a step<N> folder or a run folder (its newest valid checkpoint)")
+    export = commands.add_parser("export-hf", help="a Hugging Face GPT-2 folder (lab/hf.py)")
+    export.add_argument("checkpoint",
+                        help="a step<N> folder or a run folder (its newest valid checkpoint)")
     export.add_argument("out_dir")
     args = parser.parse_args(argv)
     if args.command == "list":
         if not os.path.isdir(args.run_dir):
-            raise CheckpointError(f"{args.run_dir} is not a folder; give the train.out_dir of a run.")
-        # A step<N> folder lists itself; each is verified as the loader verifies it (every file's checksum).
-        found = [(read_marker(args.run_dir)["step"], args.run_dir)] if is_complete_checkpoint(args.run_dir) \
-            else find_checkpoints(args.run_dir)
+            raise CheckpointError(f"{args.run_dir} is not a folder; give the train.out_dir of a "
+                                  f"run.")
+        # A step<N> folder lists itself; each is verified as the loader verifies it (every
+        # file's checksum).
+        found = find_checkpoints(args.run_dir)
+        if is_complete_checkpoint(args.run_dir):
+            found = [(read_marker(args.run_dir)["step"], args.run_dir)]
         if not found:
-            raise CheckpointError(f"{args.run_dir} holds no complete checkpoint; give the train.out_dir of a run "
-                                  f"that saved one, or one of its step<N> folders.")
+            raise CheckpointError(f"{args.run_dir} holds no complete checkpoint; give the "
+                                  "train.out_dir of a run that saved one, or one of its step<N> "
+                                  "folders.")
         for step, path in found:
             try:
                 verify_checkpoint(path)
