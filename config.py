@@ -39,7 +39,7 @@ class ConfigError(UserError):
     """A mistake in a config file or an override."""
 
 
-# ------------------------------------------------------------------------------ the settings
+# ----------------------------------------------------------------------------------- the settings
 # Every field declares what it is to a run that resumes its own checkpoint (docs/configuration.md):
 #   identity  what the run *is* (model shape, data, seed, batch, optimizer): a change is refused
 #   applied   may change: from the resumed step on, the run trains exactly as a fresh run that loads
@@ -372,7 +372,7 @@ def validate(cfg):
     parse_mix(cfg.stage2.mix, "stage2.mix")
 
 
-# ------------------------------------------------------------------------------ durations, mixtures
+# ---------------------------------------------------------------------------- durations, mixtures
 
 DURATION = re.compile(r"^\s*((?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[0-9]+)?)\s*"
                       r"(steps|tokens|epochs|chinchilla)?\s*$")
@@ -431,7 +431,7 @@ def parse_mix(entries, key="data.mix"):
     return [(name, weight / total) for name, weight in weights.items()]
 
 
-# ------------------------------------------------------------------------------ files and overrides
+# ---------------------------------------------------------------------------- files and overrides
 
 TRUE_WORDS, FALSE_WORDS = {"true", "1", "yes", "on"}, {"false", "0", "no", "off"}
 DURATION_FIELDS = ("train.hard_stop", "stage2.start")  # a config file may give them a number
@@ -640,7 +640,7 @@ def run_command(main, argv, also=None):
         sys.exit(f"error: {message}")
 
 
-# ------------------------------------------------------------------------------ what a user is told
+# ---------------------------------------------------------------------------- what a user is told
 
 
 def field_comments(cls):
@@ -732,7 +732,7 @@ def config_file_failure(error, path, sections, keys):
     return f"{path}:{line}: {type(error).__name__}: {error}; fix that line."
 
 
-# ------------------------------------------------------------------------------ records
+# ---------------------------------------------------------------------------------------- records
 
 REDACTED = "***"  # what every record holds in place of a secret's value
 

@@ -211,7 +211,7 @@ def warn_slow(what, seconds, soft_timeout):
           flush=True)
 
 
-# ------------------------------------------------------------------------------ the step's clock
+# ------------------------------------------------------------------------------- the step's clock
 # and speed
 
 # Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops
@@ -295,7 +295,7 @@ class StepClock:
             self.unlogged += seconds
 
 
-# ------------------------------------------------------------------------------ the monitors
+# ----------------------------------------------------------------------------------- the monitors
 
 
 class LossSpikeDetector:
@@ -370,7 +370,7 @@ def save_environment(out_dir, world_size):
         json.dump(env, f, indent=2)
 
 
-# ------------------------------------------------------------------------------ writing the rows
+# ------------------------------------------------------------------------------- writing the rows
 
 # In throughput/step_time_sec already: not added again to the time a step window took (the ETA)
 PARTS_OF_THE_STEP = ("throughput/data_time_sec", "throughput/compile_time_sec")
@@ -516,7 +516,7 @@ def start_wandb(out_dir, log_cfg, config_dict):
         sys.argv = argv
 
 
-# ------------------------------------------------------------------------------ reading the rows
+# ------------------------------------------------------------------------------- reading the rows
 # back
 
 

@@ -167,7 +167,7 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
         no_checkpoints=t.no_checkpoints, skipped=tuple(parse_step_ranges(t.steps_to_skip)))
 
 
-# ----------------------------------------------------------------------------- stopping early
+# --------------------------------------------------------------------------------- stopping early
 
 
 REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0: keep training
@@ -257,7 +257,7 @@ class Stopper:
             "its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)")
 
 
-# ----------------------------------------------------------------------------- the start-up summary
+# --------------------------------------------------------------------------- the start-up summary
 # and memory estimate
 
 

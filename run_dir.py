@@ -38,16 +38,18 @@ from plan import describe_run, shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
 # them).
-RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl", "config_changes.jsonl")
+RECORD_FILES = ("config.json", "metrics.jsonl", "samples.txt", "wandb_id.txt", "rewinds.jsonl",
+                "config_changes.jsonl")
+
 # What makes two runs the same run: a checkpoint cannot be resumed correctly under other values of
 # these.
 IDENTITY = keys_with_role("identity")
 
-
 def run_records(out_dir):
     """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and
     metrics snapshots."""
-    snapshots = sorted(name for name in os.listdir(out_dir) if re.fullmatch(r"metrics_step\d+\.json", name))
+    snapshots = sorted(name for name in os.listdir(out_dir)
+                       if re.fullmatch(r"metrics_step\d+\.json", name))
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
 
 
@@ -66,12 +68,12 @@ class RunLock:
             probe = os.path.join(self.out_dir, f".writable.{os.getpid()}")
             open(probe, "w").close()
             os.remove(probe)
-        # a read-only filesystem, no permission, a file in the way: before anything is written
-        except OSError as error:
+        except OSError as error:  # read-only, no permission, a file in the way: before any write
             raise CheckpointError(f"cannot write in train.out_dir={self.out_dir} "
                                   f"({error.strerror or error}); choose a folder you can write "
                                   "to.") from None
-        mine = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        mine = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%d %H:%M:%S")}
         for _ in range(2):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -122,7 +124,8 @@ def identity_of(config_dict):
     same stage-2 start, `shakespeare:6,python:2` and `shakespeare:3,python:1` the same mixture. A
     field saved without is at its default."""
     config_dict = with_defaults(config_dict)
-    values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1]) for key in IDENTITY}
+    values = {key: config_dict.get(key.split(".")[0], {}).get(key.split(".")[1])
+              for key in IDENTITY}
     # one file, by a relative path or an absolute one
     if str(values["train.model_module"]).endswith(".py"):
         values["train.model_module"] = os.path.realpath(values["train.model_module"])
@@ -145,6 +148,30 @@ def changed_fields(old, new):
             if a != b and f"{section}.{name}" not in secrets:
                 changes[f"{section}.{name}"] = (a, b)
     return changes
+
+
+def identity_difference(saved_config, run_config):
+    """None when the configs are one run, else (key, saved value, this run's) of the first identity
+    field to differ."""
+    changes = changed_fields(saved_config, run_config)
+    saved_identity, run_identity = identity_of(saved_config), identity_of(run_config)
+    for key in IDENTITY:
+        if saved_identity[key] != run_identity[key]:
+            return (key, *changes.get(key, (saved_identity[key], run_identity[key])))
+    return None
+
+
+def as_override(key, value):
+    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
+    if isinstance(value, list):
+        value = ",".join(map(str, value))
+    elif isinstance(value, bool):
+        value = str(value).lower()
+    return f"--{key}={value}"
+
+
+# ----------------------------------------------------------------------------- where a run starts
+# Decided on rank 0, before anything is written.
 
 
 @dataclass
@@ -171,8 +198,8 @@ def decide_start(out_dir, checkpoint_cfg, run_config, model, place, stack):
     if place.rank == 0:
         stack.enter_context(RunLock(out_dir))  # a second training into out_dir stops here
     check_shared_folder(out_dir, place.rank, place.world_size, place.cpu_group)
-    return from_rank0(lambda: start_on_rank0(out_dir, checkpoint_cfg, run_config, model), place.rank,
-                      place.world_size, place.cpu_group)
+    return from_rank0(lambda: start_on_rank0(out_dir, checkpoint_cfg, run_config, model),
+                      place.rank, place.world_size, place.cpu_group)
 
 
 def from_rank0(work, rank, world_size, group):
@@ -207,7 +234,8 @@ def start_on_rank0(out_dir, checkpoint_cfg, run_config, model):
     rewind_to, rewind_folder, rewind_note = 0, "", ""
     if c.resume_step:
         from lab.rewind import plan_rewind
-        rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step, c.rewind_number, bucket_steps)
+        rewind_to, rewind_folder, rewind_note = plan_rewind(out_dir, c.resume_step,
+                                                            c.rewind_number, bucket_steps)
     fetched = None
     if bucket_steps and same_run and c.load != "never":
         fetched = fetch_from_bucket(out_dir, c.remote_folder, bucket_steps, rewind_to)
@@ -231,16 +259,17 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     if rewind_to:
         path, resuming, note = dict(find_checkpoints(out_dir)).get(rewind_to, fetched), True, ""
         verify_checkpoint(path)
-    # its files passed their checksums as they came; an FSDP run's .metadata is checked as data now
-    elif fetched:
+    elif fetched:  # checked as it came; an FSDP run's .metadata is checked as data now
         check_sharded_metadata(fetched, read_marker(fetched)["files"])
-        path, resuming, note = fetched, True, f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
+        path, resuming = fetched, True
+        note = f"note: {out_dir} had no checkpoint as new as {c.remote_folder}'s newest"
     else:
         path, resuming, note = find_start_checkpoint(out_dir, c.load, c.load_path)
     saved = read_trainer_state(path)["config"] if resuming else None
     # save_overwrite replaces a different run, but never one being rewound (that would do both):
     # refused below
-    if resuming and c.save_overwrite and not rewind_to and identity_of(saved) != identity_of(run_config):
+    other_run = resuming and identity_of(saved) != identity_of(run_config)
+    if other_run and c.save_overwrite and not rewind_to:
         if fetched:
             shutil.rmtree(fetched, ignore_errors=True)
             fetched = None
@@ -258,7 +287,8 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     else:
         check_fresh_start(out_dir, run_config, c.save_overwrite)
         if ours:
-            check_model_shape(read_trainer_state(path)["config"]["model"], run_config["model"], path)
+            saved_model = read_trainer_state(path)["config"]["model"]
+            check_model_shape(saved_model, run_config["model"], path)
             check_weights_fit(path, model, "give checkpoint.load_path a checkpoint of this model, "
                                            "or leave it empty to train from scratch.")
     # Weights that fit may still meet other code (QK-norm adds none): said, and the run goes on.
@@ -267,45 +297,37 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
     return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note, changed_code])
 
 
-def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
-    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to
-    delete once this run's first is complete, and the lines to print. `trains`: False for a resume
-    past its end (no change recorded)."""
-    c, lines = checkpoint_cfg, []
-    if c.remote_folder:
-        lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
-    if start.rewind_to:
-        from lab.rewind import rewind
-        lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
-    replaced = []
-    if start.resumed:
-        accept_resume(out_dir, saved_config, run_config, step, trains)
-    else:
-        replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
-    remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
-    truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
-    lines.append(remove_stale_cancel(out_dir))
-    return replaced, [line for line in lines if line]
-
-
-def identity_difference(saved_config, run_config):
-    """None when the configs are one run, else (key, saved value, this run's) of the first identity
-    field to differ."""
-    changes = changed_fields(saved_config, run_config)
-    saved_identity, run_identity = identity_of(saved_config), identity_of(run_config)
-    for key in IDENTITY:
-        if saved_identity[key] != run_identity[key]:
-            return (key, *changes.get(key, (saved_identity[key], run_identity[key])))
-    return None
-
-
-def as_override(key, value):
-    """The command-line override that sets `key` to `value`: --data.mix=shakespeare:3,python:1."""
-    if isinstance(value, list):
-        value = ",".join(map(str, value))
-    elif isinstance(value, bool):
-        value = str(value).lower()
-    return f"--{key}={value}"
+def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
+    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes
+    out_dir's own, else starts from load_path (which must hold weights: never a silent start from
+    scratch), else from scratch; always requires one; never starts fresh. As in OLMo-core, the run's
+    own wins (a restarted fine-tune resumes)."""
+    if load == "never":
+        return None, False, ""
+    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
+        from lab import remote
+        load_path = remote.local_copy(load_path, "checkpoint.load_path")
+    own = None if ignore_own else newest_valid_checkpoint(out_dir)
+    if own:
+        source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
+        changed = ""
+        if source and source != load_path:
+            changed = f" (this run started from checkpoint.load_path={source})"
+        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its "
+                   f"own checkpoint{changed}")
+        return own, True, ignored if load_path else ""
+    if load_path:
+        from lab.hf import is_gpt2_source
+        # fine-tuning GPT-2
+        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):
+            note = f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
+            return load_path, False, note
+        return check_source(load_path, "checkpoint.load_path"), False, ""
+    if load == "always":
+        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint "
+                              "and checkpoint.load_path is empty; set checkpoint.load_path or use "
+                              "load=if_available.")
+    return None, False, ""
 
 
 def check_identity(out_dir, saved_config, run_config):
@@ -324,24 +346,12 @@ def check_identity(out_dir, saved_config, run_config):
             "train.out_dir (or pass --checkpoint.save_overwrite=true to replace it).")
 
 
-def accept_resume(out_dir, saved_config, run_config, step, trains=True):
-    """Rank 0, resuming: note and record every change of a setting that may change (check_identity
-    has refused the others), unless the run trains nothing (no step runs under them)."""
-    changes = changed_fields(saved_config, run_config)
-    if changes and trains:
-        print(f"note: resuming at step {step} with changed settings: "
-              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-        with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "changes": {k: list(v) for k, v in changes.items()}}) + "\n")
-    if not os.path.exists(os.path.join(out_dir, "config.json")):
-        write_config(out_dir, saved_config)
-
-
 def check_fresh_start(out_dir, run_config, save_overwrite):
     """A fresh start into a folder that holds another run is refused unless save_overwrite. A run
     with the same identity that never reached a checkpoint simply restarts."""
     names = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    leftovers = sorted(n for n in names if n in RECORD_FILES or STEP_DIR.match(n) or n.startswith("metrics_step"))
+    leftovers = sorted(n for n in names
+                       if n in RECORD_FILES or STEP_DIR.match(n) or n.startswith("metrics_step"))
     if leftovers and not save_overwrite:
         same_run = False
         if "config.json" in names and not find_checkpoints(out_dir):
@@ -352,36 +362,6 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
             raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, "
                                   "choose another train.out_dir, or pass "
                                   "--checkpoint.save_overwrite=true to replace it.")
-
-
-def claim_for_fresh_start(out_dir, run_config, save_overwrite):
-    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its
-    config, an empty metrics log (the snapshots go with it) and samples file, and no W&B id (a new
-    W&B run, never the old one continued). Returns the old run's checkpoint folders, to delete once
-    this run's first checkpoint is complete."""
-    check_fresh_start(out_dir, run_config, save_overwrite)
-    checkpoints = [path for _, path in find_checkpoints(out_dir)]
-    write_config(out_dir, run_config)
-    for name in os.listdir(out_dir):
-        snapshot = name.startswith("metrics_step") and name.endswith(".json")
-        if (name in RECORD_FILES and name != "config.json") or snapshot:
-            os.remove(os.path.join(out_dir, name))
-    return checkpoints
-
-
-def write_config(out_dir, run_config):
-    tmp = os.path.join(out_dir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(run_config, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "config.json"))
-
-
-def remove_own_partial_saves(out_dir):
-    """Delete the `step<N>.partial` folders an interrupted save of this project left (nothing else).
-    """
-    for name in os.listdir(out_dir):
-        if name.endswith(".partial") and STEP_DIR.match(name[: -len(".partial")]):
-            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
 
 
 def check_shared_folder(out_dir, rank, world_size, group=None):
@@ -403,7 +383,8 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
     except OSError:
         seen = False
     blind = [None] * world_size
-    dist.all_gather_object(blind, None if seen else f"{rank} on {socket.gethostname()}", group=group)
+    dist.all_gather_object(blind, None if seen else f"{rank} on {socket.gethostname()}",
+                           group=group)
     blind = [b for b in blind if b is not None]
     dist.barrier(group=group)
     if rank == 0:
@@ -415,83 +396,7 @@ def check_shared_folder(out_dir, rank, world_size, group=None):
                               "disk); set train.out_dir to one.")
 
 
-def remove_stale_cancel(out_dir):
-    """A CANCEL file that exists before this run started was meant for an earlier run: remove it and
-    say so, rather than stop this run after its first step. Returns the line to print, or None."""
-    path = os.path.join(out_dir, "CANCEL")
-    if os.path.exists(path):  # called before the loop starts, so any CANCEL is older than this run
-        os.remove(path)
-        return f"note: removed {path}, left by an earlier run (touch it again to stop this one)"
-    return None
-
-
-# -----------------------------------------------------------------------------
-# checkpoint.load_path, checked at start
-
-
-def use_load_path_shape(cfg, default_config):
-    """Before anything is written: a GPT-2 gives the model its shape, and a path that is neither a
-    folder nor a GPT-2 name is one sentence (a typo would train from scratch). A run that already
-    has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's, and the
-    source is not needed any more (a deleted folder, a hub name offline)."""
-    from lab.hf import gpt2_shape, is_gpt2_source, use_source_shape
-
-    ck = cfg.checkpoint
-    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
-    saved = read_trainer_state(own)["config"] if own else None
-    # a fresh node: the run's own is in the bucket
-    if saved is None and ck.remote_folder and ck.load != "never":
-        from lab import remote
-        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        # fields added since: defaults
-        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None
-    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
-        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"), "the run's own checkpoint",
-                         default_config)
-    elif is_gpt2_source(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-        # (hf.load_gpt2_weights copies whole tensors into the model)
-        if cfg.train.data_parallel == "fsdp":
-            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load "
-                              "into a whole model, and train.data_parallel=fsdp shards it; "
-                              "fine-tune with --train.data_parallel=ddp.")
-        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2", default_config)
-    elif not os.path.isdir(ck.load_path):
-        check_source(ck.load_path, "checkpoint.load_path")
-
-
-def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
-    """(path, resuming: path is out_dir's own, note to print or ""). `load`: if_available resumes
-    out_dir's own, else starts from load_path (which must hold weights: never a silent start from
-    scratch), else from scratch; always requires one; never starts fresh. As in OLMo-core, the run's
-    own wins (a restarted fine-tune resumes)."""
-    if load == "never":
-        return None, False, ""
-    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
-        from lab import remote
-        load_path = remote.local_copy(load_path, "checkpoint.load_path")
-    own = None if ignore_own else newest_valid_checkpoint(out_dir)
-    if own:
-        source = read_trainer_state(own)["config"]["checkpoint"].get("load_path")
-        changed = f" (this run started from checkpoint.load_path={source})" if source and source != load_path else ""
-        ignored = (f"note: checkpoint.load_path={load_path} is ignored because {out_dir} has its "
-                   f"own checkpoint{changed}")
-        return own, True, ignored if load_path else ""
-    if load_path:
-        from lab.hf import is_gpt2_source
-        # fine-tuning GPT-2
-        if not os.path.exists(os.path.join(load_path, MARKER)) and is_gpt2_source(load_path):
-            return load_path, False, f"note: starting from the weights of {load_path} (step 0, a fresh optimizer)"
-        return check_source(load_path, "checkpoint.load_path"), False, ""
-    if load == "always":
-        raise CheckpointError(f"checkpoint.load=always but {out_dir} holds no complete checkpoint "
-                              "and checkpoint.load_path is empty; set checkpoint.load_path or use "
-                              "load=if_available.")
-    return None, False, ""
-
-
-# ----------------------------------------------------------------------------- the bucket's part
-# (checkpoint.remote_folder)
+# ------------------------------------------------------------------------------ the bucket's part
 
 
 def read_bucket(c, out_dir, run_config):
@@ -505,7 +410,9 @@ def read_bucket(c, out_dir, run_config):
     saved, steps = remote.read_run(url)
     if saved is None and not steps:
         return steps, True
-    difference = identity_difference(saved, run_config) if saved is not None else ("its config", "unreadable", "")
+    difference = ("its config", "unreadable", "")
+    if saved is not None:
+        difference = identity_difference(saved, run_config)
     own = os.path.join(out_dir, "config.json")
     if difference and saved is not None and os.path.exists(own):
         with open(own) as f:
@@ -563,7 +470,8 @@ def carry_out_in_bucket(out_dir, start, url):
     if start.fetched:
         start.path, line = remote.install_download(out_dir, start.fetched, url)
     if start.rewind_to:
-        remote.rewind(url, start.rewind_to, os.path.basename(start.rewind_folder)[: -len(".partial")])
+        folder_name = os.path.basename(start.rewind_folder)[: -len(".partial")]
+        remote.rewind(url, start.rewind_to, folder_name)
     return line
 
 
@@ -575,7 +483,8 @@ def steps_text(steps):
     return f"{len(steps)} steps: {steps[0]}, ..., {', '.join(map(str, steps[-3:]))}"
 
 
-# ----------------------------------------------------------------------------- loading the start
+# -------------------------------------------------------------------------------- carrying it out
+# Once decided: the checkpoint loaded on every rank, then the folder changed on rank 0.
 
 
 def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator, plan, run_config):
@@ -587,11 +496,15 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
     state = TrainState(best_val_loss=torch.tensor(float("inf"), device=place.device),
                        data=stages.loaders[0][1].state_dict())
     names = [name for loaders in stages.loaders for name, _ in loaders[0]]
-    fingerprints = {name: fingerprint(dataset_dir(cfg.data.data_root, name)) for name in dict.fromkeys(names)}
+    fingerprints = {name: fingerprint(dataset_dir(cfg.data.data_root, name))
+                    for name in dict.fromkeys(names)}
     load_optim = start.resumed or ck.load_optim
-    saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer, sample_generator=sample_generator,
-                            rank=place.rank, world_size=place.world_size, load_optim=load_optim,
-                            load_trainer_state=start.resumed or ck.load_trainer_state) if start.path else None
+    saved = None
+    if start.path:
+        saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer,
+                                sample_generator=sample_generator, rank=place.rank,
+                                world_size=place.world_size, load_optim=load_optim,
+                                load_trainer_state=start.resumed or ck.load_trainer_state)
     if saved:
         state = TrainState.from_dict(saved)
         state.best_val_loss = state.best_val_loss.to(place.device)
@@ -603,17 +516,21 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
     if place.world_size > 1:
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if place.is_master:
-        replaced, lines = carry_out_start(out_dir, start, saved["config"] if start.resumed else None,
-                                          run_config, state.step, ck,
+        saved_config = saved["config"] if start.resumed else None
+        replaced, lines = carry_out_start(out_dir, start, saved_config, run_config, state.step, ck,
                                           trains=state.step < plan.end_step or not start.resumed)
         save_environment(out_dir, place.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))
-        mixes = "; ".join([f"data: {shares_text(stages.loaders[0][0])}"] + [
-            f"stage 2 after step {plan.stage2_step}: {shares_text(stages.loaders[-1][0])}"] * bool(plan.stage2_step))
-        benchmark = "note: train.no_checkpoints: this run loads no checkpoint and saves none" * cfg.train.no_checkpoints
+        mixes = [f"data: {shares_text(stages.loaders[0][0])}"]
+        if plan.stage2_step:
+            mixes.append(f"stage 2 after step {plan.stage2_step}: "
+                         f"{shares_text(stages.loaders[-1][0])}")
+        benchmark = ("note: train.no_checkpoints: this run loads no checkpoint and saves none"
+                     if cfg.train.no_checkpoints else "")
+        mixed = "; ".join(mixes) if cfg.data.mix or cfg.stage2.start else ""
         for line in filter(None, [benchmark, started_from(start, saved, load_optim, state.step),
-                                  mixes if cfg.data.mix or cfg.stage2.start else "", *start.notes, *lines]):
+                                  mixed, *start.notes, *lines]):
             print(line)
     if place.world_size > 1:
         dist.barrier()  # the folder is ready before any rank writes or checks for a CANCEL file
@@ -624,7 +541,8 @@ def check_start_step(cfg, start, state, plan, fingerprints):
     """Before the run folder changes: a resume must read the data it trained on (the same content,
     whatever data.data_root now says), and a start from another run's trainer state must leave steps
     to train."""
-    changed = [name for name, print_ in fingerprints.items() if state.data_fingerprint.get(name, print_) != print_]
+    changed = [name for name, print_ in fingerprints.items()
+               if state.data_fingerprint.get(name, print_) != print_]
     if start.resumed and changed:
         raise CheckpointError(f"the dataset {changed[0]} under "
                               f"data.data_root={cfg.data.data_root or '(data/)'} is not the one "
@@ -648,17 +566,128 @@ def started_from(start, saved, load_optim, step):
         return ""
     # else GPT-2's weights, with a fresh optimizer
     ours = os.path.exists(os.path.join(start.path, MARKER))
-    loaded = ["weights"] + ["optimizer state"] * (ours and load_optim) + ["trainer state"] * (saved is not None)
+    loaded = (["weights"] + ["optimizer state"] * (ours and load_optim)
+              + ["trainer state"] * (saved is not None))
     return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 
-# ----------------------------------------------------------------------------- stack dumps of a
-# running job Each rank writes its pid file and dumps its threads' stacks on SIGUSR1 when `python
-# lab/debug.py stacks RUN` asks for them (lab/debug.py reads both).
+def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_cfg, trains=True):
+    """Rank 0, once the start is loaded: carry out the Start. Returns the old run's checkpoints, to
+    delete once this run's first is complete, and the lines to print. `trains`: False for a resume
+    past its end (no change recorded)."""
+    c, lines = checkpoint_cfg, []
+    if c.remote_folder:
+        lines.append(carry_out_in_bucket(out_dir, start, c.remote_folder))
+    if start.rewind_to:
+        from lab.rewind import rewind
+        lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
+    replaced = []
+    if start.resumed:
+        accept_resume(out_dir, saved_config, run_config, step, trains)
+    else:
+        replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
+    remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
+    truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
+    lines.append(remove_stale_cancel(out_dir))
+    return replaced, [line for line in lines if line]
+
+
+def accept_resume(out_dir, saved_config, run_config, step, trains=True):
+    """Rank 0, resuming: note and record every change of a setting that may change (check_identity
+    has refused the others), unless the run trains nothing (no step runs under them)."""
+    changes = changed_fields(saved_config, run_config)
+    if changes and trains:
+        print(f"note: resuming at step {step} with changed settings: "
+              + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+        with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:
+            changed = {k: list(v) for k, v in changes.items()}
+            f.write(json.dumps({"step": step, "changes": changed}) + "\n")
+    if not os.path.exists(os.path.join(out_dir, "config.json")):
+        write_config(out_dir, saved_config)
+
+
+def claim_for_fresh_start(out_dir, run_config, save_overwrite):
+    """A fresh start (check_fresh_start first): this run's record replaces the old one's now: its
+    config, an empty metrics log (the snapshots go with it) and samples file, and no W&B id (a new
+    W&B run, never the old one continued). Returns the old run's checkpoint folders, to delete once
+    this run's first checkpoint is complete."""
+    check_fresh_start(out_dir, run_config, save_overwrite)
+    checkpoints = [path for _, path in find_checkpoints(out_dir)]
+    write_config(out_dir, run_config)
+    for name in os.listdir(out_dir):
+        snapshot = name.startswith("metrics_step") and name.endswith(".json")
+        if (name in RECORD_FILES and name != "config.json") or snapshot:
+            os.remove(os.path.join(out_dir, name))
+    return checkpoints
+
+
+def write_config(out_dir, run_config):
+    tmp = os.path.join(out_dir, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(run_config, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "config.json"))
+
+
+def remove_own_partial_saves(out_dir):
+    """Delete the `step<N>.partial` folders an interrupted save of this project left (nothing else).
+    """
+    for name in os.listdir(out_dir):
+        if name.endswith(".partial") and STEP_DIR.match(name[: -len(".partial")]):
+            shutil.rmtree(os.path.join(out_dir, name), ignore_errors=True)
+
+
+def remove_stale_cancel(out_dir):
+    """A CANCEL file that exists before this run started was meant for an earlier run: remove it and
+    say so, rather than stop this run after its first step. Returns the line to print, or None."""
+    path = os.path.join(out_dir, "CANCEL")
+    if os.path.exists(path):  # called before the loop starts, so any CANCEL is older than this run
+        os.remove(path)
+        return f"note: removed {path}, left by an earlier run (touch it again to stop this one)"
+    return None
+
+
+# ------------------------------------------------------------------------------ load_path's shape
+
+
+def use_load_path_shape(cfg, default_config):
+    """Before anything is written: a GPT-2 gives the model its shape, and a path that is neither a
+    folder nor a GPT-2 name is one sentence (a typo would train from scratch). A run that already
+    has its own checkpoint of the same load_path resumes it: the shape is the checkpoint's, and the
+    source is not needed any more (a deleted folder, a hub name offline)."""
+    from lab.hf import gpt2_shape, is_gpt2_source, use_source_shape
+
+    ck = cfg.checkpoint
+    own = newest_checkpoint(cfg.train.out_dir) if ck.load != "never" else None
+    saved = read_trainer_state(own)["config"] if own else None
+    # a fresh node: the run's own is in the bucket
+    if saved is None and ck.remote_folder and ck.load != "never":
+        from lab import remote
+        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
+        # fields added since: defaults
+        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None
+    if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
+        use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"),
+                         "the run's own checkpoint", default_config)
+    elif is_gpt2_source(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+        # (hf.load_gpt2_weights copies whole tensors into the model)
+        if cfg.train.data_parallel == "fsdp":
+            raise ConfigError(f"checkpoint.load_path={ck.load_path} is GPT-2's weights, which load "
+                              "into a whole model, and train.data_parallel=fsdp shards it; "
+                              "fine-tune with --train.data_parallel=ddp.")
+        use_source_shape(gpt2_shape(ck.load_path), cfg.model, ck.load_path, "a GPT-2",
+                         default_config)
+    elif not os.path.isdir(ck.load_path):
+        check_source(ck.load_path, "checkpoint.load_path")
+
+
+# ------------------------------------------------------------------------------------ stack dumps
+# Each rank writes its pid file and dumps its threads' stacks on SIGUSR1 when `python lab/debug.py
+# stacks RUN` asks for them.
 
 STACKS = "stacks"  # <out_dir>/stacks/: each rank's pid file and stack dumps
-PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
 
+PROC = "/proc"  # where Linux tells each process's start time (see process_start_time)
 
 def process_start_time(pid):
     """When process `pid` started, in clock ticks after boot (field 22 of /proc/<pid>/stat), or None
@@ -689,7 +718,8 @@ def register_stack_dump(out_dir, rank):
     # action).
     start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
     with open(pid_path, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank, "start_time": start_time}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank,
+                   "start_time": start_time}, f)
     # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its
     # start.
     stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")

@@ -35,7 +35,7 @@ from optimizer import build_optimizer, build_schedule, set_lr
 from plan import Plan, SignalFlag, Stopper, is_compiled, make_plan
 
 
-# ------------------------------------------------------------------------------ the command line
+# ------------------------------------------------------------------------------- the command line
 
 TORCH_FLOOR = (2, 9)  # Muon's adjust_lr_fn="match_rms_adamw" came in torch 2.9 (requirements.txt)
 
@@ -87,7 +87,7 @@ def main(argv):
     train(cfg)
 
 
-# ------------------------------------------------------------------------------ the loop
+# --------------------------------------------------------------------------------------- the loop
 
 
 def train(cfg):
@@ -170,7 +170,7 @@ def train(cfg):
         dist.destroy_process_group()
 
 
-# ------------------------------------------------------------------------------ one optimizer step
+# ----------------------------------------------------------------------------- one optimizer step
 
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, objective=None,
@@ -274,8 +274,7 @@ def before_the_first_step(run):
         print("torch.compile: the first step compiles the model first", flush=True)
 
 
-# ------------------------------------------------------------------------------ evaluation and
-# samples
+# --------------------------------------------------------------------------- evaluation and samples
 
 
 @torch.no_grad()
@@ -335,7 +334,7 @@ def write_samples(run, step):
               f"training goes on.", file=sys.stderr, flush=True)
 
 
-# ------------------------------------------------------------------------------ the run's parts
+# -------------------------------------------------------------------------------- the run's parts
 
 
 @dataclass
