@@ -1,23 +1,24 @@
-"""The model ladder: train a series of sizes with settings derived from the size, then fit a scaling law
-to the small ones and check what it predicts for the largest (OLMo-core's ModelLadder, plus the fit).
+"""The model ladder: train a series of sizes with settings derived from the size, then fit a
+scaling law to the small ones and check what it predicts for the largest (OLMo-core's ModelLadder,
+plus the fit).
 
-    python ladder.py dry-run     config/ladder_shakespeare.py [--size=4x32] [--json]   # the plan; touches nothing
-    python ladder.py run         config/ladder_shakespeare.py --size=4x32               # one size into <dir>/4x32/
-    python ladder.py run-all     config/ladder_shakespeare.py                           # every unfinished size
-    python ladder.py benchmark   config/ladder_shakespeare.py --size=4x32               # 100 steps: tokens/s, MFU
-    python ladder.py checkpoints config/ladder_shakespeare.py [--json]                  # planned vs saved
-    python ladder.py metrics     config/ladder_shakespeare.py [--csv=PATH]              # sizes x checkpoints
-    python ladder.py fit         config/ladder_shakespeare.py                           # L(N, D), held-out check
-    python ladder.py compare     config/ladder_shakespeare.py config/ladder_shakespeare_muon.py  # A against B
+    python ladder.py dry-run     FILE [--size=4x32] [--json]  # the plan; touches nothing
+    python ladder.py run         FILE --size=4x32             # one size into <dir>/4x32/
+    python ladder.py run-all     FILE                         # every unfinished size
+    python ladder.py benchmark   FILE --size=4x32             # 100 steps: tokens/s, MFU
+    python ladder.py checkpoints FILE [--json]                # planned vs saved
+    python ladder.py metrics     FILE [--csv=PATH]            # sizes x checkpoints
+    python ladder.py fit         FILE                         # L(N, D), held-out check
+    python ladder.py compare     FILE_A FILE_B                # A against B
 
-fit and compare live in ladder_fit.py.
+FILE is a ladder config file, e.g. config/ladder_shakespeare.py (and, to compare it with Muon,
+config/ladder_shakespeare_muon.py). It sets the `ladder` section and any training field every run
+shares (data, block size, evaluation, logging), with the same syntax and `--section.field=value`
+overrides as train.py. What the ladder derives from the size (shape, batch, LR, schedule, length,
+checkpoints) comes from the configurator; a file that sets one of those fields is refused.
 
-A ladder config file sets the `ladder` section and any training field every run shares (data, block
-size, evaluation, logging), with the same syntax and `--section.field=value` overrides as train.py.
-What the ladder derives from the size (shape, batch, LR, schedule, length, checkpoints) comes from
-configurator/model.py and configurator/run.py; setting one of those fields in the file is an error.
-Each size is an ordinary run: its config.json reproduces it with `python train.py <dir>/<size>/config.json`,
-and it resumes, lists (`checkpoint.py list`) and plots (`tools/plot_metrics.py`) like any other.
+Each size is an ordinary run: `python train.py <dir>/<size>/config.json` reproduces it, and it
+resumes, lists (`checkpoint.py list`) and plots (`tools/plot_metrics.py`) like any other.
 """
 
 import argparse
@@ -33,24 +34,27 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal
 
-# Before numpy loads (torch loads it): the fit (ladder_fit.py) makes thousands of tiny numpy/scipy
-# calls, which OpenBLAS threads slow down tenfold on a busy machine (measured on 2 busy cores: 56 s a
-# fit, 6 s with one thread).
+# Before numpy loads (torch loads it): the fit makes thousands of tiny numpy/scipy calls, which
+# OpenBLAS threads slow down tenfold on a busy machine (on 2 busy cores: 56 s a fit, 6 s with one
+# thread).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
-from config import (Config, ConfigError, LogConfig, UserError, all_keys, config_to_dict, field_metadata,  # noqa: E402
-                    get, parse_args, run_command, sections, setting, validate)
+from config import (Config, ConfigError, LogConfig, UserError, all_keys,  # noqa: E402
+                    config_to_dict, field_metadata, get, parse_args, run_command, sections, setting,
+                    validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
-                                configure_rank_microbatch_size, memory_fit, model_config, param_counts, shape_of,
-                                sized_model)
-from configurator.run import period_multiples, plan_batch, plan_run, target_batch_tokens  # noqa: E402
+                                configure_rank_microbatch_size, memory_fit, model_config,
+                                param_counts, shape_of, sized_model)
+from configurator.run import (period_multiples, plan_batch, plan_run,  # noqa: E402
+                              target_batch_tokens)
 from hellaswag_eval import check_names  # noqa: E402
 from run_dir import changed_fields  # noqa: E402
 
 
 def ladder_setting(default, check=None):
-    """A field of the ladder section: no resume role (a ladder is not resumed, its sizes are), a range check."""
+    """A field of the ladder section: no resume role (a ladder is not resumed, its sizes are), a
+    range check."""
     return setting(None, default, check)
 
 
@@ -59,16 +63,18 @@ class LadderSettings:
     name: str = ladder_setting("ladder")  # names the runs (<name>-<size>) and their W&B group
     # each size trains into <dir>/<size>/; fit.json and fit.png are written here
     dir: str = ladder_setting("out/ladder")
-    # size names (configurator/model.py)
+    # <layers>x<width>, or a GPT-2 size (gpt2, gpt2-medium, ...)
     sizes: list[str] = ladder_setting(["1x32", "2x32", "4x32", "8x32"], "not empty")
-    max_devices: int = ladder_setting(1, "at least 1")  # devices a run may use (torchrun --nproc-per-node)
+    # devices a run may use (torchrun --nproc-per-node)
+    max_devices: int = ladder_setting(1, "at least 1")
     # device type, for the micro-batch: cpu, H100, H200, A100-80GB, A100-40GB, ...
     device: str = ladder_setting("cpu")
     # train each size to this many Chinchilla durations: 0.5, 1, 2, 4, ...
     chinchilla_multiple: float = ladder_setting(2.0)
     # one Chinchilla duration in tokens per non-embedding parameter (Hoffmann et al. 2022)
     tokens_per_param: float = ladder_setting(20.0, "greater than 0")
-    lr_multiplier: float = ladder_setting(1.0, "greater than 0")  # scales the run configurator's peak learning rate
+    # scales the peak learning rate the configurator derives
+    lr_multiplier: float = ladder_setting(1.0, "greater than 0")
     # each WSD-S period ends with a linear decay over this share of it
     decay_fraction: float = ladder_setting(0.1, "in [0, 1)")
     seed: int = ladder_setting(42)  # train.seed of every size (OLMo-core's ladder default)
@@ -76,23 +82,29 @@ class LadderSettings:
     val_tokens: int = ladder_setting(65536, "at least 1")
     # one global batch for every size, in tokens; 0 = OLMo's rule from N (Porian et al. 2024)
     batch_tokens: int = ladder_setting(0, "0 or more")
-    # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration (tokens_per_param x N)
+    # the duration unit in tokens, the same for every size; 0 = one Chinchilla duration
+    # (tokens_per_param x N)
     duration_tokens: int = ladder_setting(0, "0 or more")
-    warmup_tokens: int = ladder_setting(0, "0 or more")  # warmup of every size, in tokens; 0 = N tokens (OLMo)
-    # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in eval.tasks
+    # warmup of every size, in tokens; 0 = N tokens (OLMo)
+    warmup_tokens: int = ladder_setting(0, "0 or more")
+    # tasks whose accuracy `fit` predicts too (two steps: Bhagia et al. 2024); each must be in
+    # eval.tasks
     fit_tasks: list[str] = ladder_setting([])
-    # optim.name of every size; muon takes the same LR rule (OLMo-core's muon ladder, Liu et al. 2025)
+    # optim.name of every size; muon keeps the LR rule (OLMo-core's muon ladder, Liu et al. 2025)
     optimizer: Literal["adamw", "muon"] = ladder_setting("adamw")
-    # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens stays as it is
+    # muon: OLMo's batch rule times this (OLMo-core's muon ladder doubles it); a fixed batch_tokens
+    # stays as it is
     muon_batch_multiplier: float = ladder_setting(2.0, "greater than 0")
-    # steps between the ephemeral checkpoints saved between the fixed ones, and how soon after a fixed one an
-    # ephemeral one is skipped (OLMo-core's ladder: 1000 and 250); 0 = off
+    # steps between the ephemeral checkpoints saved between the fixed ones, and how soon after a
+    # fixed one an ephemeral one is skipped (OLMo-core's ladder: 1000 and 250); 0 = off
     ephemeral_interval: int = ladder_setting(1000, "0 or more")
     ephemeral_cooldown: int = ladder_setting(250, "0 or more")
-    # other root folders or bucket URLs (s3://..., file://...) where `metrics`, `checkpoints` and `fit` also look for
-    # each size's checkpoints and metrics, after ladder.dir (OLMo-core's alternative_dirs)
+    # other root folders or bucket URLs (s3://..., file://...) where `metrics`, `checkpoints` and
+    # `fit` also look for each size's checkpoints and metrics, after ladder.dir (OLMo-core's
+    # alternative_dirs)
     alternative_dirs: list[str] = ladder_setting([])
-    # list every checkpoint found in those folders, not only the planned ones (OLMo-core's discover_all)
+    # list every checkpoint found in those folders, not only the planned ones (OLMo-core's
+    # discover_all)
     discover_all: bool = ladder_setting(False)
 
 
@@ -101,42 +113,46 @@ class LadderConfig(Config):
     ladder: LadderSettings = field(default_factory=LadderSettings)
 
 
-# Fields the ladder sets for every size (declared `ladder=True` beside each field in config.py); a ladder
-# file that sets one would be silently overruled, so it is refused.
+# Fields the ladder sets for every size (declared `ladder=True` beside the field); a ladder file
+# that sets one would be silently overruled, so it is refused.
 DERIVED = [key for key in all_keys(Config()) if field_metadata(Config(), key)["ladder"]]
 
 
 def read_config(path, overrides):
     """The checked LadderConfig of a ladder file plus overrides; every mistake is one sentence."""
     cfg = parse_args([path, *overrides], LadderConfig())
-    check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does: the names hellaswag_eval.py defines
+    check_names(cfg.eval.tasks, "eval.tasks")  # as train.py does
     default = Config()
     for key in DERIVED:
         if get(cfg, key) != get(default, key):
-            where = "the command line" if any(o.startswith(f"--{key}=") for o in overrides) else path
-            raise ConfigError(f"{where} sets {key}, which the ladder derives from the model size; remove it "
-                              f"(ladder.lr_multiplier, ladder.decay_fraction and ladder.seed are the knobs).")
+            on_command_line = any(o.startswith(f"--{key}=") for o in overrides)
+            where = "the command line" if on_command_line else path
+            raise ConfigError(f"{where} sets {key}, which the ladder derives from the model size; "
+                              f"remove it (ladder.lr_multiplier, ladder.decay_fraction and "
+                              f"ladder.seed are the knobs).")
     L = cfg.ladder
     repeated = sorted({size for size in L.sizes if L.sizes.count(size) > 1})
     if repeated:
-        raise ConfigError(f"ladder.sizes names {', '.join(repeated)} more than once; list each size once.")
+        raise ConfigError(f"ladder.sizes names {', '.join(repeated)} more than once; "
+                          f"list each size once.")
     for size in L.sizes:
         shape_of(size)  # a name that is not a size is one sentence
     period_multiples(L.chinchilla_multiple)
     missing = [task for task in L.fit_tasks if task not in cfg.eval.tasks]
     if missing:
-        raise ConfigError(f"ladder.fit_tasks has {', '.join(missing)}, which eval.tasks does not evaluate; add it to "
-                          f"eval.tasks (the ladder evaluates them at its checkpoints).")
+        raise ConfigError(f"ladder.fit_tasks has {', '.join(missing)}, which eval.tasks does not "
+                          f"evaluate; add it to eval.tasks (the ladder evaluates them at its "
+                          f"checkpoints).")
     return cfg
 
 
-# ----------------------------------------------------------------------------- the plan of one size
+# --------------------------------------------------------------------------- the plan of one size
 
 
 @dataclass(frozen=True)
 class SizePlan:
     size: str
-    params: dict  # configurator.model.param_counts: non_embedding, with_output, total
+    params: dict  # non_embedding, with_output, total
     target_batch_tokens: int
     min_devices: int
     batch: object  # configurator.run.BatchPlan
@@ -149,59 +165,74 @@ class SizePlan:
 
 def plan_size(cfg, size):
     L = cfg.ladder
-    model = sized_model(size, cfg.model, cfg.train.model_module)  # the run's own GPT, on the meta device
+    # the run's own GPT (a fork's too), on the meta device
+    model = sized_model(size, cfg.model, cfg.train.model_module)
     params = param_counts(model)
     n = params["non_embedding"]
     # Muon tolerates a larger batch: OLMo-core's muon ladder doubles OLMo's target batch.
-    target = L.batch_tokens or round(target_batch_tokens(n) * (L.muon_batch_multiplier if L.optimizer == "muon" else 1))
+    multiplier = L.muon_batch_multiplier if L.optimizer == "muon" else 1
+    target = L.batch_tokens or round(target_batch_tokens(n) * multiplier)
     min_world_size, min_dp_world_size = configure_minimal_device_mesh_spec(model, size, L.device)
     seq = cfg.model.block_size
     batch = plan_batch(target, configure_rank_microbatch_size(model, L.device), seq, min_world_size,
                        min_dp_world_size, L.max_devices, size)
     run = plan_run(n, batch.batch_tokens, chinchilla_multiple=L.chinchilla_multiple,
-                   tokens_per_param=L.tokens_per_param, lr_multiplier=L.lr_multiplier, decay_fraction=L.decay_fraction,
-                   duration_tokens=L.duration_tokens, warmup_tokens=L.warmup_tokens)
+                   tokens_per_param=L.tokens_per_param, lr_multiplier=L.lr_multiplier,
+                   decay_fraction=L.decay_fraction, duration_tokens=L.duration_tokens,
+                   warmup_tokens=L.warmup_tokens)
     return SizePlan(size, params, target, min_world_size, batch, run)
 
 
 def plan_sizes(cfg, only=None):
     """Plans of the ladder's sizes (or just `only`), smallest first."""
     if only and only not in cfg.ladder.sizes:
-        raise ConfigError(f"--size={only} is not in ladder.sizes ({', '.join(cfg.ladder.sizes)}); pick one of those.")
+        raise ConfigError(f"--size={only} is not in ladder.sizes ({', '.join(cfg.ladder.sizes)}); "
+                          f"pick one of those.")
     plans = [plan_size(cfg, size) for size in ([only] if only else cfg.ladder.sizes)]
     return sorted(plans, key=lambda p: p.non_embedding_params)
 
 
 def run_config(cfg, plan):
-    """The ordinary training Config of one size: the shared fields of the ladder file, plus the plan."""
+    """The ordinary training Config of one size: the shared fields of the ladder file, plus the
+    plan."""
     run = Config()
     for name, section in sections(cfg).items():
         if name != "ladder":
             setattr(run, name, copy.deepcopy(section))
-    L, run.model = cfg.ladder, model_config(plan.size, cfg.model)  # the run's model section, at this size
+    L = cfg.ladder
+    run.model = model_config(plan.size, cfg.model)  # the run's model section, at this size
     run.data.batch_size = plan.batch.micro_batch_tokens // cfg.model.block_size
     run.train.total_batch_size, run.train.max_steps = plan.batch.batch_tokens, plan.run.max_steps
     run.train.out_dir, run.train.seed = os.path.join(L.dir, plan.size), L.seed
     o = run.optim
     o.name = L.optimizer
-    o.lr, o.min_lr, o.beta2, o.weight_decay, o.decay_embeddings = plan.run.lr, 0.0, plan.run.beta2, 0.1, False
-    o.schedule, o.periods, o.decay_fraction, o.decay_shape = "wsds", list(plan.run.periods), L.decay_fraction, "linear"
+    o.lr, o.min_lr, o.beta2 = plan.run.lr, 0.0, plan.run.beta2
+    o.weight_decay, o.decay_embeddings = 0.1, False
+    o.schedule, o.periods = "wsds", list(plan.run.periods)
+    o.decay_fraction, o.decay_shape = L.decay_fraction, "linear"
     o.warmup_steps = plan.run.warmup_steps
+    # Evaluate and checkpoint at the plan's named steps only (the last is the final checkpoint),
+    # with OLMo's ladder's ephemeral checkpoints between them (only the newest kept), saved on a
+    # thread of their own.
     steps = [step for _, step in plan.run.checkpoints]
-    run.eval.interval, run.eval.fixed_steps, run.checkpoint.fixed_steps = 0, steps, steps  # evaluate at the named ones
-    run.checkpoint.interval = 0  # and keep only those (the last is the final checkpoint), with OLMo's ladder's
-    c = run.checkpoint  # ephemeral ones between them (only the newest kept), saved on a thread of their own
-    c.ephemeral_interval, c.ephemeral_cooldown, c.async_save = L.ephemeral_interval, L.ephemeral_cooldown, True
-    run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))  # val batches are whole global batches
-    default_project = LogConfig().wandb_project  # the ladder's runs go to a W&B project of its name, unless set
-    run.log.wandb_project = L.name if run.log.wandb_project == default_project else run.log.wandb_project
+    run.eval.interval, run.eval.fixed_steps, run.checkpoint.fixed_steps = 0, steps, steps
+    run.checkpoint.interval = 0
+    c = run.checkpoint
+    c.ephemeral_interval, c.ephemeral_cooldown = L.ephemeral_interval, L.ephemeral_cooldown
+    c.async_save = True
+    # val batches are whole global batches
+    run.eval.val_steps = max(1, round(L.val_tokens / plan.batch.batch_tokens))
+    # the ladder's runs go to a W&B project of its name, unless one is set
+    default_project = LogConfig().wandb_project
+    if run.log.wandb_project == default_project:
+        run.log.wandb_project = L.name
     run.log.wandb_group = run.log.wandb_group or L.name
     run.log.wandb_name = run.log.wandb_name or f"{L.name}-{plan.size}"
     validate(run)
     return run
 
 
-# ----------------------------------------------------------------------------- commands
+# --------------------------------------------------------------------------------------- commands
 
 
 def dry_run(cfg, plans, as_json):
@@ -210,38 +241,50 @@ def dry_run(cfg, plans, as_json):
 
     for p in plans:
         b, r = p.batch, p.run
-        checkpoints = [{"name": name, "step": step, "tokens": step * b.batch_tokens} for name, step in r.checkpoints]
+        checkpoints = [{"name": name, "step": step, "tokens": step * b.batch_tokens}
+                       for name, step in r.checkpoints]
         if as_json:
             print(json.dumps({"size": p.size, "non_embedding_params": p.non_embedding_params,
-                              "total_params": p.params["total"], "target_batch_tokens": p.target_batch_tokens,
-                              "batch_tokens": b.batch_tokens, "micro_batch_tokens": b.micro_batch_tokens,
-                              "min_devices": p.min_devices, "devices": b.devices, "dp_world_size": b.dp_world_size,
+                              "total_params": p.params["total"],
+                              "target_batch_tokens": p.target_batch_tokens,
+                              "batch_tokens": b.batch_tokens,
+                              "micro_batch_tokens": b.micro_batch_tokens,
+                              "min_devices": p.min_devices, "devices": b.devices,
+                              "dp_world_size": b.dp_world_size,
                               "grad_accum_steps": b.grad_accum_steps, "lr": r.lr, "beta2": r.beta2,
-                              "warmup_tokens": r.warmup_steps * b.batch_tokens, "duration_tokens": r.duration_tokens,
+                              "warmup_tokens": r.warmup_steps * b.batch_tokens,
+                              "duration_tokens": r.duration_tokens,
                               "max_steps": r.max_steps, "checkpoints": checkpoints}))
             continue
         seq, muon = cfg.model.block_size, cfg.ladder.optimizer == "muon"
         model = sized_model(p.size, cfg.model, cfg.train.model_module)
-        ddp, fsdp, memory, verdict = memory_fit(model, cfg.ladder.device, b.micro_batch_tokens, b.devices)
+        ddp, fsdp, memory, verdict = memory_fit(model, cfg.ladder.device, b.micro_batch_tokens,
+                                                b.devices)
         schedule = build_schedule(run_config(cfg, p).optim, r.max_steps)
-        png = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png"),
-                            [(step, name) for name, step in r.checkpoints[1:]])
+        png_path = os.path.join(tempfile.gettempdir(), f"{cfg.ladder.name}_{p.size}_lr.png")
+        png = plot_schedule(schedule, png_path, [(step, name) for name, step in r.checkpoints[1:]])
         print(
             f"size {p.size}:\n"
-            f"  parameters       {p.non_embedding_params:,} non-embedding, {p.params['with_output']:,} with the "
-            f"output layer, {p.params['total']:,} total\n"
-            f"  batch            target {p.target_batch_tokens:,} tokens; actual {b.batch_tokens:,} tokens "
-            f"= {b.batch_tokens // seq:,} sequences of {seq}\n"
-            f"  micro-batch      {b.micro_batch_tokens:,} tokens ({b.micro_batch_tokens // seq} sequences) per device\n"
-            f"  devices          {b.devices} of {cfg.ladder.max_devices} (at least {p.min_devices}); data-parallel "
-            f"size {b.dp_world_size}; {b.grad_accum_steps} accumulation step(s)\n"
-            f"  memory           {ddp:.2f} GB per device with DDP, {fsdp:.2f} GB with FSDP on {b.devices}, of "
-            f"{memory:.0f} GB ({cfg.ladder.device}): {verdict} (plan.memory_per_rank)\n"
+            f"  parameters       {p.non_embedding_params:,} non-embedding, "
+            f"{p.params['with_output']:,} with the output layer, {p.params['total']:,} total\n"
+            f"  batch            target {p.target_batch_tokens:,} tokens; actual "
+            f"{b.batch_tokens:,} tokens = {b.batch_tokens // seq:,} sequences of {seq}\n"
+            f"  micro-batch      {b.micro_batch_tokens:,} tokens "
+            f"({b.micro_batch_tokens // seq} sequences) per device\n"
+            f"  devices          {b.devices} of {cfg.ladder.max_devices} "
+            f"(at least {p.min_devices}); data-parallel size {b.dp_world_size}; "
+            f"{b.grad_accum_steps} accumulation step(s)\n"
+            f"  memory           {ddp:.2f} GB per device with DDP, {fsdp:.2f} GB with FSDP on "
+            f"{b.devices}, of {memory:.0f} GB ({cfg.ladder.device}): {verdict} "
+            f"(plan.memory_per_rank)\n"
             f"  optimizer        {'Muon for the block matrices + AdamW' if muon else 'AdamW'}, "
             f"peak LR {r.lr:.3g}, beta2 {r.beta2}, weight decay 0.1 (not on embeddings)\n"
-            f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens ({r.warmup_steps} steps)\n"
-            f"  duration         {r.duration_tokens:,} tokens = {r.max_steps:,} steps; WSD-S periods {r.periods}\n"
-            f"  checkpoints      " + ", ".join(f"{c['name']} @ {c['step']}" for c in checkpoints) + "\n"
+            f"  warmup           {r.warmup_steps * b.batch_tokens:,} tokens "
+            f"({r.warmup_steps} steps)\n"
+            f"  duration         {r.duration_tokens:,} tokens = {r.max_steps:,} steps; "
+            f"WSD-S periods {r.periods}\n"
+            f"  checkpoints      "
+            + ", ".join(f"{c['name']} @ {c['step']}" for c in checkpoints) + "\n"
             f"  LR schedule plot {png}"
         )
 
@@ -249,15 +292,15 @@ def dry_run(cfg, plans, as_json):
 def check_world_size(plan):
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size != plan.batch.devices:
-        launch = (f"torchrun --nproc-per-node={plan.batch.devices} ladder.py ..." if plan.batch.devices > 1
-                  else "python ladder.py ... (one process)")
-        raise ConfigError(f"size {plan.size} is planned for {plan.batch.devices} device(s) but this run has "
-                          f"{world_size} process(es); launch it as {launch}.")
+        launch = (f"torchrun --nproc-per-node={plan.batch.devices} ladder.py ..."
+                  if plan.batch.devices > 1 else "python ladder.py ... (one process)")
+        raise ConfigError(f"size {plan.size} is planned for {plan.batch.devices} device(s) but "
+                          f"this run has {world_size} process(es); launch it as {launch}.")
 
 
 def changes_the_result(key):
-    """A setting whose change makes a trained size another experiment: any that is not `free` (config.py),
-    and any the plan derives, except where the size's folder lies (a ladder folder may be moved)."""
+    """A setting whose change makes a trained size another experiment: any that is not `free`, and
+    any the plan derives, except where the size's folder lies (a ladder folder may be moved)."""
     if key not in all_keys(Config()):  # a field this version no longer has
         return True
     metadata = field_metadata(Config(), key)
@@ -265,8 +308,9 @@ def changes_the_result(key):
 
 
 def size_status(cfg, plan):
-    """(status, detail) of a size's folder against its plan: "new" (never started), "partial" (started,
-    not at its last step), "finished", or "different" (trained under other settings; detail names them)."""
+    """(status, detail) of a size's folder against its plan: "new" (never started), "partial"
+    (started, not at its last step), "finished", or "different" (trained under other settings;
+    detail names them)."""
     folder = os.path.join(cfg.ladder.dir, plan.size)
     saved_path = os.path.join(folder, "config.json")
     if not os.path.exists(saved_path):
@@ -286,14 +330,14 @@ def size_status(cfg, plan):
 
 
 def refuse_different(cfg, plan, detail):
-    raise UserError(f"size {plan.size} in {os.path.join(cfg.ladder.dir, plan.size)} was trained under other "
-                    f"settings ({detail}); use another ladder.dir for these settings, or move that folder away to "
-                    f"train the size anew.")
+    raise UserError(f"size {plan.size} in {os.path.join(cfg.ladder.dir, plan.size)} was trained "
+                    f"under other settings ({detail}); use another ladder.dir for these settings, "
+                    f"or move that folder away to train the size anew.")
 
 
 def refuse_any_different(cfg, plans):
-    """Before a fit: every size's saved config must be its plan's (a size trained under other settings
-    would put a point of another law into this one)."""
+    """Before a fit: every size's saved config must be its plan's (a size trained under other
+    settings would put a point of another law into this one)."""
     for plan in plans:
         status, detail = size_status(cfg, plan)
         if status == "different":
@@ -311,16 +355,18 @@ def run(cfg, plan):
 
 
 def run_child(command):
-    """Run one size in its own process and return its exit status. Ctrl-C in a terminal reaches the
-    child too (one process group) and the child finishes its step and saves; this process waits for that
-    instead of killing it, and forwards a SIGINT/SIGTERM sent to it alone. Returns (status, signal name)."""
+    """Run one size in its own process; returns (exit status, the name of a signal received). Ctrl-C
+    in a terminal reaches the child too (one process group) and the child finishes its step and
+    saves; this process waits for that instead of killing it, and forwards a SIGTERM sent to it
+    alone."""
     child = subprocess.Popen(command)
     received = []
 
     def forward(signum, frame):
         received.append(signal.Signals(signum).name)
+        # a terminal's Ctrl-C already reached the child; a SIGTERM to us alone did not
         if child.poll() is None and signum == signal.SIGTERM:
-            child.send_signal(signum)  # a terminal's Ctrl-C already reached the child; a SIGTERM to us alone did not
+            child.send_signal(signum)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -335,8 +381,9 @@ def run_child(command):
 
 
 def run_all(cfg, plans, config_path, overrides):
-    """Each unfinished size in its own process (torchrun when it needs several devices), smallest first.
-    A size is skipped only when it finished under the plan's settings; one stopped early stops run-all."""
+    """Each unfinished size in its own process (torchrun when it needs several devices), smallest
+    first. A size is skipped only when it finished under the plan's settings; one stopped early
+    stops run-all."""
     statuses = [(p, *size_status(cfg, p)) for p in plans]
     for p, status, detail in statuses:  # refuse before training anything
         if status == "different":
@@ -344,36 +391,42 @@ def run_all(cfg, plans, config_path, overrides):
     todo, timings = [p for p, status, _ in statuses if status != "finished"], []
     for k, (p, status, _) in enumerate(statuses, 1):
         if status == "finished":
-            print(f"size {p.size} ({k} of {len(plans)}): finished ({os.path.join(cfg.ladder.dir, p.size)}); skipped")
+            print(f"size {p.size} ({k} of {len(plans)}): finished "
+                  f"({os.path.join(cfg.ladder.dir, p.size)}); skipped")
             continue
         launcher = [sys.executable] if p.batch.devices == 1 else [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={p.batch.devices}"]
-        command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides, f"--size={p.size}"]
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={p.batch.devices}"]
+        command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides,
+                              f"--size={p.size}"]
         eta = ladder_eta(timings, todo[len(timings):])
-        print(
-            f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): {' '.join(command[1:])}", flush=True
-        )
+        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): "
+              f"{' '.join(command[1:])}", flush=True)
         start = time.monotonic()
         code, signal_name = run_child(command)
         timings.append((p, time.monotonic() - start))
         status, detail = size_status(cfg, p)
         if signal_name:
-            raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a checkpoint of what it had "
-                            f"trained: run run-all again to continue from there.")
+            raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a "
+                            f"checkpoint of what it had trained: run run-all again to continue "
+                            f"from there.")
         if code != 0:
-            raise UserError(f"size {p.size} failed (its output is above); fix that, then run run-all again to "
-                            f"continue from where it stopped.")
-        if status == "different":  # its run wrote a config other than the plan: this ladder.py and train.py disagree
+            raise UserError(f"size {p.size} failed (its output is above); fix that, then run "
+                            f"run-all again to continue from where it stopped.")
+        # its run wrote a config other than the plan: this ladder.py and train.py disagree
+        if status == "different":
             refuse_different(cfg, p, detail)
         if status != "finished":
-            raise UserError(f"size {p.size} stopped before its last step (a time limit, a CANCEL file or a signal; its "
-                            f"output is above); run run-all again to continue from its checkpoint.")
+            raise UserError(f"size {p.size} stopped before its last step (a time limit, a CANCEL "
+                            f"file or a signal; its output is above); run run-all again to "
+                            f"continue from its checkpoint.")
 
 
 def ladder_eta(timings, left):
-    """", about M min left for the ladder": the last trained size's seconds per token and parameter (the
-    output layer counted: it is most of a small model's work) times the tokens and parameters of the
-    sizes left. A plain per-token rate would promise the larger sizes at the smaller ones' speed."""
+    """", about M min left for the ladder": the last trained size's seconds per token and parameter
+    (the output layer counted: it is most of a small model's work) times the tokens and parameters
+    of the sizes left. A plain per-token rate would promise the larger sizes at the smaller ones'
+    speed."""
     if not timings:
         return ""
     last, seconds = timings[-1]
@@ -395,37 +448,42 @@ def benchmark(cfg, plan):
     train.train(bench)
     if os.environ.get("RANK", "0") != "0":
         return
-    rows = [r for r in metrics.read_jsonl(os.path.join(bench.train.out_dir, "metrics.jsonl")) if r["step"] > 10]
+    metrics_path = os.path.join(bench.train.out_dir, "metrics.jsonl")
+    rows = [r for r in metrics.read_jsonl(metrics_path) if r["step"] > 10]
 
     def median(name):
         values = [r[name] for r in rows if name in r]
         return statistics.median(values) if values else None
 
     mfu = median("throughput/mfu")
-    peak = max((v for r in rows for k, v in r.items() if k.startswith("system/") and "peak" in k), default=0.0)
-    print(f"benchmark {plan.size}: {median('throughput/tokens_per_sec'):,.0f} tokens/s (median after step 10), "
-          f"MFU {'%.1f%%' % (100 * mfu) if mfu is not None else 'unknown (peak FLOP/s of this device not known)'}, "
-          f"peak memory {peak:.2f} GB; profiler trace in {os.path.join(bench.train.out_dir, 'profiler')}")
+    peak = max((v for r in rows for k, v in r.items() if k.startswith("system/") and "peak" in k),
+               default=0.0)
+    mfu_text = ("%.1f%%" % (100 * mfu) if mfu is not None
+                else "unknown (peak FLOP/s of this device not known)")
+    print(f"benchmark {plan.size}: {median('throughput/tokens_per_sec'):,.0f} tokens/s (median "
+          f"after step 10), MFU {mfu_text}, peak memory {peak:.2f} GB; profiler trace in "
+          f"{os.path.join(bench.train.out_dir, 'profiler')}")
 
 
 def show_checkpoints(cfg, plans, as_json):
-    from lab import ladder_fit  # (reading what the runs wrote)
+    from lab import ladder_fit
 
-    for folder in ladder_fit.missing_alternative_dirs(cfg):  # (on stderr: --json's lines stay JSON)
-        print(f"note: ladder.alternative_dirs has {folder}, which does not exist; no checkpoint was looked for there.",
-              file=sys.stderr)
+    for folder in ladder_fit.missing_alternative_dirs(cfg):
+        print(f"note: ladder.alternative_dirs has {folder}, which does not exist; no checkpoint "
+              f"was looked for there.", file=sys.stderr)  # stderr: --json's lines stay JSON
     for p in plans:
         for c in ladder_fit.checkpoint_rows(cfg, p):
             if as_json:
                 print(json.dumps({"size": p.size, **c}))
             else:
                 mark = "✔" if c["exists"] else "✘"
-                print(f"{mark} {p.size:<8} step {c['step']:>7,} ({c['tokens']:>12,} tokens) {c['name']:<20} {c['path']}"
+                print(f"{mark} {p.size:<8} step {c['step']:>7,} ({c['tokens']:>12,} tokens) "
+                      f"{c['name']:<20} {c['path']}"
                       + (f"\n    metrics: {c['metrics']}" if c["metrics"] else ""))
 
 
 def metrics_table(cfg, plans):
-    """[{size, checkpoint, step, tokens, non_embedding_params, <every metric saved at that step>}]."""
+    """[{size, checkpoint, step, tokens, non_embedding_params, <each metric saved at the step>}]."""
     from lab import ladder_fit
 
     table = []
@@ -434,17 +492,20 @@ def metrics_table(cfg, plans):
             if c["metrics"]:
                 saved = ladder_fit.read_metrics_file(c["metrics"])
                 saved.pop("step", None)
-                table.append({"size": p.size, "checkpoint": c["name"], "step": c["step"], "tokens": c["tokens"],
-                              "non_embedding_params": p.non_embedding_params, **saved})
+                table.append({"size": p.size, "checkpoint": c["name"], "step": c["step"],
+                              "tokens": c["tokens"], "non_embedding_params": p.non_embedding_params,
+                              **saved})
     return table
 
 
 def show_metrics(cfg, plans, csv_path):
     table = metrics_table(cfg, plans)
     if not table:
-        raise UserError(f"no size under {cfg.ladder.dir} has saved metrics yet; train some with run or run-all.")
+        raise UserError(f"no size under {cfg.ladder.dir} has saved metrics yet; train some with "
+                        f"run or run-all.")
     columns = list(dict.fromkeys(["size", "checkpoint", "step", "tokens", "val/loss"]
-                                 + [k for row in table for k in sorted(row) if k != "non_embedding_params"]))
+                                 + [k for row in table for k in sorted(row)
+                                    if k != "non_embedding_params"]))
     if csv_path:
         import csv
 
@@ -454,9 +515,10 @@ def show_metrics(cfg, plans, csv_path):
                 writer.writeheader()
                 writer.writerows(table)
         except OSError as error:
-            raise UserError(f"cannot write --csv={csv_path} ({error.strerror or error}); give a path in a folder "
-                            f"that exists and that you can write to.") from None
-    shown = [c for c in columns if c in ("size", "checkpoint", "step", "tokens") or c.startswith(("val/", "eval/"))]
+            raise UserError(f"cannot write --csv={csv_path} ({error.strerror or error}); give a "
+                            f"path in a folder that exists and that you can write to.") from None
+    shown = [c for c in columns
+             if c in ("size", "checkpoint", "step", "tokens") or c.startswith(("val/", "eval/"))]
     cell = lambda v: f"{v:.4f}" if isinstance(v, float) else str(v)  # noqa: E731
     widths = [max(len(c), *(len(cell(r.get(c, ""))) for r in table)) for c in shown]
     print("  ".join(c.ljust(w) for c, w in zip(shown, widths)))
@@ -466,36 +528,42 @@ def show_metrics(cfg, plans, csv_path):
         print(f"all {len(columns)} columns written to {csv_path}")
 
 
-# ----------------------------------------------------------------------------- the command line
+# ------------------------------------------------------------------------------- the command line
 
 COMMANDS = ("dry-run", "run", "run-all", "benchmark", "checkpoints", "metrics", "fit", "compare")
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog="Any other --section.field=value "
-                                     "overrides the ladder file(s), as in train.py.")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     epilog="Any other --section.field=value overrides the "
+                                            "ladder file(s), as in train.py.")
     parser.add_argument("command", choices=COMMANDS)
-    parser.add_argument("config", nargs="+", help="a ladder config file, e.g. config/ladder_shakespeare.py "
-                                                  "(compare: two of them, A then B)")
+    parser.add_argument("config", nargs="+",
+                        help="a ladder config file, e.g. config/ladder_shakespeare.py (compare: "
+                             "two of them, A then B)")
     parser.add_argument("--size", help="one size of ladder.sizes (run and benchmark need it)")
     parser.add_argument("--json", action="store_true", help="dry-run, checkpoints: JSON lines")
     parser.add_argument("--csv", help="metrics: also write every column to this CSV file")
     parser.add_argument("--params", default="non_embedding", choices=PARAMS,
                         help="fit, compare: what N counts (default: non_embedding, Kaplan et al.)")
-    parser.add_argument("--task", help="fit: also predict this task's accuracy (two steps: Bhagia et al. 2024)")
-    parser.add_argument("--rounds", type=int, default=200, help="fit, compare: bootstrap refits for the intervals")
+    parser.add_argument("--task",
+                        help="fit: also predict this task's accuracy (two steps: Bhagia et al. "
+                             "2024)")
+    parser.add_argument("--rounds", type=int, default=200,
+                        help="fit, compare: bootstrap refits for the intervals")
     args, overrides = parser.parse_known_args(argv)
     compare = args.command == "compare"
     if len(args.config) != (2 if compare else 1):
-        raise UserError(
-            f"{args.command} takes {'two ladder files (A, then B)' if compare else 'one ladder file'}, "
-            f"and {len(args.config)} were given; e.g. python ladder.py {args.command} "
-            f"config/ladder_shakespeare.py{' config/ladder_shakespeare_muon.py' if compare else ''}."
-        )
+        takes = "two ladder files (A, then B)" if compare else "one ladder file"
+        second = " config/ladder_shakespeare_muon.py" if compare else ""
+        raise UserError(f"{args.command} takes {takes}, and {len(args.config)} were given; e.g. "
+                        f"python ladder.py {args.command} config/ladder_shakespeare.py{second}.")
     if args.rounds < 0:
-        raise UserError(f"--rounds={args.rounds} must be 0 or more; give the number of bootstrap refits.")
+        raise UserError(f"--rounds={args.rounds} must be 0 or more; give the number of bootstrap "
+                        f"refits.")
     if args.command == "compare":
-        ladders = [(path, cfg, plan_sizes(cfg)) for path in args.config for cfg in [read_config(path, overrides)]]
+        ladders = [(path, cfg, plan_sizes(cfg))
+                   for path in args.config for cfg in [read_config(path, overrides)]]
         for _, cfg, plans in ladders:
             refuse_any_different(cfg, plans)
         from lab import ladder_fit
@@ -504,10 +572,12 @@ def main(argv):
     if args.task:
         check_names([args.task], "--task")
         if args.task not in cfg.eval.tasks:
-            raise UserError(f"--task={args.task} is not among eval.tasks of {args.config[0]}, so the ladder has no "
-                            f"scores for it; add it to eval.tasks and train the sizes.")
+            raise UserError(f"--task={args.task} is not among eval.tasks of {args.config[0]}, so "
+                            f"the ladder has no scores for it; add it to eval.tasks and train the "
+                            f"sizes.")
     if args.command in ("run", "benchmark") and not args.size:
-        raise UserError(f"{args.command} trains one size; add --size=NAME, one of {', '.join(cfg.ladder.sizes)}.")
+        raise UserError(f"{args.command} trains one size; add --size=NAME, one of "
+                        f"{', '.join(cfg.ladder.sizes)}.")
     plans = plan_sizes(cfg, args.size)
     if args.command == "dry-run":
         dry_run(cfg, plans, args.json)
