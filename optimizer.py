@@ -174,7 +174,7 @@ def set_lr(optimizer, lr, peak_lr):
     return {"optim/lr": lrs["optim/lr/adamw"], **lrs}
 
 
-# ----------------------------------------------------------------------- the learning-rate schedule
+# --------------------------------------------------------------------- the learning-rate schedule
 # The LR of optimizer step n (1-based: the `optim/lr` logged at step n), by optim.schedule:
 #     cosine    warmup, then cosine decay toward optim.min_lr (GPT-3; the default), as
 #               build-nanogpt's get_lr: the curve reaches min_lr one step after the run's last
@@ -242,7 +242,7 @@ def build_schedule(optim, total_steps):
     return Schedule(o.schedule, o.lr, o.min_lr, total_steps, warmup, (decay,), shape=o.decay_shape)
 
 
-# ----------------------------------------------------------------------------- WSD-S's periods
+# -------------------------------------------------------------------------------- WSD-S's periods
 # Warmup-Stable-Decay-Simplified (Wen et al. 2024; OLMo-core's WSDS): periods P1..Pk each hold their
 # peak (lr x its multiplier) and decay to min_lr over their last D_i steps; the next period jumps
 # back to its peak. The checkpoint at the bottom of each decay is a finished run of that length,
