@@ -247,10 +247,11 @@ def open_shard(path, vocab_limit):
                         f"again.") from None
     if shard.dtype != np.uint16 or shard.ndim != 1:
         raise DataError(f"shard {path} is a {shard.ndim}-D {shard.dtype} array, not the 1-D uint16 "
-                        f"token ids data.py writes; prepare the dataset again with data.py.")
+                        f"token ids prepare_data.py writes; prepare the dataset again with "
+                        f"prepare_data.py.")
     if len(shard) and int(shard.max()) >= vocab_limit:
         largest, data_dir = int(shard.max()), os.path.dirname(path)
-        advice = "prepare the dataset again with data.py"  # not from prepare_data.py
+        advice = "prepare the dataset again with prepare_data.py"  # (not what it writes)
         if vocab_limit < GPT2_VOCAB_SIZE:  # model.vocab_size below the data's: change the setting
             has_chars = os.path.exists(os.path.join(data_dir, "meta.json"))
             chars = get_tokenizer(data_dir).n_vocab if has_chars else 0

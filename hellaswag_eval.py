@@ -324,7 +324,9 @@ def encode(choices, label, group, block_size):
     enc = get_tokenizer()
     rows, starts, chars, truncated, fits, tokens = [], [], [], False, True, {}
     for context, continuation in choices:
-        context_tokens = tokens.setdefault(context, enc.encode(context))
+        if context not in tokens:  # the choices of an example share their context
+            tokens[context] = enc.encode(context)
+        context_tokens = tokens[context]
         continuation_tokens = enc.encode(continuation)
         row = context_tokens + continuation_tokens
         cut = max(0, len(row) - (block_size + 1))
