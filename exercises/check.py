@@ -48,18 +48,18 @@ DOC_BLOCK = ("<!-- written by `python exercises/check.py all --doc-numbers`: wha
 
 
 def check_of(number):
-    """The check function of exercise `number` (exercises/checks_*.py)."""
+    """The check function of exercise `number` (exercises/grader/checks_*.py)."""
     import importlib
 
     module, name = CHECKS[number]
-    return getattr(importlib.import_module(f"exercises.checks_{module}"), name)
+    return getattr(importlib.import_module(f"exercises.grader.checks_{module}"), name)
 
 
 def grade(number, folder=HERE, data_root="", seed=None):
     """(passed, the line to print) for exercise `number`, its answers read from `folder`, its cases drawn from
     `seed` (None: a fresh one, printed when the answer fails, so that --seed replays the grading); refused when
     a grading file (room.fingerprint) changed meanwhile, as an answer could make it where the platform lets it."""
-    from exercises.room import changed_file, fingerprint
+    from exercises.grader.room import changed_file, fingerprint
 
     seed = random.randrange(2**32) if seed is None else seed
     before = fingerprint()
@@ -82,8 +82,8 @@ def seed_everything(seed):
 
 
 def grade_once(number, folder, data_root, seed):
-    from exercises.checking import ExerciseFailed, NotDone
-    from exercises.grading import Answers
+    from exercises.grader.checking import ExerciseFailed, NotDone
+    from exercises.grader.grading import Answers
 
     options = {"data_root": data_root} if number in TRAINS else {}
     seed_everything(seed)
@@ -191,7 +191,7 @@ def refuse(sentence):
 
 def print_hint(number, level):
     """Hint `level` of exercise `number`, from hints.py: where to look, then how, then the code."""
-    from exercises.hints import hint
+    from exercises.grader.hints import hint
 
     try:
         text, count = hint(number, level)

@@ -8,8 +8,8 @@ import random
 
 import torch
 
-from exercises.checking import ExerciseFailed, compared, shown
-from exercises.feed_sampling import CASES, cache_steps, run_generate, sampling_answers
+from exercises.grader.checking import ExerciseFailed, compared, shown
+from exercises.grader.feed_sampling import CASES, cache_steps, run_generate, sampling_answers
 
 
 def compare_cache(mine, want):

@@ -11,9 +11,9 @@ asking for it.
 import ast
 from pathlib import Path
 
-from exercises.make_student_copy import STUDENT_COPY
+from exercises.grader.make_student_copy import STUDENT_COPY
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # exercises/
 
 HINTS = {
     1: ("optimizer.py, `Schedule.lr_at`; the comment above it states each schedule in words.",

@@ -32,11 +32,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent  # the teacher's project: the copy that grades
+ROOT = Path(__file__).resolve().parents[2]  # the teacher's project: the copy that grades
 
 # Of exercises/, what the answer's process needs: the runner and the feed modules (feeding.py, feed_*.py), which
 # hold no expected value, comparison or advice. Nothing else of exercises/ goes in.
-RUNS_ANSWERS = ("__init__.py", "runner.py", "feeding.py")
+RUNS_ANSWERS = ("exercises/__init__.py", "exercises/grader/__init__.py", "exercises/grader/runner.py",
+                "exercises/grader/feeding.py")
 
 
 def kept(name):
@@ -46,12 +47,12 @@ def kept(name):
         return False
     if parts[0] != "exercises":
         return True
-    return len(parts) == 2 and (parts[1] in RUNS_ANSWERS or (parts[1].startswith("feed_")
-                                                               and parts[1].endswith(".py")))
+    return name in RUNS_ANSWERS or (parts[1:2] == ["grader"] and len(parts) == 3
+                                    and parts[2].startswith("feed_") and parts[2].endswith(".py"))
 
 
 def project_files(root=ROOT):
-    from exercises.make_student_copy import project_files as listed
+    from exercises.grader.make_student_copy import project_files as listed
 
     return [name for name in listed(root) if kept(name.replace(os.sep, "/"))]
 
@@ -186,7 +187,8 @@ def fingerprint(root=None):
     """{file: sha256} of what grades in `root`: the project's modules and exercises/ (the checks, the runner, the
     reference answers), so a change made while an answer ran is caught whatever the platform let it do."""
     root, hashes = Path(root or ROOT), {}
-    for name in sorted([*root.glob("*.py"), *(root / "exercises").glob("*.py"), *(root / "config").glob("*.py")]):
+    folders = [root, root / "exercises", root / "exercises" / "grader", root / "config"]
+    for name in sorted(path for folder in folders for path in folder.glob("*.py")):
         hashes[str(name.relative_to(root))] = hashlib.sha256(name.read_bytes()).hexdigest()
     return hashes
 

@@ -5,7 +5,7 @@ module is, and holds."""
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from exercises.feeding import tiny_gpt
+from exercises.grader.feeding import tiny_gpt
 
 
 CASES = [  # (rows, prompt length, new tokens, temperature, top_k): greedy, sampled, top-k, past block_size (16)

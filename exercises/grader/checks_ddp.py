@@ -10,8 +10,8 @@ import threading
 
 import torch
 
-from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
-from exercises.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
+from exercises.grader.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.grader.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
                                 send_frame)
 
 

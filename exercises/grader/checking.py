@@ -22,7 +22,7 @@ import math
 import torch
 
 # The helpers both sides use, which live on the answer's side (the room holds them): a check imports them here.
-from exercises.feeding import (ExerciseFailed, TINY_RUN, gradients, host_syncs, patched, plain,  # noqa: F401
+from exercises.grader.feeding import (ExerciseFailed, TINY_RUN, gradients, host_syncs, patched, plain,  # noqa: F401
                                run_training, tiny_gpt)
 
 

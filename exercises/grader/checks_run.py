@@ -11,8 +11,8 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
-from exercises.feed_run import FIELDS, resume_answers, resume_run, task_answers
+from exercises.grader.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
+from exercises.grader.feed_run import FIELDS, resume_answers, resume_run, task_answers
 
 # ----------------------------------------------------------------------------- 6. resuming exactly
 

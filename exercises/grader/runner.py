@@ -1,7 +1,7 @@
 """The process an answer runs in (grading.py starts it; torchrun starts two for the checks of data parallelism).
 
-    python ROOM/exercises/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
-    python ROOM/exercises/runner.py --zygote   # forks one such process per job read from stdin (grading.py)
+    python ROOM/exercises/grader/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
+    python ROOM/exercises/grader/runner.py --zygote   # forks one such process per job read from stdin (grading.py)
 
 It runs from the room (room.py: a copy of the project without the teacher's answers), puts the room's project
 first on the path (so the answer's `import model` is the room's model.py, whatever folder the answer file sits
@@ -26,7 +26,7 @@ import sys
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
@@ -69,7 +69,7 @@ def describe_error(path, error):
         return "failed", f"exercises/{Path(error.filename).name} does not load ({error.msg} at line {error.lineno})."
     last = traceback.extract_tb(error.__traceback__)[-1:] or [None]
     last = last[0]
-    if isinstance(error, AssertionError) and last and Path(last.filename).resolve().parent == ROOT / "exercises":
+    if isinstance(error, AssertionError) and last and Path(last.filename).resolve().parent == ROOT / "exercises" / "grader":
         return "failed", (f"this exercise cannot be checked: the project no longer does what it teaches "
                           f"({first_line(error)}); tell your teacher.")
     place = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
@@ -122,7 +122,7 @@ def reach_python(libc, prefix):
 def run_job(answer_path, side, inputs_path, outputs_path):
     import torch
 
-    from exercises.feeding import ExerciseFailed, plain
+    from exercises.grader.feeding import ExerciseFailed, plain
 
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (checking.py)
     rank = int(os.environ.get("RANK", "0"))
@@ -147,7 +147,7 @@ def run_job(answer_path, side, inputs_path, outputs_path):
 # What a zygote imports once, so that its children start with it: the project and every feed module.
 PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", "data", "optimizer", "checkpoint",
              "hellaswag_eval", "scaling_law", "prepare_data",
-             *(f"exercises.{path.stem}" for path in sorted((ROOT / "exercises").glob("feed*.py")))]
+             *(f"exercises.grader.{path.stem}" for path in sorted((ROOT / "exercises" / "grader").glob("feed*.py")))]
 
 
 def zygote():

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from exercises.checking import ExerciseFailed, NotDone
-from exercises.room import ROOM, ROOT, answer_folder, give_to_answer, stop_leftovers, unprivileged
+from exercises.grader.checking import ExerciseFailed, NotDone
+from exercises.grader.room import ROOM, ROOT, answer_folder, give_to_answer, stop_leftovers, unprivileged
 
-HERE = Path(__file__).resolve().parent  # the grading copy's exercises/
+HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
 
 def answer_file(number, folder=HERE):
@@ -113,7 +113,7 @@ class Running:
             return
         start = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={ranks}"]
-        self.process = subprocess.Popen(start + [str(ROOM.build() / "exercises" / "runner.py"), *job],
+        self.process = subprocess.Popen(start + [str(ROOM.build() / "exercises" / "grader" / "runner.py"), *job],
                                         cwd=self.folder.name, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, env=runner_environment())
 
@@ -206,7 +206,7 @@ class Zygote:
             self.wait(self.running, None)
         if self.process is None or self.process.poll() is not None:
             room = ROOM.build()
-            self.process = subprocess.Popen([sys.executable, str(room / "exercises" / "runner.py"), "--zygote"],
+            self.process = subprocess.Popen([sys.executable, str(room / "exercises" / "grader" / "runner.py"), "--zygote"],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                             text=True, env=runner_environment(), cwd=room)
             self.replies = queue.Queue()
