@@ -19,7 +19,6 @@ import io
 import json
 import os
 import queue
-import signal
 import stat
 import subprocess
 import sys
@@ -28,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from exercises.grader.checking import ExerciseFailed, NotDone
-from exercises.grader.room import ROOM, ROOT, answer_folder, give_to_answer, stop_leftovers, unprivileged
+from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone, from_the_answer
+from exercises.grader.room import ROOT, answer_folder, give_to_answer, room_for, unprivileged
+from exercises.grader.sandbox import ENVIRONMENT, Sandbox
 
 HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
@@ -77,88 +77,114 @@ class Answers:
         if blank:
             raise NotDone(f"write {blank[0]} in exercises/{self.path.name} (its docstring says what it must do).")
 
-    def run(self, side, inputs=None, timeout=300, ranks=1):
-        """`side(answers, inputs)` (a function of a feed module, feed_*.py) in a new process that loads the answer file;
-        returns what it returned, as plain data. With ranks=2, torchrun starts two such processes on gloo (the
-        checks of data parallelism), and rank 0's result comes back."""
-        return self.start(side, inputs, timeout, ranks).result()
+    def run(self, side, inputs=None, timeout=300, ranks=1, cpu=None):
+        """`side(answers, inputs)` (a function of a feed module, feed_*.py) in a new process that loads the answer
+        file; returns what it returned, as plain data. With ranks=2, torchrun starts two such processes on gloo
+        (the checks of data parallelism), and rank 0's result comes back. `cpu`: seconds of CPU the answer's
+        processes may use together, past which `OverCpu` is raised."""
+        return self.start(side, inputs, timeout, ranks, cpu).result()
 
-    def start(self, side, inputs=None, timeout=300, ranks=1):
+    def start(self, side, inputs=None, timeout=300, ranks=1, cpu=None):
         """`run`, started: the check computes its reference meanwhile, then calls `.result()`."""
-        return Running(self, side, inputs, timeout, ranks)
+        return Running(self, side, inputs, timeout, ranks, cpu)
 
-    @staticmethod
-    def data_root(data_root):
+    def shared_folder(self):
+        """The folder the answer's process shares with this one (the answers' folders): a Unix socket made there
+        (checks_ddp.py) is the one way to talk to the grader from the sandbox, which has no network."""
+        return room_for(self.number).answers()
+
+    def data_root(self, data_root):
         """The data root to give an answer side that trains: a copy in the room of `data_root`'s Shakespeare."""
-        return ROOM.data_root(data_root)
+        return room_for(self.number).data_root(data_root)
+
+
+class OverCpu(ExerciseFailed):
+    """The answer's processes used more than the CPU they were given (`cpu` seconds, measured: `used`)."""
+
+    def __init__(self, cpu, used):
+        super().__init__(f"your answer used more than {cpu:.3g} s of CPU, the most this check gives it: look for "
+                         f"work done again and again.")
+        self.cpu, self.used = cpu, used
 
 
 class Running:
     """An answer process (or two, under torchrun) under way."""
 
-    def __init__(self, answers, side, inputs, timeout, ranks):
-        self.answers, self.timeout, self.ranks = answers, timeout, ranks
+    def __init__(self, answers, side, inputs, timeout, ranks, cpu):
+        self.answers, self.timeout, self.ranks, self.cpu = answers, timeout, ranks, cpu
+        room = room_for(answers.number)
         # In a folder of its own, beside the room, holding copies of the answer files: nothing the answer writes
         # lands in the project, and it reads no answer file but the student's.
-        self.folder = answer_folder(answers.folder)
+        self.folder = answer_folder(answers.folder, room.answers())
         self.inputs, self.outputs = (os.path.join(self.folder.name, name) for name in ("in.pt", "out.pt"))
         torch.save(inputs, self.inputs)
-        self.user = unprivileged()  # (uid, gid) of this answer's own, or None (runner.isolate, room.py)
+        self.user = None if sandbox().as_grader else unprivileged()  # (uid, gid) of the answer's own, or None
         give_to_answer(self.folder.name, self.user)
         job = [str(Path(self.folder.name) / "exercises" / answers.path.name), f"{side.__module__}:{side.__name__}",
                self.inputs, self.outputs]
         if hasattr(os, "fork"):
             self.process = None
-            self.child = ZYGOTE.start(job, self.folder.name, ranks, self.user)
+            self.zygote = zygote_of(room)
+            self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks, "user": self.user,
+                               "timeout": timeout, "cpu": cpu, "environment": ENVIRONMENT})
             return
         start = [sys.executable] if ranks == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc-per-node={ranks}"]
-        self.process = subprocess.Popen(start + [str(ROOM.build() / "exercises" / "grader" / "runner.py"), *job],
+        self.process = subprocess.Popen(start + [str(room.build() / "exercises" / "grader" / "runner.py"), *job],
                                         cwd=self.folder.name, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, env=runner_environment())
+                                        env=answer_environment(self.folder.name))
 
     def wait(self):
-        """(exit status, its output), or None when the answer ran past the time limit (and was stopped)."""
+        """{"status": exit status or None, "limit": "time" or "cpu" when the answer was stopped at one, "output":
+        the end of what it printed}."""
         if self.process is None:
-            status = ZYGOTE.wait(self.child, self.timeout)
-            output = written_by_answer(self.folder.name, "output.txt") or b""
-            return None if status is None else (status, output.decode(errors="replace"))
+            return self.zygote.wait(self.timeout)
         try:
             output = self.process.communicate(timeout=self.timeout)[0]
-            return self.process.returncode, output
+            return {"status": self.process.returncode, "limit": None,
+                    "output": output[-16_384:].decode(errors="replace")}
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.communicate()
-            return None
+            return {"status": None, "limit": "time", "output": ""}
 
     def result(self):
         try:
-            finished = self.wait()
-            if finished is None:
+            ended = self.wait()
+            if ended["limit"] == "time":
                 raise ExerciseFailed(f"your answer did not finish in {self.timeout} s (the check's inputs are small: "
                                      f"look for a loop that never ends, or a rank that waits for another).")
-            status, output = finished
+            if ended["limit"] == "cpu":
+                raise OverCpu(self.cpu, ended["cpu"])
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
             written = [data for data in (written_by_answer(self.folder.name, name) for name in names) if data]
             if not written:
-                lines = [line for line in output.strip().splitlines() if line.strip()] or ["no output"]
-                raise ExerciseFailed(f"the process that runs your answer ended (exit status {status}) before it "
-                                     f"answered: {lines[-1][:200]}.")
+                lines = [line for line in ended["output"].strip().splitlines() if line.strip()] or ["no output"]
+                last = from_the_answer(lines[-1])
+                if written_by_answer(self.folder.name, LOADING) is None:  # it ended before the answer loaded
+                    raise GraderFailed(f"the process that runs your answer ended (exit status {ended['status']}) "
+                                       f"before it loaded the answer: {last}")
+                raise ExerciseFailed(f"the process that runs your answer ended (exit status {ended['status']}) "
+                                     f"before it answered: {last}.")
             try:
                 came_back = torch.load(io.BytesIO(written[0]), weights_only=True)
             except Exception:  # noqa: BLE001 - whatever the file holds, it is not what runner.py saves
                 came_back = None
         finally:
-            stop_leftovers(self.user)  # what the answer left running goes before its folder does
             self.folder.cleanup()
         if not isinstance(came_back, dict):
             raise ExerciseFailed("the process that runs your answer sent back something else than its results.")
         if "not_done" in came_back:
-            raise NotDone(str(came_back["not_done"]))
+            raise NotDone(from_the_answer(came_back["not_done"]))
         if "failed" in came_back:
-            raise ExerciseFailed(str(came_back["failed"]))
+            raise ExerciseFailed(from_the_answer(came_back["failed"]))
+        if "grader" in came_back:
+            raise GraderFailed(f"the answer's process could not run it: {from_the_answer(came_back['grader'])}")
         return came_back.get("outputs")
+
+
+LOADING = "answer-loading"  # runner.LOADING: written by the answer's process right before it loads the answer
 
 
 def written_by_answer(folder, name):
@@ -185,62 +211,100 @@ def written_by_answer(folder, name):
         return f.read() if stat.S_ISREG(found.st_mode) and found.st_nlink == 1 else None
 
 
-def runner_environment():
-    """The environment of an answer's process: one thread, and no PYTHONPATH that could put a student's copy
-    before this one."""
-    return {**{name: value for name, value in os.environ.items() if name != "PYTHONPATH"}, "OMP_NUM_THREADS": "1"}
+def answer_environment(home):
+    """The whole environment of an answer's process: what it needs (sandbox.ENVIRONMENT), its HOME, and on
+    Windows what Python needs to start; nothing else of the grader's (no keys, no PYTHONPATH)."""
+    kept = {name: os.environ[name] for name in ("SYSTEMROOT", "WINDIR", "PATH")
+            if os.name == "nt" and name in os.environ}
+    return {**ENVIRONMENT, **kept, "HOME": home}
+
+
+SANDBOX = []  # the Sandbox of this process, made at the first answer (check.py's --no-bwrap makes its own first)
+
+
+def sandbox(use_bwrap=True):
+    """This process's Sandbox; the first call says, in one line on stderr, where the answers run."""
+    if not SANDBOX:
+        SANDBOX.append(Sandbox(use_bwrap))
+        line = SANDBOX[0].describe()
+        if line:
+            print(line, file=sys.stderr, flush=True)
+    return SANDBOX[0]
 
 
 class Zygote:
-    """runner.py --zygote, started at the first answer and kept until this process ends: each answer runs in a
-    child it forks (runner.py says why). One answer at a time: a new one waits for the last to end. Its replies
-    are read by a thread into a queue, so that waiting for one can end after a time limit."""
+    """runner.py --zygote in a room, started at the first answer and kept until this process ends, in the sandbox
+    where bwrap starts: each answer runs under a watcher it forks (runner.py says why). One answer at a time: a new
+    one waits for the last to end. Its replies are read by a thread into a queue, so that waiting for one can end
+    after a time limit."""
 
-    def __init__(self):
-        self.process, self.replies, self.running = None, None, None
+    def __init__(self, room):
+        self.room, self.process, self.replies, self.running = room, None, None, False
 
-    def start(self, job, folder, ranks=1, user=None):
-        """Start `job` in a new child (torchrun's, with ranks > 1), shut in (runner.isolate) as `user`; returns its
-        pid."""
-        if self.running is not None:  # a check that stopped before reading its answer's end
-            self.wait(self.running, None)
+    def start(self, request):
+        """Start the job of `request` (runner.zygote says what it holds) under a new watcher."""
+        if self.running:  # a check that stopped before reading its answer's end
+            self.wait(None)
         if self.process is None or self.process.poll() is not None:
-            room = ROOM.build()
-            self.process = subprocess.Popen([sys.executable, str(room / "exercises" / "grader" / "runner.py"), "--zygote"],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                            text=True, env=runner_environment(), cwd=room)
-            self.replies = queue.Queue()
-            threading.Thread(target=self.read, args=(self.process.stdout, self.replies), daemon=True).start()
-            atexit.register(self.process.stdin.close)
-        request = {"job": job, "folder": folder, "ranks": ranks, "hidden": [str(ROOT)], "user": user}
+            self.launch()
+        box = sandbox()
+        if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree itself
+            request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        self.running = self.reply(None)["pid"]
-        return self.running
+        self.reply(60)  # {"pid": the watcher's}
+        self.running = True
 
-    def wait(self, pid, timeout):
-        """The child's exit status, or None after `timeout` seconds (the child is then stopped)."""
+    def launch(self):
+        room, box = self.room.build(), sandbox()
+        runner = room / "exercises" / "grader" / "runner.py"
+        command = [sys.executable, str(runner), "--zygote"]
+        if box.bwrap:
+            command = box.command(sys.executable, runner, room, self.room.answers())
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, cwd=room,
+                                        env=answer_environment(str(room)))
+        self.replies = queue.Queue()
+        threading.Thread(target=self.read, args=(self.process.stdout, self.replies), daemon=True).start()
+        self.errors = []  # the last lines the zygote printed: why it ended, when it does
+        threading.Thread(target=self.read, args=(self.process.stderr, self.errors), daemon=True).start()
+        atexit.register(self.process.stdin.close)
+
+    def wait(self, timeout):
+        """What the watcher said when the answer ended (runner.follow). The watcher stops the answer at its
+        limits; past them by a minute, the zygote itself is stopped (and with it, the sandbox)."""
         try:
-            status = self.reply(timeout)["status"]
+            ended = self.reply(None if timeout is None else timeout + 60)
         except queue.Empty:
-            os.killpg(pid, signal.SIGKILL)  # the child leads a process group: torchrun's ranks go with it
-            self.reply(None)
-            status = None
-        self.running = None
-        return status
+            self.process.kill()
+            self.process, self.running = None, False
+            raise GraderFailed(f"the grader's watcher of your answer did not stop it after {timeout} s")
+        self.running = False
+        return ended
 
     def reply(self, timeout):
         line = self.replies.get(timeout=timeout)
         if line is None:
-            self.process, self.running = None, None
-            raise ExerciseFailed("the process that runs the answers ended: run the check again.")
+            said = from_the_answer((self.errors or ["no message"])[-1])
+            self.process, self.running = None, False
+            raise GraderFailed(f"the process that runs the answers ended ({said}); run the check again")
         return json.loads(line)
 
     @staticmethod
-    def read(stdout, replies):
-        for line in stdout:
-            replies.put(line)
-        replies.put(None)
+    def read(stream, into):
+        for line in stream:
+            if isinstance(into, list):
+                into[:] = (into + [line.rstrip()])[-20:]
+            else:
+                into.put(line)
+        if not isinstance(into, list):
+            into.put(None)
 
 
-ZYGOTE = Zygote()
+ZYGOTES = {}  # room -> its Zygote
+
+
+def zygote_of(room):
+    if room not in ZYGOTES:
+        ZYGOTES[room] = Zygote(room)
+    return ZYGOTES[room]

@@ -2,24 +2,27 @@
 
 grading.py runs every answer in a process of its own (runner.py), and that process starts in this room, not in
 the teacher's tree: a temporary folder holding a copy of the project's modules (model.py, train.py, sample.py,
-..., config/, tools/) and of exercises/ only what runs an answer: runner.py, and feeding.py with the feed_*.py
-modules, which build what the answer is given and send back what it returns. It holds no answer file of the
-teacher's (the references), no solutions/, no hints.py, no tests, and none of the checks (checks_*.py,
+..., config/, tools/) and of exercises/ only what runs an answer: grader/runner.py, and grader/feeding.py with
+the feed_*.py modules, which build what the answer is given and send back what it returns. It holds no answer
+file of the teacher's (the references), no solutions/, no hints, no tests, and none of the checks (checks_*.py,
 checking.py, check.py, grading.py): what grades (the expected values, the comparisons, the advice) never lies
-where an answer runs, so an answer can neither read the truth from it nor rewrite it. Each answer gets a folder of
-its own beside it holding copies of the student's answer files (an answer may build on another: 16 on 10) and the
-inputs. So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent` is the room's
-exercises/, where no reference lies.
+where an answer runs, so an answer can neither read the truth from it nor rewrite it. Each answer gets a folder
+of its own beside it holding copies of the student's answer files (an answer may build on another: 16 on 10)
+and the inputs. So the answer's `import model` is the room's model.py, and `Path(exercises.__file__).parent`
+is the room's exercises/, where no reference lies. Exercise 16, the capstone, has a room of its own, whose
+model.py keeps GPTConfig and what the trainer asks every GPT but not the modules the student writes
+(`without_the_capstone`).
 
-What else holds the answer in, by platform (runner.py's `isolate`, run in the answer's process before the
-answer file loads):
-- Linux, grader run as root: the answer's process gets a mount namespace of its own in which the teacher's
-  project folder is covered by an empty, unreadable folder, then drops to an unprivileged user id of the answer's
-  own (`unprivileged`; `nobody` where none is free), who
-  may write only its own folder and /tmp. So the teacher's tree can be neither read nor written.
-- Linux as another user, macOS, other Unixes: the room only. The answer runs with the grader's rights, so it
-  could still find the teacher's tree by its absolute path; `fingerprint` (below) then catches any change to
-  the grading files, and check.py refuses the grade, naming the file.
+What else holds the answer in, by platform (runner.py, in the answer's process before the answer file loads):
+- Linux with bubblewrap (sandbox.py): the room and Python read-only, nothing else of the disk, no network, a
+  PID namespace of each answer's own; as root, a user id of the answer's own (`unprivileged`), who may write
+  only its own folder and the sandbox's /tmp.
+- Linux without bubblewrap, grader run as root: the answer's process gets a mount namespace of its own in which
+  the teacher's project folder is covered by an empty, unreadable folder, a PID namespace, and a user id of its
+  own. So the teacher's tree can be neither read nor written; other folders open to every user are.
+- Linux as another user without bubblewrap, macOS, other Unixes: the room only. The answer runs with the
+  grader's rights, so it could still find the teacher's tree by its absolute path; `fingerprint` (below) then
+  catches any change to the grading files, and check.py refuses the grade, naming the file.
 - Windows (no fork): the same, each answer in a fresh `python runner.py` in the room.
 """
 
@@ -27,7 +30,6 @@ import atexit
 import hashlib
 import os
 import shutil
-import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -64,9 +66,8 @@ ANSWER_IDS = (100_000, 2**31 - 1)
 
 def unprivileged():
     """(uid, gid) an answer runs as when the grader is root on Linux: a new pair for each answer, which no user and
-    no other process has; None elsewhere. A process the answer leaves running (a double fork, setsid) keeps that
-    id, so it is found and stopped when the answer ends (`stop_leftovers`), and no later answer's folder, owned by
-    another id, is open to it. Where the namespace maps no such id, `nobody` (and leftovers are not stopped)."""
+    no other process has; None elsewhere. No later answer's folder, owned by another id, is open to it. Where the
+    namespace maps no such id, `nobody`."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return None
     import pwd
@@ -106,23 +107,6 @@ def processes_of(uid):
     return found
 
 
-def stop_leftovers(user):
-    """Stop every process still running as the answer's own `user` once the answer has ended: what it started and
-    left behind, which could otherwise rewrite a later answer before it loads. Nothing when `user` is shared
-    (nobody) or None."""
-    if user is None or user[0] < ANSWER_IDS[0]:
-        return
-    for _ in range(20):  # a process that forks as fast as it is stopped is stopped again
-        found = processes_of(user[0])
-        if not found:
-            return
-        for pid in found:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
 def give_to_answer(folder, user):
     """Make `folder` (an answer's own) writable by the user the answer runs as (None: it runs as the grader)."""
     if user is None:
@@ -132,10 +116,10 @@ def give_to_answer(folder, user):
 
 
 class Room:
-    """The room, built at the first answer and removed when this process ends."""
+    """A room, built at its first answer and removed when this process ends; `capstone`: exercise 16's."""
 
-    def __init__(self):
-        self.path, self.data = None, {}
+    def __init__(self, capstone=False):
+        self.capstone, self.path, self.data, self.folders = capstone, None, {}, None
 
     def build(self):
         if self.path is None:
@@ -145,10 +129,20 @@ class Room:
                 target = path / name
                 target.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / name, target)
+            if self.capstone:
+                (path / "model.py").write_text(without_the_capstone((ROOT / "model.py").read_text()))
             for folder in [path, *(p for p in path.rglob("*") if p.is_dir())]:
                 folder.chmod(0o755)  # readable by the answer's user, writable by none but this process
             self.path = path
         return self.path
+
+    def answers(self):
+        """The folder of the answers' own folders: beside the room, the one folder an answer may write."""
+        if self.folders is None:
+            self.folders = Path(tempfile.mkdtemp(prefix="exercise-answers-"))
+            self.folders.chmod(0o711)  # each answer enters its own folder, and lists none
+            atexit.register(shutil.rmtree, self.folders, True)
+        return self.folders
 
     def data_root(self, data_root):
         """A copy in the room of `data_root`'s prepared Shakespeare (prepared first if it is not yet), for the
@@ -167,13 +161,67 @@ class Room:
         return self.data[source]
 
 
-ROOM = Room()
+ROOMS = {"project": Room(), "capstone": Room(capstone=True)}
 
 
-def answer_folder(graded):
-    """A new folder of one answer's own, beside the room: copies of the answer files in `graded` (the
-    student's exercises/), under exercises/ so the answer's messages name them as the student knows them."""
-    folder = tempfile.TemporaryDirectory(prefix="exercise-answer-")
+def room_for(number):
+    """The room exercise `number`'s answers run in."""
+    return ROOMS["capstone" if number == 16 else "project"]
+
+
+# What exercise 16 asks the student to write, which its room's model.py does not hold.
+CAPSTONE_MODULES = ("CausalSelfAttention", "MLP", "Block")
+CAPSTONE_METHODS = ("__init__", "_init_weights", "forward", "hidden_states")  # of GPT
+
+
+def without_the_capstone(source):
+    """model.py's `source` without what the capstone asks the student to write: the attention, MLP and block
+    classes are gone (importing one is one sentence), and GPT keeps what the trainer asks every GPT (logits,
+    param_groups, the counts) but not its own construction and forward, which raise the same sentence."""
+    import ast
+
+    lines = source.splitlines()
+    cut = []  # (first line, last line, replacement) of the source, bottom up
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.ClassDef) and node.name in CAPSTONE_MODULES:
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            cut.append((first, node.end_lineno, []))
+        if isinstance(node, ast.ClassDef) and node.name == "GPT":
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name in CAPSTONE_METHODS:
+                    indent = " " * method.body[0].col_offset
+                    cut.append((method.body[0].lineno, method.end_lineno,
+                                [f"{indent}raise CapstoneIsYours('GPT.{method.name}')"]))
+    for first, last, replacement in sorted(cut, reverse=True):
+        lines[first - 1:last] = replacement
+    return "\n".join(lines) + CAPSTONE_STUB
+
+
+CAPSTONE_STUB = '''
+
+
+class CapstoneIsYours(ImportError):
+    """Exercise 16's answer reached for model.py's modules, which exercise 16 asks the student to write."""
+
+    capstone = True  # (runner.describe_error says this one as it is)
+
+    def __init__(self, name):
+        super().__init__(f"the capstone is yours to write: exercises/16_gpt.py uses model.py's {name}, which "
+                         f"exercise 16 does not give; write your own from your parts of exercise 10")
+
+
+def __getattr__(name):
+    if name in ("CausalSelfAttention", "MLP", "Block"):
+        raise CapstoneIsYours(name)
+    raise AttributeError(f"module 'model' has no attribute {name!r}")
+'''
+
+
+def answer_folder(graded, parent):
+    """A new folder of one answer's own in `parent` (Room.answers), holding copies of the answer files in
+    `graded` (the student's exercises/), under exercises/ so the answer's messages name them as the student
+    knows them."""
+    folder = tempfile.TemporaryDirectory(prefix="exercise-answer-", dir=parent)
     (Path(folder.name) / "exercises").mkdir()
     for path in Path(graded).glob("[0-9][0-9]_*.py"):
         shutil.copy(path, Path(folder.name) / "exercises" / path.name)
