@@ -1,15 +1,25 @@
 """The check of exercise 21: sampling with a KV cache. The truth is sample.py: its KVCache on the same keys and
 values, and its generate on the same small GPT with a generator seeded alike, so the same draws give the same
 tokens. The model's own blocks count the positions each generate runs through the model (the cache's saving),
-so that a call made only to feed a counter, beside a full recompute for the tokens, counts both.
+so that a call made only to feed a counter, beside a full recompute for the tokens, counts both. Those counts
+live in the answer's process, which could rewrite them; what decides is measured outside it: over a whole
+block of 1024 positions, the sandbox counts the CPU the answer's processes use, and a generate that reruns the
+text costs hundreds of times sample.py's.
 """
 
 import random
+import time
 
 import torch
 
 from exercises.grader.checking import ExerciseFailed, compared, shown
-from exercises.grader.feed_sampling import CASES, cache_steps, run_generate, sampling_answers
+from exercises.grader.feed_sampling import (CASES, LONG, cache_steps, long_answers, long_generation, run_generate,
+                                            sampling_answers)
+from exercises.grader.grading import OverCpu
+
+# The CPU the long case may take: this many times sample.py's, measured here, and at least CPU_FLOOR seconds (the
+# answer's process also loads the answer file). Rerunning the text costs hundreds of times more.
+CPU_TIMES, CPU_FLOOR = 5, 3.0
 
 
 def compare_cache(mine, want):
@@ -66,8 +76,37 @@ def check_kv_cache(answers):
                       "filter the last position's logits (sample.filter_logits, top_k), divide them by the "
                       "temperature, softmax, and draw one token with torch.multinomial(probs, 1, generator=generator)")
             raise ExerciseFailed(f"your generate's new token {at + 1} differs from sample.py's for {what}: {advice}.")
+    check_long_case(answers, seed)
     naive = sum(rows * min(16, length + i) for rows, length, new, _, _ in CASES[1:2] for i in range(new))
     return (f"your cache and generate give sample.py's tokens in all {len(CASES)} cases, greedy, sampled and past "
             f"block_size, reading each token once: {CASES[1][2]} new tokens after a prompt of {CASES[1][1]} cost "
             f"{CASES[1][0] * (CASES[1][1] + CASES[1][2] - 1)} positions through the model, where rerunning the whole "
             f"text would cost {naive}.")
+
+
+def check_long_case(answers, seed):
+    """The answer's generate over a whole block: sample.py's tokens, at a cost of the same order as sample.py's,
+    measured by the sandbox (all the answer's processes together) against sample.py's, measured here."""
+    import sample
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the answer's process runs (a second thread spins, and costs CPU for nothing)
+    try:
+        start = time.thread_time()
+        want = long_generation(sample.generate, seed)
+        cost = time.thread_time() - start
+    finally:
+        torch.set_num_threads(threads)
+    new = LONG["block_size"] - 1
+    limit = max(CPU_FLOOR, CPU_TIMES * cost)
+    try:
+        tokens = answers.run(long_answers, seed, cpu=limit)
+    except OverCpu:
+        raise ExerciseFailed(f"your generate used more than {limit:.2g} s of CPU for {new} new tokens after a prompt "
+                             f"of 1 (block_size {LONG['block_size']}), where sample.py's used {cost:.2g} s: with the "
+                             f"cache each new token is one position through the model, while rerunning the text "
+                             f"costs the square of its length.") from None
+    if not (torch.is_tensor(tokens) and tokens.shape == want.shape and torch.equal(tokens, want)):
+        raise ExerciseFailed(f"over {new} new tokens after a prompt of 1 (block_size {LONG['block_size']}) your "
+                             f"generate's tokens differ from sample.py's, though they matched on short texts: keep "
+                             f"appending to one cache until the text fills block_size.")
