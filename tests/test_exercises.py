@@ -461,6 +461,14 @@ def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code
     assert_one_sentence(hint(3, 0), "exercise 3 has 3 hints; ask for 1 to 3")  # refused, not a whole check
 
 
+def test_a_second_hint_names_the_idea_and_where_to_read_in_a_few_words():
+    from exercises.grader.hints import HINTS
+
+    for number, (_, second, *_) in HINTS.items():
+        assert second.startswith("The idea: ") and " Read " in second, number
+        assert len(second.split()) <= 40, (number, len(second.split()))  # the idea, not the algorithm
+
+
 def test_a_second_hint_gives_the_idea_without_the_code_or_its_constants():
     from exercises.grader.hints import HINTS
 
