@@ -4,8 +4,88 @@ draws, reaching past the answer's sandbox (tests/test_exercise_sandbox.py holds 
 borrowing the project's code where the exercise is to write it."""
 
 import pytest
+import torch  # noqa: F401 - (the cheats are copied into answer files, which import it)
 
 from test_exercises import answer_folder, failed_with
+from test_exercise_mistakes_run import ddp, ddp_all_in_no_sync_reduced_by_hand
+
+
+def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
+    """Reduced by hand, then DDP's hook (the grader's counter) called with a bucket of its own, once the hook's
+    guards, module globals of the answer's process, are rewritten to let it through."""
+    import sys
+
+    class Bucket:
+        def __init__(self, flat, params):
+            self.flat, self.params = flat, params
+
+        def index(self):
+            return 0
+
+        def buffer(self):
+            return self.flat
+
+        def parameters(self):
+            return self.params
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+    total = ddp_all_in_no_sync_reduced_by_hand(model, micro_batches)
+    params = list(model.parameters())
+    hook, state = model._comm_hooks[0]
+    hook(state, Bucket(torch.cat([p.grad.reshape(-1) for p in params]), params)).wait()
+    return total
+
+
+def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperature=1.0, top_k=None,
+                                          generator=None):
+    """No cache at all: a cached generate run for the counters alone, then the whole window recomputed for every
+    token through model.Block.forward (not the counting blocks') and wte.weight[idx] (not an embedding call)."""
+    import model as project
+    import sample
+
+    sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k)
+    for _ in range(max_new_tokens):
+        window = idx[:, -model.config.block_size:]
+        x = model.transformer.wte.weight[window] + model.transformer.wpe.weight[:window.size(1)]
+        for block in model.transformer.h:
+            x = project.Block.forward(block, x)
+        logits = filter_logits(model.logits(model.transformer.ln_f(x))[:, -1, :], top_k=top_k)
+        if temperature == 0:
+            new = logits.argmax(dim=-1, keepdim=True)
+        else:
+            new = torch.multinomial(F.softmax(logits / temperature, dim=-1), num_samples=1, generator=generator)
+        idx = torch.cat([idx, new], dim=1)
+    return idx
+
+
+# (exercise, {answer function: the cheat; "_name": a helper it calls}, words of the failure)
+GUARDS = [
+    (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards, "_ddp": ddp,
+          "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
+     "is not the gradient that rank accumulated over its micro-steps"),
+    (21, {"generate": generate_recomputed_past_the_counters},
+     "with the cache each new token is one position through the model"),
+]
+
+
+@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[str(n) for n, _, _ in GUARDS])
+def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_the_grader_measures(
+        number, cheat, words, data_root, tmp_path):
+    failed_with(number, answer_folder(tmp_path, number, cheat), words, data_root)
+
+
+# The capstone on one import line: model.py's modules instead of the student's, taken whole or inherited.
+BORROWED = [
+    "from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
+    "class GPT(model.GPT):\n    pass\n",
+]
+
+
+@pytest.mark.parametrize("code", BORROWED, ids=["imported", "inherited"])
+def test_a_capstone_borrowed_from_model_py_fails_saying_it_is_the_students_to_write(code, data_root, tmp_path):
+    failed_with(16, answer_folder(tmp_path, 16, code=code), "the capstone is yours to write: exercises/16_gpt.py "
+                "uses model.py's", data_root)
 
 PATCHES = [  # (exercise, code that patches what feeds the check, words of the failure)
     # the answer's process patches the check's helper so that train.py's run logs no loss
