@@ -11,8 +11,8 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
-from exercises.feed_run import FIELDS, resume_answers, resume_run, task_answers
+from exercises.grader.checking import ExerciseFailed, NotDone, compared, shown, tiny_gpt
+from exercises.grader.feed_run import FIELDS, resume_answers, resume_run, task_answers
 
 # ----------------------------------------------------------------------------- 6. resuming exactly
 
@@ -59,9 +59,17 @@ def compare_restored(at_stop, restored):
 
 @functools.lru_cache(maxsize=None)
 def run_that_never_stopped(data_root):
-    """(step, loss, tokens) of each step of the run without a stop (seeded: the same for every answer)."""
-    with tempfile.TemporaryDirectory() as out:
-        return tuple((row["step"], row["train/loss"], row["tokens"]) for row in resume_run(data_root, out))
+    """(step, loss, tokens) of each step of the run without a stop (seeded: the same for every answer), on
+    one thread as the answer's process runs it: the losses must match to the bit, and a second thread sums
+    in another order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            return tuple((row["step"], row["train/loss"], row["tokens"])
+                         for row in resume_run(data_root, out))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def check_resume(answers, data_root=""):

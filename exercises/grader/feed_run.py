@@ -8,7 +8,7 @@ import tempfile
 import numpy as np
 import torch
 
-from exercises.feeding import TINY_RUN, patched, run_training
+from exercises.grader.feeding import TINY_RUN, patched, run_training
 
 FIELDS = ("step", "tokens", "best_val_loss", "data")  # what a TrainState holds to resume
 
@@ -35,7 +35,7 @@ def resume_run(data_root, out, *extra):
 def resume_answers(answers, data_root):
     import checkpoint
     from checkpoint import TrainState
-    from exercises.runner import describe_error
+    from exercises.grader.runner import describe_error
 
     saved, restored = {}, {}  # what the run had when it saved; what came back when it resumed
 

@@ -4,14 +4,16 @@ that computes the gradient of the whole batch, here: 15 averaging the gradients 
 all-reduce with `no_sync` during accumulation, as train.py's `train_step` does it.
 """
 
+import os
 import random
 import socket
+import tempfile
 import threading
 
 import torch
 
-from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
-from exercises.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
+from exercises.grader.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.grader.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
                                 send_frame)
 
 
@@ -67,17 +69,23 @@ def check_ddp(answers):
 
 
 class AllReduceCounter:
-    """Where DDP's all-reduces of exercise 20 happen, counted: a port on this machine to which each rank's
-    communication hook (feed_ddp.all_reduce_by_the_grader, registered before the answer gets the model) sends
-    every bucket DDP all-reduces. Threads of this process, which loads no answer, average the two ranks' k-th
-    buckets, send the mean back to both, and note per rank and step which bucket they averaged. An answer that
-    skips DDP's all-reduce (no_sync throughout, then dist.all_reduce by hand) leaves nothing here, and nothing in
-    the answer's process holds this count."""
+    """Where DDP's all-reduces of exercise 20 happen, counted: a Unix socket in the answers' folder (`folder`, which
+    the sandbox shares) to which each rank's communication hook (feed_ddp.all_reduce_by_the_grader, registered
+    before the answer gets the model) sends every bucket DDP all-reduces. Threads of this process, which loads no
+    answer, average the two ranks' k-th buckets, send the mean back to both, and note per rank and step which
+    bucket they averaged and what it held. An answer that skips DDP's all-reduce (no_sync throughout, then
+    dist.all_reduce by hand) leaves nothing here, and nothing in the answer's process holds this count."""
 
-    def __init__(self):
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.address = list(self.server.getsockname()[:2])
-        self.steps = {0: [[]], 1: [[]]}  # rank: [[(bucket index, its size) of each all-reduce] of each step]
+    def __init__(self, folder):
+        self.folder = tempfile.TemporaryDirectory(prefix="exercise-all-reduce-", dir=folder)
+        os.chmod(self.folder.name, 0o711)  # the answer's user reaches the socket, and lists nothing
+        self.address = os.path.join(self.folder.name, "socket")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.address)
+        os.chmod(self.address, 0o666)
+        self.server.listen()
+        # rank: [[(bucket index, its size) of each all-reduce] of each step]; and what each bucket held
+        self.steps, self.held = {0: [[]], 1: [[]]}, {0: [[]], 1: [[]]}
         self.waiting, self.lock = {}, threading.Lock()
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -101,8 +109,10 @@ class AllReduceCounter:
                 header, bucket = receive_frame(connection)
                 if "step_done" in header:
                     self.steps[rank].append([])
+                    self.held[rank].append([])
                     continue
                 self.steps[rank][-1].append((header.get("index"), bucket.numel()))
+                self.held[rank][-1].append((header.get("params"), bucket))
                 with self.lock:
                     other = self.waiting.pop(count, None)
                     if other is None:
@@ -123,19 +133,37 @@ class AllReduceCounter:
 
     def close(self):
         self.server.close()
+        self.folder.cleanup()
+
+
+def held_its_own(buckets, local):
+    """Whether the buckets one rank sent (places of their parameters, their values) hold exactly that rank's own
+    gradient `local` ({name: gradient}, computed here), each parameter once: what DDP all-reduces, before the
+    mean."""
+    grads = list(local.values())
+    try:
+        places = sorted(place for params, _ in buckets for place in params)
+        return places == list(range(len(grads))) and all(
+            torch.allclose(bucket, torch.cat([grads[i].flatten() for i in params]), rtol=1e-4, atol=1e-7)
+            for params, bucket in buckets)
+    except (TypeError, IndexError, RuntimeError):  # places the hook never sent: not DDP's buckets
+        return False
 
 
 def check_no_sync(answers):
     seed, micro_steps = random.randrange(2**31), 3
-    counter = AllReduceCounter()
+    counter = AllReduceCounter(answers.shared_folder())
     try:
         running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps,
                                                   "counter": counter.address}, ranks=2)
-        wants = []
+        wants, locals_ = [], []
         for step in (1, 2):
             batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
             want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]),
                                            torch.cat([y for _, y in batches]))
+            ranks_own = [batches[r * micro_steps:(r + 1) * micro_steps] for r in (0, 1)]
+            locals_.append([whole_batch_gradient(seed, torch.cat([x for x, _ in own]), torch.cat([y for _, y in own]))[0]
+                            for own in ranks_own])
             with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
                 rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),
                                             torch.cat([y for _, y in batches[:micro_steps]])).item()
@@ -177,6 +205,12 @@ def check_no_sync(answers):
                                  f"but the last inside model.no_sync(), so the gradients cross the network once per "
                                  f"optimizer step.")
         assert sum(buckets.values()) == size, "DDP's buckets must hold every parameter once"
+        for rank in (0, 1):
+            if not held_its_own(counter.held[rank][step - 1], locals_[step - 1][rank]):
+                raise ExerciseFailed(f"at step {step} what reached DDP's all-reduce from rank {rank} is not the "
+                                     f"gradient that rank accumulated over its micro-steps: let DDP all-reduce, on "
+                                     f"the last micro-step, what backward() accumulated (a hook called by your own "
+                                     f"code is not DDP's).")
         loss = mine[0]["loss"]
         if mine[0]["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")

@@ -13,8 +13,8 @@ import tempfile
 
 import numpy as np
 
-from exercises.checking import ExerciseFailed, compared, is_close, run_training, shown
-from exercises.feed_choices import law_answers, named_groups, split_answers, split_models
+from exercises.grader.checking import ExerciseFailed, compared, is_close, run_training, shown
+from exercises.grader.feed_choices import law_answers, named_groups, split_answers, split_models
 
 # ----------------------------------------------------------------------------- 8. reading a scaling law
 

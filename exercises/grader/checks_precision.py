@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, shown
-from exercises.checks_step import GradientKeeper, ListLoader
-from exercises.feed_precision import SHAPE, autocast, autocast_answers, batch, gpt
+from exercises.grader.checking import ExerciseFailed, compared, gradient_advice, is_close, shown
+from exercises.grader.checks_step import GradientKeeper, ListLoader
+from exercises.grader.feed_precision import SHAPE, autocast, autocast_answers, batch, gpt
 
 BF16 = torch.bfloat16
 

@@ -22,12 +22,27 @@ import math
 import torch
 
 # The helpers both sides use, which live on the answer's side (the room holds them): a check imports them here.
-from exercises.feeding import (ExerciseFailed, TINY_RUN, gradients, host_syncs, patched, plain,  # noqa: F401
+from exercises.grader.feeding import (ExerciseFailed, TINY_RUN, gradients, host_syncs, patched, plain,  # noqa: F401
                                run_training, tiny_gpt)
 
 
 class NotDone(Exception):
     """An answer function is not written yet; the message names it."""
+
+
+class GraderFailed(Exception):
+    """The grader could not run the answer (the machine, the sandbox, the Python install): never the student's
+    doing, so check.py says so and asks for the teacher."""
+
+
+def from_the_answer(text, limit=300):
+    """`text` that came from the answer's process, fit to print in the grader's one line: cut to `limit`
+    characters, every control character (ANSI escapes, carriage returns, new lines, direction marks) written
+    as its escape, so that nothing the answer prints can rewrite the line around it."""
+    import unicodedata
+
+    text = str(text)[:limit]
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c)[0] == "C" else c for c in text)
 
 
 # ----------------------------------------------------------------------------- the grading side: comparing

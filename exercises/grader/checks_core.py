@@ -10,8 +10,8 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, compared, is_close, shown
-from exercises.feed_core import adamw_answers, clipping_answers, ranks_answers
+from exercises.grader.checking import ExerciseFailed, compared, is_close, shown
+from exercises.grader.feed_core import adamw_answers, clipping_answers, ranks_answers
 
 # ----------------------------------------------------------------------------- 12. AdamW
 

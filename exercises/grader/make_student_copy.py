@@ -1,6 +1,6 @@
 """Make a student's copy of the project, with the exercises' answers blanked out.
 
-    python exercises/make_student_copy.py DEST
+    python exercises/grader/make_student_copy.py DEST
 
 DEST (a new or empty folder) gets the project's files: those git tracks or would track, so no
 prepared data, runs or caches (the copy prepares its data on first use, as the project does). In
@@ -24,14 +24,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from config import UserError, run_command  # noqa: E402 - needs the line above
 
 STUDENT_COPY = "STUDENT_COPY"  # the file in exercises/ that marks a student's copy
 # Tests the answers pass; old copies' answers; the mark of a copy made from a copy.
-NOT_COPIED = ("tests/test_exercises*.py", "exercises/solutions/*", f"exercises/{STUDENT_COPY}")
+NOT_COPIED = ("tests/test_exercise*.py", "exercises/solutions/*", f"exercises/{STUDENT_COPY}")
 # Without git (a project unpacked from an archive): every file except these folders.
 SKIPPED_FOLDERS = {".git", "__pycache__", ".pytest_cache", "data", "out", "wandb"}
 
@@ -90,14 +90,14 @@ def make_student_copy(dest, root=ROOT):
             shutil.copy2(root / name, target)
     # What says this is a student's copy once every answer in it is written: its answer files are the student's,
     # never a reference (hints.py's level 3 then asks the teacher's copy).
-    (dest / "exercises" / STUDENT_COPY).write_text("A student's copy, made by exercises/make_student_copy.py: its "
+    (dest / "exercises" / STUDENT_COPY).write_text("A student's copy, made by exercises/grader/make_student_copy.py: its "
                                                     "answer files are the student's.\n")
     return blanked
 
 
 def main(argv):
     if len(argv) != 1 or argv[0].startswith("-"):
-        raise UserError("give one argument, the folder to create: python exercises/make_student_copy.py DEST.")
+        raise UserError("give one argument, the folder to create: python exercises/grader/make_student_copy.py DEST.")
     blanked = make_student_copy(argv[0])
     print(f"student copy in {os.path.abspath(argv[0])}: the answers of {len(blanked)} exercises blanked out.")
     print(f"next: cd {argv[0]} && python exercises/check.py 1")

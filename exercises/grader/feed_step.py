@@ -4,7 +4,7 @@ is, and holds."""
 
 import torch
 
-from exercises.feeding import gradients, tiny_gpt
+from exercises.grader.feeding import gradients, tiny_gpt
 
 
 def build_schedule(settings):

@@ -2,7 +2,7 @@
 of scaling laws, and its split of tiny GPTs' parameters into optimizer groups. feeding.py says what a feed module
 is, and holds."""
 
-from exercises.feeding import tiny_gpt
+from exercises.grader.feeding import tiny_gpt
 
 
 READINGS = ("predict_loss", "tokens_for_loss", "tokens_per_param_at_optimum")

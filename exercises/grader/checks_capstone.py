@@ -18,8 +18,8 @@ import tempfile
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, run_training, shown
-from exercises.feed_capstone import (assembly_answers, trained_with_dropout, training_answers, training_args,
+from exercises.grader.checking import ExerciseFailed, compared, gradient_advice, is_close, run_training, shown
+from exercises.grader.feed_capstone import (assembly_answers, trained_with_dropout, training_answers, training_args,
                                      with_gradients)
 
 

@@ -12,7 +12,7 @@ import sys
 import torch
 from torch.distributed import GradBucket
 
-from exercises.feeding import gradients, tiny_gpt
+from exercises.grader.feeding import gradients, tiny_gpt
 
 HALF = 4  # sequences per rank
 AUTOGRAD = os.path.dirname(torch.autograd.__file__) + os.sep  # where the backward pass that calls DDP's hooks runs
@@ -80,13 +80,19 @@ def receive_exactly(connection, size):
     return data
 
 
-def all_reduce_by_the_grader(address, rank):
+def all_reduce_by_the_grader(address, rank, parameters):
     """(a connection to the grading process, DDP's communication hook that averages each bucket there). DDP calls
     the hook once per bucket when it all-reduces (never inside no_sync); the grading process, which runs no answer
     code, averages the bucket with the other rank's, sends the mean back, and counts it: so the count is kept
-    where the answer cannot reach it, and a gradient that skipped this hook was not averaged by DDP."""
-    connection = socket.create_connection(tuple(address), timeout=60)
+    where the answer cannot reach it, and a gradient that skipped this hook was not averaged by DDP. With each
+    bucket go the places in `parameters` of the parameters it holds, so that the grader can check it against
+    the rank's own gradient, which it computes itself. `address`: a Unix socket's path (the sandbox has no
+    network it shares with the grader)."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    connection.settimeout(60)
+    connection.connect(address)
     send_frame(connection, {"rank": rank})
+    place = {id(p): i for i, p in enumerate(parameters)}
 
     def hook(state, bucket):
         # Only DDP's reducer may call it, from the backward pass: a GradBucket (Python cannot make one) handed over
@@ -95,7 +101,8 @@ def all_reduce_by_the_grader(address, rank):
         if type(bucket) is not GradBucket or not sys._getframe(1).f_code.co_filename.startswith(AUTOGRAD):
             raise RuntimeError("DDP's communication hook was called by your code, not by DDP's backward pass: let "
                                "DDP all-reduce the gradients itself, on the last micro-step")
-        send_frame(connection, {"index": bucket.index()}, bucket.buffer())
+        send_frame(connection, {"index": bucket.index(), "params": [place[id(p)] for p in bucket.parameters()]},
+                   bucket.buffer())
         _, mean = receive_frame(connection)
         future = torch.futures.Future()
         future.set_result(mean.view_as(bucket.buffer()).to(bucket.buffer().dtype))
@@ -111,7 +118,7 @@ def no_sync_answers(answers, inputs):
     rank, micro_steps = dist.get_rank(), inputs["micro_steps"]
     # Small buckets, so that several all-reduces make up one step once DDP has rebuilt them (after step 1).
     model = DDP(tiny_gpt(inputs["seed"]), bucket_cap_mb=0.05)
-    connection, hook = all_reduce_by_the_grader(inputs["counter"], rank)
+    connection, hook = all_reduce_by_the_grader(inputs["counter"], rank, list(model.module.parameters()))
     model.register_comm_hook(None, hook)
     steps = []
     for step in (1, 2):

@@ -9,8 +9,8 @@ import os
 import shutil
 import tempfile
 
-from exercises.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown
-from exercises.feed_reading import lr_answers, spike_answers
+from exercises.grader.checking import ExerciseFailed, TINY_RUN, is_close, patched, run_training, shown
+from exercises.grader.feed_reading import lr_answers, spike_answers
 
 # ----------------------------------------------------------------------------- 22. the LR range test
 

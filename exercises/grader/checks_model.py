@@ -12,8 +12,8 @@ import random
 import torch
 from torch.nn import functional as F
 
-from exercises.checking import ExerciseFailed, compared, gradient_advice, is_close, same_tensor, shown
-from exercises.feed_model import built, parts_answers, run_part
+from exercises.grader.checking import ExerciseFailed, compared, gradient_advice, is_close, same_tensor, shown
+from exercises.grader.feed_model import built, parts_answers, run_part
 
 
 def random_config(rng):

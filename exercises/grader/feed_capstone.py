@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
-from exercises.feeding import TINY_RUN, run_training
+from exercises.grader.feeding import TINY_RUN, run_training
 
 
-QUICK_START = Path(__file__).resolve().parent.parent / "config" / "shakespeare.py"
+QUICK_START = Path(__file__).resolve().parents[2] / "config" / "shakespeare.py"
 
 
 def with_gradients(function, case):

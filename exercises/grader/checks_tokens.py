@@ -9,8 +9,8 @@ import json
 import random
 from pathlib import Path
 
-from exercises.checking import ExerciseFailed, shown
-from exercises.feed_tokens import bpe_answers, gpt2_ranks, learned_answers, pre_tokenizer_answers
+from exercises.grader.checking import ExerciseFailed, shown
+from exercises.grader.feed_tokens import bpe_answers, gpt2_ranks, learned_answers, pre_tokenizer_answers
 
 
 @functools.cache

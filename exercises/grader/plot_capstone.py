@@ -1,19 +1,19 @@
 """The capstone's expected loss curve (docs/exercises.md shows it): model.py's GPT and exercise 16's, both
 trained by train.py on the same seed and data at the quick start's shape, as exercise 16's check trains them.
 
-    python exercises/plot_capstone.py [OUT.png] [--steps=60]
+    python exercises/grader/plot_capstone.py [OUT.png] [--steps=60]
 """
 
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from exercises.checking import run_training  # noqa: E402
-from exercises.feed_capstone import QUICK_START  # noqa: E402
+from exercises.grader.checking import run_training  # noqa: E402
+from exercises.grader.feed_capstone import QUICK_START  # noqa: E402
 
-CAPSTONE = Path(__file__).resolve().parent / "16_gpt.py"
+CAPSTONE = Path(__file__).resolve().parents[1] / "16_gpt.py"
 
 
 def main(argv):

@@ -12,8 +12,8 @@ import tempfile
 
 import torch
 
-from exercises.checking import ExerciseFailed, compared, is_close, shown
-from exercises.feed_cost import metric_answers, metric_run, mfu_answers
+from exercises.grader.checking import ExerciseFailed, compared, is_close, shown
+from exercises.grader.feed_cost import metric_answers, metric_run, mfu_answers
 
 # ----------------------------------------------------------------------------- 4. FLOPs and MFU
 

@@ -11,8 +11,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from exercises.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
-from exercises.feed_step import (accumulation_answers, attention_answers, attention_module, build_schedule,
+from exercises.grader.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.grader.feed_step import (accumulation_answers, attention_answers, attention_module, build_schedule,
                                  micro_batches_of, schedule_answers)
 
 # ----------------------------------------------------------------------------- 1. the schedule

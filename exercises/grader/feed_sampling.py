@@ -1,11 +1,11 @@
 """What the answer's process runs for exercise 21 (checks_sampling.py grades it): the answer's KV cache,
-and its generate on a tiny GPT whose own blocks count the positions they compute. feeding.py says what a feed
-module is, and holds."""
+its generate on a tiny GPT whose own blocks count the positions they compute, and its generate over a whole
+block of 1024 positions, whose cost the sandbox measures. feeding.py says what a feed module is, and holds."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from exercises.feeding import tiny_gpt
+from exercises.grader.feeding import tiny_gpt
 
 
 CASES = [  # (rows, prompt length, new tokens, temperature, top_k): greedy, sampled, top-k, past block_size (16)
@@ -62,3 +62,23 @@ def sampling_answers(answers, inputs):
     return {"cache": cache_steps(answers.KVCache, inputs["keys"]),
             "generated": [run_generate(answers.generate, inputs["seed"], case, prompt)
                           for case, prompt in zip(CASES, inputs["prompts"])]}
+
+
+# The long case: a whole block, one token of prompt then 1023 drawn. With the cache that is 1023 positions through
+# the model; rerunning the text for each token, half a million.
+LONG = {"n_layer": 2, "n_head": 4, "n_embd": 256, "block_size": 1024, "vocab_size": 512}
+
+
+def long_generation(generate, seed):
+    """generate's tokens over the long case's whole block, on a GPT and a generator drawn from `seed`."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(**LONG)).eval()
+    prompt = torch.randint(0, LONG["vocab_size"], (1, 1), generator=torch.Generator().manual_seed(seed))
+    return generate(model, prompt, LONG["block_size"] - 1, temperature=1.0,
+                    generator=torch.Generator().manual_seed(seed + 1))
+
+
+def long_answers(answers, seed):
+    return long_generation(answers.generate, seed)
