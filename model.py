@@ -63,7 +63,9 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x, kv_cache=None, attn_mask=None):
         B, T, C = x.size()
         q, k, v = self.c_attn(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)  # (B, heads, T, head size)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         if kv_cache is not None:
             # Generation feeds one new token at a time: attend to the cached past plus the new keys.
             k, v = kv_cache.append(k, v)
