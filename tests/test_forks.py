@@ -165,9 +165,9 @@ Z_LOSS = [("model.py", "    dropout: float = field(",
            "\"check\": \"0 or more\"})\n    dropout: float = field("),
           ("model.py", "        self.loss_path = loss_path  #",
            "        self.loss_path = \"full\" if config.z_loss else loss_path  #"),  # the chunked loss has no z-loss
-          ("model.py", "        return F.cross_entropy(",
-           "        z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
-           "        return z + F.cross_entropy(")]
+          ("model.py", "            return F.cross_entropy(",
+           "            z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
+           "            return z + F.cross_entropy(")]
 
 
 def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tmp_path, args):
