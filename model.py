@@ -18,35 +18,43 @@ import torch.nn as nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-# Beside each field, as config.py's settings say it: its role when a run resumes (config.py explains roles; the
-# model's shape is what the run *is*), whether ladder.py derives it from the model size, and its range check.
+# Beside each field, as config.py's settings say it: its role when a run resumes (config.py explains
+# roles; the model's shape is what the run *is*), whether ladder.py derives it from the model size,
+# and its range check.
 SHAPE = {"role": "identity", "ladder": False, "check": "at least 1"}
 SHAPE_BY_LADDER = {**SHAPE, "ladder": True}
 
 
 @dataclass(slots=True)
 class GPTConfig:
-    block_size: int = field(default=1024, metadata=SHAPE)  # longest sequence the model reads (GPT-2: 1024)
-    # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64, as GPU matmuls run faster on such shapes
+    # longest sequence the model reads (GPT-2: 1024)
+    block_size: int = field(default=1024, metadata=SHAPE)
+    # output vocabulary: GPT-2's 50,257 tokens padded to a multiple of 64, as GPU matmuls run faster
+    # on such shapes
     vocab_size: int = field(default=50304, metadata=SHAPE)
     n_layer: int = field(default=12, metadata=SHAPE_BY_LADDER)  # number of transformer blocks
-    n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)  # attention heads per block; must divide n_embd
+    # attention heads per block; must divide n_embd
+    n_head: int = field(default=12, metadata=SHAPE_BY_LADDER)
     n_embd: int = field(default=768, metadata=SHAPE_BY_LADDER)  # width of the residual stream
     # dropout probability; 0 to pretrain, 0.1 to fine-tune
-    dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False, "check": "in [0, 1)"})
+    dropout: float = field(default=0.0, metadata={"role": "applied", "ladder": False,
+                                                  "check": "in [0, 1)"})
     # biases in Linear and LayerNorm layers, as in GPT-2
     bias: bool = field(default=True, metadata={"role": "identity", "ladder": False})
-    # A field you add resumes the runs saved before it: their checkpoints lack the key, which then takes its default.
-    # So the default is the model as it was (`n_kv_head: int | None = None`: as many as n_head; `qk_norm = False`).
+    # A field you add resumes the runs saved before it: their checkpoints lack the key, which then
+    #   takes its default.
+    # So the default is the model as it was (`n_kv_head: int | None = None`: as many as n_head;
+    #   `qk_norm = False`).
 
     def checks(self):
-        """Checks across fields, as (holds, the sentence that says what to do if not): config.py refuses a run with
-        the first that fails, before anything is written and after each field's own range (so n_head >= 1 here). A
-        field you add that must agree with others adds its check, e.g. `(self.n_head % self.n_kv_head == 0, "...")`."""
+        """Checks across fields, as (holds, the sentence that says what to do if not): config.py
+        refuses a run with the first that fails, before anything is written and after each field's
+        own range (so n_head >= 1 here). A field you add that must agree with others adds its check,
+        e.g. `(self.n_head % self.n_kv_head == 0, "...")`."""
         return [
             (self.n_embd % self.n_head == 0,
-             f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; every head gets n_embd / "
-             f"n_head dimensions, so pick values that divide."),
+             f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}; every "
+             "head gets n_embd / n_head dimensions, so pick values that divide."),
         ]
 
 
@@ -80,8 +88,8 @@ class CausalSelfAttention(nn.Module):
             mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(diagonal=past)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         else:
-            # PyTorch picks flash attention on GPUs for this call; it never builds the T x T matrix. (A single new
-            # token after a cache has nothing in the future to mask.)
+            # PyTorch picks flash attention on GPUs for this call; it never builds the T x T matrix.
+            # (A single new token after a cache has nothing in the future to mask.)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=kv_cache is None or T > 1,
                                                dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
@@ -118,15 +126,17 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class ParamKind:
-    in_n: bool  # counts in N, the non-embedding parameters (num_params, flops_per_token, the ladder, plan.py)
+    # counts in N, the non-embedding parameters (num_params, flops_per_token, the ladder, plan.py)
+    in_n: bool
     muon: bool  # with optim.name=muon, Muon steps it; otherwise (and always with AdamW) AdamW does
     decay: bool | None  # AdamW's weight decay; None: as optim.decay_embeddings says
 
 
-# What each kind of parameter (GPT.param_groups) is to the counts and the optimizer (optimizer.py). Decay only the
-# matrices of matmuls and embeddings, not biases or gains, which shrinking towards zero only hurts (GPT-3, nanoGPT);
-# Muon takes the blocks' matrices and leaves the embeddings and the output layer to AdamW (modded-nanogpt, nanochat).
-# A fork's own kind adds a row (a model_module GPT: `param_kinds = {**model.PARAM_KINDS, "kind": ParamKind(...)}`).
+# What each kind of parameter (GPT.param_groups) is to the counts and the optimizer (optimizer.py).
+# Decay only the matrices of matmuls and embeddings, not biases or gains, which shrinking towards
+# zero only hurts (GPT-3, nanoGPT); Muon takes the blocks' matrices and leaves the embeddings and
+# the output layer to AdamW (modded-nanogpt, nanochat). A fork's own kind adds a row (a model_module
+# GPT: `param_kinds = {**model.PARAM_KINDS, "kind": ParamKind(...)}`).
 PARAM_KINDS = {
     "embedding": ParamKind(in_n=False, muon=False, decay=None),
     "output": ParamKind(in_n=True, muon=False, decay=True),
@@ -136,7 +146,8 @@ PARAM_KINDS = {
 
 
 class GPT(nn.Module):
-    param_kinds = PARAM_KINDS  # what each kind of parameter in param_groups is to the trainer (above)
+    # what each kind of parameter in param_groups is to the trainer (above)
+    param_kinds = PARAM_KINDS
 
     def __init__(self, config: GPTConfig, loss_path="chunked"):
         super().__init__()
@@ -153,7 +164,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
         self.transformer.wte.weight = self.lm_head.weight
-        self.loss_path = loss_path  # how forward computes the loss: "chunked" (below) or "full" (F.cross_entropy)
+        # how forward computes the loss: "chunked" (below) or "full" (F.cross_entropy)
+        self.loss_path = loss_path
         # The weight `logits` is a plain matmul by, by name ("" if none): checked on the first step.
         self.output_weight = None
         self.apply(self._init_weights)
@@ -200,23 +212,25 @@ class GPT(nn.Module):
         return self.lm_head(h)
 
     def score_tokens(self, idx, targets, pos=None, attn_mask=None, kv_cache=None, vocab_size=None):
-        """The log-probability of each target token (-1: not scored, 0 returned), float32, for evaluation.
-        `idx` may pack several sequences in a row: then `pos` gives each token's position and `attn_mask`
-        (B, 1, T, past + T) the keys each token may attend to, after the keys in `kv_cache`. Only the
-        positions with a target go through `logits`, a slice at a time, so the logits are never all held. With
-        `vocab_size`, only the first that many logits enter the softmax (the rest pad the vocabulary)."""
+        """The log-probability of each target token (-1: not scored, 0 returned), float32, for
+        evaluation. `idx` may pack several sequences in a row: then `pos` gives each token's
+        position and `attn_mask` (B, 1, T, past + T) the keys each token may attend to, after the
+        keys in `kv_cache`. Only the positions with a target go through `logits`, a slice at a time,
+        so the logits are never all held. With `vocab_size`, only the first that many logits enter
+        the softmax (the rest pad the vocabulary)."""
         h = self.hidden_states(idx, kv_cache, pos, attn_mask)
         scored = targets != -1
         h, t = h[scored], targets[scored]
         log_probs = torch.zeros(targets.shape, dtype=torch.float32, device=targets.device)
         step = loss_slice_rows(h.device.type, self.config.vocab_size)
-        log_probs[scored] = torch.cat([
-            self.logits(h[i:i + step])[:, :vocab_size].float().log_softmax(-1).gather(1, t[i:i + step, None]).squeeze(1)
-            for i in range(0, h.size(0), step)] or [h.new_zeros(0)])
+        pieces = [self.logits(h[i:i + step])[:, :vocab_size].float().log_softmax(-1)
+                  .gather(1, t[i:i + step, None]).squeeze(1) for i in range(0, h.size(0), step)]
+        log_probs[scored] = torch.cat(pieces or [h.new_zeros(0)])
         return log_probs
 
     def hidden_states(self, idx, kv_cache=None, pos=None, attn_mask=None):
-        """The final layer-normed hidden state of each position, before `logits` (pos, attn_mask: score_tokens)."""
+        """The final layer-normed hidden state of each position, before `logits` (pos, attn_mask:
+        score_tokens)."""
         T = idx.size(1)
         start = 0 if kv_cache is None else kv_cache.length
         if pos is None:
@@ -227,7 +241,8 @@ class GPT(nn.Module):
             x = block(x, kv_cache, attn_mask)
         return self.transformer.ln_f(x)
 
-    # ------------------------------------------------------------------ what the trainer asks the model
+    # ------------------------------------------------------------------ what the trainer asks the
+    # model
 
     @property
     def blocks(self):
@@ -235,55 +250,62 @@ class GPT(nn.Module):
         return self.transformer.h
 
     def param_groups(self):
-        """Every parameter once, in the model's order, by its kind (PARAM_KINDS says what each is to the trainer; a fork
-        may name a kind of its own once it adds it there):
+        """Every parameter once, in the model's order, by its kind (PARAM_KINDS says what each is to
+        the trainer; a fork may name a kind of its own once it adds it there):
           embedding  lookup tables (nn.Embedding); the tied output layer is the token embedding
-          output     the matrices `logits` multiplies by, but an embedding: an untied output layer, by any name
-          matrix     the other weights of two or more dimensions: the matmuls of the blocks (a fork's lookup table
-                     held as a bare parameter, not an nn.Embedding, needs a kind of its own)
+          output     the matrices `logits` multiplies by, but an embedding: an untied output
+                     layer, by any name
+          matrix     the other weights of two or more dimensions: the matmuls of the blocks (a
+                     fork's lookup table held as a bare parameter needs a kind of its own)
           vector     biases and LayerNorm gains"""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
-        output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by, whatever its name
+        output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by
         for name, p in self.named_parameters():  # a tied weight comes once, under its first name
             owner = modules[name.rpartition(".")[0]]
-            kind = ("embedding" if isinstance(owner, nn.Embedding) else "output" if id(p) in output and p.dim() == 2
+            kind = ("embedding" if isinstance(owner, nn.Embedding)
+                    else "output" if id(p) in output and p.dim() == 2
                     else "matrix" if p.dim() >= 2 else "vector")
             groups[kind].append(p)
         return groups
 
     def num_params(self, non_embedding=False):
-        """Parameter count, a tied weight once. Non-embedding (Kaplan et al. 2020) counts only the kinds that
-        PARAM_KINDS counts in N: not the lookup tables (token and position embeddings). It is the N in scaling
-        laws, Chinchilla's 20 tokens per parameter and the ladder. An untied output layer is a matmul, and counts."""
-        return sum(p.numel() for _, p, kind in parameter_kinds(self) if kind.in_n or not non_embedding)
+        """Parameter count, a tied weight once. Non-embedding (Kaplan et al. 2020) counts only the
+        kinds that PARAM_KINDS counts in N: not the lookup tables (token and position embeddings).
+        It is the N in scaling laws, Chinchilla's 20 tokens per parameter and the ladder. An untied
+        output layer is a matmul, and counts."""
+        return sum(p.numel() for _, p, kind in parameter_kinds(self)
+                   if kind.in_n or not non_embedding)
 
     def num_params_with_output(self):
-        """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian et al. 2024 point
-        out that the output layer is real compute; an untied one is already in N). The output layer is what `logits`
-        multiplies by (output_parameters), so a fork that names or ties it otherwise counts as it computes."""
+        """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian
+        et al. 2024 point out that the output layer is real compute; an untied one is already in N).
+        The output layer is what `logits` multiplies by (output_parameters), so a fork that names or
+        ties it otherwise counts as it computes."""
         outside_n = {id(p) for _, p, kind in parameter_kinds(self) if not kind.in_n}
         return self.num_params(non_embedding=True) + sum(p.numel() for p in output_parameters(self)
                                                          if id(p) in outside_n)
 
     def flops_per_token(self):
-        """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B). 6N counts the forward (2N) and backward (4N)
-        matmuls, N the non-embedding parameters plus a tied output layer (the embedding lookup is free, the output
-        matmul is not); 12·L·d·T is attention's query-key and attention-value products, which have no parameters."""
+        """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B). 6N counts the forward (2N)
+        and backward (4N) matmuls, N the non-embedding parameters plus a tied output layer (the
+        embedding lookup is free, the output matmul is not); 12·L·d·T is attention's query-key and
+        attention-value products, which have no parameters."""
         c = self.config
         return 6 * self.num_params_with_output() + 12 * c.n_layer * c.n_embd * c.block_size
 
 
 class ModelError(Exception):
-    """A model the trainer cannot use as it is (a fork's kind of parameter without a row in its table): one sentence
-    that says what to change. Every entry point prints it without a traceback (config.run_command)."""
+    """A model the trainer cannot use as it is (a fork's kind of parameter without a row in its
+    table): one sentence that says what to change. Every entry point prints it without a traceback
+    (config.run_command)."""
 
 
 def output_parameters(model):
-    """The parameters `model.logits` computes from, frozen ones too: those that get a gradient,
-    zero or not, from the logits of one row of hidden states (none on the meta device). A model
-    FSDP has sharded, whose pieces a plain row cannot reach, answers by the names lab/fsdp.py's shard
-    read first (`output_names`)."""
+    """The parameters `model.logits` computes from, frozen ones too: those that get a gradient, zero
+    or not, from the logits of one row of hidden states (none on the meta device). A model FSDP has
+    sharded, whose pieces a plain row cannot reach, answers by the names lab/fsdp.py's shard read
+    first (`output_names`)."""
     params = list(model.parameters())
     if type(params[0]).__name__ == "DTensor":
         by_name = dict(model.named_parameters())
@@ -304,28 +326,33 @@ def output_parameters(model):
 
 
 def parameter_kinds(model):
-    """[(name, parameter, ParamKind)] for every parameter of `model`, once, from its `param_groups`. A kind
-    PARAM_KINDS does not list, or a parameter in no group, is one sentence naming the parameter."""
+    """[(name, parameter, ParamKind)] for every parameter of `model`, once, from its `param_groups`.
+    A kind PARAM_KINDS does not list, or a parameter in no group, is one sentence naming the
+    parameter."""
     names = {id(p): name for name, p in model.named_parameters()}
     kind_of = {}
     table = model.param_kinds
     for kind, params in model.param_groups().items():
         for p in params:
             if kind not in table:
-                raise ModelError(f"the model's param_groups puts {names.get(id(p), 'a parameter')} under the kind "
-                                  f"{kind!r}, which its param_kinds (model.PARAM_KINDS) does not list; add a row for "
-                                  f"it there (counts in N, Muon, weight decay), or give it one of {', '.join(table)}.")
+                name = names.get(id(p), "a parameter")
+                raise ModelError(f"the model's param_groups puts {name} under the kind {kind!r}, "
+                                 f"which its param_kinds (model.PARAM_KINDS) does not list; add a "
+                                 f"row for it there (counts in N, Muon, weight decay), or give it "
+                                 f"one of {', '.join(table)}.")
             kind_of[id(p)] = kind
     unplaced = [name for name, p in model.named_parameters() if id(p) not in kind_of]
     if unplaced:
-        raise ModelError(f"the model's param_groups gives {unplaced[0]} no kind; put every parameter in one of its "
-                          f"groups, so the counts and the optimizer know what it is.")
+        raise ModelError(f"the model's param_groups gives {unplaced[0]} no kind; put every "
+                         f"parameter in one of its groups, so the counts and the optimizer know "
+                         f"what it is.")
     return [(name, p, table[kind_of[id(p)]]) for name, p in model.named_parameters()]
 
 
 def gpt_class(module="model"):
-    """The GPT class that train.model_module names: this file's, or the one in a .py file of your own, which takes the
-    same GPTConfig and answers what the trainer asks (model_module.py loads it), so the trainer names no layer of it."""
+    """The GPT class that train.model_module names: this file's, or the one in a .py file of your
+    own, which takes the same GPTConfig and answers what the trainer asks (model_module.py loads
+    it), so the trainer names no layer of it."""
     if module == "model":
         return GPT
     from lab.model_module import load_gpt_class
@@ -385,7 +412,11 @@ def plain_output_weight(model):
         return ""
     weight = params[0]
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
-        rows = 100 * torch.randn(8, weight.size(1), device=weight.device, dtype=weight.dtype)
+        # a generator of its own: a draw from the global one would shift dropout's random numbers
+        # after a resume, which makes this check at a later step than the run that never stopped
+        own = torch.Generator(weight.device).manual_seed(0)
+        rows = 100 * torch.randn(8, weight.size(1), device=weight.device, dtype=weight.dtype,
+                                 generator=own)
         if not torch.equal(model.logits(rows), F.linear(rows, weight)):
             return ""
     return next(name for name, p in model.named_parameters() if p is weight)

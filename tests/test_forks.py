@@ -163,8 +163,8 @@ Z_LOSS = [("model.py", "    dropout: float = field(",
            "    # PaLM's z-loss: this times the mean squared log-normalizer of the logits joins the loss (0: off)\n"
            "    z_loss: float = field(default=0.0, metadata={\"role\": \"applied\", \"ladder\": False, "
            "\"check\": \"0 or more\"})\n    dropout: float = field("),
-          ("model.py", "        self.loss_path = loss_path  #",
-           "        self.loss_path = \"full\" if config.z_loss else loss_path  #"),  # the chunked loss has no z-loss
+          ("model.py", "        self.loss_path = loss_path\n",
+           "        self.loss_path = \"full\" if config.z_loss else loss_path\n"),  # the chunked loss has no z-loss
           ("model.py", "            return F.cross_entropy(",
            "            z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
            "            return z + F.cross_entropy(")]

@@ -347,3 +347,15 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch, 
     )
     loader.next_batch()
     assert copies == ["pinned", ("cuda:0", True)]
+
+
+def test_the_first_loss_draws_nothing_from_the_global_random_numbers():
+    """The fused loss's one-time check draws its random rows from a generator of its own: a draw
+    from the global one would shift dropout's numbers after a resume (the check runs at the
+    first step of each process, step 11 for a run resumed at step 10)."""
+    torch.manual_seed(1)
+    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0))
+    idx = torch.randint(0, 64, (2, 8))
+    before = torch.get_rng_state()
+    model(idx, idx)
+    assert torch.equal(torch.get_rng_state(), before)
