@@ -162,7 +162,8 @@ def check_no_sync(answers):
             want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]),
                                            torch.cat([y for _, y in batches]))
             ranks_own = [batches[r * micro_steps:(r + 1) * micro_steps] for r in (0, 1)]
-            locals_.append([whole_batch_gradient(seed, torch.cat([x for x, _ in own]), torch.cat([y for _, y in own]))[0]
+            locals_.append([whole_batch_gradient(seed, torch.cat([x for x, _ in own]),
+                                                 torch.cat([y for _, y in own]))[0]
                             for own in ranks_own])
             with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
                 rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),

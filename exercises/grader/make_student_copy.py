@@ -90,8 +90,9 @@ def make_student_copy(dest, root=ROOT):
             shutil.copy2(root / name, target)
     # What says this is a student's copy once every answer in it is written: its answer files are the student's,
     # never a reference (hints.py's level 3 then asks the teacher's copy).
-    (dest / "exercises" / STUDENT_COPY).write_text("A student's copy, made by exercises/grader/make_student_copy.py: its "
-                                                    "answer files are the student's.\n")
+    (dest / "exercises" / STUDENT_COPY).write_text(
+        "A student's copy, made by exercises/grader/make_student_copy.py: its answer files are the "
+        "student's.\n")
     return blanked
 
 
