@@ -1,5 +1,5 @@
-"""The fifth round of trying to break the trainer as a user would: files from outside are data, never code, secrets
-reach no record, and what each refusal says. The slow parts (a real 2-rank sharded checkpoint) are in
+"""Files from outside are data, never code; secrets reach no record; and what each refusal says, as a user
+who tries to break the trainer meets it. The slow parts (a real 2-rank sharded checkpoint) are in
 tests/test_fsdp.py, which makes one for its module; these run in this process, on tiny runs."""
 
 import dataclasses

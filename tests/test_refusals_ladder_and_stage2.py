@@ -1,5 +1,5 @@
-"""The reliability issue's second pass: the ladder, stage 2, fits, the run folder and the messages must
-not lose work or report nonsense. Numbers are the issue's; each test stands for the class of defect."""
+"""The ladder, stage 2, fits, the run folder and the messages lose no work and report no nonsense: each
+test stands for a class of defect, with every refusal one sentence before anything is written."""
 
 import json
 import os
@@ -29,14 +29,14 @@ def losses(out):
     ("--stage2.reference=/no/such/run", "stage2.reference=/no/such/run is not a folder nor one of gpt2"),
     ("--checkpoint.load_path=/no/such/run", "checkpoint.load_path=/no/such/run is not a folder nor one of gpt2"),
 ])
-def test_2_every_source_a_run_needs_later_is_checked_before_anything_is_written(data_root, tmp_path, setting, message):
+def test_every_source_a_run_needs_later_is_checked_before_anything_is_written(data_root, tmp_path, setting, message):
     stage2 = ["--stage2.start=4steps"] if "stage2" in setting else ["--checkpoint.load=always"]
     result = run_train(args(data_root, tmp_path / "run", "--train.max_steps=8", *stage2, setting), check=False)
     assert result.returncode == 1 and message in result.stderr and "--init_from" not in result.stderr
     assert not (tmp_path / "run").exists()  # nothing trained for hours before the typo shows, nothing written
 
 
-def test_2_an_empty_run_folder_as_reference_names_the_key(data_root, tmp_path):
+def test_an_empty_run_folder_as_reference_names_the_key(data_root, tmp_path):
     (tmp_path / "empty").mkdir()
     result = run_train(args(data_root, tmp_path / "run", "--train.max_steps=8", "--stage2.start=4steps",
                             f"--stage2.reference={tmp_path / 'empty'}"), check=False)
@@ -51,7 +51,7 @@ def test_2_an_empty_run_folder_as_reference_names_the_key(data_root, tmp_path):
     ('"gpt2"', "holds a JSON str, not a run's settings by section"),
     ("{}", "holds no settings"),
 ])
-def test_12_a_json_config_that_is_not_a_runs_settings_is_refused(tmp_path, content, message):
+def test_a_json_config_that_is_not_a_runs_settings_is_refused(tmp_path, content, message):
     path = tmp_path / "config.json"
     path.write_text(content)
     with pytest.raises(ConfigError, match=message):
@@ -61,7 +61,7 @@ def test_12_a_json_config_that_is_not_a_runs_settings_is_refused(tmp_path, conte
 # ----------------------------------------------------------------------------- 14: a folder that cannot be written
 
 
-def test_14_an_out_dir_that_cannot_be_written_is_one_sentence(data_root, tmp_path):
+def test_an_out_dir_that_cannot_be_written_is_one_sentence(data_root, tmp_path):
     locked = tmp_path / "read_only"
     locked.mkdir()
     locked.chmod(0o500)
@@ -79,7 +79,7 @@ def test_14_an_out_dir_that_cannot_be_written_is_one_sentence(data_root, tmp_pat
 # ----------------------------------------------------------------------------- 17: messages that mislead
 
 
-def test_17_an_identity_refusal_hints_valid_command_line_syntax(data_root, tmp_path):
+def test_an_identity_refusal_hints_valid_command_line_syntax(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=2", "--data.mix=shakespeare:3,shakespeare_copy:1"), check=False)
     run_train(args(data_root, out, "--train.max_steps=2", "--train.seed=7"))
@@ -87,7 +87,7 @@ def test_17_an_identity_refusal_hints_valid_command_line_syntax(data_root, tmp_p
     assert "set --train.seed=7 to resume it" in refused.stderr
 
 
-def test_17_equal_values_written_differently_are_the_same_run(data_root, tmp_path):
+def test_equal_values_written_differently_are_the_same_run(data_root, tmp_path):
     """`8` and `8steps` are one stage-2 start; shares 6:2 and 3:1 one mixture: a resume is not refused."""
     from run_dir import identity_of
     a = {"data": {"mix": ["shakespeare:6", "python:2"]}, "stage2": {"start": "8"}}
@@ -100,14 +100,14 @@ def test_17_equal_values_written_differently_are_the_same_run(data_root, tmp_pat
     ("import sys\nsys.exit(0)\n", "calls sys.exit(); a config file only sets fields"),
     ("raise KeyboardInterrupt\n", "was interrupted (Ctrl-C) while it ran"),
 ])
-def test_17_a_config_file_that_exits_or_is_interrupted_is_one_sentence(tmp_path, content, message):
+def test_a_config_file_that_exits_or_is_interrupted_is_one_sentence(tmp_path, content, message):
     path = tmp_path / "config.py"
     path.write_text(content)
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args([str(path)])
 
 
-def test_17_the_default_data_folder_is_the_projects_from_any_working_directory(tmp_path):
+def test_the_default_data_folder_is_the_projects_from_any_working_directory(tmp_path):
     from data import dataset_dir
     assert dataset_dir("", "shakespeare") == str(ROOT / "data" / "shakespeare")
     assert dataset_dir("elsewhere", "shakespeare") == os.path.join("elsewhere", "shakespeare")
@@ -120,7 +120,7 @@ def test_17_the_default_data_folder_is_the_projects_from_any_working_directory(t
 # ----------------------------------------------------------------------------- 18: the plan before the data
 
 
-def test_18_the_flagships_plan_is_shown_before_its_data_is_downloaded(tmp_path):
+def test_the_flagships_plan_is_shown_before_its_data_is_downloaded(tmp_path):
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "config/gpt2.py", f"--data.data_root={tmp_path}", "--dry_run"],
         cwd=ROOT,
@@ -211,7 +211,7 @@ def tiny_ladder(tmp_path, data_root, duration=4096, extra=""):
     return str(path)
 
 
-def test_1_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_root, tmp_path):
+def test_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_root, tmp_path):
     import signal
     import time
     path = tiny_ladder(tmp_path, data_root, duration=2_000_000)  # far longer than the test waits
@@ -231,7 +231,7 @@ def test_1_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_
     assert not (size / ".lock").exists() and not (size / "stacks" / "rank0.pid").exists()
 
 
-def test_3_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
+def test_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
     from test_scaling_law import LAW, write_ladder
     path = write_ladder(tmp_path, "a", LAW, finished=True)
     assert "skipped" in run_ladder("run-all", path).stdout  # finished under the plan: nothing to do
@@ -240,18 +240,18 @@ def test_3_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
     assert "where the plan now says" in changed.stderr and "use another ladder.dir" in changed.stderr
 
 
-def test_7_a_size_that_stops_early_stops_run_all(data_root, tmp_path):
+def test_a_size_that_stops_early_stops_run_all(data_root, tmp_path):
     result = run_ladder("run-all", tiny_ladder(tmp_path, data_root, duration=2_000_000), "--train.time_limit=2")
     assert result.returncode == 1 and "size 1x32 stopped before its last step" in result.stderr
     assert not (tmp_path / "ladder" / "2x32").exists()  # the next size never started
 
 
-def test_8_a_size_listed_twice_is_refused(data_root, tmp_path):
+def test_a_size_listed_twice_is_refused(data_root, tmp_path):
     result = run_ladder("dry-run", tiny_ladder(tmp_path, data_root), "--ladder.sizes=1x32,2x32,2x32")
     assert result.returncode == 1 and "ladder.sizes names 2x32 more than once" in result.stderr
 
 
-def test_15_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_one_sentence(tmp_path):
+def test_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_one_sentence(tmp_path):
     from test_scaling_law import LAW, write_ladder
     path = write_ladder(tmp_path, "a", LAW)
     csv = run_ladder("metrics", path, "--csv=/no/such/folder/x.csv")
@@ -263,7 +263,7 @@ def test_15_metrics_to_a_folder_that_does_not_exist_or_from_a_damaged_file_is_on
         assert "Traceback" not in damaged.stderr
 
 
-def test_10_17_command_line_values_that_name_nothing_are_one_sentence(data_root, tmp_path):
+def test_command_line_values_that_name_nothing_are_one_sentence(data_root, tmp_path):
     tasks_empty = warm_python.python(["hellaswag_eval.py", "--init_from=gpt2", "--tasks=,"], ROOT)
     assert tasks_empty.returncode == 1 and "--tasks=',' names no task" in tasks_empty.stderr
     no_size = run_ladder("run", tiny_ladder(tmp_path, data_root), "--size")
@@ -273,7 +273,7 @@ def test_10_17_command_line_values_that_name_nothing_are_one_sentence(data_root,
 # ----------------------------------------------------------------------------- 16: answers longer than the window
 
 
-def test_16_piqa_answers_longer_than_the_window_are_counted_and_skipped():
+def test_piqa_answers_longer_than_the_window_are_counted_and_skipped():
     """With block_size 128, 10 of PIQA's 1,838 validation examples have an answer longer than the window
     (index 142: 138 and 140 tokens); they are skipped and counted, never scored on a cut answer."""
     import hellaswag_eval
