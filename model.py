@@ -359,7 +359,7 @@ def gpt_class(module="model"):
     return load_gpt_class(module)
 
 
-# ---------------------------------------------------------------------------- the chunked loss
+# ------------------------------------------------------------------------------- the chunked loss
 # `F.cross_entropy(logits(x), targets)` a slice of rows at a time, so the (tokens x vocabulary)
 # logits are never all held (train.loss_path chooses; tested against the full path). How many
 # logits a slice holds, by device type (docs/measurements.md): on a CPU 16 MB of float32, so each

@@ -302,7 +302,7 @@ def check_same_logits(model, hf_model, tolerance=1e-4):
                            f"it is.")
 
 
-# ----------------------------------------------------------------------------- fine-tuning: GPT-2's weights as a start
+# -------------------------------------------------------- fine-tuning: GPT-2's weights as a start
 
 
 def load_gpt2_weights(model, source):
