@@ -39,10 +39,10 @@ from typing import Literal
 # thread).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from checkpoint import is_complete_checkpoint  # noqa: E402 - after the line above
+from checkpoint import find_checkpoints, is_complete_checkpoint  # noqa: E402 - after the line above
 from config import (Config, ConfigError, LogConfig, UserError, all_keys,  # noqa: E402
-                    config_to_dict, field_metadata, get, parse_args, run_command, sections, setting,
-                    validate)
+                    config_to_dict, field_metadata, get, parse_args, redact_argv, run_command,
+                    sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, memory_fit, model_config,
                                 param_counts, shape_of, sized_model)
@@ -354,25 +354,29 @@ def run(cfg, plan):
     train.train(run_config(cfg, plan))
 
 
-def run_child(command):
-    """Run one size in its own process; returns (exit status, the name of a signal received). Ctrl-C
-    in a terminal reaches the child too (one process group) and the child finishes its step and
-    saves; this process waits for that instead of killing it, and forwards a SIGTERM sent to it
-    alone."""
-    child = subprocess.Popen(command)
-    received = []
+def run_child(command, line):
+    """Print `line`, then run one size in its own process; returns (exit status, the name of a
+    signal received). The child starts with Ctrl-C ignored, until its trainer takes it (a Ctrl-C
+    while it imports would be a traceback); a Ctrl-C or a SIGTERM to this process reaches it as a
+    SIGTERM from here, which stops a child still starting at once and one that trains after its
+    step and its checkpoint, as Ctrl-C does."""
+    child, received = [], []
 
     def forward(signum, frame):
         received.append(signal.Signals(signum).name)
-        # a terminal's Ctrl-C already reached the child; a SIGTERM to us alone did not
-        if child.poll() is None and signum == signal.SIGTERM:
-            child.send_signal(signum)
+        if child and child[0].poll() is None:
+            child[0].send_signal(signal.SIGTERM)
 
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
+        print(line, flush=True)
+        child.append(subprocess.Popen(
+            command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)))
+        if received:  # a signal before the child existed
+            child[0].send_signal(signal.SIGTERM)
         while True:
             try:
-                return child.wait(), (received[0] if received else None)
+                return child[0].wait(), (received[0] if received else None)
             except KeyboardInterrupt:  # a signal arriving while wait() was being set up
                 continue
     finally:
@@ -400,12 +404,16 @@ def run_all(cfg, plans, config_path, overrides):
         command = launcher + [os.path.abspath(__file__), "run", config_path, *overrides,
                               f"--size={p.size}"]
         eta = ladder_eta(timings, todo[len(timings):])
-        print(f"size {p.size} ({k} of {len(plans)}, {p.run.max_steps:,} steps{eta}): "
-              f"{' '.join(command[1:])}", flush=True)
         start = time.monotonic()
-        code, signal_name = run_child(command)
+        code, signal_name = run_child(command, f"size {p.size} ({k} of {len(plans)}, "
+                                      f"{p.run.max_steps:,} steps{eta}): "
+                                      f"{' '.join(redact_argv(command[1:]))}")  # no secret in clear
         timings.append((p, time.monotonic() - start))
         status, detail = size_status(cfg, p)
+        if signal_name and not find_checkpoints(os.path.join(cfg.ladder.dir, p.size)):
+            raise UserError(f"run-all was stopped by {signal_name} before size {p.size} had "
+                            f"trained a step, so nothing of it was saved: run run-all again to "
+                            f"start it.")
         if signal_name:
             raise UserError(f"run-all was stopped by {signal_name}; size {p.size} saved a "
                             f"checkpoint of what it had trained: run run-all again to continue "

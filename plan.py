@@ -195,6 +195,8 @@ class SignalFlag:
         if self.received is not None and signum == signal.SIGINT:
             print("second SIGINT: exiting now without saving", file=sys.stderr, flush=True)
             os._exit(130)
+        if self.received is not None:  # already stopping (ladder.py run-all follows a Ctrl-C
+            return  # with a SIGTERM)
         self.received = name
         print(f"{name} received: finishing this step, saving a checkpoint, then exiting "
               f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)

@@ -231,6 +231,26 @@ def test_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_ro
     assert not (size / ".lock").exists() and not (size / "stacks" / "rank0.pid").exists()
 
 
+def test_ctrl_c_before_a_size_trains_says_nothing_was_saved_and_the_line_hides_the_webhook(
+        data_root, tmp_path):
+    """Ctrl-C while the size's process still starts: no traceback, no promise of a checkpoint; and
+    the line run-all prints for the size shows the webhook's URL as "***"."""
+    import signal
+    path = tiny_ladder(tmp_path, data_root, duration=2_000_000)
+    url = "http://127.0.0.1:9/hooks/secret-token"
+    proc = subprocess.Popen([sys.executable, str(ROOT / "ladder.py"), "run-all", path,
+                             f"--log.slack_webhook={url}"], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    line = proc.stdout.readline()  # printed as the size's process starts
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground process group
+    out, err = proc.communicate(timeout=120)
+    assert line.startswith("size 1x32 (1 of 3") and "--log.slack_webhook=***" in line, line
+    assert "secret-token" not in line + out + err
+    assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
+    assert "stopped by SIGINT before size 1x32 had trained a step, so nothing of it was saved" in err, err
+    assert not [p for p in (tmp_path / "ladder" / "1x32").glob("step*")]
+
+
 def test_run_all_refuses_sizes_trained_under_other_settings(tmp_path):
     from test_scaling_law import LAW, write_ladder
     path = write_ladder(tmp_path, "a", LAW, finished=True)
