@@ -275,7 +275,7 @@ def before_the_first_step(run):
         print("torch.compile: the first step compiles the model first", flush=True)
 
 
-# --------------------------------------------------------------------------- evaluation and samples
+# ------------------------------------------------------------------------- evaluation and samples
 
 
 @torch.no_grad()

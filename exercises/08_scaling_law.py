@@ -4,8 +4,8 @@ Goal: read a scaling law L(N, D) = E + A / N^alpha + B / D^beta (Hoffmann et al.
 model ladder fits to a few small runs (N parameters, D training tokens) to predict a larger one: the
 loss it predicts, the data a model of N parameters needs to reach a given loss, and the
 compute-optimal number of tokens per parameter (Chinchilla's "20").
-In the project: scaling_law.py, `fit_law`, `predict`, `tokens_to_reach`, `optimal_tokens_per_param`;
-ladder.py, `fit` (ladder_fit.py: it fits the small sizes and checks the prediction for the largest).
+In the project: lab/scaling_law.py, `fit_law`, `predict`, `tokens_to_reach`, `optimal_tokens_per_param`;
+ladder.py, `fit` (lab/ladder_fit.py: it fits the small sizes and checks the prediction for the largest).
 Check: python exercises/check.py 8
 (your three functions against the project's on random laws, then on the law fitted to a synthetic
 3-size ladder whose true law is known)
@@ -16,7 +16,7 @@ import math
 
 def predict_loss(law, n, d):
     """The loss the law predicts for a model of `n` parameters trained on `d` tokens. `law` is a dict
-    with keys E, A, alpha, B, beta, as scaling_law.py's fit_law returns it."""
+    with keys E, A, alpha, B, beta, as lab/scaling_law.py's fit_law returns it."""
     return law["E"] + law["A"] / n ** law["alpha"] + law["B"] / d ** law["beta"]
 
 

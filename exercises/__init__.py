@@ -1,9 +1,10 @@
 """Classroom exercises that check themselves (docs/exercises.md).
 
 Each `NN_name.py` holds the answer functions of one exercise; `check.py` compares them with the
-project's own code (`python exercises/check.py N`); `make_student_copy.py` copies the project with
-those functions blanked out. `answers_of` lets one answer file build on another's (the capstone, 16,
-assembles GPT-2 from exercise 10's parts).
+project's own code (`python exercises/check.py N`); the grader behind it lives in `grader/`, with
+the teacher's `grader/make_student_copy.py`, which copies the project with those functions blanked
+out. `answers_of` lets one answer file build on another's (the capstone, 16, assembles GPT-2 from
+exercise 10's parts).
 """
 
 import importlib.util

@@ -2,6 +2,7 @@
 
     python exercises/check.py 3                   # exercise 3: "passed" and exit status 0, or what differs and 1
     python exercises/check.py all                 # every exercise, in order, one line each
+    python exercises/check.py 4 15                # these exercises, one line each
     python exercises/check.py 5 --data_root=DIR   # where the prepared Shakespeare data lives (default: data/)
     python exercises/check.py 3 --hint            # the first hint; --hint=2 the idea, --hint=3 the code
     python exercises/check.py 3 --hint=3 --against=TEACHER  # (a student) the code, from the teacher's copy
@@ -9,6 +10,7 @@
     python exercises/check.py 3 --student=COPY    # (the teacher) grade the answers in a student's copy
     python exercises/check.py 3 --against=TEACHER # (a student) have the teacher's copy grade these answers
     python exercises/check.py all --doc-numbers   # (the teacher) write what each check prints into the docs
+    python exercises/check.py all --no-bwrap      # grade without bubblewrap, in the room alone (grader/room.py)
 
 Your answers are the functions in exercises/NN_name.py (NN is the exercise's number). The check computes the
 truth in this process from the project's code, runs your functions in a process of their own (grading.py says
@@ -48,18 +50,18 @@ DOC_BLOCK = ("<!-- written by `python exercises/check.py all --doc-numbers`: wha
 
 
 def check_of(number):
-    """The check function of exercise `number` (exercises/checks_*.py)."""
+    """The check function of exercise `number` (exercises/grader/checks_*.py)."""
     import importlib
 
     module, name = CHECKS[number]
-    return getattr(importlib.import_module(f"exercises.checks_{module}"), name)
+    return getattr(importlib.import_module(f"exercises.grader.checks_{module}"), name)
 
 
 def grade(number, folder=HERE, data_root="", seed=None):
     """(passed, the line to print) for exercise `number`, its answers read from `folder`, its cases drawn from
     `seed` (None: a fresh one, printed when the answer fails, so that --seed replays the grading); refused when
     a grading file (room.fingerprint) changed meanwhile, as an answer could make it where the platform lets it."""
-    from exercises.room import changed_file, fingerprint
+    from exercises.grader.room import changed_file, fingerprint
 
     seed = random.randrange(2**32) if seed is None else seed
     before = fingerprint()
@@ -82,8 +84,8 @@ def seed_everything(seed):
 
 
 def grade_once(number, folder, data_root, seed):
-    from exercises.checking import ExerciseFailed, NotDone
-    from exercises.grading import Answers
+    from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone
+    from exercises.grader.grading import Answers
 
     options = {"data_root": data_root} if number in TRAINS else {}
     seed_everything(seed)
@@ -93,6 +95,9 @@ def grade_once(number, folder, data_root, seed):
         summary = check_of(number)(answers, **options)
     except NotDone as missing:
         return False, f"exercise {number} is not done yet: {missing}"
+    except GraderFailed as failure:  # the machine's doing, not the answer's
+        return False, (f"exercise {number} could not be graded: the grader could not start your answer: {failure}; "
+                       f"tell your teacher.")
     except ExerciseFailed as failure:
         return False, f"exercise {number} failed (--seed={seed} draws these cases again): {failure}"
     except Exception as error:  # noqa: BLE001 - the check itself stopped: still one sentence, naming where
@@ -117,7 +122,8 @@ def stopped(error):
 
 def main(argv):
     parser = argparse.ArgumentParser(description="Check a classroom exercise against the project's own code.")
-    parser.add_argument("exercise", choices=[str(n) for n in CHECKS] + ["all"], help="the exercise's number, or all")
+    parser.add_argument("exercise", nargs="+", choices=[str(n) for n in CHECKS] + ["all"],
+                        help="the exercises' numbers, or all")
     parser.add_argument("--data_root", default="",
                         help="the folder holding shakespeare/ (default: the project's data/)")
     parser.add_argument("--hint", type=int, nargs="?", const=1, default=None,
@@ -128,10 +134,15 @@ def main(argv):
                         help="a student's copy of the project: grade its answer files with this copy's checks")
     parser.add_argument("--against", default=None,
                         help="the teacher's untouched copy of the project: it grades this copy's answers")
+    parser.add_argument("--no-bwrap", action="store_true",
+                        help="run the answers in the room alone, without the bubblewrap sandbox (grader/sandbox.py)")
     parser.add_argument("--doc-numbers", action="store_true",
                         help=f"grade the project's answers at --seed={DOC_SEED} and write what each check prints into "
                              f"docs/exercises.md")
     args = parser.parse_args(argv)
+    if "all" in args.exercise and len(args.exercise) > 1:
+        return refuse("`all` goes alone; give either all or the exercises' numbers.")
+    args.exercise = " ".join(args.exercise)
     if args.doc_numbers and (args.exercise != "all" or args.student or args.against or args.seed not in (None, DOC_SEED)
                              or args.hint is not None):
         return refuse(f"--doc-numbers goes with `all` alone (it grades the project's own answers at "
@@ -139,7 +150,7 @@ def main(argv):
     if args.seed is not None and not 0 <= args.seed < 2**32:  # what numpy's generator takes, as a fresh seed is drawn
         return refuse(f"--seed={args.seed} is not a seed a grading prints; give one from 0 to {2**32 - 1}.")
     if args.hint is not None:  # (--hint=0 too: it asks for no hint that exists, so it is refused, not graded)
-        if args.exercise == "all":
+        if not args.exercise.isdigit():
             return refuse("--hint takes one exercise's number, e.g. check.py 3 --hint.")
         if args.against is None or args.hint != 3:
             return print_hint(int(args.exercise), args.hint)
@@ -156,7 +167,10 @@ def main(argv):
                       f"(or leave it out to use the project's data/).")
     import torch
 
-    numbers = list(CHECKS) if args.exercise == "all" else [int(args.exercise)]
+    from exercises.grader.grading import sandbox
+
+    sandbox(use_bwrap=not args.no_bwrap)  # says in one line (stderr) where the answers run, if there is news
+    numbers = list(CHECKS) if args.exercise == "all" else [int(n) for n in args.exercise.split()]
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
     results, lines = [], {}
     for number in numbers:
@@ -191,7 +205,7 @@ def refuse(sentence):
 
 def print_hint(number, level):
     """Hint `level` of exercise `number`, from hints.py: where to look, then how, then the code."""
-    from exercises.hints import hint
+    from exercises.grader.hints import hint
 
     try:
         text, count = hint(number, level)
@@ -216,7 +230,7 @@ def hand_to_teacher(args):
     if not (teacher / "exercises" / "check.py").is_file():
         return refuse(f"--against={args.against} holds no exercises/check.py; give the folder of the teacher's "
                       f"untouched copy of the project.")
-    command = [sys.executable, str(teacher / "exercises" / "check.py"), args.exercise]
+    command = [sys.executable, str(teacher / "exercises" / "check.py"), *args.exercise.split()]
     command += [f"--hint={args.hint}"] if args.hint is not None else [f"--student={HERE.parent}"]
     if args.data_root:
         command.append(f"--data_root={args.data_root}")

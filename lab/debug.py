@@ -56,7 +56,7 @@ class DebugError(UserError):
     """A debug.py argument points at nothing usable; the message says what to give."""
 
 
-# ----------------------------------------------------------------------------- in the loop
+# ------------------------------------------------------------------------------------ in the loop
 
 
 def make_deterministic():
@@ -151,7 +151,7 @@ def param_norm(params):
 
 
 
-# ----------------------------------------------------------------------------- compare-traces
+# --------------------------------------------------------------------------------- compare-traces
 
 
 def load_traces(run_dir):
@@ -261,7 +261,7 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
     return first[:2] if first else None
 
 
-# ----------------------------------------------------------------------------- compare-state
+# ---------------------------------------------------------------------------------- compare-state
 
 
 def named_state(path, model_module="model"):
@@ -341,7 +341,7 @@ def compare_state(path_a, path_b, top=20, model_module="model"):
     return len(rows) + len(only)
 
 
-# ----------------------------------------------------------------------------- stacks
+# ----------------------------------------------------------------------------------------- stacks
 
 
 def main_thread_frames(dump):

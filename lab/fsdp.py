@@ -98,7 +98,7 @@ def share_generator(generator):
     generator.set_state(state[0])
 
 
-# ----------------------------------------------------------------------------- sharded initialisation
+# ------------------------------------------------------------------------- sharded initialisation
 # A model too big for one GPU cannot be built whole on one first. So the model is built on the `meta` device (shapes,
 # no numbers), sharded, and then each rank fills its own pieces (OLMo-core's and torchtitan's order). The pieces must
 # equal what a whole build draws with the same seed (DDP's start, and what a resume on another world size expects):
@@ -381,7 +381,7 @@ def apply(model, optimizer, model_state, optim_state, full=False):
         set_optimizer_state_dict(model, parts(optimizer), optim_state, options=options)
 
 
-# ----------------------------------------------------------------------------- reading in one process
+# ------------------------------------------------------------------------- reading in one process
 
 
 def tensor_shapes(folder, prefix="model."):
@@ -411,7 +411,7 @@ def read_into(state, folder):
                  no_dist=not torch.distributed.is_initialized())
 
 
-# ----------------------------------------------------------------------------- reading without running code
+# ------------------------------------------------------------------- reading without running code
 
 # What a .metadata may build: DCP's own metadata classes and the torch and standard types they are made of (read off
 # the .metadata of a real 2-rank FSDP checkpoint of this trainer, torch 2.13: tests/test_fsdp.py makes one). A dtype

@@ -319,7 +319,7 @@ def logits_difference(model, hf_model, length, tolerance=1e-4):
     return difference
 
 
-# ----------------------------------------------------------------------------- fine-tuning: GPT-2's weights as a start
+# -------------------------------------------------------- fine-tuning: GPT-2's weights as a start
 
 
 def load_gpt2_weights(model, source):

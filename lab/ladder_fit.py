@@ -18,7 +18,7 @@ from configurator.model import PARAMS
 from hellaswag_eval import TASKS
 
 
-# ----------------------------------------------------------------------------- reading what the runs wrote
+# -------------------------------------------------------------------- reading what the runs wrote
 
 
 def size_folders(cfg, size):
@@ -103,7 +103,7 @@ def read_metrics_file(path):
                         f"hellaswag_eval.py`) or remove the file and its size's run folder to retrain it.") from None
 
 
-# ----------------------------------------------------------------------------- the scaling-law fit
+# ---------------------------------------------------------------------------- the scaling-law fit
 
 
 def size_points(cfg, plan, metric="val/loss", names=("post-decay",)):
@@ -220,7 +220,7 @@ def describe_fit(result, held_out, n_held):
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- downstream tasks: two steps
+# -------------------------------------------------------------------- downstream tasks: two steps
 
 
 def fit_task(cfg, finished, task, params):
@@ -274,7 +274,7 @@ def describe_task(task, result):
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- two ladders compared
+# --------------------------------------------------------------------------- two ladders compared
 
 
 def compare(ladder_a, ladder_b, params="non_embedding", rounds=200):

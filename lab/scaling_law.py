@@ -125,7 +125,7 @@ def optimal_tokens_per_param(params, n):
         return float("nan")
 
 
-# ----------------------------------------------------------------------------- step two: task loss -> accuracy
+# ---------------------------------------------------------------- step two: task loss -> accuracy
 
 
 def sigmoid(params, loss):
@@ -180,7 +180,7 @@ def compute_multiplier(law_a, law_b, n, d, at="b"):
     return d / tokens_to_reach(law_b, n, predict(law_a, n, d))
 
 
-# ----------------------------------------------------------------------------- the picture
+# ------------------------------------------------------------------------------------ the picture
 
 
 def plot_fit(finished, law, refits, params, path):

@@ -6,7 +6,7 @@ run, and FSDP's initial weights against a whole build's (DDP's).
 Each rank first builds a tiny model the same way (imports, process group, allocator warmed up), reads its peak
 resident set (RSS: the CPU's memory; ru_maxrss), then builds the model of the overrides through train.py's
 build_model and wrap_model, and reads it again: the difference is what the model cost at its start. The bound for
-FSDP is (1/world_size of the model + its largest tensor) x 1.2, in fp32 (issue 48): what sharded initialisation holds
+FSDP is (1/world_size of the model + its largest tensor) x 1.2, in fp32: what sharded initialisation holds
 at most, a rank's pieces plus the one whole tensor being initialised, with 20% for the allocator. Then, for FSDP,
 every rank gathers the whole initial weights and compares them with a whole build from the same seed. Each rank
 prints one line of JSON: {"rank", "mode", "params", "whole_mb", "largest_mb", "bound_mb", "peak_mb", "equal"}.

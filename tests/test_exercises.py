@@ -7,13 +7,10 @@ import contextlib
 import hashlib
 import inspect
 import math
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -23,10 +20,10 @@ import torch
 import warm_python
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from exercises.check import CHECKS, DOC_BLOCK, DOC_SEED, DOCS, TRAINS, check_of, doc_row, seed_everything
-import exercises.checking
-from exercises.checking import ExerciseFailed, NotDone, patched
-from exercises.grading import Answers, blank_bodies
-from exercises.make_student_copy import make_student_copy
+import exercises.grader.checking
+from exercises.grader.checking import ExerciseFailed, NotDone, patched
+from exercises.grader.grading import Answers, blank_bodies
+from exercises.grader.make_student_copy import make_student_copy
 
 CHECK = ROOT / "exercises" / "check.py"
 HEADER = ("import collections\nimport math\nfrom contextlib import nullcontext\n\nimport regex\nimport torch\n"
@@ -101,12 +98,12 @@ def expected_values():
             return result
         return spy
 
-    modules = [importlib.import_module(f"exercises.checks_{module}") for module, _ in CHECKS.values()]
+    modules = [importlib.import_module(f"exercises.grader.checks_{module}") for module, _ in CHECKS.values()]
     with contextlib.ExitStack() as stack:
         for module in modules:
             for name in ("is_close", "compared"):
                 if hasattr(module, name):
-                    stack.enter_context(patched(module, name, noting(getattr(exercises.checking, name))))
+                    stack.enter_context(patched(module, name, noting(getattr(exercises.grader.checking, name))))
         yield wants
 
 
@@ -149,7 +146,7 @@ def test_every_check_passes_on_the_projects_own_answers_and_prints_what_the_docs
 
 
 def test_there_are_at_least_twenty_exercises_each_with_its_answer_file_and_hints():
-    from exercises.hints import HINTS
+    from exercises.grader.hints import HINTS
 
     assert len(CHECKS) >= 20 and list(CHECKS) == list(range(1, len(CHECKS) + 1)) and set(HINTS) == set(CHECKS)
     for number in CHECKS:
@@ -186,7 +183,7 @@ def test_nothing_of_the_students_copy_but_its_answer_files_takes_part_in_grading
     fails a wrong one."""
     copy = tmp_path / "student"
     make_student_copy(copy)
-    for path in [*copy.glob("*.py"), *(copy / "exercises").glob("*.py")]:
+    for path in [*copy.glob("*.py"), *copy.glob("exercises/*.py"), *copy.glob("exercises/grader/*.py")]:
         if not path.name[:2].isdigit():
             path.write_text("raise SystemExit('a file of the student\\'s copy ran')\n")
     for number in (1, 10):
@@ -285,7 +282,7 @@ def test_an_error_in_a_students_function_is_one_sentence_naming_it_and_its_line(
 
 
 def test_an_answer_that_never_ends_is_stopped_and_said_in_one_sentence(tmp_path):
-    from exercises.feed_core import ranks_answers
+    from exercises.grader.feed_core import ranks_answers
 
     folder = answer_folder(tmp_path, 14, code="""
         def rank_sequences(position, rank, world_size, batch_size):
@@ -306,7 +303,7 @@ def test_an_answer_built_on_another_exercise_names_the_function_still_to_write(t
         grade(16, folder, "")
 
 
-# A student's answer to exercise 1 that tries every way out of its room at once (issue 49's holes 1 and 2): it
+# A student's answer to exercise 1 that tries every way out of its room at once: it
 # rewrites the teacher's check to pass anything, and writes the teacher's project, at its path and beside the
 # `exercises` package it imports; its lr_at is the teacher's reference, loaded from either place; blank if none.
 ESCAPING_ANSWER = """
@@ -317,7 +314,7 @@ from exercises import answers_of as _answers_of
 _TEACHER = _Path({teacher!r})
 _PLACES = [_Path(_package.__file__).parent, _TEACHER / "exercises"]
 for _place in _PLACES:
-    for _name in ("checks_step.py", "../optimizer.py"):
+    for _name in ("grader/checks_step.py", "../optimizer.py"):
         try:
             with open(_place / _name, "a") as _file:
                 _file.write("\\ndef check_schedule(answers):\\n    return 'anything (tampered)'\\n")
@@ -346,25 +343,16 @@ def test_an_answer_can_neither_write_nor_read_nor_import_the_teachers_tree(tmp_p
     assert not passed and line.startswith("exercise 1 is not done yet: write lr_at"), line
 
 
-# An answer to exercise 1 that reaches for the grader's rights rather than its tree (found by a review after issue
-# 49): it leaves a process behind (a double fork, a session of its own) that notes its pid, puts a link to a file
-# only the grader may read where the grader reads its output, and a pipe where its results go, then ends.
+# An answer to exercise 1 that reaches for the grader's rights rather than its tree: where its results go, it
+# puts a link to a file only the grader may read (which the grader would then print) or a pipe (which would hold
+# the grader forever), then ends. (What it leaves running: test_exercise_sandbox.py.)
 ROOT_ONLY_ANSWER = """
 import os
 
-if os.fork() == 0:
-    os.setsid()
-    if os.fork() == 0:
-        with open({pid_file!r}, "w") as _f:
-            _f.write(str(os.getpid()))
-        while True:
-            os.system("sleep 1")
-    os._exit(0)
-while not os.path.exists({pid_file!r}):
-    os.system("sleep 0.1")
-os.unlink("output.txt")
-os.symlink({secret!r}, "output.txt")
-os.mkfifo("out.pt")
+if {link}:
+    os.symlink({secret!r}, "out.pt")
+else:
+    os.mkfifo("out.pt")
 os._exit(3)
 
 
@@ -373,46 +361,35 @@ def lr_at(schedule, n):
 """
 
 
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="the answer runs as the grader")
-def test_an_answer_cannot_use_the_graders_rights_to_read_hang_or_outlive_its_grading(tmp_path):
+@pytest.mark.parametrize("link", [True, False], ids=["a link to a secret", "a pipe"])
+def test_an_answer_cannot_use_the_graders_rights_to_read_or_hang_it(tmp_path, link):
     from exercises.check import grade as check_grade
 
     secret = tmp_path / "secret.txt"
     secret.write_text("the teacher's secret\n")
     secret.chmod(0o600)
-    shared = Path(tempfile.mkdtemp())  # (/tmp: the answer's user cannot reach pytest's folders)
-    shared.chmod(0o777)
     folder = answer_folder(tmp_path)
-    pid_file = shared / "left_behind.pid"
-    (folder / "01_schedule.py").write_text(ROOT_ONLY_ANSWER.format(pid_file=str(pid_file), secret=str(secret)))
+    (folder / "01_schedule.py").write_text(ROOT_ONLY_ANSWER.format(link=link, secret=str(secret)))
     passed, line = check_grade(1, folder)  # returns: the pipe is not waited on
     assert not passed and "secret" not in line and "exit status 3" in line, line
-    pid = int(pid_file.read_text())
-    try:  # stopped when the grading ended: gone, or a zombie waiting for init
-        with open(f"/proc/{pid}/status") as f:
-            state = next(l for l in f if l.startswith("State:"))
-        assert "Z" in state, state
-    except FileNotFoundError:
-        pass
-    finally:
-        shutil.rmtree(shared, ignore_errors=True)
 
 
 def test_the_room_holds_the_project_and_what_feeds_an_answer_but_nothing_that_grades():
     """An answer reads whatever lies in its room: no check (the expected values and the advice), no reference
     answer, no hint, no solution may lie there; the feed modules it needs do, and import nothing that grades."""
-    from exercises.room import Room
+    from exercises.grader.room import Room
 
     room = Room().build()
     try:
-        held = sorted(path.name for path in (room / "exercises").iterdir())
+        assert sorted(path.name for path in (room / "exercises").iterdir()) == ["__init__.py", "grader"]
+        held = sorted(path.name for path in (room / "exercises" / "grader").iterdir())
         assert held == sorted(["__init__.py", "runner.py", "feeding.py",
-                               *(path.name for path in (ROOT / "exercises").glob("feed_*.py"))]), held
+                               *(path.name for path in (ROOT / "exercises" / "grader").glob("feed_*.py"))]), held
         assert not any(name.startswith(("checks_", "checking", "check.py", "grading", "hints", "solutions"))
                        or name[:2].isdigit() for name in held), held
         assert (room / "model.py").is_file() and (room / "train.py").is_file() and not (room / "tests").exists()
         for name in held:
-            assert "exercises.check" not in (room / "exercises" / name).read_text(), name  # checks or checking
+            assert "exercises.grader.check" not in (room / "exercises" / "grader" / name).read_text(), name
     finally:
         shutil.rmtree(room)
 
@@ -420,22 +397,22 @@ def test_the_room_holds_the_project_and_what_feeds_an_answer_but_nothing_that_gr
 def test_a_grading_file_changed_while_an_answer_ran_refuses_the_grade_naming_it(tmp_path, monkeypatch):
     """Where the platform lets an answer write the teacher's tree (no root, no Linux), the fingerprint catches it."""
     import exercises.check
-    import exercises.room
+    import exercises.grader.room
 
-    (tmp_path / "exercises").mkdir()
-    (tmp_path / "exercises" / "checks_step.py").write_text("def check_schedule(answers): ...\n")
-    monkeypatch.setattr(exercises.room, "ROOT", tmp_path)
+    (tmp_path / "exercises" / "grader").mkdir(parents=True)
+    (tmp_path / "exercises" / "grader" / "checks_step.py").write_text("def check_schedule(answers): ...\n")
+    monkeypatch.setattr(exercises.grader.room, "ROOT", tmp_path)
 
     def tampering(number, folder, data_root, seed):
-        with open(tmp_path / "exercises" / "checks_step.py", "a") as f:
+        with open(tmp_path / "exercises" / "grader" / "checks_step.py", "a") as f:
             f.write("def check_schedule(answers): return 'passed'\n")
         return True, "exercise 1 passed: anything."
 
     monkeypatch.setattr(exercises.check, "grade_once", tampering)
     passed, line = exercises.check.grade(1)
-    assert not passed and line == ("exercise 1 cannot be graded: exercises/checks_step.py of the grading copy changed "
-                                   "while the answer ran; restore it (git checkout -- exercises/checks_step.py) and "
-                                   "grade again.")
+    assert not passed and line == ("exercise 1 cannot be graded: exercises/grader/checks_step.py of the grading copy "
+                                   "changed while the answer ran; restore it (git checkout -- "
+                                   "exercises/grader/checks_step.py) and grade again.")
 
 
 # ----------------------------------------------------------------------------- the command, hints, the copy
@@ -484,10 +461,18 @@ def test_hints_come_from_the_checking_side_one_level_at_a_time_the_last_the_code
     assert_one_sentence(hint(3, 0), "exercise 3 has 3 hints; ask for 1 to 3")  # refused, not a whole check
 
 
-def test_a_second_hint_gives_the_idea_without_the_code_or_its_constants():
-    from exercises.hints import HINTS
+def test_a_second_hint_names_the_idea_and_where_to_read_in_a_few_words():
+    from exercises.grader.hints import HINTS
 
-    # what the second hints of issue 49 gave away: 23's only insight, 18's byte ranges, 20's and 22's algorithms
+    for number, (_, second, *_) in HINTS.items():
+        assert second.startswith("The idea: ") and " Read " in second, number
+        assert len(second.split()) <= 40, (number, len(second.split()))  # the idea, not the algorithm
+
+
+def test_a_second_hint_gives_the_idea_without_the_code_or_its_constants():
+    from exercises.grader.hints import HINTS
+
+    # what second hints once gave away: 23's only insight, 18's byte ranges, 20's and 22's algorithms
     given_away = {18: ["chr(256", "¡ to ¬", "\\p{L}"], 20: ["except the last's", "detached"],
                   22: ["4 times", "a tenth"], 23: ["n - 2", "n - 1's weights"]}
     for number, words in given_away.items():
@@ -515,13 +500,13 @@ def digest(folder):
 
 
 def test_the_student_copy_blanks_every_answer_and_leaves_the_project_untouched(tmp_path, data_root):
-    from exercises.runner import load_answers
+    from exercises.grader.runner import load_answers
 
     before = digest(ROOT / "exercises")
     copy = tmp_path / "student"
     blanked = make_student_copy(copy)
     assert digest(ROOT / "exercises") == before
-    assert len(blanked) == len(CHECKS) and not list((copy / "tests").glob("test_exercises*.py"))
+    assert len(blanked) == len(CHECKS) and not list((copy / "tests").glob("test_exercise*.py"))
     assert not (copy / "exercises" / "solutions").exists()  # no reference answer anywhere in the copy
     assert (copy / "train.py").read_bytes() == (ROOT / "train.py").read_bytes()
     # No check ships an answer: exercise 7's RTE prompt is read from OLMo's own tasks.py, not written here.

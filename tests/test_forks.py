@@ -163,11 +163,11 @@ Z_LOSS = [("model.py", "    dropout: float = field(",
            "    # PaLM's z-loss: this times the mean squared log-normalizer of the logits joins the loss (0: off)\n"
            "    z_loss: float = field(default=0.0, metadata={\"role\": \"applied\", \"ladder\": False, "
            "\"check\": \"0 or more\"})\n    dropout: float = field("),
-          ("model.py", "        self.loss_path = loss_path  #",
-           "        self.loss_path = \"full\" if config.z_loss else loss_path  #"),  # the chunked loss has no z-loss
-          ("model.py", "        return F.cross_entropy(",
-           "        z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
-           "        return z + F.cross_entropy(")]
+          ("model.py", "        self.loss_path = loss_path\n",
+           "        self.loss_path = \"full\" if config.z_loss else loss_path\n"),  # the chunked loss has no z-loss
+          ("model.py", "            return F.cross_entropy(",
+           "            z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
+           "            return z + F.cross_entropy(")]
 
 
 def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tmp_path, args):
@@ -454,11 +454,10 @@ GQA = [("model.py", "    n_embd: int = field(",
         "        self.n_kv_head = config.n_kv_head or config.n_head\n"
         "        self.kv_width = self.n_kv_head * config.n_embd // config.n_head\n"
         "        self.c_attn = nn.Linear(config.n_embd, config.n_embd + 2 * self.kv_width, bias=config.bias)"),
-       ("model.py", "        q, k, v = self.c_attn(x).split(C, dim=2)\n"
-                    "        q, k, v = "
-                    "(t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))",
-        "        q, k, v = self.c_attn(x).split([C, self.kv_width, self.kv_width], dim=2)\n"
-        "        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n"
+       ("model.py", "        q, k, v = self.c_attn(x).split(C, dim=2)\n",
+        "        q, k, v = self.c_attn(x).split([C, self.kv_width, self.kv_width], dim=2)\n"),
+       ("model.py", "        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n"
+                    "        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)",
         "        k, v = (t.view(B, T, self.n_kv_head, C // self.n_head).transpose(1, 2) for t in (k, v))\n"
         "        k, v = (t.repeat_interleave(self.n_head // self.n_kv_head, dim=1) for t in (k, v))")]
 

@@ -13,7 +13,7 @@ from config import OptimConfig
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
 import model
-from model import GPT, GPTConfig, chunked_cross_entropy
+from model import GPT, GPTConfig, LinearCrossEntropy, chunked_cross_entropy
 from optimizer import build_optimizer
 from sample import generate_text
 
@@ -76,17 +76,20 @@ def test_every_loss_path_gives_cross_entropys_loss_and_gradients_on_cuda(monkeyp
     def full(h, w, t):
         return F.cross_entropy(F.linear(h, w).float(), t, ignore_index=-1)
 
-    def chunked(h, w, t):
+    def fused(h, w, t):
+        return LinearCrossEntropy.apply(h, w, t, True)
+
+    def sliced(h, w, t):
         return chunked_cross_entropy(lambda x: F.linear(x, w), h, t, w.size(0))
 
     results = {}
-    for name, fn in (("reference", full), ("chunked", chunked)):
+    for name, fn in (("reference", full), ("fused", fused), ("sliced", sliced)):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = fn(h, w, targets)
         loss.backward()
         results[name] = (loss.detach(), h.grad, w.grad)
-    for ours, theirs in zip(results["chunked"], results["reference"]):
+    for ours, theirs in zip(results["fused"] + results["sliced"], results["reference"] * 2):
         assert torch.linalg.norm(ours - theirs) / torch.linalg.norm(theirs) < 1e-2
 
 

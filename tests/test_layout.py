@@ -141,8 +141,11 @@ def test_models_forward_computes_its_loss_with_cross_entropy():
 
 
 def test_the_loop_calls_train_step_from_one_line():
+    def name(call):
+        return getattr(call.func, "id", getattr(call.func, "attr", None))
+
     calls = [node.lineno for p in modules() for node in ast.walk(ast.parse(p.read_text()))
-             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "train_step"]
+             if isinstance(node, ast.Call) and name(node) == "train_step"]
     assert len(calls) == 1, calls
     functions = [n for n in ast.parse((ROOT / "train.py").read_text()).body if isinstance(n, ast.FunctionDef)]
     names = [f.name for f in functions]

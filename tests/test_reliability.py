@@ -1,5 +1,5 @@
-"""Nothing lost, nothing silently accepted: one test per defect found by trying to break the trainer
-(the numbers are the reliability issue's), and a full disk during a checkpoint and a metrics append."""
+"""Nothing lost, nothing silently accepted: one test per defect found by trying to break the trainer,
+and a full disk during a checkpoint and a metrics append."""
 
 import json
 import os
@@ -45,7 +45,7 @@ def wait_for_rows(out, n, timeout=120):
 # ----------------------------------------------------------------------------- 1-7: work lost or damaged
 
 
-def test_1_a_second_training_into_the_same_folder_fails_and_touches_nothing(data_root, tmp_path):
+def test_a_second_training_into_the_same_folder_fails_and_touches_nothing(data_root, tmp_path):
     out = tmp_path / "run"
     first = start_train(args(data_root, out, "--train.max_steps=100000", "--checkpoint.interval=0"))
     try:
@@ -64,7 +64,7 @@ def test_1_a_second_training_into_the_same_folder_fails_and_touches_nothing(data
     assert not (out / ".lock").exists()  # released on exit
 
 
-def test_2_a_cut_off_last_metrics_line_is_dropped_on_resume(data_root, tmp_path):
+def test_a_cut_off_last_metrics_line_is_dropped_on_resume(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=4"))
     with open(out / "metrics.jsonl", "a") as f:
@@ -82,7 +82,7 @@ def limited_run(argv, max_file_bytes):
                           preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
-def test_2_a_full_disk_during_a_checkpoint_and_during_a_metrics_append_loses_nothing(data_root, tmp_path):
+def test_a_full_disk_during_a_checkpoint_and_during_a_metrics_append_loses_nothing(data_root, tmp_path):
     full = tmp_path / "full"
     run_train(args(data_root, full, "--train.max_steps=12", "--model.dropout=0.1"))
     for case in ("checkpoint", "metrics"):
@@ -106,7 +106,7 @@ def test_2_a_full_disk_during_a_checkpoint_and_during_a_metrics_append_loses_not
         assert losses(out) == losses(full), case  # bit-exact, dropout included, no step missing or twice
 
 
-def test_3_folders_the_project_did_not_write_are_never_deleted(data_root, tmp_path):
+def test_folders_the_project_did_not_write_are_never_deleted(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=2"))
     (out / "step7").mkdir()  # someone's folder without a marker
@@ -133,7 +133,7 @@ train.main({argv!r})
 """
 
 
-def test_4_a_failing_sample_loses_no_training(data_root, tmp_path):
+def test_a_failing_sample_loses_no_training(data_root, tmp_path):
     out = tmp_path / "run"
     script = tmp_path / "run_with_broken_samples.py"
     argv = args(data_root, out, "--train.max_steps=6", "--eval.sample_interval=2", "--checkpoint.interval=3")
@@ -144,7 +144,7 @@ def test_4_a_failing_sample_loses_no_training(data_root, tmp_path):
     assert [s for s, _ in find_checkpoints(out)] == [3, 6] and len(read_metrics(out)) == 6
 
 
-def test_4_nan_weights_give_the_non_finite_message_before_any_sample(data_root, tmp_path):
+def test_nan_weights_give_the_non_finite_message_before_any_sample(data_root, tmp_path):
     result = run_train(args(data_root, tmp_path / "run", "--train.max_steps=6", "--optim.lr=1e30",
                             "--eval.sample_interval=3", "--log.metrics_collect_interval=100"), check=False)
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -153,7 +153,7 @@ def test_4_nan_weights_give_the_non_finite_message_before_any_sample(data_root, 
     assert find_checkpoints(tmp_path / "run") == []
 
 
-def test_5_an_unreadable_marker_is_not_a_checkpoint_anywhere(data_root, tmp_path):
+def test_an_unreadable_marker_is_not_a_checkpoint_anywhere(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2", "--checkpoint.keep_last=0"))
     (out / "step2" / "COMPLETE").write_text("{not json")
@@ -166,7 +166,7 @@ def test_5_an_unreadable_marker_is_not_a_checkpoint_anywhere(data_root, tmp_path
     assert [s for s, _ in find_checkpoints(out)] == [6, 8]  # retention went on working
 
 
-def test_6_preparing_data_again_replaces_the_whole_folder(tmp_path):
+def test_preparing_data_again_replaces_the_whole_folder(tmp_path):
     big, small = tmp_path / "big.txt", tmp_path / "small.txt"
     big.write_text("To be, or not to be, that is the question.\n" * 3000)
     small.write_text("Brevity is the soul of wit.\n" * 50)
@@ -180,7 +180,7 @@ def test_6_preparing_data_again_replaces_the_whole_folder(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if ".new-" in p.name] == []
 
 
-def test_7_save_overwrite_replaces_another_run_without_losing_it_first(data_root, tmp_path):
+def test_save_overwrite_replaces_another_run_without_losing_it_first(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=4", "--eval.interval=2", "--checkpoint.interval=2"))
     (out / "wandb_id.txt").write_text("oldrun01")
@@ -205,20 +205,20 @@ def test_7_save_overwrite_replaces_another_run_without_losing_it_first(data_root
     "--optim.grad_clip=-1", "--train.max_steps=-5", "--checkpoint.interval=-1", "--eval.interval=-1",
     "--optim.warmup_steps=-3", "--train.time_limit=-1", "--optim.lr=-1", "--model.dropout=2", "--optim.beta2=1.5",
     "--eval.num_samples=0", "--eval.sample_top_k=-1", "--train.device=tpu", "--optim.lr=nan"])
-def test_8_out_of_range_values_fail_with_the_fields_name(override):
+def test_out_of_range_values_fail_with_the_fields_name(override):
     key = override[2:].split("=")[0]
     with pytest.raises(ConfigError, match=rf"^{key} must be .*; set it to a value in range\.$"):
         parse_args([override])
 
 
-def test_8_a_range_error_from_train_py_is_one_line_and_writes_nothing(tmp_path):
+def test_a_range_error_from_train_py_is_one_line_and_writes_nothing(tmp_path):
     result = warm_python.python(["train.py", "--train.max_steps=-5", f"--train.out_dir={tmp_path / 'o'}"], ROOT)
     assert result.returncode != 0
     assert result.stderr.strip() == "error: train.max_steps must be at least 1 (got -5); set it to a value in range."
     assert not (tmp_path / "o").exists()
 
 
-def test_9_resuming_with_a_changed_identity_is_refused_and_safe_changes_are_recorded(data_root, tmp_path):
+def test_resuming_with_a_changed_identity_is_refused_and_safe_changes_are_recorded(data_root, tmp_path):
     out = tmp_path / "run"
     run_train(args(data_root, out, "--train.max_steps=2"))
     first_config = (out / "config.json").read_text()
@@ -240,14 +240,14 @@ def test_9_resuming_with_a_changed_identity_is_refused_and_safe_changes_are_reco
     ("import not_a_module_anywhere\n", r"cfg.py:1: ModuleNotFoundError"),
     ("model = 3\n", r"'model' is a section and cannot be assigned"),
 ])
-def test_10_a_broken_config_file_is_one_sentence_with_file_and_line(tmp_path, text, message):
+def test_a_broken_config_file_is_one_sentence_with_file_and_line(tmp_path, text, message):
     path = tmp_path / "cfg.py"
     path.write_text(text)
     with pytest.raises(ConfigError, match=message):
         parse_args([str(path)])
 
 
-def test_11_a_cancel_file_left_by_an_earlier_run_is_removed_not_obeyed(data_root, tmp_path):
+def test_a_cancel_file_left_by_an_earlier_run_is_removed_not_obeyed(data_root, tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     (out / "CANCEL").touch()
@@ -265,14 +265,14 @@ def test_11_a_cancel_file_left_by_an_earlier_run_is_removed_not_obeyed(data_root
     (np.zeros(100, dtype=np.float32), "is a 1-D float32 array"),
     (np.zeros((10, 10), dtype=np.uint16), "is a 2-D uint16 array"),
 ])
-def test_12_bad_shards_fail_when_opened_naming_the_file(tmp_path, array, message):
+def test_bad_shards_fail_when_opened_naming_the_file(tmp_path, array, message):
     np.save(tmp_path / "train_000001.npy", array)
     with pytest.raises(DataError, match=message) as error:
         TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8)
     assert "train_000001.npy" in str(error.value)
 
 
-def test_12_13_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
+def test_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
     write_shard(str(tmp_path / "train_000001.npy"), np.arange(1000) % 50000)
     write_shard(str(tmp_path / "train_000002.npy"), np.arange(5))
     assert TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8).num_sequences == 999 // 8
@@ -285,7 +285,7 @@ def test_12_13_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
     ("notext.jsonl", b'{"body": "no text field"}\n', 'notext.jsonl:1 has no "text" string field'),
     ("empty.txt", b"", "holds no text"),
 ])
-def test_13_bad_text_inputs_are_one_sentence_naming_file_and_line(tmp_path, name, content, message):
+def test_bad_text_inputs_are_one_sentence_naming_file_and_line(tmp_path, name, content, message):
     (tmp_path / name).write_bytes(content)
     result = warm_python.python(["prepare_data.py", "text", str(tmp_path / name), "--out_dir", str(tmp_path / "out")],
                                 ROOT)
@@ -297,7 +297,7 @@ def test_13_bad_text_inputs_are_one_sentence_naming_file_and_line(tmp_path, name
     {"ctx": "A man", "endings": ["a", "b", "c", "d"], "label": 4},
     {"ctx": "A man", "endings": ["a", "b", "c"], "label": 0},
 ])
-def test_14_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
+def test_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
     import hellaswag_eval
 
     path = tmp_path / "h.jsonl"
@@ -314,7 +314,7 @@ def test_14_hellaswag_examples_out_of_shape_are_one_sentence(tmp_path, line):
     (["checkpoint.py", "export-hf", "/no/such/run"], "the following arguments are required: out_dir"),
     (["checkpoint.py", "list", "/no/such/run"], "is not a folder; give the train.out_dir"),
 ])
-def test_14_command_line_mistakes_are_one_sentence(command, message):
+def test_command_line_mistakes_are_one_sentence(command, message):
     result = warm_python.python(command, ROOT)
     assert result.returncode != 0 and message in result.stderr and "Traceback" not in result.stderr
 
@@ -322,7 +322,7 @@ def test_14_command_line_mistakes_are_one_sentence(command, message):
 # ----------------------------------------------------------------------------- 15
 
 
-def test_15_the_tied_embedding_is_saved_once_and_old_checkpoints_still_load(data_root, tmp_path):
+def test_the_tied_embedding_is_saved_once_and_old_checkpoints_still_load(data_root, tmp_path):
     from checkpoint import load_model
 
     out = tmp_path / "run"

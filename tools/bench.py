@@ -27,7 +27,7 @@ the clone as its datasets `bench` and `bench_char`.
 On a machine that others are using, `--together` starts a repeat's RUNs at the same moment, each with one thread
 (OMP_NUM_THREADS=1): they then share the same busy minutes, where runs in turn would each meet a different load.
 One thread, because a run's two OpenMP threads wait on each other whenever another process holds a core: on
-2 cores at load 6, a882b0f's default step took 8.9 s with two threads (docs/measurements.md, 2026-11-24).
+2 cores at load 6, the default step took several times longer with two threads (docs/measurements.md).
 """
 
 import argparse

@@ -1,0 +1,226 @@
+"""The checks of data parallelism, run for real: torchrun starts two gloo processes that run the student's
+function (grading.py's `ranks=2`), and the gradients every rank ends with come back. The truth is one process
+that computes the gradient of the whole batch, here: 15 averaging the gradients by hand, 20 DDP's own
+all-reduce with `no_sync` during accumulation, as train.py's `train_step` does it.
+"""
+
+import os
+import random
+import socket
+import tempfile
+import threading
+
+import torch
+
+from exercises.grader.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
+from exercises.grader.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
+                                send_frame)
+
+
+def whole_batch_gradient(seed, x, y):
+    """What one process computes: the mean loss over every sequence, and its gradient."""
+    model = tiny_gpt(seed)
+    loss = model(x, y)
+    loss.backward()
+    return gradients(model), loss.item()
+
+
+def agree(grads):
+    return all(torch.equal(grads[0][n], other[n]) for other in grads[1:] for n in grads[0] if grads[0][n] is not None)
+
+
+def equal(mine, want):
+    return all(m is not None and torch.allclose(m, w, rtol=1e-4, atol=1e-7) for m, w in zip(mine.values(),
+                                                                                            want.values()))
+
+
+def scaled(grads, factor):
+    return {name: g * factor for name, g in grads.items()}
+
+
+# ----------------------------------------------------------------------------- 15. averaging by hand
+
+
+def check_ddp(answers):
+    seed = random.randrange(2**31)
+    running = answers.start(averaging_answers, seed, ranks=2)
+    x, y = batch(seed, 2 * HALF)
+    want, _ = whole_batch_gradient(seed, x, y)
+    halves = [whole_batch_gradient(seed, x[r * HALF:(r + 1) * HALF], y[r * HALF:(r + 1) * HALF])[0] for r in (0, 1)]
+    ranks = running.result()
+    if not agree(ranks):
+        advice = ("each rank kept the gradient of its own half: all-reduce them, so every rank holds the same"
+                  if all(equal(mine, half) for mine, half in zip(ranks, halves)) else
+                  "all-reduce the gradients so every rank holds the same")
+        raise ExerciseFailed(f"after your averaging the 2 ranks hold different gradients: {advice}.")
+    if not equal(ranks[0], want):
+        if equal(ranks[0], scaled(want, 2)):
+            advice = "the ranks agree on the sum of their gradients: divide it by world_size (the mean, not the sum)"
+        elif equal(ranks[0], halves[0]) or equal(ranks[0], halves[1]):
+            advice = ("every rank holds one rank's gradient (a broadcast), which saw half the batch: sum all the "
+                      "ranks' gradients (all_reduce) and divide by world_size, so every rank holds the mean")
+        else:
+            advice = "every rank must hold the mean of all the ranks' gradients"
+        raise ExerciseFailed(f"the 2 ranks agree, but not with one process that saw the whole batch: {advice}.")
+    return "torchrun ran 2 gloo processes with your averaging, and every rank holds one process's gradient."
+
+
+# ----------------------------------------------------------------------------- 20. DDP with no_sync
+
+
+class AllReduceCounter:
+    """Where DDP's all-reduces of exercise 20 happen, counted: a Unix socket in the answers' folder (`folder`, which
+    the sandbox shares) to which each rank's communication hook (feed_ddp.all_reduce_by_the_grader, registered
+    before the answer gets the model) sends every bucket DDP all-reduces. Threads of this process, which loads no
+    answer, average the two ranks' k-th buckets, send the mean back to both, and note per rank and step which
+    bucket they averaged and what it held. An answer that skips DDP's all-reduce (no_sync throughout, then
+    dist.all_reduce by hand) leaves nothing here, and nothing in the answer's process holds this count."""
+
+    def __init__(self, folder):
+        self.folder = tempfile.TemporaryDirectory(prefix="exercise-all-reduce-", dir=folder)
+        os.chmod(self.folder.name, 0o711)  # the answer's user reaches the socket, and lists nothing
+        self.address = os.path.join(self.folder.name, "socket")
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(self.address)
+        os.chmod(self.address, 0o666)
+        self.server.listen()
+        # rank: [[(bucket index, its size) of each all-reduce] of each step]; and what each bucket held
+        self.steps, self.held = {0: [[]], 1: [[]]}, {0: [[]], 1: [[]]}
+        self.waiting, self.lock = {}, threading.Lock()
+        threading.Thread(target=self.serve, daemon=True).start()
+
+    def serve(self):
+        ranks = []
+        while len(ranks) < 2:
+            try:
+                connection, _ = self.server.accept()
+                header, _ = receive_frame(connection)
+            except (OSError, ValueError):
+                return
+            if header.get("rank") in (0, 1) and header["rank"] not in ranks:
+                ranks.append(header["rank"])
+                threading.Thread(target=self.serve_rank, args=(connection, header["rank"]), daemon=True).start()
+
+    def serve_rank(self, connection, rank):
+        """Average this rank's buckets, the k-th with the other rank's k-th, until it hangs up."""
+        count = 0
+        try:
+            while True:
+                header, bucket = receive_frame(connection)
+                if "step_done" in header:
+                    self.steps[rank].append([])
+                    self.held[rank].append([])
+                    continue
+                self.steps[rank][-1].append((header.get("index"), bucket.numel()))
+                self.held[rank][-1].append((header.get("params"), bucket))
+                with self.lock:
+                    other = self.waiting.pop(count, None)
+                    if other is None:
+                        self.waiting[count] = (connection, bucket)
+                count += 1
+                if other is not None:
+                    other_connection, other_bucket = other
+                    if other_bucket.numel() != bucket.numel():  # the ranks disagree on DDP's buckets: no mean
+                        other_connection.close()
+                        break
+                    mean = (bucket + other_bucket) / 2
+                    send_frame(connection, {}, mean)
+                    send_frame(other_connection, {}, mean)
+        except (OSError, ValueError):
+            pass
+        finally:
+            connection.close()
+
+    def close(self):
+        self.server.close()
+        self.folder.cleanup()
+
+
+def held_its_own(buckets, local):
+    """Whether the buckets one rank sent (places of their parameters, their values) hold exactly that rank's own
+    gradient `local` ({name: gradient}, computed here), each parameter once: what DDP all-reduces, before the
+    mean."""
+    grads = list(local.values())
+    try:
+        places = sorted(place for params, _ in buckets for place in params)
+        return places == list(range(len(grads))) and all(
+            torch.allclose(bucket, torch.cat([grads[i].flatten() for i in params]), rtol=1e-4, atol=1e-7)
+            for params, bucket in buckets)
+    except (TypeError, IndexError, RuntimeError):  # places the hook never sent: not DDP's buckets
+        return False
+
+
+def check_no_sync(answers):
+    seed, micro_steps = random.randrange(2**31), 3
+    counter = AllReduceCounter(answers.shared_folder())
+    try:
+        running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps,
+                                                  "counter": counter.address}, ranks=2)
+        wants, locals_ = [], []
+        for step in (1, 2):
+            batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
+            want, _ = whole_batch_gradient(seed, torch.cat([x for x, _ in batches]),
+                                           torch.cat([y for _, y in batches]))
+            ranks_own = [batches[r * micro_steps:(r + 1) * micro_steps] for r in (0, 1)]
+            locals_.append([whole_batch_gradient(seed, torch.cat([x for x, _ in own]),
+                                                 torch.cat([y for _, y in own]))[0]
+                            for own in ranks_own])
+            with torch.no_grad():  # rank 0's micro-batches are of one size: the mean of their means is their mean
+                rank0_loss = tiny_gpt(seed)(torch.cat([x for x, _ in batches[:micro_steps]]),
+                                            torch.cat([y for _, y in batches[:micro_steps]])).item()
+            wants.append((want, rank0_loss))
+        ranks = running.result()
+    finally:
+        counter.close()
+    size = sum(p.numel() for p in tiny_gpt(seed).parameters())
+    for step, (want, rank0_loss) in enumerate(wants, 1):
+        mine = [rank[step - 1] for rank in ranks]
+        all_reduces = counter.steps[0][step - 1] if step <= len(counter.steps[0]) else []
+        grads = [m["grads"] for m in mine]
+        missing = next((name for name, grad in grads[0].items() if grad is None), None)
+        if missing:
+            raise ExerciseFailed(f"at step {step}, after accumulate_with_ddp, {missing} has no gradient: call "
+                                 f"backward() on every micro-step's loss.")
+        if not agree(grads):
+            advice = ("no all-reduce ran: run the last micro-step outside model.no_sync(), where DDP all-reduces what "
+                      "the micro-steps accumulated" if not all_reduces else
+                      "every rank must end with the same gradient, DDP's all-reduce on the last micro-step")
+            raise ExerciseFailed(f"at step {step} the 2 ranks hold different gradients: {advice}.")
+        if not equal(grads[0], want):
+            if equal(grads[0], scaled(want, micro_steps)):
+                advice = "divide each micro-step's loss by the number of micro-steps before backward()"
+            elif equal(grads[0], scaled(want, 0.5)):
+                advice = "DDP already averages over the ranks: divide by the number of micro-steps only"
+            else:
+                advice = "each micro-step adds loss / micro-steps into .grad, and DDP averages over the ranks"
+            raise ExerciseFailed(f"at step {step} the ranks agree, but not with one process over all {2 * micro_steps} "
+                                 f"micro-batches: {advice}.")
+        if not all_reduces:  # the ranks agree only because the answer all-reduced by hand: DDP's work, done twice
+            raise ExerciseFailed(f"at step {step} DDP itself all-reduced nothing (the gradients agree, so they were "
+                                 f"reduced by hand): run the last micro-step outside model.no_sync(), where DDP "
+                                 f"all-reduces each bucket once, overlapping backward; no all-reduce of your own.")
+        buckets = dict(all_reduces)
+        if len(all_reduces) > len(buckets):
+            raise ExerciseFailed(f"at step {step} DDP all-reduced {len(all_reduces)} times where its {len(buckets)} "
+                                 f"bucket(s) need one all-reduce each, on the last micro-step: run every micro-step "
+                                 f"but the last inside model.no_sync(), so the gradients cross the network once per "
+                                 f"optimizer step.")
+        assert sum(buckets.values()) == size, "DDP's buckets must hold every parameter once"
+        for rank in (0, 1):
+            if not held_its_own(counter.held[rank][step - 1], locals_[step - 1][rank]):
+                raise ExerciseFailed(f"at step {step} what reached DDP's all-reduce from rank {rank} is not the "
+                                     f"gradient that rank accumulated over its micro-steps: let DDP all-reduce, on "
+                                     f"the last micro-step, what backward() accumulated (a hook called by your own "
+                                     f"code is not DDP's).")
+        loss = mine[0]["loss"]
+        if mine[0]["keeps_graph"]:
+            raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")
+        if not (torch.is_tensor(loss) and loss.numel() == 1 and is_close(loss.item(), rank0_loss, rel=1e-5)):
+            raise ExerciseFailed(f"at step {step} rank 0 returned the loss {shown(loss)}, "
+                                 f"{compared(loss, rank0_loss)} the mean of its micro-steps' losses: return that, as a "
+                                 f"one-number tensor.")
+    counts = [len(counter.steps[0][step]) for step in (0, 1)]
+    return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced each bucket of your gradients once "
+            f"per step, through a hook whose count the grader keeps (step 1 in {counts[0]} bucket, step 2 in "
+            f"{counts[1]} once DDP rebuilt its buckets of 0.05 MB), and both ranks hold one process's gradient over "
+            f"all {2 * micro_steps} micro-batches.")

@@ -1,0 +1,152 @@
+"""Answers that try to pass without a correct answer, as a student who games the grader would write
+them: each fails, in one sentence whose advice fits what it tried. Patching what feeds the check,
+hard-coding the cases it draws, reaching past the answer's sandbox (tests/test_exercise_sandbox.py
+holds the sandbox's own walls), or borrowing the project's code where the exercise is to write it.
+"""
+
+import pytest
+import torch  # noqa: F401 - (the cheats are copied into answer files, which import it)
+
+from test_exercises import answer_folder, failed_with
+from test_exercise_mistakes_run import ddp, ddp_all_in_no_sync_reduced_by_hand
+
+
+def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
+    """Reduced by hand, then DDP's hook (the grader's counter) called with a bucket of its own, once
+    the hook's guards, module globals of the answer's process, are rewritten to let it through."""
+    import sys
+
+    class Bucket:
+        def __init__(self, flat, params):
+            self.flat, self.params = flat, params
+
+        def index(self):
+            return 0
+
+        def buffer(self):
+            return self.flat
+
+        def parameters(self):
+            return self.params
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+    total = ddp_all_in_no_sync_reduced_by_hand(model, micro_batches)
+    params = list(model.parameters())
+    hook, state = model._comm_hooks[0]
+    hook(state, Bucket(torch.cat([p.grad.reshape(-1) for p in params]), params)).wait()
+    return total
+
+
+def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperature=1.0, top_k=None,
+                                          generator=None):
+    """No cache at all: a cached generate run for the counters alone, then the whole window
+    recomputed for every token through model.Block.forward (not the counting blocks') and
+    wte.weight[idx] (not an embedding call)."""
+    import model as project
+    import sample
+
+    sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k)
+    for _ in range(max_new_tokens):
+        window = idx[:, -model.config.block_size:]
+        x = model.transformer.wte.weight[window] + model.transformer.wpe.weight[:window.size(1)]
+        for block in model.transformer.h:
+            x = project.Block.forward(block, x)
+        logits = filter_logits(model.logits(model.transformer.ln_f(x))[:, -1, :], top_k=top_k)
+        if temperature == 0:
+            new = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = F.softmax(logits / temperature, dim=-1)
+            new = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat([idx, new], dim=1)
+    return idx
+
+
+# (exercise, {answer function: the cheat; "_name": a helper it calls}, words of the failure)
+GUARDS = [
+    (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards,
+          "_ddp": ddp,
+          "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
+     "is not the gradient that rank accumulated over its micro-steps"),
+    (21, {"generate": generate_recomputed_past_the_counters},
+     "with the cache each new token is one position through the model"),
+]
+
+
+@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[str(n) for n, _, _ in GUARDS])
+def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_the_grader_measures(
+        number, cheat, words, data_root, tmp_path):
+    failed_with(number, answer_folder(tmp_path, number, cheat), words, data_root)
+
+
+# The capstone on one import line: model.py's modules instead of the student's, taken whole or
+# inherited.
+BORROWED = [
+    "from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
+    "class GPT(model.GPT):\n    pass\n",
+]
+
+
+@pytest.mark.parametrize("code", BORROWED, ids=["imported", "inherited"])
+def test_a_capstone_borrowed_from_model_py_fails_saying_it_is_the_students_to_write(
+        code, data_root, tmp_path):
+    words = "the capstone is yours to write: exercises/16_gpt.py uses model.py's"
+    failed_with(16, answer_folder(tmp_path, 16, code=code), words, data_root)
+
+PATCHES = [  # (exercise, code that patches what feeds the check, words of the failure)
+    # the answer's process patches the check's helper so that train.py's run logs no loss
+    (16, "import exercises.grader.feed_capstone as _check\n_check.run_training = lambda args: []\n",
+     "your run logged 0 losses where model.py's logs 6"),
+    # ... or trains model.py's GPT instead of the answer's, which has no dropout on its attention
+    # weights
+    (16, "import exercises.grader.feed_capstone as _check\n_train = _check.run_training\n"
+         "_check.run_training = lambda args: _train([a for a in args if 'model_module' not in a])\n"
+         "_attention = attention\n"
+         "attention = lambda q, k, v, allowed=None, dropout=0.0: _attention(q, k, v, allowed)\n",
+     "the attention weights"),
+    (21, "KVCache.length = property(lambda self: 0)  # a cache that never says how far it got\n",
+     "your cache's length is 0, smaller than what sample.py's says"),
+]
+
+
+@pytest.mark.parametrize("number,code,words", PATCHES, ids=[str(n) for n, _, _ in PATCHES])
+def test_an_answer_that_patches_what_feeds_its_check_fails_in_one_sentence(number, code, words,
+                                                                            data_root, tmp_path):
+    failed_with(number, answer_folder(tmp_path, number, code=code), words, data_root)
+
+
+# Answers that read the one case a fixed check would give: each fails on at least 9 of 10 gradings,
+# and a failure names its seed, which draws the same cases, and the same sentence, again.
+HARD_CODED = [
+    (22, "def suggest_lr(lrs, losses):\n    return lrs[42] / 10\n", 10),
+    # the real run's step of the lowest loss, or the step before a jump (no smoothing, no rule)
+    (22, "def suggest_lr(lrs, losses):\n"
+         "    jump = next((i for i in range(1, 40) if losses[i] > 3 * losses[i - 1]), None)\n"
+         "    return lrs[42 if jump is None else jump - 1] / 10\n", 10),
+    (23, "def find_spikes(losses, threshold, window=50):\n    return list(range(41, 61))\n", 10),
+    # the rule without its window and without waiting for 10 losses
+    (23, "def find_spikes(losses, threshold, window=50):\n    found, previous = [], []\n"
+         "    for step, loss in enumerate(losses, 1):\n"
+         "        if previous and loss > sum(previous) / len(previous) + threshold:\n"
+         "            found.append(step)\n"
+         "        if loss == loss:\n            previous.append(loss)\n    return found\n", 10),
+    (23, "def rewind_step(spike_step, checkpoint_steps):\n    return 38\n", 10),
+    # the 19 names of one 2-layer GPT; the check draws two depths, so it always fails
+    (17, "NAMES = sorted(bf16_modules(model.GPT(model.GPTConfig(n_layer=2, n_head=2, n_embd=32, "
+         "block_size=16, vocab_size=512))))\ndef bf16_modules(gpt):\n    return set(NAMES)\n", 3),
+]
+
+
+def test_hard_coded_answers_fail_on_nine_gradings_of_ten_and_a_seed_replays_the_failure(data_root,
+                                                                                        tmp_path):
+    from exercises.check import grade
+
+    for i, (number, code, gradings) in enumerate(HARD_CODED):
+        (tmp_path / str(i)).mkdir()
+        folder = answer_folder(tmp_path / str(i), number, code=code)
+        lines = [grade(number, folder, data_root, seed)[1] for seed in range(gradings)]
+        failed = sum(line.startswith(f"exercise {number} failed") for line in lines)
+        assert failed >= 0.9 * gradings, lines
+        failing = next(seed for seed, line in enumerate(lines) if "failed" in line)
+        assert f"--seed={failing} draws these cases again" in lines[failing]
+        assert grade(number, folder, data_root, failing)[1] == lines[failing]

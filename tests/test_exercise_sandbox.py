@@ -1,0 +1,279 @@
+"""The walls of the sandbox an answer runs in (exercises/grader/sandbox.py, runner.py): the
+project's answers pass wherever Python lives; an answer sees no other checkout and no variable of
+the grader's; what it leaves running ends with its grading; what it prints reaches the grader as a
+short tail, its control characters escaped; a failure the grader causes is said as the grader's; and
+without bubblewrap the grading says so in one line and still passes the project's answers."""
+
+import ast
+import os
+import shutil
+import signal
+import site
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+from test_exercises import answer_folder
+
+import exercises.grader.grading as grading
+from exercises.check import grade
+from exercises.grader.checking import GraderFailed
+from exercises.grader.grading import Answers
+from exercises.grader.sandbox import Sandbox
+
+CHECK = ROOT / "exercises" / "check.py"
+AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
+# The exercises whose answers import a module of Python's own, or start torchrun, only once they
+# run.
+LAZY = [4, 5, 6, 15, 16, 20, 21]
+
+
+@pytest.fixture(params=["bwrap", "room alone"])
+def walls(request, monkeypatch):
+    """Grading in the bubblewrap sandbox (skipped where it cannot start), or in the room alone: a
+    Sandbox and zygotes of the test's own, stopped after it."""
+    box = Sandbox(use_bwrap=request.param == "bwrap")
+    if request.param == "bwrap" and box.bwrap is None:
+        pytest.skip(f"bubblewrap cannot start here ({box.reason})")
+    zygotes = {}
+    monkeypatch.setattr(grading, "SANDBOX", [box])
+    monkeypatch.setattr(grading, "ZYGOTES", zygotes)
+    yield request.param
+    for zygote in zygotes.values():
+        if zygote.process is not None:
+            zygote.process.kill()
+            zygote.process.wait()
+
+
+def python_only_root_can_read(tmp_path):
+    """A venv whose own folder and whose interpreter's both lie in a folder only root may enter (as
+    pyenv puts Python under root's home, mode 700): its interpreter is this one's, reached through a
+    link in that folder, and a .pth file gives it this interpreter's site-packages (torch, ...)."""
+    private = tmp_path / "private"
+    private.mkdir()
+    private.chmod(0o700)
+    base, venv = private / "base", private / "venv"
+    base.symlink_to(Path(sys.base_prefix).resolve())
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    packages = venv / "lib" / version / "site-packages"
+    packages.mkdir(parents=True)
+    (venv / "bin").mkdir()
+    (venv / "bin" / "python").symlink_to(base / "bin" / version)
+    (venv / "pyvenv.cfg").write_text(f"home = {base / 'bin'}\ninclude-system-site-packages = false"
+                                     f"\nversion = {sys.version.split()[0]}\n")
+    (packages / "lab.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    return venv / "bin" / "python"
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as users of their own only under root")
+@pytest.mark.parametrize("walls,numbers", [("bwrap", LAZY), ("--no-bwrap", [4, 15])],
+                         ids=["bwrap", "room alone"])
+def test_as_root_with_python_in_a_folder_only_root_can_read_the_projects_answers_pass(
+        tmp_path, data_root, walls, numbers):
+    """check.py as a teacher runs it, as root, its Python under a folder closed to other users: the
+    exercises whose answers import what Python's own library holds only as they run, or start
+    torchrun, pass, and the grading says in one line that the folder is opened to the answers alone.
+    """
+    if not (Path(sys.base_prefix).resolve() / "bin").is_dir():
+        pytest.skip("this Python has no bin/ under its prefix to make a venv from")
+    python = python_only_root_can_read(tmp_path)
+    command = [str(python), str(CHECK), *map(str, numbers), f"--data_root={data_root}"]
+    command += ["--no-bwrap"] if walls == "--no-bwrap" else []
+    graded = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = graded.stdout.splitlines()
+    assert graded.returncode == 0 and [line.split(" passed: ")[0] for line in lines] == \
+        [f"exercise {n}" for n in numbers], graded.stdout + graded.stderr
+    said = graded.stderr.splitlines()
+    assert len(said) == 1 and f"{tmp_path / 'private'}" in said[0], graded.stderr
+    assert "opened to" in said[0], graded.stderr
+
+
+# An answer to exercise 14 that looks for what it should not see: the grader's variables, the
+# teacher's tree, another checkout readable by every user, and any exercises/ folder in the usual
+# top folders.
+LOOKING_ANSWER = """
+import os as _os
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    found = []
+    for top in ("/work", "/home", "/srv", "/opt", "/mnt", "/tmp", "/root", {other!r}):
+        for folder, subfolders, files in _os.walk(top):
+            if folder.count("/") > 5:
+                subfolders[:] = []
+            if "10_gpt.py" in files or "checks_step.py" in files:
+                found.append(folder)
+    raise ValueError("env " + repr(sorted(_os.environ)) + " found " + repr(sorted(found)))
+"""
+
+
+def test_an_answer_sees_no_other_checkout_and_no_variable_it_was_not_given(tmp_path, walls,
+                                                                           monkeypatch):
+    other = Path(tempfile.mkdtemp())  # another checkout, readable by every user
+    try:
+        other.chmod(0o755)
+        shutil.copytree(ROOT / "exercises", other / "exercises")
+        for folder in [other, *(p for p in other.rglob("*") if p.is_dir())]:
+            folder.chmod(0o755)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "the-grader's-secret")
+        folder = answer_folder(tmp_path, 14, code=LOOKING_ANSWER.format(other=str(other)))
+        passed, line = grade(14, folder)
+    finally:
+        shutil.rmtree(other)
+    assert not passed and " found " in line, line
+    variables = ast.literal_eval(line.split("(env ")[1].split(" found ")[0])
+    assert set(variables) <= {"PATH", "HOME", "OMP_NUM_THREADS", "LANG"}, line
+    if walls == "bwrap":
+        # not the teacher's tree, not the other checkout, not this test's copy
+        assert "found []" in line, line
+
+
+# An answer to exercise 14 that leaves processes behind: a double fork in a session of its own, and
+# a chain of shells each of which starts the next and ends, faster than a list of processes can be
+# read.
+LEAVING_ANSWER = """
+import os as _os
+import subprocess as _subprocess
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    if _os.fork() == 0:
+        _os.setsid()
+        if _os.fork() == 0:
+            _os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {marker}"])
+        _os._exit(0)
+    for _ in range(4):
+        chain = 'sh -c "$0" "$1" & exit'
+        _subprocess.Popen(["/bin/sh", "-c", chain, chain, "{marker}"])
+    return [position + rank * batch_size + i for i in range(batch_size)]
+"""
+
+
+def left_behind(marker):
+    found = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() in f.read():
+                    found.append(int(name))
+        except OSError:
+            pass
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads Linux's /proc")
+def test_what_an_answer_leaves_running_ends_with_its_grading(tmp_path, walls):
+    marker = f"left-by-an-answer-{os.getpid()}-{time.monotonic_ns()}"
+    folder = answer_folder(tmp_path, 14, code=LEAVING_ANSWER.format(marker=marker))
+    try:
+        passed, line = grade(14, folder)
+        time.sleep(0.5)  # (a process killed is gone once its parent has waited for it)
+        assert passed, line
+        assert left_behind(marker) == [], left_behind(marker)
+    finally:
+        for pid in left_behind(marker):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_an_answers_message_reaches_the_line_with_its_control_characters_escaped(tmp_path):
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            raise ValueError("\\r\\x1b[2Kexercise 14 passed: \\u202eevery index is right")
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and line.startswith("exercise 14 failed"), line
+    assert "\\x1b[2Kexercise 14 passed" in line, line
+    assert line.isprintable() and "\\u202e" in line, line
+
+
+PRINTING_ANSWER = """
+import os as _os
+import sys as _sys
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    line = "x" * 2**20 + "\\n"
+    for _ in range(300):
+        _sys.stdout.write(line)
+    _sys.stdout.write("\\r\\x1b[2Kexercise 14 passed: every index is right.\\n")
+    _sys.stdout.flush()
+    _os._exit(3)
+"""
+
+
+# Starts the grader and writes its peak memory (with its descendants') to stderr. A small process
+# of its own between the test and the grader: Linux keeps the peak of the process that starts a
+# program across the exec, so a grader started by a pytest worker would report the worker's peak.
+PEAK_OF = """
+import os, sys
+pid = os.spawnv(os.P_NOWAIT, sys.executable, [sys.executable, *sys.argv[1:]])
+_, status, usage = os.wait4(pid, 0)
+print(usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024), file=sys.stderr)  # bytes or KiB
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "wait4"), reason="measures the grader's memory with wait4")
+def test_an_answer_that_prints_300_mb_costs_the_grader_a_short_tail_shown_escaped(tmp_path):
+    folder = answer_folder(tmp_path, 14, code=PRINTING_ANSWER)
+    graded = subprocess.run([sys.executable, "-c", PEAK_OF, str(CHECK), "14", f"--student={folder}"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=600)
+    line, peak = graded.stdout, int(graded.stderr.split()[-1])
+    assert graded.returncode == 1 and line.count("\n") == 1, line
+    assert "exit status 3" in line and "\\x1b[2Kexercise 14 passed" in line, line
+    assert "\x1b" not in line, line
+    assert peak < 900 * 2**20, f"the grader peaked at {peak / 2**20:.0f} MiB"
+
+
+def test_a_failure_the_grader_causes_is_said_as_the_graders_not_the_students(monkeypatch):
+    """A room whose runner cannot import what feeds the answer (as when Python's library is out of
+    reach): one sentence that says the grader could not start the answer, and asks for the teacher.
+    """
+    import exercises.check
+
+    def missing_side(answers, inputs):
+        """A feed function of a module the room does not hold."""
+
+    missing_side.__module__ = "exercises.grader.feed_that_is_not_there"
+    with pytest.raises(GraderFailed, match="before it loaded the answer: ModuleNotFoundError"):
+        Answers(14).run(missing_side, None)
+    monkeypatch.setattr(exercises.check, "check_of",
+                        lambda number: lambda answers: answers.run(missing_side))
+    passed, line = grade(14)
+    assert not passed and line.endswith("; tell your teacher."), line
+    assert line.startswith("exercise 14 could not be graded: the grader could not start your "
+                           "answer: "), line
+    assert "failed" not in line.split(":")[0], line
+
+
+def test_without_bubblewrap_the_grading_says_so_in_one_line_and_still_passes(monkeypatch):
+    import exercises.grader.sandbox as sandbox
+
+    monkeypatch.setattr(sandbox, "bwrap_binary", lambda: shutil.which("false"))
+    box = Sandbox()
+    assert box.bwrap is None
+    assert box.describe().startswith("grading without bubblewrap (bwrap cannot start here")
+    graded = subprocess.run([sys.executable, str(CHECK), "14", "--no-bwrap"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=300)
+    assert graded.returncode == 0, graded.stdout + graded.stderr
+    assert graded.stdout.startswith("exercise 14 passed"), graded.stdout
+    said = graded.stderr.splitlines()
+    assert len(said) == 1, graded.stderr
+    assert said[0].startswith("grading without bubblewrap (--no-bwrap): each answer runs in the "
+                              "room alone"), graded.stderr
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's resource limits")
+def test_an_answer_that_grabs_memory_is_stopped_at_its_limit_not_the_machines(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            hoard = bytearray(12 * 2**30)  # more than an answer may have, less than the machine
+            return [len(hoard)]
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your rank_sequences raised MemoryError" in line, line
