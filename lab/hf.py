@@ -93,6 +93,10 @@ def hf_gpt2(source):
     transformers = require_transformers()
     if os.path.isdir(source):
         check_gpt2_config(source, read_json(os.path.join(source, "config.json")))
+    # A local folder loads in a moment: no progress bar, so a refusal after it stays one line (a download keeps its bar)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    if os.path.isdir(source):
+        transformers.utils.logging.disable_progress_bar()
     try:
         # Sizes that disagree with config.json come back in `info` instead of raising (or, in transformers 5,
         # of being silently initialized at random): check_weights_match_config words them.
@@ -105,6 +109,9 @@ def hf_gpt2(source):
         reason = (str(error).splitlines() or [""])[0].rstrip(".")
         raise WeightsError(f"{source} is not a loadable GPT-2 ({type(error).__name__}: {reason}); write it again "
                            f"with save_pretrained, or download it again.") from None
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     check_weights_match_config(source, hf_model, info)
     return hf_model
 
