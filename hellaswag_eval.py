@@ -423,11 +423,13 @@ def scoring_problem(model, tolerance=1e-4):
     forward model(idx), row by row, on three made-up examples; else the sentence that says what to
     change. Made once, before a tool scores."""
     device = next(model.parameters()).device
-    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (3, 2, 12), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (3, 2, 12), generator=generator)
     length = min(12, model.config.block_size + 1)  # a shared context, then two continuations
-    examples = [Example([ex[0, :length].tolist(), ex[0, :cut].tolist() + ex[1, cut:length].tolist()],
-                        [cut, cut], [1, 1], 0, "check", False, True)
-                for ex, cut in zip(tokens, (length // 2 - 1, length // 2, length // 2))]
+    examples = []
+    for ex, cut in zip(tokens, (length // 2 - 1, length // 2, length // 2)):
+        rows = [ex[0, :length].tolist(), ex[0, :cut].tolist() + ex[1, cut:length].tolist()]
+        examples.append(Example(rows, [cut, cut], [1, 1], 0, "check", False, True))
     was_training = model.training
     model.eval()
     with plain_numerics(device):

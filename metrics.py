@@ -411,8 +411,8 @@ def local_imports(path):
     for name in names:
         for folder in (os.path.dirname(os.path.realpath(path)), PROJECT):
             base = os.path.join(folder, *name.split("."))
-            found += [os.path.realpath(candidate) for candidate in
-                      (f"{base}.py", os.path.join(base, "__init__.py")) if os.path.isfile(candidate)]
+            candidates = (f"{base}.py", os.path.join(base, "__init__.py"))
+            found += [os.path.realpath(c) for c in candidates if os.path.isfile(c)]
     return list(dict.fromkeys(found))
 
 

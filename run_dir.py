@@ -190,7 +190,7 @@ class Start:
     # another run's steps in the bucket, replaced by this run
     replace_bucket: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # what to print about it
-    # {file: (hash saved, hash now)}: model code a resume runs though it changed since the checkpoint
+    # {file: (hash saved, hash now)}: model code a resume runs, changed since the checkpoint
     code_changes: dict = field(default_factory=dict)
 
 
