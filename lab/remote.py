@@ -198,12 +198,13 @@ def download(url, step, folder, key="checkpoint.remote_folder"):
         if marker is None:
             raise RemoteError(f"{where} has a missing or damaged {MARKER} marker, so it is not a checkpoint; give "
                               f"another step, or delete that step from the bucket.")
-        os.makedirs(partial)
-        for name, expected in marker["files"].items():
+        for name in marker["files"]:  # all checked before anything is written
             if not CHECKPOINT_FILE.fullmatch(name):
                 raise RemoteError(f"{where}'s marker lists {name}, which is not a file a checkpoint is made of "
                                   f"(model.pt, optim.pt, trainer.pt, sharded/ pieces); delete that step from the "
                                   f"bucket to fall back to the one before.")
+        os.makedirs(partial)
+        for name, expected in marker["files"].items():
             os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)  # (sharded/ of an FSDP run)
             try:
                 fs.get_file(f"{root}/step{step}/{name}", os.path.join(partial, name))

@@ -8,6 +8,7 @@ path and the flag; a file inside a checkpoint folder or the download cache is ne
 bucket's download fetches only the files a checkpoint is made of.
 """
 
+import hashlib
 import json
 import os
 import shutil
@@ -95,7 +96,8 @@ def test_a_bucket_checkpoint_that_lists_other_files_is_refused_and_nothing_lands
     result = run_in_process(["--init_from", url, "--device=cpu", "--max_new_tokens=2"], sample.main)
     assert_one_sentence(result, f"{url}/step2's marker lists evil.py", "not a file a checkpoint is made of")
     assert not marker.exists()
-    assert not [path for path in os.popen(f"find {remote.cache_folder()} -name evil.py").read().split()]
+    run_cache = Path(remote.cache_folder()) / hashlib.sha256(url.encode()).hexdigest()[:16]
+    assert not list(run_cache.glob("step2*")) and not list(Path(remote.cache_folder()).rglob("*.py"))
 
 
 def test_a_model_file_the_user_names_is_imported_and_its_helpers_are_part_of_the_model_code(
