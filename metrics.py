@@ -430,11 +430,13 @@ def code_hash(path):
 
 
 def code_changes(saved_code, model_module):
-    """{file: (hash saved, hash now)} of each file the checkpoint's model code lists that is not
-    the same now (None: gone); {} when no hash was kept."""
-    now = model_code(model_module) if saved_code else {}
-    return {name: (saved, now.get(name)) for name, saved in (saved_code or {}).items()
-            if now.get(name) != saved}
+    """{file: (hash saved, hash now)} of each file of the model's code that is not the same as when
+    the checkpoint was saved (None: not a file of it then, or now); {} when no hash was kept."""
+    if not saved_code:
+        return {}
+    now = model_code(model_module)
+    return {name: (saved_code.get(name), now.get(name)) for name in {**saved_code, **now}
+            if saved_code.get(name) != now.get(name)}
 
 
 def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):

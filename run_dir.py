@@ -605,7 +605,7 @@ def accept_resume(out_dir, saved_config, run_config, step, trains=True, code=Non
     if changes and trains:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
-    changes |= {f"model code {name}": (old[:12], new and new[:12])
+    changes |= {f"model code {name}": (old and old[:12], new and new[:12])
                 for name, (old, new) in (code or {}).items()}
     if changes and trains:  # one curve in metrics.jsonl may be made by two models: said here
         with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:

@@ -153,7 +153,8 @@ def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, da
         load_model(str(out), "cpu", "--init_from", str(fork))
     capsys.readouterr()
     load_model(str(out), "cpu", "--init_from", str(moved))
-    assert f"the model code changed since {out / 'step2'} was saved ({fork})" in capsys.readouterr().err
+    note = capsys.readouterr().err  # the file it was trained with gone, the one named in its place
+    assert f"the model code changed since {out / 'step2'} was saved ({fork}, {moved})" in note
     refused = run_train([*common, f"--train.model_module={moved}"], check=False)
     assert_one_sentence(refused, f"put that file back at {fork} and set --train.model_module={fork} to resume it")
 
