@@ -22,7 +22,6 @@ run folder are run_dir.py's.
 """
 
 import argparse
-import ast
 import dataclasses
 import hashlib
 import io
@@ -43,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
+from metrics import code_change_note, code_changes, warn_slow
 from model import gpt_class
 
 MARKER = "COMPLETE"
@@ -52,7 +52,6 @@ STEP_DIR = re.compile(r"^step(\d+)$")
 # (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
 WARNED = set()  # unreadable markers already reported (one warning each)
-MODEL_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model.py")
 
 
 class CheckpointError(UserError):
@@ -224,7 +223,6 @@ class Checkpointer:
         if self.thread is not None or self.error is not None:  # the previous save lands first: at
             self.wait()  # most one snapshot in CPU memory
             if time.perf_counter() - start > self.soft_timeout:
-                from metrics import warn_slow
                 warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
                           self.soft_timeout)
         sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP (lab/fsdp.py)
@@ -432,43 +430,6 @@ def read_file(path, name, device="cpu", mmap=False):
         raise UntrustedCheckpoint(f"{file_path} holds a {type(obj).__name__}, not {what}; give a "
                                   "checkpoint this trainer saved.")
     return obj
-
-
-def model_code(model_module):
-    """{file: code_hash} of model.py (GPTConfig, and the GPT unless train.model_module names a file
-    of your own) and that file: an edit to what the model computes is a change even with the same
-    weights (QK-norm, a logit cap)."""
-    files = {"model.py": MODEL_FILE}
-    if model_module != "model":
-        files[os.path.realpath(model_module)] = model_module
-    return {name: code_hash(path) for name, path in files.items()}
-
-
-def code_hash(path):
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    # docstrings go, as comments and layout did (ast.parse): none changes what it does
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        first = body[0] if isinstance(body, list) and body else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                and isinstance(first.value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with,
-    though its weights fit (the code as it is now may compute another function of them); "" if the
-    same, or no hash was kept."""
-    if not saved_code:
-        return ""
-    now = model_code(model_module)
-    changed = [name for name in {**saved_code, **now} if saved_code.get(name) != now.get(name)]
-    if not changed:
-        return ""
-    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
-            f"weights fit, so {goes_on} with the code as it is now")
 
 
 def to_cpu(obj):
@@ -736,24 +697,40 @@ def check_source(source, key):
         raise CheckpointError(f"{key}: {error}") from None
 
 
-def load_model(source, device, key):
-    """A GPT in eval mode from a source check_source takes; a checkpoint of ours is loaded into the
-    GPT class it was trained with (train.model_module). Errors name `key` (sample.py's --init_from,
-    stage2.reference, ...)."""
+def check_named_module(saved, named, what, flag):
+    """One sentence when a checkpoint (`what`) was trained with a GPT file of its own (`saved`) and
+    the user named none (`named`, by `flag`): a file a checkpoint names is never imported."""
+    if saved != "model" and named == "model":
+        raise CheckpointError(f"{what} was trained with train.model_module={saved}, and a file a "
+                              f"checkpoint names is never imported; pass {flag}={saved} to load it "
+                              "with that file, once you trust it.")
+
+
+def load_model(source, device, key, model_module="model", flag="--model_module", export=False):
+    """A GPT in eval mode from a source check_source takes, built by model.py or by `model_module`,
+    the file the user named (`flag`): a file a checkpoint names is never imported, and a checkpoint
+    trained with one the user did not name is refused. Model code changed since the checkpoint is a
+    note, or with `export` a refusal (export-hf checks the export against the code now). Errors
+    name `key` (sample.py's --init_from, stage2.reference, ...)."""
     path = check_source(source, key)
     if path is None:
         from lab.hf import import_hf
-        return import_hf(source).to(device).eval()
+        return import_hf(source, model_module).to(device).eval()
     trainer = read_trainer_state(path)
     cfg = config_from_dict(trainer["config"])
+    check_named_module(cfg.train.model_module, model_module, f"{key}={source}", flag)
     try:
-        model = gpt_class(cfg.train.model_module)(cfg.model)
-    except ValueError as error:  # a train.model_module file that is gone or changed
-        raise CheckpointError(f"{key}={source}: {error}") from None
+        model = gpt_class(model_module)(cfg.model)
+    except ValueError as error:  # a file that is gone, or lies inside a checkpoint
+        raise CheckpointError(f"{flag}: {error}") from None
     check_weights_fit(path, model, "load it into the model it was trained with.")
     model.load_state_dict(saved_weights(path, model, "cpu"))
-    note = code_change_note(trainer.get("model_code"), cfg.train.model_module, path,
-                            goes_on="it is loaded")
+    changed = code_changes(trainer.get("model_code"), model_module)
+    if changed and export:
+        raise CheckpointError(f"{path} was saved with other model code than is here now "
+                              f"({', '.join(changed)}), and export-hf checks its export against "
+                              "the code as it is now; export it with the code it was trained with.")
+    note = code_change_note(trainer.get("model_code"), model_module, path, goes_on="it is loaded")
     if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (stdout is the tool's)
         print(note, file=sys.stderr)
     return model.to(device).eval()
@@ -768,6 +745,8 @@ def main(argv):
     export.add_argument("checkpoint",
                         help="a step<N> folder or a run folder (its newest valid checkpoint)")
     export.add_argument("out_dir")
+    export.add_argument("--model_module", default="model",
+                        help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)
     if args.command == "list":
         if not os.path.isdir(args.run_dir):
@@ -792,7 +771,8 @@ def main(argv):
     else:
         from lab.hf import check_export_target, export_hf
         check_export_target(args.out_dir)  # before the (slow) load
-        export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT"), args.out_dir)
+        export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT", args.model_module,
+                             export=True), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
-from sample import KVCache, check_device
+from sample import KVCache, check_device, largest_gap, plain_numerics
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
 # cores the two are equally fast (docs/measurements.md).
@@ -416,6 +416,42 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
     return results
 
 
+@torch.no_grad()
+def scoring_problem(model, tolerance=1e-4):
+    """"" when score_choices' fast path (a cached shared context, choices packed in one row with
+    their own positions and mask, GPT.score_tokens) gives the log-probabilities of the model's plain
+    forward model(idx), row by row, on three made-up examples; else the sentence that says what to
+    change. Made once, before a tool scores."""
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (3, 2, 12), generator=generator)
+    length = min(12, model.config.block_size + 1)  # a shared context, then two continuations
+    examples = []
+    for ex, cut in zip(tokens, (length // 2 - 1, length // 2, length // 2)):
+        rows = [ex[0, :length].tolist(), ex[0, :cut].tolist() + ex[1, cut:length].tolist()]
+        examples.append(Example(rows, [cut, cut], [1, 1], 0, "check", False, True))
+    was_training = model.training
+    model.eval()
+    with plain_numerics(device):
+        fast = torch.tensor([s for scored in score_choices(model, examples, device)
+                             for s, _ in scored])
+        plain = []
+        for ex in examples:
+            for row, start in zip(ex.rows, ex.starts):
+                log_probs = model(torch.tensor([row[:-1]], device=device))[0, :, :GPT2_VOCAB_SIZE]
+                log_probs = log_probs.float().log_softmax(-1)[torch.arange(len(row) - 1), row[1:]]
+                plain.append(log_probs[start - 1:].sum().item())
+    model.train(was_training)
+    gap = largest_gap(fast, torch.tensor(plain), tolerance)
+    if gap is None:
+        return ""
+    return (f"the model's score_tokens, as the tasks run it (choices packed in one row after a "
+            f"cached context), gives other log-probabilities than its plain forward model(idx), up "
+            f"to {gap:.3g} nats apart on three examples, so the tasks would score another model; "
+            "give the fork a score_tokens (and a forward with kv_cache) that computes what its "
+            "forward does.")
+
+
 def best(values):
     """Index of the largest value; the first one on a tie."""
     return max(range(len(values)), key=values.__getitem__)
@@ -529,6 +565,8 @@ def main(argv):
     parser.add_argument("--batch_size", type=int, default=BATCH_SIZE,
                         help="examples per forward pass")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
+    parser.add_argument("--model_module", default="model",
+                        help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.limit < 0:
         raise TaskDataError(f"--batch_size must be at least 1 and --limit 0 or more (got "
@@ -541,11 +579,14 @@ def main(argv):
     check_device(args.device)
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
-    model = load_model(args.init_from, args.device, "--init_from")
+    model = load_model(args.init_from, args.device, "--init_from", args.model_module)
     if model.config.vocab_size < GPT2_VOCAB_SIZE:
         raise TaskDataError(f"the tasks are scored with GPT-2's tokenizer, and {args.init_from} "
                             f"has a vocabulary of {model.config.vocab_size} tokens (a "
                             f"character-level model); give a model trained on GPT-2's tokens.")
+    problem = scoring_problem(model)  # the fast path, checked once against the plain forward
+    if problem:
+        raise UserError(problem)
     task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit, args.data)
     start = time.perf_counter()
     results = evaluate_tasks(model, task_examples, args.device, args.batch_size)

@@ -27,13 +27,14 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_model_shape,
-                        check_sharded_metadata, check_source, check_weights_fit, code_change_note,
-                        find_checkpoints, load_checkpoint, model_code, newest_checkpoint,
+                        check_sharded_metadata, check_source, check_weights_fit,
+                        find_checkpoints, load_checkpoint, newest_checkpoint,
                         newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
 from config import (ConfigError, config_to_dict, keys_with_role, parse_duration,
                     parse_mix, secret_keys, with_defaults)
 from data import dataset_dir, fingerprint
-from metrics import save_environment, truncate_jsonl
+from metrics import (code_change_note, code_changes, model_code, save_environment,
+                     truncate_jsonl)
 from plan import describe_run, shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
@@ -189,6 +190,8 @@ class Start:
     # another run's steps in the bucket, replaced by this run
     replace_bucket: list = field(default_factory=list)
     notes: list = field(default_factory=list)  # what to print about it
+    # {file: (hash saved, hash now)}: model code a resume runs, changed since the checkpoint
+    code_changes: dict = field(default_factory=dict)
 
 
 def decide_start(out_dir, checkpoint_cfg, run_config, model, place, stack):
@@ -293,8 +296,10 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
                                            "or leave it empty to train from scratch.")
     # Weights that fit may still meet other code (QK-norm adds none): said, and the run goes on.
     saved_code = read_trainer_state(path).get("model_code") if resuming or ours else None
-    changed_code = code_change_note(saved_code, run_config["train"]["model_module"], path)
-    return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note, changed_code])
+    module = run_config["train"]["model_module"]
+    changed_code = code_change_note(saved_code, module, path)
+    return Start(path, resuming, rewind_to, fetched=fetched or "", notes=[note, changed_code],
+                 code_changes=code_changes(saved_code, module) if resuming else {})
 
 
 def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
@@ -583,7 +588,7 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
         lines.append(rewind(out_dir, start.rewind_to, start.rewind_folder, c.rewind_number))
     replaced = []
     if start.resumed:
-        accept_resume(out_dir, saved_config, run_config, step, trains)
+        accept_resume(out_dir, saved_config, run_config, step, trains, start.code_changes)
     else:
         replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
@@ -592,13 +597,17 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
     return replaced, [line for line in lines if line]
 
 
-def accept_resume(out_dir, saved_config, run_config, step, trains=True):
+def accept_resume(out_dir, saved_config, run_config, step, trains=True, code=None):
     """Rank 0, resuming: note and record every change of a setting that may change (check_identity
-    has refused the others), unless the run trains nothing (no step runs under them)."""
+    has refused the others), and of the model code (`code`: {file: (hash saved, hash now)}, noted
+    already), unless the run trains nothing (no step runs under them)."""
     changes = changed_fields(saved_config, run_config)
     if changes and trains:
         print(f"note: resuming at step {step} with changed settings: "
               + ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in changes.items()))
+    changes |= {f"model code {name}": (old and old[:12], new and new[:12])
+                for name, (old, new) in (code or {}).items()}
+    if changes and trains:  # one curve in metrics.jsonl may be made by two models: said here
         with open(os.path.join(out_dir, "config_changes.jsonl"), "a") as f:
             changed = {k: list(v) for k, v in changes.items()}
             f.write(json.dumps({"step": step, "changes": changed}) + "\n")

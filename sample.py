@@ -14,6 +14,7 @@ import math
 import os
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -101,6 +102,54 @@ def generate(model, idx, max_new_tokens, *, temperature=1.0, top_k=None, top_p=N
             if finished.all():
                 break
     return idx
+
+
+@contextmanager
+def plain_numerics(device):
+    """float32 as it is written, for a check that compares two paths of one model: no autocast, and
+    on CUDA no TF32 matmuls (whose error would hide a small difference)."""
+    device_type = torch.device(device).type
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        with torch.autocast(device_type, enabled=False):
+            yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def largest_gap(fast, plain, tolerance):
+    """The largest difference of two tensors of log-probabilities, or None when it is within
+    `tolerance` of their scale (a NaN is never within)."""
+    gap = (fast - plain).abs().max().item()
+    return None if gap <= tolerance * max(1.0, plain.abs().max().item()) else gap
+
+
+@torch.no_grad()
+def kv_cache_problem(model, tolerance=1e-4):
+    """"" when the model's forward with a KV cache, as sampling runs it (a prompt, then a token at
+    a time), gives the log-probabilities of its plain forward model(idx) on two rows of 16 random
+    tokens; else the sentence that says what to change. Made once, before a tool samples."""
+    device = next(model.parameters()).device
+    length, vocab = min(16, model.config.block_size), min(model.config.vocab_size, GPT2_VOCAB_SIZE)
+    idx = torch.randint(0, vocab, (2, length), generator=torch.Generator().manual_seed(0))
+    idx, prompt, was_training = idx.to(device), max(1, length // 2), model.training
+    model.eval()
+    with plain_numerics(device):
+        plain = model(idx)
+        cache = KVCache(model.config.n_layer)
+        cached = [model(idx[:, :prompt], kv_cache=cache)]
+        cached += [model(idx[:, t:t + 1], kv_cache=cache) for t in range(prompt, length)]
+    model.train(was_training)
+    gap = largest_gap(torch.cat(cached, 1)[..., :vocab].float().log_softmax(-1),
+                      plain[..., :vocab].float().log_softmax(-1), tolerance)
+    if gap is None:
+        return ""
+    return (f"the model's forward with a KV cache (a prompt, then a token at a time, as sampling "
+            f"runs it) gives other log-probabilities than its plain forward model(idx), up to "
+            f"{gap:.3g} apart on a few rows, so samples would not come from the trained model; "
+            "make its forward with kv_cache compute what it computes without (a position read "
+            "from kv_cache.length inside a layer is a usual cause).")
 
 
 def encode_prompt(prompt, tokenizer=None):
@@ -249,9 +298,14 @@ def main(argv):
                         help="beam search with this many beams (0: sample)")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model_module", default="model",
+                        help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)
     check_args(args)
-    model = load_model(args.init_from, args.device, "--init_from")
+    model = load_model(args.init_from, args.device, "--init_from", args.model_module)
+    problem = kv_cache_problem(model)  # sampling runs the cached path: checked once
+    if problem:
+        raise UserError(problem)
     tokenizer = get_tokenizer(dataset_of(args.init_from, model))
     tokens = encode_prompt(args.prompt, tokenizer)
     if len(tokens) >= model.config.block_size:

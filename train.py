@@ -18,7 +18,7 @@ import re
 import sys
 import time
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,8 @@ def main(argv):
         run_dir.use_load_path_shape(cfg, default_config=not args or args[0].startswith("--"))
     if cfg.stage2.reference:  # needed when stage 2 begins, hours from now: checked now
         from lab.stage2 import check_reference
-        check_reference(cfg.stage2.reference, cfg.model, cfg.stage2.kl_estimator)
+        check_reference(cfg.stage2.reference, cfg.model, cfg.stage2.kl_estimator,
+                        cfg.train.model_module)
     if "--dry_run" in argv:
         from lab.dry_run import dry_run
         return dry_run(cfg)
@@ -300,10 +301,31 @@ def evaluate(run, due, mix):
         if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
             scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
     if due.tasks:
-        from hellaswag_eval import evaluate_in_loop
-        scores.update(evaluate_in_loop(run.raw_model, run.data.task_examples, place,
-                                       run.cfg.eval.tasks_batch_size))
+        from hellaswag_eval import evaluate_in_loop, scoring_problem
+        if "tasks" not in run.data.fast_paths:  # once, at the first: on weights that have trained
+            check_fast_path(run, "tasks", scoring_problem)
+        if not run.data.fast_paths["tasks"]:
+            scores.update(evaluate_in_loop(run.raw_model, run.data.task_examples, place,
+                                           run.cfg.eval.tasks_batch_size))
     return scores
+
+
+def check_fast_path(run, what, problem_of):
+    """Before the loop first samples or scores the tasks (`what`): `problem_of` compares the fast
+    path they take (the KV cache, score_tokens) with the model's plain forward. A difference is a
+    warning, and turns `what` off for the run; the ranks that take the path agree."""
+    place, sharded = run.place, hasattr(run.model, "set_requires_gradient_sync")
+    bf16 = sharded and isinstance(place.autocast, torch.autocast)  # FSDP's bf16 weights
+    problem = problem_of(run.raw_model, tolerance=2e-2 if bf16 else 1e-4)
+    if place.world_size > 1 and (sharded or what == "tasks"):
+        found = torch.tensor([float(bool(problem))], device=place.device)
+        dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        problem = problem or ("another rank found its fast path other than the plain forward."
+                              if found.item() else "")
+    run.data.fast_paths[what] = problem
+    if problem and place.is_master:
+        print(f"warning: {problem[:-1]}; {what} are off for this run.", file=sys.stderr,
+              flush=True)
 
 
 def write_samples(run, step):
@@ -318,6 +340,11 @@ def write_samples(run, step):
         from lab.fsdp import share_generator
         share_generator(run.sample_generator)
     try:
+        if "samples" not in run.data.fast_paths:  # once, at the first samples
+            from sample import kv_cache_problem
+            check_fast_path(run, "samples", kv_cache_problem)
+        if run.data.fast_paths["samples"]:
+            return
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples,
                               max_new_tokens=e.sample_tokens, temperature=e.sample_temperature,
                               top_k=e.sample_top_k, device=place.device,
@@ -357,6 +384,8 @@ class RunData:
     val_loaders: dict  # {metric prefix: TokenLoader}
     task_examples: dict  # eval.tasks' examples (hellaswag_eval.py)
     tokenizer: object  # the training data's: GPT-2's, or a character-level dataset's
+    # "samples", "tasks" once checked (check_fast_path): "" or why the loop does not run them
+    fast_paths: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -427,7 +456,7 @@ def build_run(cfg, stack):
     non_embedding = raw_model.num_params(non_embedding=True)
     plan = make_plan(cfg, place.world_size, tokens_per_epoch, non_embedding)
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir,
-                    place.device)
+                    place.device, cfg.train.model_module)
     generator = torch.Generator(place.device).manual_seed(cfg.train.seed + place.rank)
     state, replaced = run_dir.load_start(cfg, place, start, raw_model, optimizer, stages, generator,
                                          plan, config_dict)
@@ -572,9 +601,11 @@ class Stages:
     stage2.mix, stage 2; `stage2_step` is the number of steps completed when stage 2 begins (None:
     one stage)."""
 
-    def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device):
+    def __init__(self, loaders, stage2_step, stage2_cfg, raw_model, out_dir, device,
+                 model_module="model"):
         self.loaders, self.stage2_step, self.cfg = loaders, stage2_step, stage2_cfg
         self.raw_model, self.out_dir, self.device = raw_model, out_dir, device
+        self.model_module = model_module  # the run's own GPT, which builds stage2.reference
         self.objective = None
         self.resumed_inside = False  # set by resume_at: the reference comes from the boundary
 

@@ -13,7 +13,7 @@ In the loop (train.py calls these; every rank also registers a stack dump, run_d
 From the command line:
 
     python lab/debug.py compare-traces RUN_A RUN_B [--step N] [--atol 0] [--rtol 0]
-    python lab/debug.py compare-state CKPT_A CKPT_B [--top 20]
+    python lab/debug.py compare-state CKPT_A CKPT_B [--top 20] [--model_module FILE]
     python lab/debug.py stacks RUN [--wait 10]
 
 compare-traces answers "where did these two runs start to differ?": per traced step, the modules in
@@ -264,9 +264,11 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 # ---------------------------------------------------------------------------------- compare-state
 
 
-def named_state(path):
-    """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...)."""
-    from checkpoint import SHARDED, read_file, read_trainer_state, resolve_checkpoint
+def named_state(path, model_module="model"):
+    """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...); the optimizer's
+    parameters are named by the GPT of `model_module` (--model_module: a file the checkpoint names is never
+    imported)."""
+    from checkpoint import SHARDED, check_named_module, read_file, read_trainer_state, resolve_checkpoint
 
     if not os.path.isdir(path):
         raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
@@ -285,11 +287,12 @@ def named_state(path):
     optim = read_file(path, "optim.pt")
     # The optimizer numbers parameters in the order of its groups: rebuild them to name the moments.
     cfg = config_from_dict(trainer["config"])
+    check_named_module(cfg.train.model_module, model_module, path, "--model_module")
     try:
-        with torch.device("meta"):  # the run's own class (train.model_module): its parameters, in its order
-            model = gpt_class(cfg.train.model_module)(cfg.model)
-    except ValueError as error:  # a train.model_module file that is gone
-        raise DebugError(f"{path}: {error}") from None
+        with torch.device("meta"):  # the run's own class, as the user named it: its parameters, in its order
+            model = gpt_class(model_module)(cfg.model)
+    except ValueError as error:  # a file that is gone, or lies inside a checkpoint
+        raise DebugError(f"--model_module: {error}") from None
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = build_optimizer(model, cfg.optim, "cpu")
     parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both
@@ -306,12 +309,12 @@ def named_state(path):
     return path, state
 
 
-def compare_state(path_a, path_b, top=20):
+def compare_state(path_a, path_b, top=20, model_module="model"):
     """Print the tensors that differ, the most different (relative norm) first; returns how many."""
     if top < 1:  # 0 would print an empty table, and a negative count would slice the list from its end
         raise DebugError(f"--top={top} lists no tensor; give --top=1 or more.")
-    path_a, a = named_state(path_a)
-    path_b, b = named_state(path_b)
+    path_a, a = named_state(path_a, model_module)
+    path_b, b = named_state(path_b, model_module)
     only = sorted(set(a) ^ set(b))
     rows = []
     for name in sorted(set(a) & set(b)):
@@ -466,6 +469,7 @@ def main(argv):
     p.add_argument("ckpt_a")
     p.add_argument("ckpt_b")
     p.add_argument("--top", type=int, default=20, help="tensors listed")
+    p.add_argument("--model_module", default="model", help="the .py file of the GPT the runs trained with")
     p = commands.add_parser("stacks", help="every rank's stacks of a running (or hung) training")
     p.add_argument("run")
     p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the dumps")
@@ -473,7 +477,7 @@ def main(argv):
     if args.command == "compare-traces":
         return 1 if compare_traces(args.run_a, args.run_b, args.step, args.atol, args.rtol) else 0
     if args.command == "compare-state":
-        return 1 if compare_state(args.ckpt_a, args.ckpt_b, args.top) else 0
+        return 1 if compare_state(args.ckpt_a, args.ckpt_b, args.top, args.model_module) else 0
     return 0 if show_stacks(args.run, args.wait) else 1
 
 

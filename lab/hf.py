@@ -22,7 +22,7 @@ import tempfile
 
 from config import UserError
 from data import EOT_TOKEN, GPT2_VOCAB_SIZE, gpt2_tokenizer_files
-from model import GPT, GPTConfig, output_parameters
+from model import GPTConfig, gpt_class, output_parameters
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -93,6 +93,10 @@ def hf_gpt2(source):
     transformers = require_transformers()
     if os.path.isdir(source):
         check_gpt2_config(source, read_json(os.path.join(source, "config.json")))
+    # A local folder loads in a moment: no progress bar, so a refusal after it stays one line (a download keeps its bar)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    if os.path.isdir(source):
+        transformers.utils.logging.disable_progress_bar()
     try:
         # Sizes that disagree with config.json come back in `info` instead of raising (or, in transformers 5,
         # of being silently initialized at random): check_weights_match_config words them.
@@ -105,19 +109,29 @@ def hf_gpt2(source):
         reason = (str(error).splitlines() or [""])[0].rstrip(".")
         raise WeightsError(f"{source} is not a loadable GPT-2 ({type(error).__name__}: {reason}); write it again "
                            f"with save_pretrained, or download it again.") from None
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     check_weights_match_config(source, hf_model, info)
     return hf_model
 
 
-def import_hf(source):
-    """Our GPT (model.py's, as edited) with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder."""
+def import_hf(source, model_module="model"):
+    """Our GPT (model.py's, as edited, or the one of the file `model_module`) with the weights of an OpenAI GPT-2
+    name or a local HF GPT-2 folder, refused in one sentence unless it gives transformers' GPT-2 logits on a few
+    tokens: a fork that computes otherwise would sample and score another model under GPT-2's name."""
     hf_model = hf_gpt2(source)
     c = hf_model.config
     # Keep GPT-2's own 50,257-token vocabulary: padding rows would change the softmax and the loss.
     config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
                        n_embd=c.n_embd, dropout=0.0, bias=True)
-    model = GPT(config)
+    model = gpt_class(model_module)(config)
     gpt2_weights_into(model, hf_model, source)
+    difference = logits_difference(model, hf_model, length=32)
+    if difference is not None:
+        raise WeightsError(f"{source}'s weights give other logits in this model than in GPT-2 (up to {difference:.3g} "
+                           f"apart on a few tokens), so the model code computes something else (a fork of its layers, "
+                           f"attention or logits); load GPT-2 with GPT-2's model.py.")
     return model
 
 
@@ -274,40 +288,59 @@ def gpt2_form_of(key, value):
     return value.t() if key.endswith(CONV1D_SUFFIXES) and value.dim() == 2 else value
 
 
-def check_same_logits(model, hf_model, tolerance=1e-4):
-    """One sentence unless GPT-2 in transformers gives `model`'s logits over GPT-2's vocabulary on a fixed batch,
-    within float32's tolerance: two rows of random tokens as long as the model reads (a fork that differs only past
-    some position, a sliding window, is seen), the second with <|endoftext|> every 16 tokens from the 8th (one that
-    treats document boundaries otherwise is seen too). A row at a time: at 1,024 positions its logits are 200 MB."""
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    rows = torch.randint(0, GPT2_VOCAB_SIZE, (2, model.config.block_size), generator=generator)
-    rows[1, min(7, model.config.block_size - 1)::16] = EOT_TOKEN
-    was_training = model.training
-    model.eval()
-    differences, largest = [], []
-    with torch.no_grad():
-        for idx in rows.split(1):
-            ours = model(idx)[..., :GPT2_VOCAB_SIZE].float()  # the model's forward, through its `logits`
-            theirs = hf_model.eval()(idx).logits.float()
-            differences.append((ours - theirs).abs().max())
-            largest.append(ours.abs().max())
-    model.train(was_training)
-    difference = torch.stack(differences).max().item()  # (a NaN in either row is the maximum)
-    if not difference <= tolerance * max(1.0, torch.stack(largest).max().item()):  # NaN fails too
+def check_same_logits(model, hf_model):
+    """One sentence unless GPT-2 in transformers gives `model`'s logits (logits_difference) on rows as long as the
+    model reads: a fork that differs only past some position, a sliding window, is seen."""
+    difference = logits_difference(model, hf_model, model.config.block_size)
+    if difference is not None:
         raise WeightsError(f"the exported GPT-2 gives other logits than this model (they differ by up to "
                            f"{difference:.3g} on a fixed batch), so GPT-2 does not compute what it computes (a fork "
                            f"of its layers, attention or logits); nothing was written, and the checkpoint serves as "
                            f"it is.")
 
 
+def logits_difference(model, hf_model, length, tolerance=1e-4):
+    """None when GPT-2 in transformers gives `model`'s logits over GPT-2's vocabulary within float32's tolerance on
+    a fixed batch, else the largest difference: two rows of random tokens `length` long (at most block_size), the
+    second with <|endoftext|> every 16 tokens from the 8th (a fork that treats document boundaries otherwise is
+    seen too). A row at a time: at 1,024 positions its logits are 200 MB."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, GPT2_VOCAB_SIZE, (2, min(length, model.config.block_size)), generator=generator)
+    rows[1, min(7, rows.size(1) - 1)::16] = EOT_TOKEN
+    was_training = model.training
+    model.eval()
+    differences, largest = [], []
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        for idx in rows.split(1):
+            ours = model(idx.to(device))[..., :GPT2_VOCAB_SIZE].float().cpu()  # through its `logits`
+            theirs = hf_model.eval()(idx).logits.float()
+            differences.append((ours - theirs).abs().max())
+            largest.append(ours.abs().max())
+    model.train(was_training)
+    difference = torch.stack(differences).max().item()  # (a NaN in either row is the maximum)
+    if difference <= tolerance * max(1.0, torch.stack(largest).max().item()):  # NaN fails too
+        return None
+    return difference
+
+
 # -------------------------------------------------------- fine-tuning: GPT-2's weights as a start
 
 
 def load_gpt2_weights(model, source):
-    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (use_source_shape)."""
-    gpt2_weights_into(model, hf_gpt2(source), source)
+    """GPT-2's weights (a name or a HF folder) into `model`, whose shape came from the source (use_source_shape). A
+    model that computes otherwise than GPT-2 with them (a fork being fine-tuned from GPT-2) is said in a note."""
+    import torch.distributed as dist
+
+    hf_model = hf_gpt2(source)
+    gpt2_weights_into(model, hf_model, source)
+    difference = logits_difference(model, hf_model, length=32)
+    if difference is not None and not (dist.is_initialized() and dist.get_rank() != 0):
+        print(f"note: {source}'s weights give other logits in this model than in GPT-2 (up to {difference:.3g} "
+              f"apart on a few tokens): the model code computes otherwise, so the run fine-tunes them as another "
+              f"model", flush=True)
 
 
 SHAPE_FIELDS = [f.name for f in dataclasses.fields(GPTConfig) if f.metadata["role"] == "identity"]

@@ -1,10 +1,16 @@
 """The GPT class of a .py file of your own, which train.model_module names (the course's capstone trains a student's
 GPT this way), and what the trainer asks every model. A module of its own because only that setting loads a file:
 model.gpt_class hands it the path, so a run with model.py's GPT never reads this.
+
+A file is imported only when the user names it (train.model_module in this command or config file, a tool's
+--model_module), never because a checkpoint names it, and never from a checkpoint folder or the bucket's download
+cache: files from outside are data, not code.
 """
 
 import importlib.util
 import os
+
+from checkpoint import MARKER
 
 # What the rest of the trainer asks of every GPT class; model.py's methods fit any GPT built of the same parts.
 WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",
@@ -20,6 +26,7 @@ def load_gpt_class(module):
     if not os.path.isfile(module):  # (a run saved with it names it: moved or deleted since)
         raise ValueError(f"train.model_module={module!r} is no file (moved or deleted?); put the file that defines "
                          f"your GPT class at that path.")
+    check_not_from_outside(module)
     spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(module))[0], module)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
@@ -30,3 +37,19 @@ def load_gpt_class(module):
         raise ValueError(f"{module}'s GPT has no {', '.join(missing)}, which the trainer asks every model; give it "
                          f"model.py's (e.g. `param_groups = model.GPT.param_groups`).")
     return loaded.GPT
+
+
+def check_not_from_outside(module):
+    """A ValueError when the file `module` lies inside a checkpoint folder (one that holds a COMPLETE marker) or the
+    cache of checkpoints downloaded from a bucket: whoever handed the checkpoint over wrote it."""
+    from lab.remote import cache_folder
+
+    path, cache = os.path.realpath(module), os.path.realpath(cache_folder())
+    folder = os.path.dirname(path)
+    while True:
+        if os.path.isfile(os.path.join(folder, MARKER)) or folder == cache:
+            raise ValueError(f"{module} lies inside {folder}, a checkpoint folder or the download cache, whose files "
+                             f"are data and never imported; copy the file you trust elsewhere and name that copy.")
+        if os.path.dirname(folder) == folder:
+            return
+        folder = os.path.dirname(folder)

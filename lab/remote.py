@@ -39,6 +39,9 @@ PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # schem
 # Short timeouts and few attempts per request, so an endpoint that went away fails an upload in seconds
 # (it is retried as a whole) instead of holding the upload thread for minutes.
 S3_OPTIONS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2}}}
+# The files a checkpoint is made of (checkpoint.py, and DCP's names in an FSDP run's sharded/): a download fetches
+# these and no other name its marker lists.
+CHECKPOINT_FILE = re.compile(r"(model|optim|trainer)\.pt|sharded/(\.metadata|__\d+_\d+\.distcp)")
 RETRIES = (1.0, 4.0)  # seconds between the attempts of an upload: three attempts in all
 
 
@@ -195,11 +198,13 @@ def download(url, step, folder, key="checkpoint.remote_folder"):
         if marker is None:
             raise RemoteError(f"{where} has a missing or damaged {MARKER} marker, so it is not a checkpoint; give "
                               f"another step, or delete that step from the bucket.")
+        for name in marker["files"]:  # all checked before anything is written
+            if not CHECKPOINT_FILE.fullmatch(name):
+                raise RemoteError(f"{where}'s marker lists {name}, which is not a file a checkpoint is made of "
+                                  f"(model.pt, optim.pt, trainer.pt, sharded/ pieces); delete that step from the "
+                                  f"bucket to fall back to the one before.")
         os.makedirs(partial)
         for name, expected in marker["files"].items():
-            if os.path.isabs(name) or ".." in name.split("/"):
-                raise RemoteError(f"{where}'s marker lists {name}, which is not a file inside the checkpoint; delete "
-                                  f"that step from the bucket to fall back to the one before.")
             os.makedirs(os.path.dirname(os.path.join(partial, name)), exist_ok=True)  # (sharded/ of an FSDP run)
             try:
                 fs.get_file(f"{root}/step{step}/{name}", os.path.join(partial, name))
@@ -278,13 +283,17 @@ def local_copy(url, key):
         if step is None:
             raise RemoteError(f"{key}={url} holds no complete checkpoint; give a run folder or step<N> folder in the "
                               f"bucket that holds one.")
-    cache = os.environ.get("NANOGPT_REMOTE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab",
-                                                                 "remote"))
-    folder = os.path.join(cache, hashlib.sha256(run_url.rstrip("/").encode()).hexdigest()[:16], f"step{step}")
+    folder = os.path.join(cache_folder(), hashlib.sha256(run_url.rstrip("/").encode()).hexdigest()[:16], f"step{step}")
     if not same_checkpoint(folder, run_url, step, key):
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         download(run_url, step, folder, key)
     return folder
+
+
+def cache_folder():
+    """Where checkpoints read from a bucket are cached: NANOGPT_REMOTE_CACHE, default ~/.cache/nanogpt-lab/remote."""
+    return os.environ.get("NANOGPT_REMOTE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "nanogpt-lab",
+                                                                "remote"))
 
 
 def same_checkpoint(folder, run_url, step, key):

@@ -24,7 +24,8 @@ import os
 import torch
 from torch.nn import functional as F
 
-from checkpoint import CheckpointError, check_source, check_weights_fit, load_model, read_trainer_state
+from checkpoint import (CheckpointError, check_named_module, check_source, check_weights_fit, load_model,
+                        read_trainer_state, saved_weights, verify_checkpoint)
 from config import config_from_dict
 from data import GPT2_VOCAB_SIZE
 from model import gpt_class
@@ -58,22 +59,21 @@ def stage2_loss(model, x, y, reference, beta, estimator):
     return ce + beta * kl, ce, kl, reference_loss
 
 
-def check_reference(source, model_cfg, estimator):
-    """stage2.reference at start, since stage 2 may begin hours later: a model load_model can load, whose weights fit
-    the class it was trained with, that reads this run's sequences (block_size) and predicts its tokens: GPT-2's
-    (a vocabulary of 50,257 or padded past it) or characters, at least as many (`estimator` full: as many). One
-    sentence otherwise. Shapes and configs are read, not weights."""
+def check_reference(source, model_cfg, estimator, model_module="model"):
+    """stage2.reference at start, since stage 2 may begin hours later: a model load_model can load into this run's
+    class (`model_module`: a file the reference's checkpoint names is never imported), whose weights fit it, that
+    reads this run's sequences (block_size) and predicts its tokens: GPT-2's (a vocabulary of 50,257 or padded past
+    it) or characters, at least as many (`estimator` full: as many). One sentence otherwise. Shapes and configs are
+    read, not weights."""
     path = check_source(source, "stage2.reference")
     if path is None:  # a GPT-2 name or a Hugging Face folder (hf.py)
         from lab.hf import gpt2_shape
         shape = gpt2_shape(source)
     else:
         cfg = config_from_dict(read_trainer_state(path)["config"])
-        try:
-            with torch.device("meta"):  # its shapes, no memory
-                model = gpt_class(cfg.train.model_module)(cfg.model)
-        except ValueError as error:  # a train.model_module file that is gone
-            raise CheckpointError(f"stage2.reference={source}: {error}") from None
+        check_named_module(cfg.train.model_module, model_module, f"stage2.reference={source}", "--train.model_module")
+        with torch.device("meta"):  # its shapes, no memory (the run's class: main checked it)
+            model = gpt_class(model_module)(cfg.model)
         check_weights_fit(path, model, "give stage2.reference a checkpoint of the model as its code is now.")
         shape = {"block_size": cfg.model.block_size, "vocab_size": cfg.model.vocab_size}
     theirs, ours = min(shape["vocab_size"], GPT2_VOCAB_SIZE), min(model_cfg.vocab_size, GPT2_VOCAB_SIZE)
@@ -87,19 +87,23 @@ def check_reference(source, model_cfg, estimator):
                               f"sequences and tokenizer.")
 
 
-def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside):
-    """The frozen reference: stage2.reference if given; else the model at the stage boundary, copied now
-    when the loop crosses it, or read back from the boundary checkpoint when resuming inside stage 2."""
+def make_reference(stage2_cfg, raw_model, out_dir, start_step, device, resuming_inside, model_module="model"):
+    """The frozen reference: stage2.reference if given (built by this run's `model_module`); else the model at the
+    stage boundary, copied now when the loop crosses it, or read back from the boundary checkpoint into a copy of
+    the model when resuming inside stage 2."""
     # Building a model initialises weights with the global RNG; the fork keeps training's RNG untouched,
     # so dropout masks are the same whether the reference was copied or rebuilt on resume.
     cuda = [torch.device(device).index or 0] if torch.device(device).type == "cuda" else []
     with torch.random.fork_rng(devices=cuda):
         if stage2_cfg.reference:
-            reference = load_model(stage2_cfg.reference, device, key="stage2.reference")
-        elif resuming_inside:
-            reference = load_model(os.path.join(out_dir, f"step{start_step}"), device, "stage 2's boundary checkpoint")
+            reference = load_model(stage2_cfg.reference, device, "stage2.reference", model_module,
+                                   "--train.model_module")
         else:
             reference = copy.deepcopy(raw_model)
+            if resuming_inside:
+                boundary = os.path.join(out_dir, f"step{start_step}")
+                verify_checkpoint(boundary)
+                reference.load_state_dict(saved_weights(boundary, reference, device))
     reference.eval()
     for p in reference.parameters():
         p.requires_grad_(False)
@@ -112,6 +116,6 @@ def begin_stage2(stages):
     if len(stages.loaders) > 1 and not stages.resumed_inside:  # sources both stages read continue where they were
         stages.loaders[1][1].load_state_dict(stages.loaders[0][1].state_dict())
     reference = make_reference(stages.cfg, stages.raw_model, stages.out_dir, stages.stage2_step, stages.device,
-                               resuming_inside=stages.resumed_inside)
+                               stages.resumed_inside, stages.model_module)
     return functools.partial(stage2_loss, reference=reference, beta=stages.cfg.kl_beta,
                              estimator=stages.cfg.kl_estimator)

@@ -154,7 +154,7 @@ def test_compare_state_lists_nan_or_inf_in_one_checkpoint_first(monkeypatch, cap
     clean, nan = torch.arange(4.0), with_values(torch.arange(4.0), [2], float("nan"))
     states = {"A": {"w": clean, "x": with_values(clean, [1], float("inf")), "both_nan": nan, "small": clean},
               "B": {"w": clean, "x": with_values(clean, [1], value_b), "both_nan": nan.clone(), "small": clean + 1e-3}}
-    monkeypatch.setattr(debug, "named_state", lambda path: (path, states[path]))
+    monkeypatch.setattr(debug, "named_state", lambda path, model_module: (path, states[path]))
     assert debug.compare_state("A", "B") == 2  # x and small; NaN at the same place in both is no difference
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("2 of 4 tensors differ") and lines[2].split()[:3] == ["x", "inf", "inf"]
@@ -338,8 +338,8 @@ def test_compare_state_names_the_moments_of_a_gpt_of_your_own(tmp_path, data_roo
     run_train([*TINY, f"--data.data_root={data_root}", f"--train.model_module={module}", "--train.max_steps=2",
                "--checkpoint.interval=2", "--eval.interval=0", f"--train.out_dir={tmp_path / 'run'}"])
     capsys.readouterr()
-    assert debug.compare_state(str(tmp_path / "run"), str(tmp_path / "run")) == 0
-    assert "optim/logit_bias/exp_avg" in debug.named_state(str(tmp_path / "run"))[1]
+    assert debug.compare_state(str(tmp_path / "run"), str(tmp_path / "run"), model_module=str(module)) == 0
+    assert "optim/logit_bias/exp_avg" in debug.named_state(str(tmp_path / "run"), str(module))[1]
 
 
 def test_compare_state_on_a_checkpoint_grouped_by_other_code_is_one_sentence(tmp_path, data_root):
@@ -359,4 +359,4 @@ def test_compare_state_on_a_checkpoint_grouped_by_other_code_is_one_sentence(tmp
                f"--train.out_dir={tmp_path / 'run'}"])
     module.write_text(source)
     with pytest.raises(debug.DebugError, match="holds optimizer state grouped otherwise than this code groups"):
-        debug.named_state(str(tmp_path / "run"))
+        debug.named_state(str(tmp_path / "run"), str(module))

@@ -115,14 +115,15 @@ def test_a_change_of_the_model_code_that_keeps_the_weights_is_said_on_resume(tmp
     fork.write_text(FORK)  # the researcher moves on: sample.py, evaluation and export-hf (load_model) say so too
     from checkpoint import load_model
     capsys.readouterr()
-    load_model(str(out), "cpu", "--init_from")
+    load_model(str(out), "cpu", "--init_from", str(fork))
     assert capsys.readouterr().err == (f"note: the model code changed since {out / 'step6'} was saved "
                                        f"({os.path.realpath(fork)}); its weights fit, so it is loaded with the code "
                                        f"as it is now\n")
 
 
 def test_a_checkpoint_without_a_code_hash_is_resumed_without_a_word_of_it(tmp_path):
-    from checkpoint import TrainState, code_change_note, model_code
+    from checkpoint import TrainState
+    from metrics import code_change_note, model_code
 
     saved = {"step": 3, "tokens": 384, "best_val_loss": 4.0, "data": {}, "nonfinite_skipped": 0,
              "data_fingerprint": {}}  # trainer.pt of a run saved before checkpoints kept the hash
@@ -133,10 +134,10 @@ def test_a_checkpoint_without_a_code_hash_is_resumed_without_a_word_of_it(tmp_pa
     assert "changed since" in code_change_note(other, "model", tmp_path / "step3")
 
 
-def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, data_root):
-    """A run trained with train.model_module=A, whose file then moved to B: loading it says the file is gone (it
-    said "neither model nor a .py file"), and resuming with B asks for the file back at A (it advised setting A,
-    which names no file)."""
+def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, data_root, capsys):
+    """A run trained with train.model_module=A, whose file then moved to B: loading it names A and the flag that
+    names a file (a checkpoint's file is never imported), A itself is gone, B loads with a note of the change, and
+    resuming with B asks for the file back at A (it advised setting A, which names no file)."""
     from checkpoint import CheckpointError, load_model
 
     fork, moved = tmp_path / "fork.py", tmp_path / "moved.py"
@@ -145,9 +146,15 @@ def test_a_model_module_file_moved_since_the_run_is_said_to_be_gone(tmp_path, da
     common = [*TINY, f"--data.data_root={data_root}", *STEPS, f"--train.out_dir={out}"]
     run_train([*common, f"--train.model_module={fork}", "--train.hard_stop=2"])
     fork.rename(moved)
+    with pytest.raises(CheckpointError, match=f"pass --model_module={fork} to load it with that file"):
+        load_model(str(out), "cpu", "--init_from")
     with pytest.raises(CheckpointError, match=f"train.model_module='{fork}' is no file \\(moved or deleted\\?\\); put "
                                               f"the file that defines your GPT class at that path."):
-        load_model(str(out), "cpu", "--init_from")
+        load_model(str(out), "cpu", "--init_from", str(fork))
+    capsys.readouterr()
+    load_model(str(out), "cpu", "--init_from", str(moved))
+    note = capsys.readouterr().err  # the file it was trained with gone, the one named in its place
+    assert f"the model code changed since {out / 'step2'} was saved ({fork}, {moved})" in note
     refused = run_train([*common, f"--train.model_module={moved}"], check=False)
     assert_one_sentence(refused, f"put that file back at {fork} and set --train.model_module={fork} to resume it")
 

@@ -282,7 +282,7 @@ def tools_on_the_fork(tmp_path, args, run_dir, ladder_lines):
 
     rows = metrics(run_dir)
     assert "eval/hellaswag/acc" in rows[-1]  # scored through the fork's score_tokens, in the run
-    model = load_model(str(run_dir), "cpu", "the fork")
+    model = load_model(str(run_dir), "cpu", "the fork", model_module=ladder_lines[0].split('"')[1])
     generator = torch.Generator().manual_seed(0)
     text, = generate_text(model, "ROMEO:", num_samples=1, max_new_tokens=4, temperature=1.0, top_k=0, device="cpu",
                           generator=generator)
@@ -489,3 +489,94 @@ def test_grouped_query_attention_with_a_new_identity_field_serves_every_tool(tmp
     assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (32, 64) where a Hugging Face GPT-2's is "
                                  "(32, 96)")
     assert not (tmp_path / "hf").exists()
+
+
+# ----------------------------------------------------------------------------- forks whose fast paths compute otherwise
+# Two forks that train right and are served wrong by a path faster than model(idx): sampling's KV cache, the tasks'
+# packed score_tokens. Each tool checks its fast path once against the plain forward: sample.py and
+# hellaswag_eval.py refuse in one sentence, and the loop warns once and turns the path's output off.
+
+ROPE_FROM_THE_CACHE = """import torch
+import torch.nn.functional as F
+
+import model
+
+
+def rotate(t, pos):
+    \"\"\"Rotary position embedding (Su et al. 2021) of queries or keys (B, heads, T, head size) at `pos`.\"\"\"
+    half = t.size(-1) // 2
+    angles = pos[:, None].float() / 10000 ** (torch.arange(half, device=t.device) / half)
+    a, b = t[..., :half], t[..., half:]
+    return torch.cat([a * angles.cos() - b * angles.sin(), a * angles.sin() + b * angles.cos()], -1)
+
+
+class Attention(model.CausalSelfAttention):
+    def forward(self, x, kv_cache=None, attn_mask=None):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        start = 0 if kv_cache is None else kv_cache.length  # the next position, as the first layer reads it
+        pos = torch.arange(start, start + T, device=x.device)
+        q, k = rotate(q, pos), rotate(k, pos)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+        if attn_mask is None:
+            attn_mask = torch.ones(T, k.size(2), dtype=torch.bool, device=x.device).tril(k.size(2) - T)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+        return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class GPT(model.GPT):
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        for block in self.blocks:
+            block.attn.__class__ = Attention
+            # Ten times GPT-2's initial scale: a tiny model two steps old then attends by position, as a
+            # trained one does (at GPT-2's scale its attention is near uniform, and positions barely matter).
+            for linear in (block.attn.c_attn, block.attn.c_proj):
+                torch.nn.init.normal_(linear.weight, std=0.2)
+"""
+SOFT_CAP_IN_FORWARD = """import torch
+import torch.nn.functional as F
+
+import model
+
+
+class GPT(model.GPT):
+    def forward(self, idx, targets=None, kv_cache=None):  # a soft-cap here, where `logits` does not see it
+        logits = torch.tanh(self.logits(self.hidden_states(idx, kv_cache)))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
+"""
+
+
+@pytest.mark.parametrize("source, refused_by, turned_off", [
+    (ROPE_FROM_THE_CACHE, {"sample.py": "make its forward with kv_cache compute what it computes without",
+                           "hellaswag_eval.py": "give the fork a score_tokens"}, ("tasks", "samples")),
+    (SOFT_CAP_IN_FORWARD, {"hellaswag_eval.py": "give the fork a score_tokens"}, ("tasks",))],
+    ids=["rope-from-the-cache", "soft-cap-in-forward"])
+def test_a_fork_whose_fast_path_computes_otherwise_is_refused_by_the_tools_and_warned_of_in_the_loop(
+        tmp_path, args, source, refused_by, turned_off):
+    import hellaswag_eval
+    import sample
+    from conftest import run_in_process, run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(source)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=2", "--eval.interval=0",
+                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
+                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
+                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert [line.rsplit("; ", 1)[1] for line in warnings] == [f"{what} are off for this run." for what in turned_off]
+    assert not any(key.startswith("eval/") for row in metrics(run_dir) for key in row)  # no task scored
+    assert ("--- step" in trained.stdout) == ("samples" not in turned_off)
+    mains = {"sample.py": (sample.main, ["--max_new_tokens=2", "--num_samples=1"]),
+             "hellaswag_eval.py": (hellaswag_eval.main, [f"--data_dir={tiny_task_data()}", "--limit=2"])}
+    for tool, (main, extra) in mains.items():
+        result = run_in_process([f"--init_from={run_dir}", "--device=cpu", f"--model_module={module}", *extra], main)
+        if tool in refused_by:
+            assert_one_sentence(result, "than its plain forward model(idx)", refused_by[tool])
+        else:
+            assert result.returncode == 0 and result.stdout.startswith("--- sample 0"), result.stderr

