@@ -178,8 +178,9 @@ class SignalFlag:
     handlers it replaced come back when the run ends (train.train may run inside another program).
     """
 
-    def __init__(self):
+    def __init__(self, saves=True):
         self.received, self.previous = None, {}  # the signal received; the handlers replaced
+        self.saves = saves  # whether the stop saves a checkpoint (not with train.no_checkpoints)
 
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -198,7 +199,8 @@ class SignalFlag:
         if self.received is not None:  # already stopping (ladder.py run-all follows a Ctrl-C
             return  # with a SIGTERM)
         self.received = name
-        print(f"{name} received: finishing this step, saving a checkpoint, then exiting "
+        saving = "saving a checkpoint, " if self.saves else ""
+        print(f"{name} received: finishing this step, {saving}then exiting "
               f"(Ctrl-C again exits at once)", file=sys.stderr, flush=True)
 
 

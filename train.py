@@ -654,8 +654,9 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
                                 replaced=replaced, uploader=uploader, shard_group=shard_group,
                                 soft_timeout=cfg.log.bookkeeping_soft_timeout)
     stack.callback(checkpointer.wait)  # a save in flight lands before the process exits
-    stopper = Stopper(stack.enter_context(SignalFlag()), out_dir, cfg.train.time_limit,
-                      cfg.train.cancel_check_interval, place.is_master, writer, place.cpu_group)
+    signals = stack.enter_context(SignalFlag(saves=not cfg.train.no_checkpoints))
+    stopper = Stopper(signals, out_dir, cfg.train.time_limit, cfg.train.cancel_check_interval,
+                      place.is_master, writer, place.cpu_group)
     return Books(recorder, writer, checkpointer, stopper, notifier=None)
 
 
