@@ -61,6 +61,9 @@ def filesystem(url, key="checkpoint.remote_folder"):
         raise RemoteError(f"{key}={url} is not a URL; give one such as s3://bucket/run1, gs://bucket/run1 or "
                           f"file:///shared/run1.")
     scheme = url.split("://", 1)[0]
+    if scheme not in (*PACKAGES, "file"):  # the stores the docs name (ftp:// would try to log in here)
+        raise RemoteError(f"{key}={url}: checkpoints are kept in s3://, gs:// or file:// folders, not "
+                          f"{scheme}://; give a URL of one of those.")
     try:
         fs, path = fsspec.core.url_to_fs(url, **(S3_OPTIONS if PACKAGES.get(scheme) == "s3fs" else {}))
     except ImportError:
@@ -69,6 +72,9 @@ def filesystem(url, key="checkpoint.remote_folder"):
                           f"pip install {package}.") from None
     except ValueError as error:
         raise RemoteError(f"{key}={url}: {error}; give an s3://, gs:// or file:// URL.") from None
+    except OSError as error:  # a store the filesystem's constructor already calls
+        raise RemoteError(f"{key}={url} could not be reached ({describe_failure(error)}); check "
+                          f"the URL and the network.") from None
     return fs, path.rstrip("/")
 
 

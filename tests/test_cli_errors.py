@@ -122,3 +122,18 @@ def test_every_error_a_user_can_cause_is_a_user_error():
     for error in (config.ConfigError, data.DataError, checkpoint.CheckpointError, hellaswag_eval.TaskDataError,
                   metrics.NonFiniteLoss, hf.WeightsError, metrics.SinkError, debug.DebugError):
         assert issubclass(error, config.UserError), error
+
+
+# ----------------------------------------------------------------------------- URLs of other stores
+
+def test_a_url_of_a_store_checkpoints_are_not_kept_in_is_one_sentence(data_root, tmp_path):
+    """An ftp:// folder would make fsspec try to log in to the host (a gaierror traceback offline)."""
+    import train
+
+    url = "ftp://example.invalid/run"
+    assert_one_sentence(run_in_process(["--init_from", url], sample.main), url, "s3://, gs:// or file://")
+    out = tmp_path / "run"
+    result = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}",
+                             f"--checkpoint.remote_folder={url}"], train.main)
+    assert_one_sentence(result, f"checkpoint.remote_folder={url}", "not ftp://")
+    assert not out.exists()
