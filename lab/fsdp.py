@@ -44,7 +44,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import ConfigError, get
+from config import ConfigError, UserError, get
 from model import output_parameters
 
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
@@ -344,6 +344,11 @@ def load_shards(path, model, optimizer, tied=None):
     state = {"model": {name: t for name, t in get_model_state_dict(model).items() if name not in tied}}
     if optimizer is not None:  # (the template creates AdamW's state, with step 0, for DCP to fill)
         state["optim"] = get_optimizer_state_dict(model, parts(optimizer))
+    saved = tensor_shapes(os.path.join(path, FOLDER))  # DCP would cast another dtype in silence
+    for name, tensor in state["model"].items():
+        if name in saved and saved[name][1] != tensor.dtype:
+            raise MetadataRefused(f"{path} holds {name} as {saved[name][1]} and this model as {tensor.dtype}, so it "
+                                  f"is not loaded: give a checkpoint this trainer saved whole.")
     read_into(state, os.path.join(path, FOLDER))
     for name, first in tied.items():
         state["model"][name] = state["model"][first]
@@ -388,8 +393,13 @@ def tensor_shapes(folder, prefix="model."):
     """{name: (shape, dtype)} of the tensors under `prefix` in a sharded checkpoint folder, read from .metadata
     alone (no weights are read)."""
     metadata = read_metadata(folder).state_dict_metadata
-    return {key[len(prefix):]: (tuple(meta.size), meta.properties.dtype) for key, meta in metadata.items()
-            if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    shapes = {key[len(prefix):]: (tuple(meta.size), meta.properties.dtype) for key, meta in metadata.items()
+              if key.startswith(prefix) and isinstance(meta, TensorStorageMetadata)}
+    for name, (_, dtype) in shapes.items():  # the trainer saves float weights; DCP would cast others in silence
+        if prefix == "model." and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise MetadataRefused(f"{folder} holds the weight {name} as {dtype}, which this trainer never saves, "
+                                  f"so it is not loaded: give a checkpoint this trainer saved whole.")
+    return shapes
 
 
 def read_tensors(folder, prefix="model."):
@@ -407,8 +417,13 @@ def read_into(state, folder):
     DCP announces in a warning that tells a user nothing here)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
-                 no_dist=not torch.distributed.is_initialized())
+        try:
+            dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
+                     no_dist=not torch.distributed.is_initialized())
+        except Exception as error:  # noqa: BLE001 - a piece's bytes may make torch.load raise any of several kinds
+            raise MetadataRefused(f"the pieces in {folder} cannot be read ({type(error).__name__}), so they are "
+                                  f"not loaded: get the checkpoint again from where it was made, or give another "
+                                  f"one.") from None
 
 
 # ------------------------------------------------------------------- reading without running code
@@ -428,8 +443,9 @@ METADATA_CLASSES = {
 }
 
 
-class MetadataRefused(ValueError):
-    """A .metadata that is not DCP's metadata; the message says what it holds instead."""
+class MetadataRefused(UserError):
+    """A .metadata that is not DCP's metadata, or pieces it cannot be read from; the message says what the file holds
+    instead."""
 
 
 class MetadataUnpickler(pickle.Unpickler):
@@ -474,12 +490,40 @@ def check_metadata(path, files, marker):
         raise MetadataRefused(f"{metadata_file} is not the metadata torch.distributed.checkpoint writes "
                               f"({refused}), so it is not loaded: get the checkpoint again from where it was made, "
                               f"or give another one.") from None
+    problem = piece_problem(metadata, folder)
+    if problem:
+        raise MetadataRefused(f"{metadata_file} {problem}, so it is not loaded: get the checkpoint again from where "
+                              f"it was made, or give another one.")
     pieces = {info.relative_path for info in metadata.storage_data.values()}
-    unlisted = sorted(name for name in pieces if f"{FOLDER}/{name}" not in files)
+    unlisted = sorted(str(name) for name in pieces if f"{FOLDER}/{name}" not in files)
     if unlisted:
         raise MetadataRefused(f"{metadata_file} names {unlisted[0]}, which {os.path.join(path, marker)} does not "
                               f"list (a piece deleted after the save); get the checkpoint again from where it was "
                               f"made, or give another one.")
+
+
+def piece_problem(metadata, folder):
+    """What in `metadata` would make DCP read outside `folder`'s own piece files or past their ends, or run a
+    transform this trainer never writes (None when nothing does). DCP writes each piece file flat in the folder."""
+    sizes = {}
+    for index, info in metadata.storage_data.items():
+        name = info.relative_path
+        if not isinstance(name, str) or name in ("", ".", "..") or os.path.basename(name) != name or "\\" in name:
+            return f"names a piece file {name!r} outside {FOLDER}/"
+        if not os.path.isfile(os.path.join(folder, name)):
+            continue  # (check_metadata names it: unlisted)
+        sizes.setdefault(name, os.path.getsize(os.path.join(folder, name)))
+        offset, length = info.offset, info.length
+        if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= 0
+                and offset + length <= sizes[name]):
+            return (f"puts {index.fqn} at offset {offset!r}, length {length!r} of {name}, which holds "
+                    f"{sizes[name]} bytes")
+        if getattr(info, "transform_descriptors", None):
+            return f"asks for transforms {list(info.transform_descriptors)!r} on {index.fqn}, which it never writes"
+    for key, meta in metadata.state_dict_metadata.items():
+        if isinstance(meta, TensorStorageMetadata) and not isinstance(meta.properties.dtype, torch.dtype):
+            return f"gives {key} the dtype {meta.properties.dtype!r}"
+    return None
 
 
 class Reader(FileSystemReader):

@@ -337,3 +337,67 @@ def test_what_fsdp_cannot_honour_is_one_sentence_before_anything_is_written(data
                        check=False)
     assert_one_sentence(result, phrase)
     assert not out.exists()
+
+
+def doctor_metadata(checkpoint_dir, change):
+    """Apply `change` to checkpoint_dir's sharded/.metadata (DCP's Metadata) and its first piece's _StorageInfo, then
+    recompute the marker, so that every file passes its checksum."""
+    import hashlib
+    import pickle
+
+    from lab.fsdp import read_metadata
+    metadata = read_metadata(checkpoint_dir / "sharded")
+    index = sorted(metadata.storage_data, key=lambda index: index.fqn)[0]
+    change(metadata, metadata.storage_data[index], checkpoint_dir)
+    (checkpoint_dir / "sharded" / ".metadata").write_bytes(pickle.dumps(metadata))
+    marker = json.loads((checkpoint_dir / "COMPLETE").read_text())
+    names = {*marker["files"], *(f"sharded/{info.relative_path}" for info in metadata.storage_data.values())}
+    marker["files"] = {name: hashlib.sha256(open(os.path.join(checkpoint_dir, name), "rb").read()).hexdigest()
+                       for name in names}  # a path outside is listed too: only the check on the path refuses it
+    (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
+
+
+def leave_by_absolute_path(metadata, info, checkpoint_dir):
+    outside = checkpoint_dir.parent / "outside.distcp"
+    shutil.copy(checkpoint_dir / "sharded" / info.relative_path, outside)
+    decoy = checkpoint_dir / "sharded" / outside.relative_to("/")  # what the marker's checksum reads
+    decoy.parent.mkdir(parents=True)
+    shutil.copy(outside, decoy)
+    info.relative_path = str(outside)
+
+
+def leave_by_dots(metadata, info, checkpoint_dir):
+    shutil.copy(checkpoint_dir / "sharded" / info.relative_path, checkpoint_dir.parent / "outside.distcp")
+    info.relative_path = "../../outside.distcp"
+
+
+def set_field(name, value):
+    return lambda metadata, info, checkpoint_dir: setattr(info, name, value)
+
+
+def int8_weights(metadata, info, checkpoint_dir):
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(meta, "properties"):
+            meta.properties.dtype = torch.int8
+
+
+@pytest.mark.parametrize("change, phrase", [
+    (leave_by_dots, "outside sharded/"),
+    (leave_by_absolute_path, "outside sharded/"),
+    (set_field("offset", -1000), "at offset -1000,"),
+    (set_field("length", 10**15), "length 1000000000000000 of __"),
+    (set_field("transform_descriptors", ["os.system"]), "asks for transforms ['os.system']"),
+    (int8_weights, "as torch.int8, which this trainer never saves"),
+])
+def test_a_sharded_metadata_that_reads_outside_its_pieces_or_holds_hostile_values_is_one_sentence(
+        runs, data_root, tmp_path, change, phrase):
+    import train
+    step = tmp_path / "run" / "step6"
+    shutil.copytree(runs["fsdp"] / "step6", step)
+    doctor_metadata(step, change)
+    before = sorted(os.listdir(tmp_path / "run"))
+    result = run_in_process([*COMMON, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'out'}",
+                             f"--checkpoint.load_path={step}", "--train.max_steps=7"], train.main)
+    assert_one_sentence(result, phrase)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step*"))
+    assert sorted(os.listdir(tmp_path / "run")) == before
