@@ -636,10 +636,16 @@ def truncate_jsonl(path, after_step):
     and a cut-off last line. Written beside and renamed, so a crash here loses nothing."""
     if not os.path.exists(path):
         return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    try:  # nothing to drop: the file stays as it is, byte for byte
+        if text.endswith("\n") and all(json.loads(line)["step"] <= after_step
+                                        for line in text.splitlines() if line.strip()):
+            return
+    except (ValueError, KeyError, TypeError):  # a damaged line: read_jsonl says what it is
+        pass
     kept = "".join(json.dumps(row) + "\n" for row in read_jsonl(path) if row["step"] <= after_step)
-    with open(path) as f:
-        clean = f.read() == kept  # nothing to drop
-    if not clean:
+    if text != kept:
         with open(f"{path}.tmp", "w") as f:
             f.write(kept)
         os.replace(f"{path}.tmp", path)

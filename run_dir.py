@@ -522,9 +522,11 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
         dist.barrier()  # every rank has read the start before rank 0 moves files into place
     if place.is_master:
         saved_config = saved["config"] if start.resumed else None
+        trains = state.step < plan.end_step or not start.resumed
         replaced, lines = carry_out_start(out_dir, start, saved_config, run_config, state.step, ck,
-                                          trains=state.step < plan.end_step or not start.resumed)
-        save_environment(out_dir, place.world_size)
+                                          trains)
+        if trains:  # a command that trains nothing leaves the record as it is
+            save_environment(out_dir, place.world_size)
         print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences))
         mixes = [f"data: {shares_text(stages.loaders[0][0])}"]

@@ -299,3 +299,22 @@ def test_a_run_saved_before_the_move_to_lab_resumes_bit_for_bit(data_root, tmp_p
         assert [r["step"] for r in moved] == list(range(1, 9))
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], capture_output=True)
+
+
+def test_a_command_that_trains_nothing_changes_no_file(data_root, tmp_path):
+    """Already trained, a hard_stop at or below the checkpoint, the run's own config.json: each says
+    there is nothing to do, and every file of the run folder is as it was, byte for byte."""
+    import hashlib
+
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=3", "--checkpoint.interval=3"))
+
+    def files():
+        return {p.relative_to(out): hashlib.sha256(p.read_bytes()).hexdigest() for p in out.rglob("*")
+                if p.is_file()}
+
+    before = files()
+    for extra in ([], ["--train.hard_stop=2"]):
+        assert "nothing to do" in run_train(args(data_root, out, "--train.max_steps=3", *extra)).stdout
+    assert "nothing to do" in run_train([str(out / "config.json")]).stdout
+    assert files() == before
