@@ -359,14 +359,33 @@ def check_fresh_start(out_dir, run_config, save_overwrite):
                        if n in RECORD_FILES or STEP_DIR.match(n) or n.startswith("metrics_step"))
     if leftovers and not save_overwrite:
         same_run = False
-        if "config.json" in names and not find_checkpoints(out_dir):
+        if "config.json" in names:
             with open(os.path.join(out_dir, "config.json")) as f:
                 same_run = identity_of(json.load(f)) == identity_of(run_config)
-        if not same_run:
+        checkpoints = find_checkpoints(out_dir)
+        problem = same_run and first_problem(checkpoints)
+        if problem:
+            raise CheckpointError(f"{out_dir} holds this run, but none of its checkpoints is "
+                                  f"usable ({problem}); resume from the bucket's copy if "
+                                  "checkpoint.remote_folder has one, or pass "
+                                  "--checkpoint.save_overwrite=true to train it again from step 0.")
+        if checkpoints or not same_run:  # (the same run with no checkpoint yet simply restarts)
             shown = ", ".join(leftovers[:3])
             raise CheckpointError(f"{out_dir} already holds another run ({shown}); resume it, "
                                   "choose another train.out_dir, or pass "
                                   "--checkpoint.save_overwrite=true to replace it.")
+
+
+def first_problem(checkpoints):
+    """Why the newest of `checkpoints` [(step, path)] cannot be resumed, when none can; else ""."""
+    problems = []
+    for _, path in reversed(checkpoints):
+        try:
+            verify_checkpoint(path)
+            return ""
+        except CheckpointError as error:
+            problems.append(str(error))
+    return problems[0] if problems else ""
 
 
 def check_shared_folder(out_dir, rank, world_size, group=None):

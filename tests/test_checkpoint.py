@@ -318,3 +318,16 @@ def test_a_command_that_trains_nothing_changes_no_file(data_root, tmp_path):
         assert "nothing to do" in run_train(args(data_root, out, "--train.max_steps=3", *extra)).stdout
     assert "nothing to do" in run_train([str(out / "config.json")]).stdout
     assert files() == before
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_called_this_run_with_its_first_problem(data_root, tmp_path):
+    out = tmp_path / "run"
+    run_train(args(data_root, out, "--train.max_steps=4", "--checkpoint.interval=2"))
+    for step, path in find_checkpoints(out):
+        with open(os.path.join(path, "model.pt"), "r+b") as f:
+            f.seek(100)
+            f.write(b"XXXX")
+    refused = run_train(args(data_root, out, "--train.max_steps=6", "--checkpoint.interval=2"), check=False)
+    assert refused.returncode == 1 and "holds this run, but none of its checkpoints is usable" in refused.stderr
+    assert "step4/model.pt does not match its checksum" in refused.stderr and "another run" not in refused.stderr
+    assert "--checkpoint.save_overwrite=true" in refused.stderr
