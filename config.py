@@ -60,7 +60,7 @@ CHECKS = {  # the words an error quotes, and what they hold
     "positive numbers": lambda v: all(x > 0 for x in v),
     "steps of 1 or more": lambda v: all(s >= 1 for s in v),
     "steps of 0 (before training) or more": lambda v: all(s >= 0 for s in v),
-    "auto, cpu, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v),
+    "auto, cpu, mps, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v),
     # a webhook is posted to with urllib, which would also open file:// and ftp:// URLs
     "an http:// or https:// URL, or empty": lambda v: v == "" or re.fullmatch(
         r"https?://[^\s/?#]+\S*", v),
@@ -100,8 +100,9 @@ class TrainConfig:
     # tokens per step (all ranks and micro-steps)
     total_batch_size: int = identity_setting(524288, "at least 1", ladder=True)
     max_steps: int = applied_setting(19073, "at least 1", ladder=True)  # the LR schedule ends here
-    device: str = applied_setting("auto", "auto, cpu, cuda or cuda:N")  # auto: CUDA if present
-    dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on GPUs
+    # auto: CUDA, else Apple's MPS, else the CPU (plan.py's device table)
+    device: str = applied_setting("auto", "auto, cpu, mps, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on CUDA
     compile: Literal["auto", "true", "false"] = applied_setting("auto")  # auto: on for CUDA only
     # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank 1/world_size of them
     # (PyTorch's FSDP2, for models past one GPU's memory; checkpoints in pieces: lab/fsdp.py)

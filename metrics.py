@@ -1,5 +1,5 @@
 """What a run measures: metrics recorded on the device every step, reduced across ranks and written
-out in batches; the step's clock; the monitors (loss spikes, non-finite losses, memory, W&B).
+out in batches; the step's clock; the monitors (loss spikes, non-finite losses, W&B).
 
 `recorder.finish_step(step, {"train/loss": loss, ...}, write)` keeps the tensors on the device, so
 recording costs no host-device sync. Every `log.metrics_collect_interval` steps (OLMo-core's) the
@@ -15,7 +15,6 @@ import json
 import math
 import os
 import platform
-import resource
 import socket
 import subprocess
 import sys
@@ -43,8 +42,9 @@ class MetricRecorder:
     worker's."""
 
     def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None,
-                 on_rows=None, soft_timeout=30.0):
+                 on_rows=None, soft_timeout=30.0, copy_event=None):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
+        self.copy_event = copy_event  # the device table's (plan.py); None: the host copy waits
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
@@ -154,8 +154,9 @@ class MetricRecorder:
             for (step, name), value in zip(labels, values.tolist()):
                 rows.setdefault(step, {})[name] = value
             return sorted(rows.items())
-        host_values = values.to("cpu", non_blocking=True)  # the copy overlaps with the next steps
-        copied = torch.cuda.Event() if values.is_cuda else None
+        # With an event the copy overlaps with the next steps; without one it waits here.
+        host_values = values.to("cpu", non_blocking=self.copy_event is not None)
+        copied = self.copy_event() if self.copy_event is not None else None
         if copied is not None:
             copied.record()
 
@@ -214,26 +215,6 @@ def warn_slow(what, seconds, soft_timeout):
 # ------------------------------------------------------------------------------- the step's clock
 # and speed
 
-# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops
-# overrides the table.
-PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
-    "A100": 312e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-}
-
-
-def peak_flops_for_device(device, override=0.0):
-    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not
-    logged."""
-    if override > 0:
-        return override
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-
 
 def mfu(flops_per_token, tokens_per_sec, world_size, peak_flops):
     """Model FLOPs utilisation (PaLM, appendix B): the model's training FLOP/s per device as a
@@ -247,10 +228,10 @@ class StepClock:
     GPU (at each metrics collection) count in the step after them. Evaluations, checkpoints and
     samples are timed apart (`paused`), out of the steps."""
 
-    def __init__(self, device, tokens_per_step, block_size, flops_per_token, world_size,
+    def __init__(self, synchronize, tokens_per_step, block_size, flops_per_token, world_size,
                  peak_flops):
-        cuda = torch.device(device).type == "cuda"
-        self.synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+        # the device table's (plan.py): waits for the device's queued work; None on a CPU
+        self.synchronize = synchronize
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.peak_flops = peak_flops
@@ -284,10 +265,12 @@ class StepClock:
         its throughput/<kind>_time_sec. The GPU finishes the step's queued work before the clock
         stops and the block's own work before it restarts, so neither spills into the other (two
         syncs, only around such blocks)."""
-        self.synchronize()
+        if self.synchronize:
+            self.synchronize()
         start = time.perf_counter()
         yield
-        self.synchronize()
+        if self.synchronize:
+            self.synchronize()
         seconds, name = time.perf_counter() - start, f"throughput/{kind}_time_sec"
         if logged:
             self.apart[name] = self.apart.get(name, 0.0) + seconds
@@ -320,28 +303,6 @@ class LossSpikeDetector:
 
 class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
-
-
-def memory_metrics(device):
-    """Memory in GiB: on a GPU what PyTorch's allocator holds, on a CPU the process's resident
-    set."""
-    if torch.device(device).type == "cuda":
-        gib = 2**30
-        return {"system/gpu_memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
-                "system/gpu_memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
-                "system/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(device) / gib}
-    # ru_maxrss is in KiB on Linux and in bytes on macOS. The kernel updates this high-water mark
-    # lazily, so it can read below the current resident set just after memory grew.
-    unit = 1 if sys.platform == "darwin" else 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    values = {}
-    if os.path.exists("/proc/self/statm"):  # Linux: resident pages are the second number
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        values["system/cpu_rss_gb"] = rss / 2**30
-        peak = max(peak, rss)
-    values["system/cpu_rss_peak_gb"] = peak / 2**30
-    return values
 
 
 def save_environment(out_dir, world_size):
