@@ -133,7 +133,7 @@ class TrainConfig:
     no_evals: bool = free_setting(False)  # no validation, tasks or samples (OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends (PyTorch's gloo default)
     dist_timeout: float = free_setting(1800.0, "greater than 0")
-    # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's
+    # steps between the ranks' agreement on stopping (signal, CANCEL, a W&B tag, time limit)
     cancel_check_interval: int = free_setting(1, "at least 1")
     deterministic: bool = applied_setting(False)  # deterministic kernels, to hunt divergences
 
@@ -238,6 +238,8 @@ class LogConfig:
     wandb_name: str = free_setting("")  # W&B run name; empty: the name of train.out_dir
     wandb_group: str = free_setting("")  # W&B group, e.g. the runs of a sweep
     wandb_tags: list[str] = free_setting([])  # W&B tags
+    # tags that, put on the run in W&B's web page, stop it with a checkpoint (OLMo's cancel_tags)
+    wandb_cancel_tags: list[str] = free_setting(["cancel", "canceled", "cancelled"])
     profile: bool = free_setting(False)  # a torch.profiler trace in <out_dir>/profiler/
     profile_wait: int = free_setting(5, "0 or more")  # steps before it (the start is not typical)
     profile_warmup: int = free_setting(1, "0 or more")  # steps profiled, then dropped

@@ -477,6 +477,70 @@ def start_wandb(out_dir, log_cfg, config_dict):
         sys.argv = argv
 
 
+class WandbCancel:
+    """Rank 0 asks W&B's API whether the run carries one of log.wandb_cancel_tags (OLMo's
+    cancel_tags), so that tagging a run `cancel` in W&B's web page stops it as a CANCEL file does.
+    The Stopper calls `ask` at each of its checks and reads `tag`; the question goes out on a
+    thread of its own, one at a time, so the loop never waits for W&B. W&B offline or unreachable:
+    one warning, and the run goes on. A context manager: the thread ends with the run."""
+
+    def __init__(self, wandb_run, tags):
+        self.path, self.tags = wandb_run.path, tuple(tags)  # path: entity/project/run id
+        self.tag = ""  # the first cancel tag found on the run; "" until then
+        self.wanted, self.closed = threading.Event(), False
+        self.thread = None
+        if getattr(wandb_run, "offline", False) or os.environ.get("WANDB_MODE") in (
+                "offline", "disabled", "dryrun"):
+            self.warn("W&B is offline")
+        else:
+            self.thread = threading.Thread(target=self.watch, name="wandb-cancel", daemon=True)
+            self.thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.closed = True
+        self.wanted.set()
+
+    def ask(self):
+        """Ask W&B again, unless a question is out already."""
+        self.wanted.set()
+
+    def warn(self, why):
+        print(f"warning: {why}, so a tag in W&B ({', '.join(self.tags)}) cannot cancel this run; "
+              "it goes on (a CANCEL file in the run folder still stops it).", file=sys.stderr,
+              flush=True)
+
+    def watch(self):
+        import wandb
+
+        while not self.tag:
+            self.wanted.wait()
+            self.wanted.clear()
+            if self.closed:
+                return
+            try:  # a fresh Api each time: it caches the runs it has read
+                tags = wandb.Api().run(self.path).tags
+            except Exception as error:  # noqa: BLE001 - the network, the key, the server: any
+                self.warn(f"W&B's API did not answer ({type(error).__name__}: {error})")
+                return
+            self.tag = next((t for t in self.tags if t in tags), "")
+
+    def untag(self):
+        """Take the tag off the run once it has stopped it (left there, it would cancel the resumed
+        run at once); True if done."""
+        import wandb
+
+        try:
+            run = wandb.Api().run(self.path)
+            run.tags = [t for t in run.tags if t != self.tag]
+            run.update()
+            return True
+        except Exception:  # noqa: BLE001 - as in watch
+            return False
+
+
 # ------------------------------------------------------------------------------- reading the rows
 # back
 

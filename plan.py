@@ -8,10 +8,14 @@ the periodic code. The final checkpoint is always written (a run that stops must
 unless `train.no_checkpoints`. Last, the start-up summary and the memory estimate.
 
 `Stopper` stops cleanly on SIGTERM (a scheduler's preemption), Ctrl-C, a `<out_dir>/CANCEL` file,
-the time limit or a metrics write error: the loop finishes the step, saves a checkpoint and exits,
-so at most one step is lost. Ranks see the cause at different moments (a signal reaches them one by
-one, only rank 0 looks for the file), so every train.cancel_check_interval steps they agree in one
-tiny all-reduce on a CPU (gloo) group, which never waits for the GPU.
+a cancel tag on the run in W&B, the time limit or a metrics write error: the loop finishes the step,
+saves a checkpoint and exits, so at most one step is lost. Ranks see the cause at different moments
+(a signal reaches them one by one, only rank 0 looks for the file and asks W&B), so every
+train.cancel_check_interval steps they agree in one tiny all-reduce on a CPU (gloo) group, which
+never waits for the GPU.
+
+Last, the table of devices (`DEVICES`): what runs where, one row per kind of device (CUDA, Apple's
+MPS, the CPU), which train.py reads once at start-up; `pick_device` resolves train.device=auto.
 """
 
 import os
@@ -173,7 +177,8 @@ def make_plan(cfg, world_size, tokens_per_epoch, non_embedding_params):
 # --------------------------------------------------------------------------------- stopping early
 
 
-REASONS = ("", "signal", "cancel file", "time limit", "write error")  # index 0: keep training
+# index 0: keep training; a higher index wins when ranks see different reasons
+REASONS = ("", "signal", "cancel file", "wandb tag", "time limit", "write error")
 
 
 class SignalFlag:
@@ -209,10 +214,11 @@ class Stopper:
     says, once the stop's checkpoint has landed, why the run stopped."""
 
     def __init__(self, flag, out_dir, time_limit, check_interval, is_master, writer=None,
-                 group=None):
+                 group=None, wandb_cancel=None):
         self.flag, self.out_dir, self.time_limit = flag, out_dir, time_limit
         self.interval = check_interval
         self.is_master, self.writer, self.group = is_master, writer, group
+        self.wandb_cancel = wandb_cancel  # rank 0's metrics.WandbCancel (log.wandb_cancel_tags)
         self.start_time = time.monotonic()
 
     def poll(self, step):
@@ -225,8 +231,12 @@ class Stopper:
             reason = "signal"
         elif self.is_master and os.path.exists(os.path.join(self.out_dir, "CANCEL")):
             reason = "cancel file"
+        elif self.wandb_cancel is not None and self.wandb_cancel.tag:  # (its thread's answer)
+            reason = "wandb tag"
         elif self.time_limit and time.monotonic() - self.start_time > self.time_limit:
             reason = "time limit"
+        if self.wandb_cancel is not None:
+            self.wandb_cancel.ask()  # answered by a later check
         if not dist.is_initialized():
             return reason
         code = torch.tensor([REASONS.index(reason)], dtype=torch.int32)  # the reason any rank has:
@@ -247,6 +257,14 @@ class Stopper:
             why = f"stopped by {self.flag.received or 'a signal on another rank'}"
         elif reason == "cancel file":
             why = f"canceled by {os.path.join(self.out_dir, 'CANCEL')} (now removed)"
+        elif reason == "wandb tag" and self.wandb_cancel is not None:  # rank 0
+            tag = self.wandb_cancel.tag
+            untagged = saved and self.wandb_cancel.untag()
+            why = f"cancelled in W&B (tag {tag}{', now removed' if untagged else ''})"
+            if not untagged:
+                why += f"; remove the tag {tag} in W&B, or the run stops again when resumed"
+        elif reason == "wandb tag":
+            why = "cancelled in W&B"
         else:
             why = "stopped at the time limit (train.time_limit)"
         if self.is_master:

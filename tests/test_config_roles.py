@@ -56,7 +56,7 @@ CHOSEN_FREE = {
     "eval.tasks_batch_size": 8, "eval.extra_datasets": ["shakespeare"], "log.interval": 2,
     "log.metrics_collect_interval": 2, "log.async_bookkeeping": True, "log.grad_norms_interval": 1,
     "log.slack_webhook": "http://127.0.0.1:9/nobody", "log.wandb_project": "p", "log.wandb_name": "n",
-    "log.wandb_group": "g", "log.wandb_tags": ["t"],
+    "log.wandb_group": "g", "log.wandb_tags": ["t"], "log.wandb_cancel_tags": ["stop"],
     "log.profile": True, "log.profile_wait": 0, "log.profile_warmup": 0, "log.profile_active": 1,
     "checkpoint.interval": 1, "checkpoint.keep_last": 1, "checkpoint.ephemeral_interval": 1,
     "checkpoint.fixed_steps": [4], "checkpoint.async_save": True, "checkpoint.load": "always",

@@ -1,15 +1,20 @@
 """The device table (plan.py), and Apple silicon stood in for: no machine here has one, so torch's MPS
 checks and calls are replaced by fakes and the tensors stay on this CPU. The quick start's config runs
-through every branch of the MPS row, and nothing CUDA-only is called."""
+through every branch of the MPS row, and nothing CUDA-only is called. Then a run cancelled from W&B,
+whose client is stood in for too (tests/fake_wandb/)."""
 
 import dataclasses
+import json
+import os
+import sys
 
 import pytest
 import torch
 
 import plan
 import train
-from conftest import ROOT, assert_one_sentence, read_metrics, run_in_process
+from checkpoint import find_checkpoints, read_trainer_state
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_in_process, run_train
 
 GIB = 2**30
 # config/shakespeare.py (Muon, GPT-2's vocabulary), smaller and shorter: validation at steps 2 and 4,
@@ -43,7 +48,8 @@ def a_mac(monkeypatch):
         return dataclasses.replace(place, device="cpu")
 
     monkeypatch.setattr(train, "start_processes", on_this_cpu)
-    monkeypatch.setattr(train, "build_optimizer", lambda *args: calls.append(f"fused {args[2]}") or build_optimizer(*args))
+    monkeypatch.setattr(train, "build_optimizer",
+                        lambda *args: calls.append(f"fused {args[2]}") or build_optimizer(*args))
     monkeypatch.setattr(train, "build_loaders", lambda *args: calls.append(f"pinned {args[4]}") or build_loaders(*args))
     return calls
 
@@ -93,3 +99,49 @@ def test_mps_on_a_machine_without_one_is_one_sentence(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(plan.UserError, match=r"--device=mps but this torch sees no Apple GPU \(MPS\); give"):
         plan.pick_device("mps")
+
+
+# ----------------------------------------------------------------------------- cancelled in W&B
+
+FAKE_WANDB = ROOT / "tests" / "fake_wandb"  # W&B's client, stood in for (its docstring says how)
+
+
+def wandb_env(tmp_path, **settings):
+    return {"PYTHONPATH": os.pathsep.join([str(FAKE_WANDB), os.environ.get("PYTHONPATH", "")]),
+            "FAKE_WANDB_DIR": str(tmp_path), **settings}
+
+
+def test_a_run_tagged_cancel_in_wandb_stops_with_a_checkpoint_on_two_ranks_and_resumes_bit_exactly(
+        data_root, tmp_path):
+    common = TINY + [f"--data.data_root={data_root}", "--train.max_steps=16", "--eval.interval=0",
+                     "--train.total_batch_size=256",
+                     "--model.dropout=0.1", "--checkpoint.interval=0"]
+    run_train(common + [f"--train.out_dir={tmp_path / 'full'}"], nproc=2)  # never stopped
+    split = common + [f"--train.out_dir={tmp_path / 'split'}", "--log.wandb=true"]
+    stopped = run_train(split, nproc=2, env=wandb_env(tmp_path, FAKE_WANDB_CANCEL_AFTER="3"))
+    step = find_checkpoints(tmp_path / "split")[-1][0]
+    assert f"cancelled in W&B (tag cancel, now removed) after step {step}; the checkpoint is saved" in stopped.stdout
+    assert 3 <= step < 16 and read_metrics(tmp_path / "split")[-1]["step"] == step
+    assert len(read_trainer_state(tmp_path / "split" / f"step{step}")["rng"]) == 2  # every rank's part
+    assert json.loads((tmp_path / "tags.json").read_text()) == []  # the resumed run is not cancelled again
+    run_train(split, nproc=2, env=wandb_env(tmp_path))
+    losses = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "split")}
+    assert list(losses) == list(range(1, 17))
+    assert losses == {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "full")}  # bit-exact
+
+
+@pytest.mark.parametrize("how, warning", [("down", "W&B's API did not answer (ConnectionError"),
+                                          ("offline", "W&B is offline")])
+def test_wandb_out_of_reach_is_one_warning_and_the_run_goes_on(data_root, tmp_path, monkeypatch, how, warning):
+    monkeypatch.syspath_prepend(str(FAKE_WANDB))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    for name, value in wandb_env(tmp_path, FAKE_WANDB_API=how, FAKE_WANDB_CANCEL_AFTER="1").items():
+        monkeypatch.setenv(name, value)
+    if how == "offline":
+        monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "run"
+    result = run_in_process(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}",
+                                    "--train.max_steps=5", "--log.wandb=true"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr.count(warning) == 1 and "it goes on" in result.stderr
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
