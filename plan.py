@@ -463,6 +463,10 @@ class DeviceKind:
     compile: bool  # torch.compile under train.compile=auto
     fused_optimizer: bool  # AdamW's fused kernel: all tensors in one launch
     compiled_loss_path: str  # train.loss_path=auto under torch.compile (without it: chunked)
+    # () -> the device's random state (dropout draws from it) for checkpoints, None while unused;
+    # None: no generator of its own (the CPU's is torch's global one, saved apart)
+    rng_state: object
+    set_rng_state: object  # state -> None: a resumed run draws the same numbers
 
 
 def nothing(*args):
@@ -478,7 +482,8 @@ DEVICES = {
         synchronize=torch.cuda.synchronize, copy_event=torch.cuda.Event, memory=cuda_memory,
         autocast_dtype=lambda: torch.bfloat16 if torch.cuda.is_bf16_supported() else None,
         peak_flops=cuda_peak_flops, pin_memory=True, compile=True, fused_optimizer=True,
-        compiled_loss_path="full"),
+        compiled_loss_path="full", set_rng_state=torch.cuda.set_rng_state,
+        rng_state=lambda: torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None),
     # Apple silicon, in one process (PyTorch has no distributed backend for it). Not run on a Mac
     # here (tests/test_devices.py stands in for one), so the choices every MPS supports: float32,
     # no compile, no fused AdamW; Apple publishes no peak FLOP/s to measure MFU against. Its checks
@@ -487,12 +492,14 @@ DEVICES = {
         name="mps", what="Apple GPU (MPS)", available=lambda: torch.backends.mps.is_available(),
         count=lambda: 1, backend=None, prepare=nothing, synchronize=lambda: torch.mps.synchronize(),
         copy_event=None, memory=mps_memory, autocast_dtype=nothing, peak_flops=nothing,
-        pin_memory=False, compile=False, fused_optimizer=False, compiled_loss_path="chunked"),
+        pin_memory=False, compile=False, fused_optimizer=False, compiled_loss_path="chunked",
+        rng_state=lambda: torch.mps.get_rng_state() if torch.backends.mps.is_available() else None,
+        set_rng_state=lambda state: torch.mps.set_rng_state(state)),
     "cpu": DeviceKind(
         name="cpu", what="CPU", available=lambda: True, count=lambda: 1, backend="gloo",
         prepare=nothing, synchronize=None, copy_event=None, memory=cpu_memory,
         autocast_dtype=nothing, peak_flops=nothing, pin_memory=False, compile=False,
-        fused_optimizer=False, compiled_loss_path="chunked"),
+        fused_optimizer=False, compiled_loss_path="chunked", rng_state=None, set_rng_state=None),
 }
 
 

@@ -24,7 +24,8 @@ QUICK_START = [str(ROOT / "config" / "shakespeare.py"), "--model.n_layer=2", "--
                "--train.total_batch_size=128", "--train.max_steps=4", "--optim.warmup_steps=1",
                "--eval.interval=2", "--eval.val_steps=1", "--eval.sample_interval=0", "--log.interval=1"]
 CUDA_ONLY = ("synchronize", "Event", "memory_allocated", "memory_reserved", "max_memory_allocated",
-             "get_device_name", "set_device", "is_bf16_supported", "device_count")
+             "get_device_name", "set_device", "is_bf16_supported", "device_count", "get_rng_state",
+             "set_rng_state")
 
 
 @pytest.fixture
@@ -38,6 +39,8 @@ def a_mac(monkeypatch):
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps.synchronize"))
     monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 3 * GIB)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 * GIB)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda: torch.tensor([7], dtype=torch.uint8))
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state: calls.append(f"mps.set_rng_state {state.tolist()}"))
     for name in CUDA_ONLY:
         monkeypatch.setattr(torch.cuda, name, lambda *args, name=name, **kwargs: calls.append(f"cuda.{name}"))
     start_processes, build_optimizer, build_loaders = train.start_processes, train.build_optimizer, train.build_loaders
@@ -72,6 +75,10 @@ def test_the_quick_start_trains_on_a_stand_in_mps_through_its_row_of_the_table(a
     for row in rows:  # memory from MPS's allocator; MFU not printed (no known peak)
         assert row["system/gpu_memory_allocated_gb"] == 3.0 and row["system/gpu_memory_reserved_gb"] == 5.0
         assert "system/cpu_rss_gb" not in row and "throughput/mfu" not in row
+    resumed = run_in_process(QUICK_START + [f"--train.device={device}", f"--data.data_root={data_root}",
+                                            f"--train.out_dir={out}", "--train.max_steps=5"])
+    assert resumed.returncode == 0 and "mps.set_rng_state [7]" in a_mac  # MPS's random state, saved and put back
+    assert [c for c in a_mac if c.startswith("cuda.")] == []
 
 
 def test_mps_under_torchrun_is_one_sentence_before_anything_is_written(a_mac, data_root, tmp_path, monkeypatch):
@@ -83,6 +90,18 @@ def test_mps_under_torchrun_is_one_sentence_before_anything_is_written(a_mac, da
     assert_one_sentence(result, "--train.device=mps runs in one process", "no DDP or FSDP", "--train.device=cpu")
     assert not out.exists()
     assert plan.pick_device("auto", processes=2) == "cpu"  # auto under torchrun on a Mac: gloo on its CPU
+
+
+def test_a_micro_batch_fit_to_gpu_memory_is_refused_on_mps_in_one_sentence():
+    from config import ConfigError, parse_args
+    from lab.auto_batch import resolve_batch_size
+    from model import GPT
+
+    cfg = parse_args(["--data.batch_size=auto"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    with pytest.raises(ConfigError, match=r"this run is on Apple's MPS, .*; set data.batch_size to a number"):
+        resolve_batch_size(cfg, model, 1, "mps", False)
 
 
 def test_auto_picks_cuda_then_mps_then_the_cpu(monkeypatch):
