@@ -44,6 +44,7 @@ import torch.distributed as dist
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
 from metrics import code_change_note, code_changes, warn_slow
 from model import gpt_class
+from plan import DEVICES
 
 MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
@@ -450,9 +451,8 @@ def rng_state(sample_generator):
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
              "sample": sample_generator.get_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    devices = [k for k in DEVICES.values() if k.rng_state]  # (plan.py's table) with a generator
+    return {**state, **{k.name: s for k in devices if (s := k.rng_state()) is not None}}
 
 
 def set_rng_state(state, sample_generator):
@@ -461,8 +461,8 @@ def set_rng_state(state, sample_generator):
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     sample_generator.set_state(state["sample"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    for kind in (k for k in DEVICES.values() if k.name in state and k.available()):
+        kind.set_rng_state(state[kind.name])
 
 
 def check_model_shape(saved_model_config, model_config, path):

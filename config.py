@@ -60,7 +60,7 @@ CHECKS = {  # the words an error quotes, and what they hold
     "positive numbers": lambda v: all(x > 0 for x in v),
     "steps of 1 or more": lambda v: all(s >= 1 for s in v),
     "steps of 0 (before training) or more": lambda v: all(s >= 0 for s in v),
-    "auto, cpu, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|cuda(:\d+)?", v),
+    "auto, cpu, mps, cuda or cuda:N": lambda v: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", v),
     # a webhook is posted to with urllib, which would also open file:// and ftp:// URLs
     "an http:// or https:// URL, or empty": lambda v: v == "" or re.fullmatch(
         r"https?://[^\s/?#]+\S*", v),
@@ -100,8 +100,9 @@ class TrainConfig:
     # tokens per step (all ranks and micro-steps)
     total_batch_size: int = identity_setting(524288, "at least 1", ladder=True)
     max_steps: int = applied_setting(19073, "at least 1", ladder=True)  # the LR schedule ends here
-    device: str = applied_setting("auto", "auto, cpu, cuda or cuda:N")  # auto: CUDA if present
-    dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on GPUs
+    # auto: CUDA, else Apple's MPS, else the CPU (plan.py's device table)
+    device: str = applied_setting("auto", "auto, cpu, mps, cuda or cuda:N")
+    dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on CUDA
     compile: Literal["auto", "true", "false"] = applied_setting("auto")  # auto: on for CUDA only
     # ddp: every rank holds the whole model and AdamW's state; fsdp: each rank 1/world_size of them
     # (PyTorch's FSDP2, for models past one GPU's memory; checkpoints in pieces: lab/fsdp.py)
@@ -132,7 +133,7 @@ class TrainConfig:
     no_evals: bool = free_setting(False)  # no validation, tasks or samples (OLMo-core's switch)
     # seconds a collective waits for the other ranks before the run ends (PyTorch's gloo default)
     dist_timeout: float = free_setting(1800.0, "greater than 0")
-    # steps between the ranks' agreement on stopping (signal, CANCEL, time limit); OLMo-core's
+    # steps between the ranks' agreement on stopping (signal, CANCEL, a W&B tag, time limit)
     cancel_check_interval: int = free_setting(1, "at least 1")
     deterministic: bool = applied_setting(False)  # deterministic kernels, to hunt divergences
 
@@ -237,6 +238,8 @@ class LogConfig:
     wandb_name: str = free_setting("")  # W&B run name; empty: the name of train.out_dir
     wandb_group: str = free_setting("")  # W&B group, e.g. the runs of a sweep
     wandb_tags: list[str] = free_setting([])  # W&B tags
+    # tags that, put on the run in W&B's web page, stop it with a checkpoint (OLMo's cancel_tags)
+    wandb_cancel_tags: list[str] = free_setting(["cancel", "canceled", "cancelled"])
     profile: bool = free_setting(False)  # a torch.profiler trace in <out_dir>/profiler/
     profile_wait: int = free_setting(5, "0 or more")  # steps before it (the start is not typical)
     profile_warmup: int = free_setting(1, "0 or more")  # steps profiled, then dropped

@@ -174,7 +174,8 @@ class TokenLoader:
     ranks and micro-steps reads the same sequences."""
 
     def __init__(self, data_dir, split, *, batch_size, block_size, rank=0, world_size=1,
-                 shuffle=False, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE):
+                 shuffle=False, seed=0, device="cpu", vocab_size=GPT2_VOCAB_SIZE,
+                 pin_memory=False):
         paths = shard_paths(data_dir, split)
         if not paths:
             raise DataError(f"no {split} shards in {data_dir}; {prepare_hint(data_dir)}")
@@ -194,6 +195,9 @@ class TokenLoader:
         self.batch_size, self.block_size = batch_size, block_size
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.device = shuffle, seed, device
+        # pinned (the device table's choice, plan.py): the copy to the device runs beside the
+        # compute
+        self.pin_memory = pin_memory
         self.position = 0  # sequences consumed by all ranks together since the start of training
         self._order_epoch, self._order = None, None
 
@@ -214,8 +218,8 @@ class TokenLoader:
         rows = [self.sequence(first + j) for j in range(self.batch_size)]
         self.position += self.world_size * self.batch_size
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        if torch.device(self.device).type == "cuda":  # pinned: the copy runs alongside the compute
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        batch = (batch.pin_memory() if self.pin_memory else batch).to(self.device,
+                                                                      non_blocking=self.pin_memory)
         return batch[:, :-1], batch[:, 1:]  # y is x shifted by one
 
     def skip_batches(self, n):
@@ -270,20 +274,22 @@ def dataset_names(cfg):
     return list(dict.fromkeys(name for name, _ in mix + parse_mix(cfg.stage2.mix, "stage2.mix")))
 
 
-def build_loaders(cfg, rank, world_size, device):
+def build_loaders(cfg, rank, world_size, device, pin_memory=False):
     """(stage_loaders, val_loaders): [(mixture, train loader)] for stage 1 and, with stage2.mix,
     stage 2; and the val loaders by metric prefix. A run with several datasets reads each stage
     through a MixtureLoader, so positions carry over by name between stages. The datasets are
-    prepared already."""
+    prepared already; `pin_memory`: batches leave pinned host memory."""
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
     loader_args = dict(batch_size=cfg.data.batch_size, block_size=cfg.model.block_size, rank=rank,
-                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size)
+                       world_size=world_size, device=device, vocab_size=cfg.model.vocab_size,
+                       pin_memory=pin_memory)
 
     def mixture_loader(mixture):
         sources = [TokenLoader(dataset_dir(cfg.data.data_root, name), "train", batch_size=1,
                                block_size=cfg.model.block_size, shuffle=cfg.data.shuffle,
-                               seed=cfg.train.seed, device=device, vocab_size=cfg.model.vocab_size)
+                               seed=cfg.train.seed, device=device, vocab_size=cfg.model.vocab_size,
+                               pin_memory=pin_memory)
                    for name, _ in mixture]
         sequences_per_step = cfg.train.total_batch_size // cfg.model.block_size
         return MixtureLoader(mixture, sources, sequences_per_step=sequences_per_step,
@@ -342,7 +348,7 @@ class MixtureLoader:
         self.num_sequences = sum(s.num_sequences for s in self.sources)  # one epoch of every source
         self.sequences_per_step = sequences_per_step
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
-        self.device = sources[0].device
+        self.device, self.pin_memory = sources[0].device, sources[0].pin_memory
         self.counts = [0] * len(self.names)  # sequences taken from each source, at a step boundary
         self.start_counts = [0] * len(self.names)  # the counts when this mixture began
         self.skipped = [0] * len(self.names)  # of those, passed over by train.steps_to_skip
@@ -352,8 +358,8 @@ class MixtureLoader:
         first = self._take_slots()
         rows = [self.sources[s].sequence(i) for s, i in self.plan[first:first + self.batch_size]]
         batch = torch.from_numpy(np.stack(rows).astype(np.int64))
-        if torch.device(self.device).type == "cuda":
-            batch = batch.pin_memory().to(self.device, non_blocking=True)
+        batch = (batch.pin_memory() if self.pin_memory else batch).to(self.device,
+                                                                      non_blocking=self.pin_memory)
         return batch[:, :-1], batch[:, 1:]
 
     def skip_batches(self, n):

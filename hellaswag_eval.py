@@ -47,7 +47,8 @@ import torch.distributed as dist
 from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
-from sample import KVCache, check_device, largest_gap, plain_numerics
+from plan import pick_device
+from sample import KVCache, largest_gap, plain_numerics
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
 # cores the two are equally fast (docs/measurements.md).
@@ -561,7 +562,8 @@ def main(argv):
                         help="a folder of the tasks' saved datasets (see the top)")
     parser.add_argument("--limit", type=int, default=0,
                         help="score only the first N examples of each task")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA, else Apple's MPS, else the CPU), cpu, mps or cuda:N")
     parser.add_argument("--batch_size", type=int, default=BATCH_SIZE,
                         help="examples per forward pass")
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
@@ -576,7 +578,7 @@ def main(argv):
         raise TaskDataError(f"--tasks={args.tasks!r} names no task; give one or more of "
                             f"{', '.join(TASKS)}.")
     check_names(names)  # before the model loads: a typo costs nothing
-    check_device(args.device)
+    args.device = pick_device(args.device)
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
     model = load_model(args.init_from, args.device, "--init_from", args.model_module)

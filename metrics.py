@@ -1,5 +1,5 @@
 """What a run measures: metrics recorded on the device every step, reduced across ranks and written
-out in batches; the step's clock; the monitors (loss spikes, non-finite losses, memory, W&B).
+out in batches; the step's clock; the monitors (loss spikes, non-finite losses, W&B).
 
 `recorder.finish_step(step, {"train/loss": loss, ...}, write)` keeps the tensors on the device, so
 recording costs no host-device sync. Every `log.metrics_collect_interval` steps (OLMo-core's) the
@@ -17,7 +17,6 @@ import json
 import math
 import os
 import platform
-import resource
 import socket
 import subprocess
 import sys
@@ -45,8 +44,9 @@ class MetricRecorder:
     worker's."""
 
     def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None,
-                 on_rows=None, soft_timeout=30.0):
+                 on_rows=None, soft_timeout=30.0, copy_event=None):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
+        self.copy_event = copy_event  # the device table's (plan.py); None: the host copy waits
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
@@ -156,8 +156,9 @@ class MetricRecorder:
             for (step, name), value in zip(labels, values.tolist()):
                 rows.setdefault(step, {})[name] = value
             return sorted(rows.items())
-        host_values = values.to("cpu", non_blocking=True)  # the copy overlaps with the next steps
-        copied = torch.cuda.Event() if values.is_cuda else None
+        # With an event the copy overlaps with the next steps; without one it waits here.
+        host_values = values.to("cpu", non_blocking=self.copy_event is not None)
+        copied = self.copy_event() if self.copy_event is not None else None
         if copied is not None:
             copied.record()
 
@@ -216,26 +217,6 @@ def warn_slow(what, seconds, soft_timeout):
 # ------------------------------------------------------------------------------- the step's clock
 # and speed
 
-# Peak dense bf16 tensor-core FLOP/s from the vendors' datasheets, for MFU; train.peak_flops
-# overrides the table.
-PEAK_BF16_FLOPS = {  # first match wins, so the PCIe variant comes before the SXM name it contains
-    "A100": 312e12,
-    "H100 PCIe": 756e12,
-    "H100": 989e12,  # SXM
-    "H200": 989e12,
-}
-
-
-def peak_flops_for_device(device, override=0.0):
-    """Peak bf16 FLOP/s of `device`, or None when unknown (CPUs, unlisted GPUs): MFU is then not
-    logged."""
-    if override > 0:
-        return override
-    if torch.device(device).type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
-
 
 def mfu(flops_per_token, tokens_per_sec, world_size, peak_flops):
     """Model FLOPs utilisation (PaLM, appendix B): the model's training FLOP/s per device as a
@@ -249,10 +230,10 @@ class StepClock:
     GPU (at each metrics collection) count in the step after them. Evaluations, checkpoints and
     samples are timed apart (`paused`), out of the steps."""
 
-    def __init__(self, device, tokens_per_step, block_size, flops_per_token, world_size,
+    def __init__(self, synchronize, tokens_per_step, block_size, flops_per_token, world_size,
                  peak_flops):
-        cuda = torch.device(device).type == "cuda"
-        self.synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+        # the device table's (plan.py): waits for the device's queued work; None on a CPU
+        self.synchronize = synchronize
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.peak_flops = peak_flops
@@ -286,10 +267,12 @@ class StepClock:
         its throughput/<kind>_time_sec. The GPU finishes the step's queued work before the clock
         stops and the block's own work before it restarts, so neither spills into the other (two
         syncs, only around such blocks)."""
-        self.synchronize()
+        if self.synchronize:
+            self.synchronize()
         start = time.perf_counter()
         yield
-        self.synchronize()
+        if self.synchronize:
+            self.synchronize()
         seconds, name = time.perf_counter() - start, f"throughput/{kind}_time_sec"
         if logged:
             self.apart[name] = self.apart.get(name, 0.0) + seconds
@@ -322,28 +305,6 @@ class LossSpikeDetector:
 
 class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
-
-
-def memory_metrics(device):
-    """Memory in GiB: on a GPU what PyTorch's allocator holds, on a CPU the process's resident
-    set."""
-    if torch.device(device).type == "cuda":
-        gib = 2**30
-        return {"system/gpu_memory_allocated_gb": torch.cuda.memory_allocated(device) / gib,
-                "system/gpu_memory_reserved_gb": torch.cuda.memory_reserved(device) / gib,
-                "system/gpu_memory_peak_gb": torch.cuda.max_memory_allocated(device) / gib}
-    # ru_maxrss is in KiB on Linux and in bytes on macOS. The kernel updates this high-water mark
-    # lazily, so it can read below the current resident set just after memory grew.
-    unit = 1 if sys.platform == "darwin" else 1024
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    values = {}
-    if os.path.exists("/proc/self/statm"):  # Linux: resident pages are the second number
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        values["system/cpu_rss_gb"] = rss / 2**30
-        peak = max(peak, rss)
-    values["system/cpu_rss_peak_gb"] = peak / 2**30
-    return values
 
 
 # What produced the run: the code, the software and the hardware (environment.json), and the files
@@ -594,6 +555,70 @@ def start_wandb(out_dir, log_cfg, config_dict):
                           id=run_id, resume="allow", dir=out_dir, config=config_dict)
     finally:
         sys.argv = argv
+
+
+class WandbCancel:
+    """Rank 0 asks W&B's API whether the run carries one of log.wandb_cancel_tags (OLMo's
+    cancel_tags), so that tagging a run `cancel` in W&B's web page stops it as a CANCEL file does.
+    The Stopper calls `ask` at each of its checks and reads `tag`; the question goes out on a
+    thread of its own, one at a time, so the loop never waits for W&B. W&B offline or unreachable:
+    one warning, and the run goes on. A context manager: the thread ends with the run."""
+
+    def __init__(self, wandb_run, tags):
+        self.path, self.tags = wandb_run.path, tuple(tags)  # path: entity/project/run id
+        self.tag = ""  # the first cancel tag found on the run; "" until then
+        self.wanted, self.closed = threading.Event(), False
+        self.thread = None
+        if getattr(wandb_run, "offline", False) or os.environ.get("WANDB_MODE") in (
+                "offline", "disabled", "dryrun"):
+            self.warn("W&B is offline")
+        else:
+            self.thread = threading.Thread(target=self.watch, name="wandb-cancel", daemon=True)
+            self.thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.closed = True
+        self.wanted.set()
+
+    def ask(self):
+        """Ask W&B again, unless a question is out already."""
+        self.wanted.set()
+
+    def warn(self, why):
+        print(f"warning: {why}, so a tag in W&B ({', '.join(self.tags)}) cannot cancel this run; "
+              "it goes on (a CANCEL file in the run folder still stops it).", file=sys.stderr,
+              flush=True)
+
+    def watch(self):
+        import wandb
+
+        while not self.tag:
+            self.wanted.wait()
+            self.wanted.clear()
+            if self.closed:
+                return
+            try:  # a fresh Api each time: it caches the runs it has read
+                tags = wandb.Api().run(self.path).tags
+            except Exception as error:  # noqa: BLE001 - the network, the key, the server: any
+                self.warn(f"W&B's API did not answer ({type(error).__name__}: {error})")
+                return
+            self.tag = next((t for t in self.tags if t in tags), "")
+
+    def untag(self):
+        """Take the tag off the run once it has stopped it (left there, it would cancel the resumed
+        run at once); True if done."""
+        import wandb
+
+        try:
+            run = wandb.Api().run(self.path)
+            run.tags = [t for t in run.tags if t != self.tag]
+            run.update()
+            return True
+        except Exception:  # noqa: BLE001 - as in watch
+            return False
 
 
 # ------------------------------------------------------------------------------- reading the rows

@@ -373,13 +373,12 @@ def loss_slice_rows(device_type, vocab_size):
     return max(1, LOSS_SLICE_VALUES.get(device_type, LOSS_SLICE_VALUES["cpu"]) // vocab_size)
 
 
-def choose_loss_path(setting, device_type, compiled):
-    """train.loss_path resolved to "chunked" or "full". "auto" picks the one measured fastest
-    (docs/measurements.md): "full" under torch.compile on CUDA, where inductor fuses the softmax
-    into the loss; "chunked" everywhere else, as fast or faster and never holding all the logits."""
-    if setting != "auto":
-        return setting
-    return "full" if device_type == "cuda" and compiled else "chunked"
+def choose_loss_path(setting, fastest):
+    """train.loss_path resolved to "chunked" or "full". "auto" picks `fastest`, the one measured
+    fastest on the device (plan.py's device table, docs/measurements.md): "full" under
+    torch.compile on CUDA, where inductor fuses the softmax into the loss; "chunked" everywhere
+    else, as fast or faster and never holding all the logits."""
+    return fastest if setting == "auto" else setting
 
 
 def loss_slices(rows, vocab_size, device_type):

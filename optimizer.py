@@ -47,11 +47,10 @@ def param_groups(model, optim):
     return {name: group for name, group in groups.items() if group or name != "muon"}
 
 
-def build_optimizer(model, optim, device_type):
-    """AdamW, or MuonAdamW, over `model` from the `optim` config section."""
+def build_optimizer(model, optim, fused=False):
+    """AdamW, or MuonAdamW, over `model` from the `optim` config section; `fused`: AdamW's kernel
+    that updates all tensors in one launch, where the device table has it (plan.py)."""
     groups = param_groups(model, optim)
-    # The fused kernel updates all tensors in one launch on CUDA; it does not exist on CPU.
-    fused = device_type == "cuda"
     adamw = torch.optim.AdamW(
         [{"params": groups["decay"], "weight_decay": optim.weight_decay, "name": "adamw",
           "peak_lr": optim.lr},

@@ -12,7 +12,6 @@ is greedy decoding.
 import argparse
 import math
 import os
-import re
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from torch.nn import functional as F
 from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
 from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer
+from plan import pick_device
 
 
 @dataclass
@@ -229,19 +229,6 @@ def beam_search(model, prompt_tokens, beam_size, max_new_tokens, stop_token=None
     return sorted(finished, key=lambda pair: -pair[1])[:beam_size]
 
 
-def check_device(device, key="--device"):
-    """Raise one sentence unless `device` names a device this machine has (cpu, cuda or cuda:N):
-    checked before a model loads, where torch would stop with a traceback. `key` names the setting
-    in the sentence."""
-    if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
-        raise UserError(f"{key}={device} is not a device; give cpu, cuda or cuda:N.")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"{key}={device} but this torch sees no CUDA GPU; give {key}=cpu.")
-    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-        raise UserError(f"{key}={device} but this machine has {torch.cuda.device_count()} GPU(s), "
-                        "numbered from 0; give one of them.")
-
-
 def dataset_of(source, model):
     """None for a model of GPT-2's vocabulary; for a model with a smaller one (trained on a
     character-level dataset, `python prepare_data.py shakespeare-char`) the folder of that dataset,
@@ -281,7 +268,7 @@ def check_args(args):
                         "at least 0 (0 is greedy).")
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p={args.top_p} is out of range; give a probability in (0, 1].")
-    check_device(args.device)
+    args.device = pick_device(args.device)
 
 
 def main(argv):
@@ -297,7 +284,8 @@ def main(argv):
     parser.add_argument("--beam_size", type=int, default=0,
                         help="beam search with this many beams (0: sample)")
     parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto",
+                        help="auto (CUDA, else Apple's MPS, else the CPU), cpu, mps or cuda:N")
     parser.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)

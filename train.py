@@ -29,10 +29,11 @@ import run_dir
 from checkpoint import Checkpointer, TrainState, newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
-from metrics import NonFiniteLoss, StepClock, memory_metrics
-from model import GPT, choose_loss_path, gpt_class
+from metrics import NonFiniteLoss, StepClock
+from model import GPT, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import Plan, SignalFlag, Stopper, is_compiled, make_plan
+from plan import (DeviceKind, Plan, SignalFlag, Stopper, device_kind, is_compiled, loss_path_on,
+                  make_plan, pick_device)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -65,9 +66,8 @@ def main(argv):
         gpt_class(cfg.train.model_module)  # a model file without a GPT, or without what is asked
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if cfg.train.device != "auto":
-        from sample import check_device
-        check_device(cfg.train.device, "--train.device")  # a GPU this torch does not see
+    processes = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+    pick_device(cfg.train.device, "--train.device", processes)  # a device this torch does not see
     if not cfg.train.max_duration:  # (a duration in tokens or epochs: make_plan, once data is read)
         check_warmup(cfg.optim.warmup_steps, cfg.train.max_steps)
     if cfg.train.no_checkpoints:  # a benchmark: nothing is loaded or saved
@@ -97,7 +97,7 @@ def train(cfg):
         run = build_run(cfg, stack)
         plan, state, books, place = run.plan, run.state, run.books, run.place
         before_the_first_step(run)
-        clock = StepClock(place.device, plan.tokens_per_step, cfg.model.block_size,
+        clock = StepClock(place.kind.synchronize, plan.tokens_per_step, cfg.model.block_size,
                           run.flops_per_token, place.world_size, run.peak_flops)
         mix, loader, objective = run.data.stages.for_step(state.step + 1)
         stop = ""
@@ -130,7 +130,7 @@ def train(cfg):
                     state.best_val_loss = torch.minimum(state.best_val_loss, values["val/loss"])
             if due.write_metrics:  # the data's position; memory and uploads: the largest rank's
                 values.update(loader.metrics())
-                maxima.update(memory_metrics(place.device))
+                maxima.update(place.kind.memory(place.device))
                 if cfg.checkpoint.remote_folder:
                     maxima.update(books.checkpointer.upload_metrics())
             # The rows written come back as the console lines to print. Before a checkpoint every
@@ -370,7 +370,8 @@ class Placement:
     rank: int
     world_size: int
     device: str
-    device_type: str  # "cuda" or "cpu"
+    device_type: str  # "cuda", "mps" or "cpu"
+    kind: DeviceKind  # its row of the device table (plan.py)
     cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
     autocast: object  # bf16 autocast, or a context that does nothing
     is_master: bool  # rank 0 alone prints and writes the run folder's files
@@ -445,13 +446,14 @@ def build_run(cfg, stack):
                     place.rank, place.world_size)
     model, compiled = wrap_model(cfg, place, raw_model, init_record, confirm_batch=auto_batch)
     config_dict = config_to_dict(cfg)  # (after data.batch_size=auto is resolved)
-    stage_loaders, val_loaders = build_loaders(cfg, place.rank, place.world_size, place.device)
+    stage_loaders, val_loaders = build_loaders(cfg, place.rank, place.world_size, place.device,
+                                               place.kind.pin_memory)
     tokenizer = get_tokenizer(dataset_dir(cfg.data.data_root, stage_loaders[0][0][0][0]))
     task_examples = {}
     if cfg.eval.tasks:
         from hellaswag_eval import load_task_examples
         task_examples = load_task_examples(cfg, tokenizer, place.rank, place.world_size)
-    optimizer = build_optimizer(raw_model, cfg.optim, place.device_type)
+    optimizer = build_optimizer(raw_model, cfg.optim, place.kind.fused_optimizer)
     tokens_per_epoch = stage_loaders[0][1].num_sequences * cfg.model.block_size
     non_embedding = raw_model.num_params(non_embedding=True)
     plan = make_plan(cfg, place.world_size, tokens_per_epoch, non_embedding)
@@ -473,39 +475,38 @@ def build_run(cfg, stack):
                data=RunData(stages, val_loaders, task_examples, tokenizer), books=books,
                state=state, resumed=start.resumed, sample_generator=generator, extras=extras,
                extras_steps=extras_steps, flops_per_token=raw_model.flops_per_token(),
-               peak_flops=metrics.peak_flops_for_device(place.device, cfg.train.peak_flops))
+               peak_flops=cfg.train.peak_flops or place.kind.peak_flops(place.device))
 
 
 def start_processes(cfg):
-    """Join the job and choose the numerics. Under torchrun: one process per GPU with NCCL, or gloo
-    on CPU; a collective that waits train.dist_timeout seconds for a rank ends the run."""
+    """Join the job and choose the numerics, from the device table's row. Under torchrun: one
+    process per device with its backend (NCCL per GPU, gloo on CPU); a collective that waits
+    train.dist_timeout seconds for a rank ends the run."""
     if cfg.train.deterministic:
         from lab.debug import make_deterministic
         make_deterministic()  # before any CUDA work: cuBLAS reads its setting once
-    choice = cfg.train.device
-    want_cuda = choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available())
     rank, world_size, cpu_group = 0, 1, None
-    if "RANK" not in os.environ:  # a plain `python train.py`
-        device = ("cuda" if want_cuda else "cpu") if choice == "auto" else choice
-    else:
+    processes = int(os.environ.get("WORLD_SIZE", 1)) if "RANK" in os.environ else 1
+    device = pick_device(cfg.train.device, "--train.device", processes)
+    kind = device_kind(device)
+    if "RANK" in os.environ:
         rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-        device = f"cuda:{local_rank}" if want_cuda else "cpu"
-        if want_cuda:
-            torch.cuda.set_device(device)
+        device = f"{kind.name}:{local_rank}" if kind.backend != "gloo" else kind.name
         timeout = datetime.timedelta(seconds=cfg.train.dist_timeout)
-        dist.init_process_group(backend="nccl" if want_cuda else "gloo", timeout=timeout)
+        kind.prepare(device)
+        dist.init_process_group(backend=kind.backend, timeout=timeout)
         world_size = dist.get_world_size()
         # NCCL collectives run on the GPU stream; a gloo group lets ranks agree on CPU values (stop
         # now?) without waiting for the GPU. On CPU the default group is gloo already.
-        cpu_group = dist.new_group(backend="gloo", timeout=timeout) if want_cuda else None
-    device_type = torch.device(device).type
+        if kind.backend != "gloo":
+            cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+    else:
+        kind.prepare(device)
     use_bf16 = cfg.train.dtype == "bfloat16" or (
-        cfg.train.dtype == "auto" and device_type == "cuda" and torch.cuda.is_bf16_supported())
+        cfg.train.dtype == "auto" and kind.autocast_dtype() == torch.bfloat16)
     # bf16 autocast: matmuls in bfloat16, weights and optimizer state in float32 (no loss scaling).
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if use_bf16 else nullcontext()
-    if device_type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
-    return Placement(rank, world_size, device, device_type, cpu_group, autocast,
+    autocast = torch.autocast(kind.name, dtype=torch.bfloat16) if use_bf16 else nullcontext()
+    return Placement(rank, world_size, device, kind.name, kind, cpu_group, autocast,
                      is_master=rank == 0)
 
 
@@ -539,9 +540,8 @@ def build_model(cfg, place):
     (shapes, no numbers) with its record: wrap_model shards it, then each rank fills its own pieces.
     """
     torch.manual_seed(cfg.train.seed)  # the same on every rank: every replica starts identical
-    loss_path = choose_loss_path(cfg.train.loss_path, place.device_type,
-                                 is_compiled(cfg, place.device_type))
-    make = functools.partial(gpt_class(cfg.train.model_module), cfg.model, loss_path)
+    make = functools.partial(gpt_class(cfg.train.model_module), cfg.model,
+                             loss_path_on(cfg, place.device_type))
     if cfg.train.data_parallel == "fsdp":
         from lab.fsdp import build_for_fsdp
         raw_model, record = build_for_fsdp(make, place.device, place.is_master)
@@ -590,7 +590,8 @@ def wrap_model(cfg, place, raw_model, init_record=None, confirm_batch=False):
         return raw_model, compiled
     model = torch.compile(raw_model) if compiled else raw_model
     if place.world_size > 1:
-        model = DDP(model, device_ids=[place.device] if place.device_type == "cuda" else None)
+        # (one device per process: DDP is told which, except on CPUs)
+        model = DDP(model, device_ids=[place.device] if place.kind.backend != "gloo" else None)
     return model, compiled
 
 
@@ -641,7 +642,8 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
     group = dist.new_group(backend="gloo") if threads and place.world_size > 1 else None
     recorder = metrics.MetricRecorder(place.device, place.world_size, threads, group,
-                                      on_rows=writer, soft_timeout=cfg.log.bookkeeping_soft_timeout)
+                                      on_rows=writer, soft_timeout=cfg.log.bookkeeping_soft_timeout,
+                                      copy_event=place.kind.copy_event)
     stack.callback(recorder.close)
     uploader = None
     if cfg.checkpoint.remote_folder and place.is_master:  # uploads on a thread of their own
@@ -654,9 +656,13 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
                                 replaced=replaced, uploader=uploader, shard_group=shard_group,
                                 soft_timeout=cfg.log.bookkeeping_soft_timeout)
     stack.callback(checkpointer.wait)  # a save in flight lands before the process exits
+    wandb_cancel = None  # rank 0 asks W&B whether the run was tagged to cancel it
+    if writer.wandb_run is not None and cfg.log.wandb_cancel_tags:
+        wandb_cancel = stack.enter_context(metrics.WandbCancel(writer.wandb_run,
+                                                               cfg.log.wandb_cancel_tags))
     signals = stack.enter_context(SignalFlag(saves=not cfg.train.no_checkpoints))
     stopper = Stopper(signals, out_dir, cfg.train.time_limit, cfg.train.cancel_check_interval,
-                      place.is_master, writer, place.cpu_group)
+                      place.is_master, writer, place.cpu_group, wandb_cancel)
     return Books(recorder, writer, checkpointer, stopper, notifier=None)
 
 

@@ -33,6 +33,10 @@ def auto_batch_size(model, block_size, sequences_per_rank, world_size, sharded, 
 def resolve_batch_size(cfg, model, world_size, device, bf16, device_bytes=None):
     """(micro-batch, the line that says why) for data.batch_size=auto on `device`; `device_bytes`: the GPU's memory
     (None: asked of the GPU). A CPU, or a model that fits no micro-batch, is one sentence (ConfigError)."""
+    if torch.device(device).type == "mps":  # its memory is the Mac's, shared with everything else
+        raise ConfigError("data.batch_size=auto fits the micro-batch to a CUDA GPU's memory, and this run is on "
+                          "Apple's MPS, whose memory the whole Mac shares; set data.batch_size to a number (the "
+                          "quick start's is 8).")
     if torch.device(device).type != "cuda":
         raise ConfigError("data.batch_size=auto fits the micro-batch to a GPU's memory, and this run is on the CPU, "
                           "which has no such limit to fit; set data.batch_size to a number (the quick start's is 8).")

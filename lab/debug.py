@@ -294,7 +294,7 @@ def named_state(path, model_module="model"):
     except ValueError as error:  # a file that is gone, or lies inside a checkpoint
         raise DebugError(f"--model_module: {error}") from None
     names = {id(p): n for n, p in model.named_parameters()}
-    optimizer = build_optimizer(model, cfg.optim, "cpu")
+    optimizer = build_optimizer(model, cfg.optim)
     parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both
     for part_name, part in parts.items():
         ordered = [names[id(p)] for g in part.param_groups for p in g["params"]]

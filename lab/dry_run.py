@@ -12,11 +12,11 @@ import torch
 
 from config import get, parse_duration, parse_mix
 from data import build_loaders, dataset_dir, prepare_hint
-from model import choose_loss_path, gpt_class
+from model import gpt_class
 from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size
-from plan import describe_run, is_compiled, make_plan, shares_text
+from plan import describe_run, device_kind, loss_path_on, make_plan, pick_device, shares_text
 from optimizer import period_ends
 
 
@@ -36,13 +36,13 @@ def dry_run(cfg):
             ensure_dataset(dataset_dir(cfg.data.data_root, name))
         stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")
         sequences_per_epoch = stage_loaders[0][1].num_sequences
-    device = cfg.train.device if cfg.train.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = pick_device(cfg.train.device, "--train.device", world_size)  # as train.py picks it
     device_type = torch.device(device).type
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
-        loss_path = choose_loss_path(cfg.train.loss_path, device_type, is_compiled(cfg, device_type))
-        raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path)
+        raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path_on(cfg, device_type))
     if cfg.data.batch_size == "auto":  # chosen as train.py's build_model chooses it (a CPU is one sentence)
-        bf16 = cfg.train.dtype == "bfloat16" or (cfg.train.dtype == "auto" and device_type == "cuda")
+        bf16 = cfg.train.dtype == "bfloat16" or (
+            cfg.train.dtype == "auto" and device_kind(device).autocast_dtype() == torch.bfloat16)
         cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, world_size, device, bf16)
         print(why)
     plan = make_plan(cfg, world_size, (sequences_per_epoch or 0) * cfg.model.block_size,

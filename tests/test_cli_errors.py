@@ -40,8 +40,8 @@ def device_commands(run_dir, tmp_path):
 @pytest.mark.parametrize("device, message", [
     pytest.param("cuda", "--device=cuda but this torch sees no CUDA GPU; give --device=cpu.", marks=ON_CPU_ONLY,
                  id="cuda"),
-    pytest.param("foo", "--device=foo is not a device; give cpu, cuda or cuda:N.", id="foo"),
-    pytest.param("cuda:x", "--device=cuda:x is not a device; give cpu, cuda or cuda:N.", id="cuda:x"),
+    pytest.param("foo", "--device=foo is not a device; give auto, cpu, mps, cuda or cuda:N.", id="foo"),
+    pytest.param("cuda:x", "--device=cuda:x is not a device; give auto, cpu, mps, cuda or cuda:N.", id="cuda:x"),
 ])
 @pytest.mark.parametrize("command", ["sample", "hellaswag_eval", "bench_eval"])
 def test_a_device_that_is_not_here_is_one_sentence_before_a_model_loads(run_dir, tmp_path, command, device, message):

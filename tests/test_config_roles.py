@@ -56,7 +56,7 @@ CHOSEN_FREE = {
     "eval.tasks_batch_size": 8, "eval.extra_datasets": ["shakespeare"], "log.interval": 2,
     "log.metrics_collect_interval": 2, "log.async_bookkeeping": True, "log.grad_norms_interval": 1,
     "log.slack_webhook": "http://127.0.0.1:9/nobody", "log.wandb_project": "p", "log.wandb_name": "n",
-    "log.wandb_group": "g", "log.wandb_tags": ["t"],
+    "log.wandb_group": "g", "log.wandb_tags": ["t"], "log.wandb_cancel_tags": ["stop"],
     "log.profile": True, "log.profile_wait": 0, "log.profile_warmup": 0, "log.profile_active": 1,
     "checkpoint.interval": 1, "checkpoint.keep_last": 1, "checkpoint.ephemeral_interval": 1,
     "checkpoint.fixed_steps": [4], "checkpoint.async_save": True, "checkpoint.load": "always",
@@ -188,7 +188,7 @@ def test_the_optimizer_uses_the_config_in_force_after_a_resume(source, data_root
     with contextlib.ExitStack() as stack:
         run = train.build_run(cfg, stack)
         assert run.resumed and run.state.step == 2
-        fresh = build_optimizer(run.raw_model, cfg.optim, "cpu")
+        fresh = build_optimizer(run.raw_model, cfg.optim)
         in_force = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
         assert in_force == [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups]
         assert in_force[0]["peak_lr"] == 2e-3 and in_force[0]["weight_decay"] == 0.05

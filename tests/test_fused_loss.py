@@ -276,10 +276,14 @@ def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monke
 
 
 @pytest.mark.parametrize("device_type, compiled, expected", [
-    ("cpu", False, "chunked"), ("cpu", True, "chunked"), ("cuda", False, "chunked"), ("cuda", True, "full")])
+    ("cpu", "false", "chunked"), ("cpu", "true", "chunked"), ("cuda", "false", "chunked"),
+    ("cuda", "true", "full"), ("mps", "true", "chunked")])
 def test_auto_loss_path_is_the_one_measured_fastest(device_type, compiled, expected):
-    assert model.choose_loss_path("auto", device_type, compiled) == expected
-    assert model.choose_loss_path("chunked", device_type, compiled) == "chunked"
+    from config import parse_args
+    from plan import loss_path_on
+    assert loss_path_on(parse_args([f"--train.compile={compiled}"]), device_type) == expected
+    chosen = parse_args([f"--train.compile={compiled}", "--train.loss_path=chunked"])
+    assert loss_path_on(chosen, device_type) == "chunked"
 
 
 def test_full_and_chunked_paths_train_the_same_model():
@@ -315,8 +319,9 @@ def test_adamw_is_fused_on_cuda_and_plain_on_cpu():
     from config import OptimConfig
     from optimizer import build_optimizer
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
-    assert build_optimizer(net, OptimConfig(), "cuda").defaults["fused"] is True
-    assert not build_optimizer(net, OptimConfig(), "cpu").defaults["fused"]
+    from plan import DEVICES
+    assert build_optimizer(net, OptimConfig(), DEVICES["cuda"].fused_optimizer).defaults["fused"]
+    assert not build_optimizer(net, OptimConfig(), DEVICES["cpu"].fused_optimizer).defaults["fused"]
 
 
 def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeypatch):
@@ -339,7 +344,8 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch, 
     from data import TokenLoader
 
     np.save(tmp_path / "train_000.npy", np.arange(40, dtype=np.uint16))
-    loader = TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8, device="cuda:0")
+    loader = TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8, device="cuda:0",
+                         pin_memory=True)  # the device table's choice on CUDA
     copies = []
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: copies.append("pinned") or self)
     monkeypatch.setattr(

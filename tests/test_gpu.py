@@ -40,7 +40,7 @@ def batches(steps, seed=1):
 
 
 def train_losses(net, data, bf16):
-    optimizer = build_optimizer(net, OptimConfig(lr=3e-3), "cuda")
+    optimizer = build_optimizer(net, OptimConfig(lr=3e-3), fused=True)
     losses = []
     for batch in data:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):

@@ -18,7 +18,7 @@ def test_model_overfits_a_tiny_batch():
     model = GPT(tiny_config(vocab_size=1024))  # (GPT-2's 50,304 rows made AdamW's step 90% of a 14 s test)
     x = torch.randint(0, 1000, (2, 16))
     y = torch.randint(0, 1000, (2, 16))
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.0, lr=3e-3), "cpu")
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.0, lr=3e-3))
     first = model(x, y)
     for _ in range(150):
         loss = model(x, y)
@@ -65,7 +65,7 @@ def test_flops_per_token_is_6n_plus_attention():
     assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
     from metrics import StepClock
 
-    clock = StepClock("cpu", 1000, c.block_size, model.flops_per_token(), world_size=1, peak_flops=1e12)
+    clock = StepClock(None, 1000, c.block_size, model.flops_per_token(), world_size=1, peak_flops=1e12)
     clock.last_end -= 1.0  # a step of about one second
     speed, _ = clock.lap(tokens_seen=1000, data_time=0.0)
     tokens_per_sec = speed["throughput/tokens_per_sec"]
@@ -74,7 +74,7 @@ def test_flops_per_token_is_6n_plus_attention():
 
 def test_weight_decay_only_on_matrices():
     model = GPT(tiny_config())
-    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1, lr=1e-3), "cpu")
+    optimizer = build_optimizer(model, OptimConfig(weight_decay=0.1, lr=1e-3))
     decayed, plain = optimizer.param_groups
     assert decayed["weight_decay"] == 0.1 and all(p.dim() >= 2 for p in decayed["params"])
     assert plain["weight_decay"] == 0.0 and all(p.dim() < 2 for p in plain["params"])
@@ -113,14 +113,14 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
 
 
 def test_peak_flops_lookup_for_mfu(monkeypatch):
-    from metrics import peak_flops_for_device
+    from plan import DEVICES
 
-    assert peak_flops_for_device("cpu") is None  # unknown peak: MFU is not logged
-    assert peak_flops_for_device("cpu", override=1e12) == 1e12
+    # unknown: MFU is not logged
+    assert DEVICES["cpu"].peak_flops("cpu") is None and DEVICES["mps"].peak_flops("mps") is None
     for name, expected in [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H100 80GB HBM3", 989e12),
                            ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA H200", 989e12), ("Tesla T4", None)]:
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
-        assert peak_flops_for_device("cuda") == expected, name
+        assert DEVICES["cuda"].peak_flops("cuda") == expected, name
 
 
 def test_the_output_layer_is_found_whatever_its_requires_grad_and_the_grad_mode():

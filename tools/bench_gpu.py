@@ -36,7 +36,7 @@ both; peak memory is torch.cuda.max_memory_allocated() at the last reading. Besi
 own median tokens/s over steps W+1 to S and its first step's time, as it prints them, labelled so.
 
 MFU counts 6N + 12·L·d·T FLOPs per token (PaLM, appendix B; `GPT.flops_per_token`) for both trainers
-against the GPU's dense bf16 peak (metrics.PEAK_BF16_FLOPS). build-nanogpt is MIT-licensed; its copy
+against the GPU's dense bf16 peak (plan.PEAK_BF16_FLOPS). build-nanogpt is MIT-licensed; its copy
 lives in ../shared/anchors/build-nanogpt (or --anchor), and runs from a temporary folder.
 """
 
@@ -184,8 +184,8 @@ def loss_paths():
 def peak_flops():
     import torch
 
-    from metrics import peak_flops_for_device
-    return peak_flops_for_device("cuda"), torch.cuda.get_device_name()
+    from plan import DEVICES
+    return DEVICES["cuda"].peak_flops("cuda"), torch.cuda.get_device_name()
 
 
 def flops_per_token():
