@@ -375,6 +375,24 @@ def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device
             "activations": activations, "total": weights + gradients + optimizer + activations}
 
 
+def check_weights_fit_device(make, device, kind, world_size, sharded):
+    """One sentence, before the model is built, when the estimate's weights alone (memory_per_rank,
+    built on the meta device) pass the memory the device has: building it would end in an
+    allocation traceback (model.block_size=1e8 asks for a 51 GB position table)."""
+    have = kind.capacity(device)
+    if not have:
+        return
+    with torch.device("meta"):
+        shape = make()
+    weights = memory_per_rank(shape, 0, world_size, sharded, False, kind.name)["weights"]
+    if weights > have:
+        c = shape.config
+        raise ConfigError(f"the model (block_size={c.block_size}, vocab_size={c.vocab_size}, "
+                          f"n_layer={c.n_layer}, n_embd={c.n_embd}) needs {weights / 1e9:,.1f} GB "
+                          f"for its weights alone, more than the {have / 1e9:,.1f} GB this "
+                          f"{kind.what} has; make it smaller.")
+
+
 def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
     """One line: the estimated bytes per rank with DDP (the parts) and with FSDP at this world size.
     """
@@ -444,6 +462,10 @@ def prepare_cuda(device):
     torch.backends.cuda.matmul.allow_tf32 = True  # TF32 matmuls for the few float32 ones left
 
 
+def nothing(*args):
+    return None
+
+
 @dataclass(frozen=True)
 class DeviceKind:
     """A row of the table: how the trainer uses one kind of device."""
@@ -471,10 +493,9 @@ class DeviceKind:
     # None: no generator of its own (the CPU's is torch's global one, saved apart)
     rng_state: object
     set_rng_state: object  # state -> None: a resumed run draws the same numbers
-
-
-def nothing(*args):
-    return None
+    # device -> the bytes of memory it has, for the check that a model's weights fit before it is
+    # built (None: unknown, not checked)
+    capacity: object = nothing
 
 
 # In the order train.device=auto picks them (a single process; under torchrun, the first whose
@@ -487,6 +508,7 @@ DEVICES = {
         autocast_dtype=lambda: torch.bfloat16 if torch.cuda.is_bf16_supported() else None,
         peak_flops=cuda_peak_flops, pin_memory=True, compile=True, fused_optimizer=True,
         compiled_loss_path="full", set_rng_state=torch.cuda.set_rng_state,
+        capacity=lambda device: torch.cuda.get_device_properties(device).total_memory,
         rng_state=lambda: torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None),
     # Apple silicon, in one process (PyTorch has no distributed backend for it). Not run on a Mac
     # here (tests/test_devices.py stands in for one), so the choices every MPS supports: float32,
@@ -503,7 +525,8 @@ DEVICES = {
         name="cpu", what="CPU", available=lambda: True, count=lambda: 1, backend="gloo",
         prepare=nothing, synchronize=None, copy_event=None, memory=cpu_memory,
         autocast_dtype=nothing, peak_flops=nothing, pin_memory=False, compile=False,
-        fused_optimizer=False, compiled_loss_path="chunked", rng_state=None, set_rng_state=None),
+        fused_optimizer=False, compiled_loss_path="chunked", rng_state=None, set_rng_state=None,
+        capacity=lambda device: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
 }
 
 

@@ -32,8 +32,8 @@ from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0
 from metrics import NonFiniteLoss, StepClock
 from model import GPT, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (DeviceKind, Plan, SignalFlag, Stopper, device_kind, is_compiled, loss_path_on,
-                  make_plan, pick_device)
+from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, device_kind,
+                  is_compiled, loss_path_on, make_plan, pick_device)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -542,6 +542,8 @@ def build_model(cfg, place):
     torch.manual_seed(cfg.train.seed)  # the same on every rank: every replica starts identical
     make = functools.partial(gpt_class(cfg.train.model_module), cfg.model,
                              loss_path_on(cfg, place.device_type))
+    check_weights_fit_device(make, place.device, place.kind, place.world_size,
+                             cfg.train.data_parallel == "fsdp")
     if cfg.train.data_parallel == "fsdp":
         from lab.fsdp import build_for_fsdp
         raw_model, record = build_for_fsdp(make, place.device, place.is_master)

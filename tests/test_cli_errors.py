@@ -137,3 +137,14 @@ def test_a_url_of_a_store_checkpoints_are_not_kept_in_is_one_sentence(data_root,
                              f"--checkpoint.remote_folder={url}"], train.main)
     assert_one_sentence(result, f"checkpoint.remote_folder={url}", "not ftp://")
     assert not out.exists()
+
+
+def test_a_model_whose_weights_cannot_fit_the_device_is_one_sentence_before_it_is_built(data_root, tmp_path):
+    """model.block_size=1e8 asks for a 51 GB table of positions: an allocation traceback once."""
+    import train
+
+    out = tmp_path / "run"
+    result = run_in_process([*TINY, "--model.block_size=100000000", "--model.n_embd=128",
+                             f"--data.data_root={data_root}", f"--train.out_dir={out}"], train.main)
+    assert_one_sentence(result, "block_size=100000000", "for its weights alone", "make it smaller")
+    assert not out.exists()
