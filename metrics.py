@@ -621,8 +621,7 @@ class WandbCancel:
             return False
 
 
-# ------------------------------------------------------------------------------- reading the rows
-# back
+# -------------------------------------------------------------------------- reading the rows back
 
 
 def read_jsonl(path):

@@ -406,7 +406,7 @@ def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
             f"{world_size} rank(s)")
 
 
-# ---------------------------------------------------------------------------------- the devices
+# ------------------------------------------------------------------------------------ the devices
 # One row per kind of device: everything the trainer does differently on it. The rest of the
 # trainer asks the row (`device_kind`) once, at start-up; adding a device is adding a row.
 
