@@ -149,11 +149,28 @@ def test_a_run_tagged_cancel_in_wandb_stops_with_a_checkpoint_on_two_ranks_and_r
     assert losses == {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "full")}  # bit-exact
 
 
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """The stand-in W&B client for one test: imported in its place, and gone again after, so a later
+    test of this process imports the real one."""
+    def wandb_modules():
+        return {name: module for name, module in sys.modules.items()
+                if name == "wandb" or name.startswith("wandb.")}
+
+    monkeypatch.syspath_prepend(str(FAKE_WANDB))
+    real = wandb_modules()
+    for name in real:
+        del sys.modules[name]
+    yield
+    for name in wandb_modules():
+        del sys.modules[name]
+    sys.modules.update(real)
+
+
 @pytest.mark.parametrize("how, warning", [("down", "W&B's API did not answer (ConnectionError"),
                                           ("offline", "W&B is offline")])
-def test_wandb_out_of_reach_is_one_warning_and_the_run_goes_on(data_root, tmp_path, monkeypatch, how, warning):
-    monkeypatch.syspath_prepend(str(FAKE_WANDB))
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+def test_wandb_out_of_reach_is_one_warning_and_the_run_goes_on(data_root, tmp_path, monkeypatch, how, warning,
+                                                               fake_wandb):
     for name, value in wandb_env(tmp_path, FAKE_WANDB_API=how, FAKE_WANDB_CANCEL_AFTER="1").items():
         monkeypatch.setenv(name, value)
     if how == "offline":
