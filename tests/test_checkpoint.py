@@ -51,33 +51,30 @@ def test_resume_on_a_different_world_size_continues_the_same_data(data_root, tmp
         assert two[step] == pytest.approx(one[step], rel=1e-5)
 
 
-def test_sigterm_without_checkpoints_promises_none(data_root, tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py")] + args(data_root, out, "--train.max_steps=100000",
-                                                          "--train.no_checkpoints=true")
+def sigterm_after(out, steps, *extra):
+    """A long run of train.py sent SIGTERM once `steps` rows are in its metrics: its exit and output."""
+    cmd = [sys.executable, str(ROOT / "train.py")] + args(*extra)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     deadline = time.time() + 120
-    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 2):
+    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= steps):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
+    stdout, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stdout, stderr
+
+
+def test_sigterm_without_checkpoints_promises_none(data_root, tmp_path):
+    out = tmp_path / "run"
+    _, _, stderr = sigterm_after(out, 2, data_root, out, "--train.max_steps=100000", "--train.no_checkpoints=true")
     assert "SIGTERM received: finishing this step, then exiting" in stderr, stderr
     assert "checkpoint" not in stderr and not find_checkpoints(out)
 
 
 def test_sigterm_saves_a_checkpoint_and_the_resumed_run_continues_at_the_next_step(data_root, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py")] + args(data_root, out, "--train.max_steps=100000",
-                                                          "--checkpoint.interval=0")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    deadline = time.time() + 120
-    while time.time() < deadline and not ((out / "metrics.jsonl").exists() and len(read_metrics(out)) >= 3):
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr
+    code, stdout, stderr = sigterm_after(out, 3, data_root, out, "--train.max_steps=100000", "--checkpoint.interval=0")
+    assert code == 0, stderr
     assert "SIGTERM received" in stderr and "stopped by SIGTERM after step" in stdout
     stopped_at = find_checkpoints(out)[-1][0]
     assert stopped_at >= 3 and read_metrics(out)[-1]["step"] == stopped_at
