@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
-from metrics import code_change_note, code_changes, warn_slow
+from metrics import code_change_note, code_changes, metrics_snapshots, warn_slow
 from model import gpt_class
 from plan import DEVICES
 
@@ -226,7 +226,7 @@ class Checkpointer:
             if time.perf_counter() - start > self.soft_timeout:
                 warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
                           self.soft_timeout)
-        sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP (lab/fsdp.py)
+        sharded = hasattr(model, "set_requires_gradient_sync")  # what FSDP's fully_shard gives
         whole, shards = None, None
         if sharded and self.unsharded_interval and step % self.unsharded_interval == 0:
             from lab import fsdp
@@ -238,8 +238,11 @@ class Checkpointer:
             dist.all_gather_object(rng, rng_state(sample_generator))
         if sharded:  # every rank writes its pieces of the weights and the optimizer's state
             from lab import fsdp
-            shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
-                                       self.shard_group, self.async_save, tied=set(ties(model)))
+            try:
+                shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
+                                           self.shard_group, self.async_save, tied=set(ties(model)))
+            except fsdp.SAVE_ERRORS as error:
+                raise self.failed(step, error) from None
         elif not self.is_master:
             return time.perf_counter() - start
         if sharded:  # the pieces are being written: a whole model.pt at most
@@ -328,7 +331,7 @@ class Checkpointer:
             self.kinds[step] = kind
             self.prune()
         except BaseException as error:  # re-raised in the training thread by wait()
-            self.error = error
+            self.error = (step, error)
 
     def prune(self):
         """Retention on the checkpoints this run knows, but never one still waiting for its upload.
@@ -348,15 +351,33 @@ class Checkpointer:
             self.thread.join()
             self.thread = None
         if self.error is not None:
-            error, self.error = self.error, None
-            raise CheckpointError(f"saving a checkpoint in {self.out_dir} failed: "
-                                  f"{error}") from error
+            (step, error), self.error = self.error, None
+            raise self.failed(step, error) from None
 
-
-def is_sharded(model):
-    """Sharded by FSDP (train.data_parallel=fsdp, fsdp.py): fully_shard gives the model this method.
-    """
-    return hasattr(model, "set_requires_gradient_sync")
+    def failed(self, step, error):
+        """The one sentence that ends a run whose save of `step` failed, once rank 0 has removed
+        what it left: the partial folder (the disk's space) and the metrics snapshots of this step
+        and later ones (async_save fails at the next save), which name checkpoints that never were.
+        """
+        every_rank = hasattr(error, "failures")  # FSDP's pieces: DCP raises it on every rank
+        reason = getattr(error, "strerror", None) or str(error).strip()[:200]
+        where = "no checkpoint of this run is intact yet"
+        if self.is_master:
+            shutil.rmtree(os.path.join(self.out_dir, f"step{step}.partial"), ignore_errors=True)
+            for path in metrics_snapshots(self.out_dir, from_step=step).values():
+                os.remove(path)
+            found = find_checkpoints(self.out_dir)  # what is on disk now, whatever this run knew
+            where = f"step{found[-1][0]} is intact" if found else where
+        if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
+            from lab import fsdp
+            reason = fsdp.why_not_saved(error)
+            if dist.is_initialized():
+                dist.barrier(group=self.shard_group)
+        error = CheckpointError(f"saving the checkpoint of step {step} in {self.out_dir} failed "
+                                f"({reason}); {where}: free disk space, then run the same command "
+                                "again to resume.")
+        error.every_rank = every_rank
+        return error
 
 
 @dataclass
@@ -606,7 +627,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
                               "and this run uses another optimizer; set "
                               "--checkpoint.load_optim=false to start the optimizer afresh.")
     check_weights_fit(path, model, "load it into the model it was trained with.")
-    if os.path.isdir(os.path.join(path, SHARDED)) or is_sharded(model):
+    if os.path.isdir(os.path.join(path, SHARDED)) or hasattr(model, "set_requires_gradient_sync"):
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         model.load_state_dict(saved_weights(path, model, device))

@@ -633,8 +633,9 @@ def run_command(main, argv, also=None):
         rank = os.environ.get("RANK", "0")
         if rank == "0":
             sys.exit(f"error: {error}")
-        # another node's failure (a missing file, a full disk) is otherwise unseen
-        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
+        if not getattr(error, "every_rank", False):  # (else rank 0 says the same)
+            # another node's failure (a missing file, a full disk) is otherwise unseen
+            print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
         sys.exit(2)
     except RuntimeError as error:
         message = also(error) if also else None

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -653,6 +654,16 @@ def read_jsonl(path):
                             f"step); give the metrics.jsonl a run wrote.")
         merged.setdefault(row["step"], {}).update(row)
     return list(merged.values())
+
+
+def metrics_snapshots(out_dir, from_step=0):
+    """{step: path} of the `metrics_step<N>.json` files in `out_dir` with N >= `from_step`."""
+    found = {}
+    for name in os.listdir(out_dir):
+        match = re.fullmatch(r"metrics_step(\d+)\.json", name)
+        if match and int(match.group(1)) >= from_step:
+            found[int(match.group(1))] = os.path.join(out_dir, name)
+    return found
 
 
 def truncate_jsonl(path, after_step):

@@ -15,7 +15,6 @@ pid file and stack dump, which `python lab/debug.py stacks RUN` reads.
 import faulthandler
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -30,11 +29,11 @@ from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_mod
                         check_sharded_metadata, check_source, check_weights_fit,
                         find_checkpoints, load_checkpoint, newest_checkpoint,
                         newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
-from config import (ConfigError, config_to_dict, keys_with_role, parse_duration,
-                    parse_mix, secret_keys, with_defaults)
+from config import (ConfigError, keys_with_role, parse_duration, parse_mix, secret_keys,
+                    with_defaults)
 from data import dataset_dir, fingerprint
-from metrics import (code_change_note, code_changes, model_code, save_environment,
-                     truncate_jsonl)
+from metrics import (code_change_note, code_changes, metrics_snapshots, model_code,
+                     save_environment, truncate_jsonl)
 from plan import describe_run, shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
@@ -49,9 +48,8 @@ IDENTITY = keys_with_role("identity")
 def run_records(out_dir):
     """What checkpoint.remote_folder mirrors after each upload: the run's record, environment and
     metrics snapshots."""
-    snapshots = sorted(name for name in os.listdir(out_dir)
-                       if re.fullmatch(r"metrics_step\d+\.json", name))
-    return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json", *snapshots)]
+    snapshots = [path for _, path in sorted(metrics_snapshots(out_dir).items())]
+    return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json")] + snapshots
 
 
 class RunLock:
@@ -614,6 +612,8 @@ def carry_out_start(out_dir, start, saved_config, run_config, step, checkpoint_c
         replaced = claim_for_fresh_start(out_dir, run_config, c.save_overwrite)
     remove_own_partial_saves(out_dir)  # what a crash in the middle of a save left behind
     truncate_jsonl(os.path.join(out_dir, "metrics.jsonl"), after_step=step)  # those steps run again
+    for path in metrics_snapshots(out_dir, from_step=step + 1).values():  # and their evaluations'
+        os.remove(path)
     lines.append(remove_stale_cancel(out_dir))
     return replaced, [line for line in lines if line]
 
@@ -645,9 +645,10 @@ def claim_for_fresh_start(out_dir, run_config, save_overwrite):
     checkpoints = [path for _, path in find_checkpoints(out_dir)]
     write_config(out_dir, run_config)
     for name in os.listdir(out_dir):
-        snapshot = name.startswith("metrics_step") and name.endswith(".json")
-        if (name in RECORD_FILES and name != "config.json") or snapshot:
+        if name in RECORD_FILES and name != "config.json":
             os.remove(os.path.join(out_dir, name))
+    for path in metrics_snapshots(out_dir).values():
+        os.remove(path)
     return checkpoints
 
 

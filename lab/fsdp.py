@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
@@ -303,6 +304,19 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
         return dcp.async_save(state, checkpoint_id=where, process_group=group)
     dcp.save(state, checkpoint_id=where, process_group=group)
     return None
+
+
+SAVE_ERRORS = (Exception, CheckpointException)  # what a save raises: DCP's is a BaseException
+
+
+def why_not_saved(error):
+    """Why DCP's save failed, in a few words, from its error, which gathers every rank's: {rank: (error, stack)}."""
+    ranks = ", ".join(str(rank) for rank in sorted(error.failures))
+    first = error.failures[min(error.failures)][0]
+    text = getattr(first, "strerror", None) or (str(first).strip() or type(first).__name__).splitlines()[0]
+    if "unexpected pos" in text:  # torch.save's zip writer, when a write came up short
+        text = "a file was cut short, as on a full disk"
+    return f"rank(s) {ranks}: {text[:200]}"
 
 
 class Shards:

@@ -401,3 +401,36 @@ def test_a_sharded_metadata_that_reads_outside_its_pieces_or_holds_hostile_value
     assert_one_sentence(result, phrase)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step*"))
     assert sorted(os.listdir(tmp_path / "run")) == before
+
+
+@pytest.mark.parametrize("kind, extra", [("ddp", []), ("fsdp", [FSDP, "--checkpoint.async_save=true"])])
+def test_a_full_disk_during_a_save_on_two_ranks_says_which_step_is_intact_and_leaves_nothing_behind(
+        runs, data_root, tmp_path, kind, extra):
+    """Every file capped at 1 MB, a disk that fills up: the weights cannot be written (FSDP: every rank's pieces
+    either), the metrics can. Rank 0 says it in one sentence (no rank's traceback); the failed step's partial
+    folder, which holds the disk's space, and its metrics snapshot, which names a checkpoint that never was, are
+    gone, and the step before is whole."""
+    import checkpoint
+    out = tmp_path / "run"
+    shutil.copytree(runs[kind], out, symlinks=True)  # the run as it was after step 3
+    shutil.rmtree(out / "step6")
+    (out / "latest").unlink()
+    (out / "latest").symlink_to("step3")
+
+    def limit():
+        import resource
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+    broken = subprocess.run(torchrun(ROOT / "train.py", *COMMON, f"--data.data_root={data_root}", *extra,
+                                     f"--train.out_dir={out}"), cwd=ROOT, capture_output=True, text=True,
+                            preexec_fn=limit, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert broken.returncode != 0 and "step      6 |" in broken.stdout, broken.stdout + broken.stderr
+    assert "[rank" not in broken.stderr and "Traceback (most recent call last): (RANK" not in broken.stderr
+    ours = [line for line in broken.stderr.splitlines() if line.startswith("error")]
+    reason = "File too large" if kind == "ddp" else "rank(s) 0, 1: a file was cut short, as on a full disk"
+    assert ours[0] == (f"error: saving the checkpoint of step 6 in {out} failed ({reason}); step3 is intact: "
+                       "free disk space, then run the same command again to resume."), broken.stderr
+    assert all("lost its connection to another rank" in line for line in ours[1:]), broken.stderr
+    assert sorted(name for name in os.listdir(out) if name.startswith(("step", "metrics_step"))) == [
+        "metrics_step3.json", "step3"]
+    checkpoint.verify_checkpoint(str(out / "step3"))
