@@ -241,7 +241,7 @@ class Checkpointer:
             try:
                 shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
                                            self.shard_group, self.async_save, tied=set(ties(model)))
-            except fsdp.SAVE_ERRORS as error:
+            except fsdp.DCP_ERRORS as error:
                 raise self.failed(step, error) from None
         elif not self.is_master:
             return time.perf_counter() - start
@@ -371,8 +371,7 @@ class Checkpointer:
         if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
             from lab import fsdp
             reason = fsdp.why_not_saved(error)
-            if dist.is_initialized():
-                dist.barrier(group=self.shard_group)
+            dist.barrier(group=self.shard_group)
         error = CheckpointError(f"saving the checkpoint of step {step} in {self.out_dir} failed "
                                 f"({reason}); {where}: free disk space, then run the same command "
                                 "again to resume.")
@@ -455,8 +454,7 @@ def read_file(path, name, device="cpu", mmap=False):
 
 
 def to_cpu(obj):
-    """A copy of every tensor on the CPU: training may change the originals while a thread writes.
-    """
+    """A copy of every tensor on the CPU: training may change the originals while a thread writes"""
     if torch.is_tensor(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
@@ -530,15 +528,13 @@ def only_pieces(path):
 
 
 def saved_shapes(path):
-    """{name: shape} of the weights in checkpoint `path`, read without reading the weights: model.pt
-    is memory-mapped (only its index is read); a sharded checkpoint's shapes are in its .metadata.
-    """
+    """{name: (shape, dtype)} of the weights in checkpoint `path`, without reading them: model.pt is
+    memory-mapped (only its index is read); a sharded checkpoint's are in its .metadata."""
     if only_pieces(path):
         from lab import fsdp
-        shapes = fsdp.tensor_shapes(os.path.join(path, SHARDED))
-        return {name: shape for name, (shape, _) in shapes.items()}
+        return fsdp.tensor_shapes(os.path.join(path, SHARDED))
     saved = read_file(path, "model.pt", mmap=True)
-    return {name: tuple(tensor.shape) for name, tensor in saved.items()}
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in saved.items()}
 
 
 def saved_weights(path, model, device):
@@ -557,22 +553,27 @@ def saved_weights(path, model, device):
 
 
 def check_weights_fit(path, model, advice):
-    """One sentence, before anything is loaded, when a name or shape differs between `path`'s
+    """One sentence, before anything is loaded, when a name, shape or dtype differs between `path`'s
     weights and `model`'s."""
     saved = saved_shapes(path)
-    wanted = {name: tuple(t.shape) for name, t in model_weights(model).items()}
-    # a checkpoint may hold a tied weight under both names: the same weight, twice
-    tied = ties(model)
+    wanted = {name: (tuple(t.shape), t.dtype) for name, t in model_weights(model).items()}
+    tied = ties(model)  # a checkpoint may hold a tied weight under both names: the same weight
     problems = [f"{name} is not in it" for name in wanted if name not in saved]
     problems += [f"it has {name}, which this model has not" for name in saved
                  if name not in wanted and name not in tied]
-    problems += [f"{name} is {list(saved[name])} there and {list(shape)} here"
-                 for name, shape in wanted.items() if name in saved and tuple(saved[name]) != shape]
+    problems += [f"{name} is {list(saved[name][0])} there and {list(shape)} here"
+                 for name, (shape, _) in wanted.items()
+                 if name in saved and tuple(saved[name][0]) != shape]
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise CheckpointError(f"the weights in {path} do not fit this model: "
                               f"{'; '.join(problems[:3])}{more}. The model code changed since that "
                               f"checkpoint was saved: {advice}")
+    cast = [name for name, (_, dtype) in wanted.items() if saved[name][1] != dtype]
+    if cast:  # (this trainer saves each weight as its model holds it)
+        raise UntrustedCheckpoint(f"{path} holds {cast[0]} as {saved[cast[0]][1]} and this model "
+                                  f"as {wanted[cast[0]][1]}, which a load would cast in silence; "
+                                  "give a checkpoint this trainer saved.")
 
 
 def group_layout(state):
@@ -673,8 +674,7 @@ def load_with_shards(path, model, optimizer, device):
 
 
 def newest_checkpoint(run_dir):
-    """The newest complete checkpoint of `run_dir`, or None; unverified (a run resumes
-    newest_valid_checkpoint)."""
+    """The newest complete checkpoint of `run_dir` (unverified), or None."""
     found = find_checkpoints(run_dir)
     return found[-1][1] if found else None
 

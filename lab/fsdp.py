@@ -306,7 +306,7 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
     return None
 
 
-SAVE_ERRORS = (Exception, CheckpointException)  # what a save raises: DCP's is a BaseException
+DCP_ERRORS = (Exception, CheckpointException)  # what DCP raises: its own is a BaseException
 
 
 def why_not_saved(error):
@@ -361,8 +361,8 @@ def load_shards(path, model, optimizer, tied=None):
     saved = tensor_shapes(os.path.join(path, FOLDER))  # DCP would cast another dtype in silence
     for name, tensor in state["model"].items():
         if name in saved and saved[name][1] != tensor.dtype:
-            raise MetadataRefused(f"{path} holds {name} as {saved[name][1]} and this model as {tensor.dtype}, so it "
-                                  f"is not loaded: give a checkpoint this trainer saved whole.")
+            raise MetadataRefused(f"{path} holds {name} as {saved[name][1]} and this model as {tensor.dtype}, which a "
+                                  f"load would cast in silence; give a checkpoint this trainer saved.")
     read_into(state, os.path.join(path, FOLDER))
     for name, first in tied.items():
         state["model"][name] = state["model"][first]
@@ -428,14 +428,17 @@ def read_tensors(folder, prefix="model."):
 
 def read_into(state, folder):
     """dcp.load: each rank's share of `state`'s tensors, or all of them in a process without a process group (which
-    DCP announces in a warning that tells a user nothing here)."""
+    DCP announces in a warning that tells a user nothing here); pieces that cannot be read are one sentence."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        warnings.filterwarnings("ignore", message="Detected pickle protocol")  # a piece that is no torch.save's
         try:
             dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
                      no_dist=not torch.distributed.is_initialized())
-        except Exception as error:  # noqa: BLE001 - a piece's bytes may make torch.load raise any of several kinds
-            raise MetadataRefused(f"the pieces in {folder} cannot be read ({type(error).__name__}), so they are "
+        except DCP_ERRORS as error:  # a piece's bytes may make torch.load raise any of several kinds
+            failures = getattr(error, "failures", None)  # DCP's: {rank: (error, stack)}
+            kind = type(failures[min(failures)][0] if failures else error).__name__
+            raise MetadataRefused(f"the pieces in {folder} cannot be read ({kind}), so they are "
                                   f"not loaded: get the checkpoint again from where it was made, or give another "
                                   f"one.") from None
 

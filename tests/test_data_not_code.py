@@ -193,3 +193,27 @@ def test_gpt2s_weights_in_a_fork_that_computes_otherwise_are_refused_for_samplin
                 f"--checkpoint.load_path={tmp_path / 'gpt2'}", f"--train.out_dir={tmp_path / 'tuned'}",
                 "--train.max_steps=1", "--eval.interval=0")
     assert "weights give other logits in this model than in GPT-2" in tuned.stdout
+
+
+def test_weights_in_another_dtype_than_the_models_are_refused_not_cast(tiny_run, data_root, tmp_path):
+    """A model.pt with one weight in bfloat16, every checksum right: a load would cast it to the model's float32 in
+    silence. Sampling and training from it are one sentence each (the sharded pieces: tests/test_fsdp.py)."""
+    import sample
+    import train
+    from checkpoint import sha256_file
+
+    step = tmp_path / "step2"
+    shutil.copytree(tiny_run / "step2", step)
+    weights = torch.load(step / "model.pt", weights_only=True)
+    name = next(name for name in weights if name.endswith("attn.c_attn.weight"))
+    weights[name] = weights[name].to(torch.bfloat16)
+    torch.save(weights, step / "model.pt")
+    marker = json.loads((step / "COMPLETE").read_text())
+    marker["files"]["model.pt"] = sha256_file(step / "model.pt")
+    (step / "COMPLETE").write_text(json.dumps(marker))
+    phrase = f"holds {name} as torch.bfloat16 and this model as torch.float32, which a load would cast in silence"
+    assert_one_sentence(run_in_process(["--init_from", step, "--device=cpu"], sample.main), phrase)
+    out = tmp_path / "out"
+    assert_one_sentence(run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}",
+                                        f"--checkpoint.load_path={step}", "--train.max_steps=3"], train.main), phrase)
+    assert not out.exists() or not any(out.glob("step*"))

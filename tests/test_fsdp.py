@@ -375,10 +375,22 @@ def set_field(name, value):
     return lambda metadata, info, checkpoint_dir: setattr(info, name, value)
 
 
-def int8_weights(metadata, info, checkpoint_dir):
-    for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("model.") and hasattr(meta, "properties"):
-            meta.properties.dtype = torch.int8
+def weights_as(dtype):
+    def change(metadata, info, checkpoint_dir):
+        for key, meta in metadata.state_dict_metadata.items():
+            if key.startswith("model.") and hasattr(meta, "properties"):
+                meta.properties.dtype = dtype
+    return change
+
+
+def a_pickle_for_a_piece(metadata, info, checkpoint_dir):
+    """The first piece's file replaced by a plain pickle of the same length, which DCP hands to torch.load."""
+    import pickle
+    piece = checkpoint_dir / "sharded" / info.relative_path
+    size, filler = piece.stat().st_size, piece.stat().st_size - 64
+    while len(pickle.dumps(b"x" * filler)) < size:
+        filler += 1
+    piece.write_bytes(pickle.dumps(b"x" * filler))
 
 
 @pytest.mark.parametrize("change, phrase", [
@@ -387,19 +399,27 @@ def int8_weights(metadata, info, checkpoint_dir):
     (set_field("offset", -1000), "at offset -1000,"),
     (set_field("length", 10**15), "length 1000000000000000 of __"),
     (set_field("transform_descriptors", ["os.system"]), "asks for transforms ['os.system']"),
-    (int8_weights, "as torch.int8, which this trainer never saves"),
+    (weights_as(torch.int8), "as torch.int8, which this trainer never saves"),
+    (weights_as(torch.bfloat16), "as torch.bfloat16 and this model as torch.float32, which a load would cast"),
+    (a_pickle_for_a_piece, "cannot be read (UnpicklingError), so they are not loaded"),
 ])
 def test_a_sharded_metadata_that_reads_outside_its_pieces_or_holds_hostile_values_is_one_sentence(
         runs, data_root, tmp_path, change, phrase):
+    import sample
     import train
     step = tmp_path / "run" / "step6"
     shutil.copytree(runs["fsdp"] / "step6", step)
+    (step / "model.pt").unlink()  # the pieces alone, which every reader then reads (sample.py too)
+    marker = json.loads((step / "COMPLETE").read_text())
+    del marker["files"]["model.pt"]
+    (step / "COMPLETE").write_text(json.dumps(marker))
     doctor_metadata(step, change)
     before = sorted(os.listdir(tmp_path / "run"))
     result = run_in_process([*COMMON, f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'out'}",
                              f"--checkpoint.load_path={step}", "--train.max_steps=7"], train.main)
     assert_one_sentence(result, phrase)
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step*"))
+    assert_one_sentence(run_in_process(["--init_from", step, "--device=cpu"], sample.main), phrase)  # one process
     assert sorted(os.listdir(tmp_path / "run")) == before
 
 
