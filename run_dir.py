@@ -425,7 +425,7 @@ def read_bucket(c, out_dir, run_config):
     """checkpoint.remote_folder's complete checkpoint steps, and whether the run there is this one
     (the same identity fields; an empty bucket folder is anyone's). Another run is refused unless
     save_overwrite; the run of out_dir itself, given another identity setting, is refused as a
-    resume of out_dir would be."""
+    resume of out_dir would be, and save_overwrite replaces it there as in out_dir."""
     from lab import remote
 
     url = c.remote_folder
@@ -436,7 +436,7 @@ def read_bucket(c, out_dir, run_config):
     if saved is not None:
         difference = identity_difference(saved, run_config)
     own = os.path.join(out_dir, "config.json")
-    if difference and saved is not None and os.path.exists(own):
+    if difference and saved is not None and os.path.exists(own) and not c.save_overwrite:
         with open(own) as f:
             ours = json.load(f)
         # the bucket holds this folder's run: a setting changed
@@ -445,7 +445,8 @@ def read_bucket(c, out_dir, run_config):
             raise CheckpointError(f"{out_dir} and checkpoint.remote_folder={url} hold a run with "
                                   f"{key}={old!r} and this run has {key}={new!r}, which cannot be "
                                   f"resumed correctly; set {as_override(key, old)} to resume it, "
-                                  "or start fresh in another train.out_dir and remote folder.")
+                                  "or start fresh in another train.out_dir and remote folder (or "
+                                  "pass --checkpoint.save_overwrite=true to replace it in both).")
     if difference and not c.save_overwrite:
         key, old, new = difference
         raise CheckpointError(f"checkpoint.remote_folder={url} holds another run ({key}={old!r} "

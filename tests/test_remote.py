@@ -2,6 +2,7 @@
 uploads with COMPLETE last, a resume into an empty out_dir, retention and rewinds in the bucket, an endpoint
 that goes away mid-run, and the mistakes a user can make, each one sentence before step 1."""
 
+import json
 import os
 import signal
 import socket
@@ -263,3 +264,22 @@ def test_an_unreachable_endpoint_is_not_called_refused_credentials_whatever_the_
     assert remote.describe_failure(unreachable).startswith("the endpoint cannot be reached")
     assert remote.describe_failure(PermissionError("An error occurred (403) when calling the PutObject operation")) \
         .startswith("the credentials were refused")
+
+
+def test_save_overwrite_replaces_the_folders_run_in_the_bucket_too_when_an_identity_setting_changes(
+        s3, data_root, tmp_path):
+    """The README's way to replace a run (--checkpoint.load=never --checkpoint.save_overwrite=true), here with
+    another seed, in a folder whose run the bucket holds: the run is replaced in both, as in the folder alone."""
+    url = "s3://runs/overwrite"
+    out = tmp_path / "run"
+    common = ["--train.max_steps=2", "--checkpoint.interval=2", f"--checkpoint.remote_folder={url}"]
+    run_train(args(data_root, out, *common))
+    replaced = run_train(args(data_root, out, *common, "--train.seed=7", "--checkpoint.load=never",
+                              "--checkpoint.save_overwrite=true"))
+    assert f"replacing the run in {url}" in replaced.stdout
+    fs, root = remote.filesystem(url)
+    fs.invalidate_cache()
+    assert json.loads(fs.cat_file(f"{root}/config.json"))["train"]["seed"] == 7
+    assert json.loads((out / "config.json").read_text())["train"]["seed"] == 7
+    assert bucket_steps(url) == [2]  # the new run's step 2, file for file
+    assert json.loads(fs.cat_file(f"{root}/step2/COMPLETE")) == json.loads((out / "step2" / "COMPLETE").read_text())
