@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -70,7 +70,8 @@ def shard(model, bf16, compiled):
     """Shard `model` in place: each block is one FSDP unit (its weights are gathered for its forward and backward
     only), then the root takes the rest (embeddings, final norm, output layer). With bf16 (CUDA), the gathered
     weights are bf16 and gradients are reduced in fp32, while each rank's piece and AdamW stay fp32
-    (torchtitan's default policy). With torch.compile, each block is compiled on its own, before it is sharded."""
+    (torchtitan's default policy). With torch.compile, each block is compiled on its own, before it is sharded.
+    score_tokens (the tasks' scoring) gathers the root's weights as forward does: FSDP hooks forward alone."""
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     outputs = {id(p) for p in output_parameters(model)}  # read while whole; asked by name once sharded (model.py)
@@ -80,6 +81,7 @@ def shard(model, bf16, compiled):
             block.compile()
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
+    register_fsdp_forward_method(model, "score_tokens")
     return model
 
 

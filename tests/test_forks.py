@@ -580,3 +580,27 @@ def test_a_fork_whose_fast_path_computes_otherwise_is_refused_by_the_tools_and_w
             assert_one_sentence(result, "than its plain forward model(idx)", refused_by[tool])
         else:
             assert result.returncode == 0 and result.stdout.startswith("--- sample 0"), result.stderr
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_on_two_ranks_the_loop_warns_once_turns_both_fast_paths_off_and_the_ranks_agree(tmp_path, args, parallel):
+    """The RoPE fork on 2 gloo ranks: every rank checks the tasks' path (each scores a share of the examples), and
+    under FSDP every rank checks the samples' too (each runs the same forwards). Rank 0 warns once per path; the run
+    ends with no rank waiting at a collective the others skipped."""
+    from conftest import run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(ROPE_FROM_THE_CACHE)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args, f"--train.model_module={module}", "--train.max_steps=2", "--eval.interval=0",
+                         "--train.total_batch_size=256", f"--train.data_parallel={parallel}", "--eval.tasks=hellaswag",
+                         "--eval.tasks_interval=1", "--eval.tasks_limit=4", f"--eval.tasks_data_dir={tiny_task_data()}",
+                         "--eval.sample_interval=1", "--eval.sample_tokens=2", f"--train.out_dir={run_dir}"],
+                        nproc=2, timeout=300)
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert [line.rsplit("; ", 1)[1] for line in warnings] == ["tasks are off for this run.",
+                                                              "samples are off for this run."], trained.stderr
+    assert all("plain forward" in line for line in warnings)
+    assert [row["step"] for row in metrics(run_dir)] == [1, 2]
+    assert not any(key.startswith("eval/") for row in metrics(run_dir) for key in row)
+    assert "--- step" not in trained.stdout and not (run_dir / "samples.txt").exists()

@@ -454,3 +454,19 @@ def test_a_full_disk_during_a_save_on_two_ranks_says_which_step_is_intact_and_le
     assert sorted(name for name in os.listdir(out) if name.startswith(("step", "metrics_step"))) == [
         "metrics_step3.json", "step3"]
     checkpoint.verify_checkpoint(str(out / "step3"))
+
+
+def test_the_loops_tasks_score_under_fsdp_as_on_one_process(data_root, tmp_path):
+    """Every rank scores every example under FSDP, through score_tokens, which gathers the root's weights as forward
+    does (FSDP hooks forward alone): the same scores as one process gives after the same two steps."""
+    from conftest import tiny_task_data
+
+    common = [*TINY, f"--data.data_root={data_root}", "--train.max_steps=2", "--train.total_batch_size=256",
+              "--eval.interval=0", "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=8",
+              f"--eval.tasks_data_dir={tiny_task_data()}"]
+    run_train([*common, f"--train.out_dir={tmp_path / 'one'}"])
+    run_train([*common, FSDP, f"--train.out_dir={tmp_path / 'fsdp'}"], nproc=2)
+    one, fsdp = (read_metrics(tmp_path / name)[-1] for name in ("one", "fsdp"))
+    scores = [name for name in one if name.startswith("eval/")]
+    assert "eval/hellaswag/loss" in scores and scores == [name for name in fsdp if name.startswith("eval/")]
+    assert all(abs(one[name] - fsdp[name]) <= 1e-4 for name in scores), (one, fsdp)
