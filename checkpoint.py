@@ -351,8 +351,8 @@ class Checkpointer:
             self.thread.join()
             self.thread = None
         if self.error is not None:
-            (step, error), self.error = self.error, None
-            raise self.failed(step, error) from None
+            (step, error), self.error = self.error, None  # a Ctrl-C in a sync save stays one
+            raise error if isinstance(error, KeyboardInterrupt) else self.failed(step, error)
 
     def failed(self, step, error):
         """The one sentence that ends a run whose save of `step` failed, once rank 0 has removed
@@ -454,7 +454,7 @@ def read_file(path, name, device="cpu", mmap=False):
 
 
 def to_cpu(obj):
-    """A copy of every tensor on the CPU: training may change the originals while a thread writes"""
+    """A copy of every tensor on the CPU: training may change the originals as a thread writes."""
     if torch.is_tensor(obj):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
