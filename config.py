@@ -240,6 +240,8 @@ class LogConfig:
     wandb_tags: list[str] = free_setting([])  # W&B tags
     # tags that, put on the run in W&B's web page, stop it with a checkpoint (OLMo's cancel_tags)
     wandb_cancel_tags: list[str] = free_setting(["cancel", "canceled", "cancelled"])
+    # the least seconds between two questions to W&B's API about those tags (it limits its callers)
+    wandb_cancel_seconds: float = free_setting(30.0, "0 or more")
     profile: bool = free_setting(False)  # a torch.profiler trace in <out_dir>/profiler/
     profile_wait: int = free_setting(5, "0 or more")  # steps before it (the start is not typical)
     profile_warmup: int = free_setting(1, "0 or more")  # steps profiled, then dropped

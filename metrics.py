@@ -562,13 +562,15 @@ class WandbCancel:
     """Rank 0 asks W&B's API whether the run carries one of log.wandb_cancel_tags (OLMo's
     cancel_tags), so that tagging a run `cancel` in W&B's web page stops it as a CANCEL file does.
     The Stopper calls `ask` at each of its checks and reads `tag`; the question goes out on a
-    thread of its own, one at a time, so the loop never waits for W&B. W&B offline or unreachable:
-    one warning, and the run goes on. A context manager: the thread ends with the run."""
+    thread of its own, one at a time and at most one every `every` seconds
+    (log.wandb_cancel_seconds), so the loop never waits for W&B. W&B offline or unreachable: one
+    warning, and the run goes on. A context manager: the thread ends with the run."""
 
-    def __init__(self, wandb_run, tags):
+    def __init__(self, wandb_run, tags, every=30.0):
         self.path, self.tags = wandb_run.path, tuple(tags)  # path: entity/project/run id
+        self.every = every
         self.tag = ""  # the first cancel tag found on the run; "" until then
-        self.wanted, self.closed = threading.Event(), False
+        self.wanted, self.ended = threading.Event(), threading.Event()
         self.thread = None
         if getattr(wandb_run, "offline", False) or os.environ.get("WANDB_MODE") in (
                 "offline", "disabled", "dryrun"):
@@ -581,7 +583,7 @@ class WandbCancel:
         return self
 
     def __exit__(self, *exc):
-        self.closed = True
+        self.ended.set()
         self.wanted.set()
 
     def ask(self):
@@ -599,14 +601,16 @@ class WandbCancel:
         while not self.tag:
             self.wanted.wait()
             self.wanted.clear()
-            if self.closed:
+            if self.ended.is_set():
                 return
+            asked = time.monotonic()
             try:  # a fresh Api each time: it caches the runs it has read
                 tags = wandb.Api().run(self.path).tags
             except Exception as error:  # noqa: BLE001 - the network, the key, the server: any
                 self.warn(f"W&B's API did not answer ({type(error).__name__}: {error})")
                 return
             self.tag = next((t for t in self.tags if t in tags), "")
+            self.ended.wait(max(0.0, self.every - (time.monotonic() - asked)))  # (or the run ends)
 
     def untag(self):
         """Take the tag off the run once it has stopped it (left there, it would cancel the resumed

@@ -660,8 +660,8 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
     stack.callback(checkpointer.wait)  # a save in flight lands before the process exits
     wandb_cancel = None  # rank 0 asks W&B whether the run was tagged to cancel it
     if writer.wandb_run is not None and cfg.log.wandb_cancel_tags:
-        wandb_cancel = stack.enter_context(metrics.WandbCancel(writer.wandb_run,
-                                                               cfg.log.wandb_cancel_tags))
+        wandb_cancel = stack.enter_context(metrics.WandbCancel(
+            writer.wandb_run, cfg.log.wandb_cancel_tags, cfg.log.wandb_cancel_seconds))
     signals = stack.enter_context(SignalFlag(saves=not cfg.train.no_checkpoints))
     stopper = Stopper(signals, out_dir, cfg.train.time_limit, cfg.train.cancel_check_interval,
                       place.is_master, writer, place.cpu_group, wandb_cancel)

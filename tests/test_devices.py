@@ -136,7 +136,7 @@ def test_a_run_tagged_cancel_in_wandb_stops_with_a_checkpoint_on_two_ranks_and_r
                      "--train.total_batch_size=256",
                      "--model.dropout=0.1", "--checkpoint.interval=0"]
     run_train(common + [f"--train.out_dir={tmp_path / 'full'}"], nproc=2)  # never stopped
-    split = common + [f"--train.out_dir={tmp_path / 'split'}", "--log.wandb=true"]
+    split = common + [f"--train.out_dir={tmp_path / 'split'}", "--log.wandb=true", "--log.wandb_cancel_seconds=0"]
     stopped = run_train(split, nproc=2, env=wandb_env(tmp_path, FAKE_WANDB_CANCEL_AFTER="3"))
     step = find_checkpoints(tmp_path / "split")[-1][0]
     assert f"cancelled in W&B (tag cancel, now removed) after step {step}; the checkpoint is saved" in stopped.stdout
@@ -181,3 +181,27 @@ def test_wandb_out_of_reach_is_one_warning_and_the_run_goes_on(data_root, tmp_pa
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stderr.count(warning) == 1 and "it goes on" in result.stderr
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
+
+
+def test_wandb_is_asked_about_the_cancel_tags_at_most_once_every_wandb_cancel_seconds(tmp_path, monkeypatch,
+                                                                                     fake_wandb):
+    """The Stopper asks at every check (each step by default); the thread puts its questions at least
+    log.wandb_cancel_seconds apart, and the run's end cuts the wait short."""
+    import time
+
+    import metrics
+    import wandb
+
+    for name, value in wandb_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    asked, api = [], wandb.Api
+    monkeypatch.setattr(wandb, "Api", lambda: asked.append(time.monotonic()) or api())
+    with metrics.WandbCancel(wandb.init(project="p", id="run"), ["cancel"], every=0.5) as cancel:
+        deadline = time.monotonic() + 1.7
+        while time.monotonic() < deadline:  # a check every 10 ms, as fast steps would make them
+            cancel.ask()
+            time.sleep(0.01)
+        ended = time.monotonic()
+    cancel.thread.join(timeout=5)
+    assert not cancel.thread.is_alive() and time.monotonic() - ended < 0.4  # not held to the next question
+    assert 3 <= len(asked) <= 4 and all(b - a >= 0.49 for a, b in zip(asked, asked[1:])), asked
