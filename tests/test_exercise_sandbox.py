@@ -93,6 +93,57 @@ def test_as_root_with_python_in_a_folder_only_root_can_read_the_projects_answers
     assert "opened to" in said[0], graded.stderr
 
 
+
+NOBODY = 65534  # the unprivileged user of most Linux systems
+
+
+def closed_ancestor(path):
+    """The outermost folder above `path` that other users cannot enter (root's home), or None."""
+    for folder in reversed(Path(path).parents):
+        if folder != Path("/") and not os.stat(folder).st_mode & 0o001:
+            return folder
+    return None
+
+
+@pytest.mark.skipif(not AS_ROOT or not shutil.which("unshare") or not shutil.which("setpriv"),
+                    reason="a user without privileges is made from root, with unshare and setpriv")
+def test_as_a_user_without_privileges_the_answers_run_in_bubblewrap_and_pass(data_root):
+    """check.py as a student runs it on a laptop: not root, with Python where every user may read it. Made
+    here from root: in a mount namespace of its own, the folder that closes Python to others (root's home) is
+    covered by an open one holding the same Python at the same paths, and check.py runs as `nobody`. The
+    answers run in bubblewrap (no line saying otherwise) and torchrun's two ranks meet on its loopback."""
+    from exercises.grader.sandbox import bwrap_binary, python_folders
+
+    if bwrap_binary() is None:
+        pytest.skip("no bwrap here")
+    shared = Path(tempfile.mkdtemp(prefix="graded-as-nobody-"))  # not under pytest's folder, closed to others
+    try:
+        shared.chmod(0o755)
+        project, data = shared / "project", shared / "data"
+        shutil.copytree(ROOT, project, ignore=shutil.ignore_patterns(".git", "tests", "docs", "data", "out",
+                                                                     "__pycache__", ".bench", "*.png"))
+        shutil.copytree(data_root, data)
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(project), str(data)], check=True)
+        script = ["set -e"]
+        folders = python_folders()
+        closed = {closed_ancestor(folder) for folder in folders} - {None}
+        for i, folder in enumerate(folders):  # held under /tmp while the closed folder is covered
+            script += [f"mkdir -p {shared}/python{i}", f"mount --bind {folder} {shared}/python{i}"]
+        script += [f"mount -t tmpfs -o mode=755 none {folder}" for folder in closed]
+        for i, folder in enumerate(folders):
+            script += [f"mkdir -p {folder}", f"mount --bind {shared}/python{i} {folder}"]
+        script += [f"cd {project}", f"exec setpriv --reuid={NOBODY} --regid={NOBODY} --clear-groups env "
+                   f"HOME={project} {sys.executable} exercises/check.py 15 --data_root={data}"]
+        graded = subprocess.run(["unshare", "-m", "bash", "-c", "\n".join(script)], capture_output=True,
+                                text=True, timeout=600)
+        if "unshare" in graded.stderr and graded.returncode != 0 and "exercise" not in graded.stdout:
+            pytest.skip(f"no mount namespace here: {graded.stderr.strip()[:200]}")
+        assert graded.returncode == 0 and graded.stdout.startswith("exercise 15 passed: torchrun ran 2 gloo"), \
+            graded.stdout + graded.stderr
+        assert graded.stderr == "", graded.stderr  # bwrap, and nothing to say about it
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
 # An answer to exercise 14 that looks for what it should not see: the grader's variables, the
 # teacher's tree, another checkout readable by every user, and any exercises/ folder in the usual
 # top folders.
