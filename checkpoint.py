@@ -357,8 +357,7 @@ class Checkpointer:
     def failed(self, step, error):
         """The one sentence that ends a run whose save of `step` failed, once rank 0 has removed
         what it left: the partial folder (the disk's space) and the metrics snapshots of this step
-        and later ones (async_save fails at the next save), which name checkpoints that never were.
-        """
+        and later (async_save fails at the next save), which name checkpoints that never were."""
         every_rank = hasattr(error, "failures")  # FSDP's pieces: DCP raises it on every rank
         reason = getattr(error, "strerror", None) or str(error).strip()[:200]
         where = "no checkpoint of this run is intact yet"
@@ -367,7 +366,8 @@ class Checkpointer:
             for path in metrics_snapshots(self.out_dir, from_step=step).values():
                 os.remove(path)
             found = find_checkpoints(self.out_dir)  # what is on disk now, whatever this run knew
-            where = f"step{found[-1][0]} is intact" if found else where
+            if found:  # (the step itself, when what failed came after its folder was complete)
+                where = f"step{found[-1][0]} is intact" + " all the same" * (found[-1][0] == step)
         if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
             from lab import fsdp
             reason = fsdp.why_not_saved(error)

@@ -113,7 +113,9 @@ def hf_gpt2(source):
         if bars:
             transformers.utils.logging.enable_progress_bar()
     check_weights_match_config(source, hf_model, info)
-    return hf_model
+    # transformers 5 keeps a folder's own dtype (fp16 here would put 1e-3 between its logits and ours): the model
+    # is compared, and loaded, in float32, as this trainer holds weights
+    return hf_model.float()
 
 
 def import_hf(source, model_module="model"):

@@ -36,6 +36,16 @@ def test_imported_hf_weights_give_the_same_logits(hf_folder):
         assert torch.allclose(ours(x), reference(x).logits, atol=1e-5)
 
 
+def test_a_half_precision_hf_folder_loads_in_float32_and_is_not_called_a_fork(hf_folder, tmp_path):
+    """A folder saved in float16 (transformers 5 loads it in its own dtype): compared with our float32 model in
+    float32, it is GPT-2, not "a model that computes otherwise"."""
+    path, reference = hf_folder
+    reference.half().save_pretrained(tmp_path / "hf16")
+    ours = load_model(str(tmp_path / "hf16"), "cpu", "--init_from")
+    assert next(ours.parameters()).dtype == torch.float32
+    assert torch.equal(ours.transformer.wte.weight, reference.transformer.wte.weight.float())
+
+
 def test_export_round_trips_through_gpt2lmheadmodel(data_root, tmp_path):
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--train.max_steps=2"])
     subprocess.run([sys.executable, "checkpoint.py", "export-hf", str(tmp_path / "run"), str(tmp_path / "export")],

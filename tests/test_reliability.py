@@ -15,7 +15,7 @@ import torch
 from checkpoint import find_checkpoints
 from config import ConfigError, parse_args
 import warm_python
-from conftest import ROOT, TINY, read_metrics, run_train
+from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_train
 from data import DataError, TokenLoader
 from prepare_data import prepare_text, write_shard
 
@@ -105,6 +105,20 @@ def test_a_full_disk_during_a_checkpoint_and_during_a_metrics_append_loses_nothi
         resumed = run_train(args(data_root, out, "--train.max_steps=12", "--model.dropout=0.1"))
         assert "at step 4" in resumed.stdout
         assert losses(out) == losses(full), case  # bit-exact, dropout included, no step missing or twice
+
+
+def test_a_save_that_fails_after_its_folder_is_complete_says_that_step_is_intact(data_root, tmp_path):
+    """`latest` cannot be swapped (a folder stands where its link is made): step 4 is whole on disk all the same,
+    and the sentence says so rather than name the step before."""
+    out = tmp_path / "run"
+    common = args(data_root, out, "--train.max_steps=6", "--checkpoint.interval=2")
+    run_train([*common, "--train.hard_stop=2"])
+    (out / "latest.tmp" / "x").mkdir(parents=True)
+    broken = run_train(common, check=False)
+    assert_one_sentence(broken, "saving the checkpoint of step 4 in", "step4 is intact all the same")
+    (out / "latest.tmp" / "x").rmdir()
+    (out / "latest.tmp").rmdir()
+    assert "resumed from" in run_train(common).stdout and [s for s, _ in find_checkpoints(out)] == [2, 4, 6]
 
 
 def test_folders_the_project_did_not_write_are_never_deleted(data_root, tmp_path):
