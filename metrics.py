@@ -233,7 +233,7 @@ class StepClock:
 
     def __init__(self, synchronize, tokens_per_step, block_size, flops_per_token, world_size,
                  peak_flops):
-        # the device table's (plan.py): waits for the device's queued work; None on a CPU
+        # the device table's (plan.py): waits for the device's queued work (a no-op on a CPU)
         self.synchronize = synchronize
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
         self.flops_per_token, self.world_size = flops_per_token, world_size
@@ -268,12 +268,10 @@ class StepClock:
         its throughput/<kind>_time_sec. The GPU finishes the step's queued work before the clock
         stops and the block's own work before it restarts, so neither spills into the other (two
         syncs, only around such blocks)."""
-        if self.synchronize:
-            self.synchronize()
+        self.synchronize()
         start = time.perf_counter()
         yield
-        if self.synchronize:
-            self.synchronize()
+        self.synchronize()
         seconds, name = time.perf_counter() - start, f"throughput/{kind}_time_sec"
         if logged:
             self.apart[name] = self.apart.get(name, 0.0) + seconds

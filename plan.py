@@ -476,8 +476,8 @@ class DeviceKind:
     # torch.distributed's backend for one process per device (torchrun); None: one process only
     backend: str | None
     prepare: object  # device -> None: the process's settings for it, once, before the model
-    # () -> None: waits for the queued work, so the step clock stops when the work is done (None:
-    # the work is done when the call returns)
+    # () -> None: waits for the queued work, so the step clock stops when the work is done (a CPU's
+    # work is done when its call returns: `nothing` to wait for)
     synchronize: object
     # () -> an event recorded after a copy to the host, so the copy overlaps the next steps (None:
     # the copy waits)
@@ -523,7 +523,7 @@ DEVICES = {
         set_rng_state=lambda state: torch.mps.set_rng_state(state)),
     "cpu": DeviceKind(
         name="cpu", what="CPU", available=lambda: True, count=lambda: 1, backend="gloo",
-        prepare=nothing, synchronize=None, copy_event=None, memory=cpu_memory,
+        prepare=nothing, synchronize=nothing, copy_event=None, memory=cpu_memory,
         autocast_dtype=nothing, peak_flops=nothing, pin_memory=False, compile=False,
         fused_optimizer=False, compiled_loss_path="chunked", rng_state=None, set_rng_state=None,
         capacity=lambda device: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),

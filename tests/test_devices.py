@@ -3,6 +3,7 @@ checks and calls are replaced by fakes and the tensors stay on this CPU. The qui
 through every branch of the MPS row, and nothing CUDA-only is called. Then a run cancelled from W&B,
 whose client is stood in for too (tests/fake_wandb/)."""
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -118,6 +119,131 @@ def test_mps_on_a_machine_without_one_is_one_sentence(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     with pytest.raises(plan.UserError, match=r"--device=mps but this torch sees no Apple GPU \(MPS\); give"):
         plan.pick_device("mps")
+
+
+@pytest.mark.parametrize("name", list(plan.DEVICES))
+def test_every_row_hands_the_loop_a_function_wherever_the_loop_calls_one(name):
+    """The entries the loop calls on every device are functions on every row (a CPU's clock has
+    nothing to wait for, and says so with a function that does nothing); the ones a row may leave
+    out (None) are each tested where they are used."""
+    row = plan.DEVICES[name]
+    for entry in ("available", "count", "prepare", "synchronize", "memory", "autocast_dtype", "peak_flops",
+                  "capacity"):
+        assert callable(getattr(row, entry)), f"{name}: {entry}"
+    assert (row.rng_state is None) == (row.set_rng_state is None)
+    assert row.backend in (None, "nccl", "gloo") and row.compiled_loss_path in ("chunked", "full")
+    if name == "cpu":  # the compiled first step's timing waits through the row's function
+        from metrics import StepClock
+
+        clock = StepClock(row.synchronize, 1, 1, 1, 1, None)
+        with clock.paused("eval"):
+            pass
+        clock.synchronize()
+
+
+# ---------------------------------------------------------------------- CUDA, stood in for the same way
+
+
+class RecordedEvent:
+    """torch.cuda.Event's stand-in: the metrics' copy to the host records one and waits on it."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def record(self):
+        self.calls.append("cuda.Event.record")
+
+    def synchronize(self):
+        self.calls.append("cuda.Event.synchronize")
+
+
+@pytest.fixture
+def a_gpu(monkeypatch):
+    """A machine with one CUDA GPU, whose calls are recorders and whose tensors stay on this CPU, so the
+    quick start runs through every entry of the table's CUDA row. Returns the calls made."""
+    calls = []
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(cuda, "is_bf16_supported", lambda: True)
+    monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(cuda, "get_device_properties",
+                        lambda device=None: type("Properties", (), {"total_memory": 80 * GIB})())
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: calls.append("cuda.synchronize"))
+    monkeypatch.setattr(cuda, "Event", lambda: RecordedEvent(calls))
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: 3 * GIB)
+    monkeypatch.setattr(cuda, "memory_reserved", lambda device=None: 5 * GIB)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device=None: 4 * GIB)
+    monkeypatch.setattr(cuda, "get_rng_state", lambda device="cuda": torch.tensor([9], dtype=torch.uint8))
+    monkeypatch.setattr(cuda, "set_rng_state",
+                        lambda state, device="cuda": calls.append(f"cuda.set_rng_state {state.tolist()}"))
+    monkeypatch.setattr(cuda, "set_device", lambda device: calls.append(f"cuda.set_device {device}"))
+    for name in ("manual_seed", "manual_seed_all"):  # (torch.manual_seed seeds every GPU too)
+        monkeypatch.setattr(cuda, name, lambda seed, name=name: calls.append(f"cuda.{name}"))
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the row sets it; put back after
+    monkeypatch.setitem(plan.DEVICES, "cuda", dataclasses.replace(  # (the row holds torch's functions)
+        plan.DEVICES["cuda"], available=cuda.is_available, count=cuda.device_count,
+        synchronize=cuda.synchronize, copy_event=cuda.Event, set_rng_state=cuda.set_rng_state))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: calls.append("pinned") or self)
+    monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append("torch.compile") or model)
+    start_processes, build_optimizer = train.start_processes, train.build_optimizer
+
+    def on_this_cpu(cfg):  # a GPU's tensors live on this CPU; the placement keeps CUDA's row
+        place = start_processes(cfg)
+        calls.append(f"placed on {place.device}, autocast {getattr(place.autocast, 'fast_dtype', None)}")
+        return dataclasses.replace(place, device="cpu", autocast=contextlib.nullcontext())
+
+    monkeypatch.setattr(train, "start_processes", on_this_cpu)
+    monkeypatch.setattr(train, "build_optimizer",
+                        lambda *args: calls.append(f"fused {args[2]}") or build_optimizer(*args))
+    return calls
+
+
+def test_the_quick_start_trains_on_a_stand_in_gpu_through_every_entry_of_its_row(a_gpu, data_root, tmp_path):
+    out = tmp_path / "run"
+    # (metrics on the bookkeeping thread, as with several ranks: their copy to the host uses the row's event)
+    common = QUICK_START + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--log.async_bookkeeping=true"]
+    result = run_in_process(common)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "placed on cuda, autocast torch.bfloat16" in a_gpu  # auto picks the GPU, and bf16
+    assert "torch.compile" in a_gpu and "the first step compiles" in result.stdout  # compile=auto compiles
+    assert "output layer + loss: full" in result.stdout  # the loss path auto picks under compile on CUDA
+    assert "fused True" in a_gpu and "pinned" in a_gpu
+    assert "compiling included" in result.stdout  # the compiled first step, timed to the GPU's end
+    # The clock waits for the GPU around each pause (validation at steps 2 and 4, the checkpoint) and at the
+    # end of the compiled first step; each metrics copy records an event and waits for it.
+    assert a_gpu.count("cuda.synchronize") == 2 * 3 + 1
+    assert a_gpu.count("cuda.Event.record") == a_gpu.count("cuda.Event.synchronize") > 0
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and (out / "step4").is_dir()
+    for row in rows:  # memory from CUDA's allocator; MFU against the H100's peak
+        assert row["system/gpu_memory_allocated_gb"] == 3.0 and row["system/gpu_memory_peak_gb"] == 4.0
+        assert row["throughput/mfu"] > 0
+    resumed = run_in_process(common + ["--train.max_steps=5"])
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "cuda.set_rng_state [9]" in a_gpu  # the GPU's random state, saved and put back
+
+
+def test_under_torchrun_a_gpu_rank_hands_nccl_to_the_process_group_and_makes_a_gloo_side_group(
+        a_gpu, monkeypatch):
+    import torch.distributed as dist
+
+    from config import parse_args
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(29500 + os.getpid() % 1000)}.items():
+        monkeypatch.setenv(name, value)
+    backends, init = [], dist.init_process_group
+    monkeypatch.setattr(dist, "init_process_group",  # NCCL asked for; gloo is what this CPU has
+                        lambda backend, **kwargs: backends.append(backend) or init("gloo", **kwargs))
+    monkeypatch.setattr(dist, "new_group", lambda **kwargs: backends.append(kwargs["backend"]) or "side")
+    try:
+        place = train.start_processes(parse_args([]))
+    finally:
+        dist.destroy_process_group()
+    assert backends == ["nccl", "gloo"] and place.cpu_group == "side"  # collectives on the GPU; agreements on gloo
+    assert "cuda.set_device cuda:0" in a_gpu and "placed on cuda:0, autocast torch.bfloat16" in a_gpu
 
 
 # ----------------------------------------------------------------------------- cancelled in W&B

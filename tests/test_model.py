@@ -65,7 +65,7 @@ def test_flops_per_token_is_6n_plus_attention():
     assert model.flops_per_token() == 6 * n + 12 * c.n_layer * c.n_embd * c.block_size
     from metrics import StepClock
 
-    clock = StepClock(None, 1000, c.block_size, model.flops_per_token(), world_size=1, peak_flops=1e12)
+    clock = StepClock(lambda: None, 1000, c.block_size, model.flops_per_token(), world_size=1, peak_flops=1e12)
     clock.last_end -= 1.0  # a step of about one second
     speed, _ = clock.lap(tokens_seen=1000, data_time=0.0)
     tokens_per_sec = speed["throughput/tokens_per_sec"]
