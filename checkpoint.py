@@ -113,10 +113,11 @@ def verify_checkpoint(path):
         file_path = os.path.join(path, name)
         link = linked_part(path, name)
         if link:  # (to anywhere: a file that is not the checkpoint's own, and one that may change)
-            raise UntrustedCheckpoint(f"{link} is a link (to {os.readlink(link)}), and a checkpoint "
-                                      f"is read only from its own files, so it is not loaded: put "
-                                      f"the file itself in its place (`cp -rL` copies a folder "
-                                      f"with its links as files), or give another checkpoint.")
+            raise UntrustedCheckpoint(f"{link} is a link (to {os.readlink(link)}), and a "
+                                      f"checkpoint is read only from its own files, so it is not "
+                                      f"loaded: put the file itself in its place (`cp -rL` copies "
+                                      f"a folder with its links as files), or give another "
+                                      f"checkpoint.")
         if not os.path.isfile(file_path):
             raise CheckpointError(f"{file_path} is missing")
         if sha256_file(file_path) != expected:

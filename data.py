@@ -116,8 +116,9 @@ def shard_paths(data_dir, split):
     for path in paths:
         kind = not_a_regular_file(path)
         if kind:
-            raise DataError(f"{split} shard {path} is not a regular file ({kind}); put the .npy "
-                            f"file prepare_data.py writes in its place, or {prepare_hint(data_dir)}")
+            raise DataError(f"{split} shard {path} is not a regular file ({kind}); put the "
+                            f".npy file prepare_data.py writes in its place, or "
+                            f"{prepare_hint(data_dir)}")
     return paths
 
 
