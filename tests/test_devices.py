@@ -183,6 +183,36 @@ def test_wandb_out_of_reach_is_one_warning_and_the_run_goes_on(data_root, tmp_pa
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4, 5]
 
 
+def test_wandb_that_cannot_start_the_run_is_one_sentence_and_the_run_folder_stays_as_it_was(data_root, tmp_path,
+                                                                                            monkeypatch, fake_wandb):
+    """W&B starts before the run folder changes: out of reach, a new folder gets no config.json,
+    environment.json, wandb_id.txt or wandb/, and a resumed one is left as it was; a resume logs into the same
+    W&B run."""
+    for name, value in wandb_env(tmp_path).items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    common = TINY + [f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0", "--log.wandb=true"]
+
+    def files():
+        return {path.relative_to(out): path.read_bytes() for path in out.rglob("*") if path.is_file()}
+
+    monkeypatch.setenv("FAKE_WANDB_INIT", "down")
+    refused = run_in_process(common + ["--train.max_steps=2"])
+    assert_one_sentence(refused, "W&B could not start the run (CommError: Run initialization has timed out",
+                        "or log offline with WANDB_MODE=offline")
+    assert not out.exists()
+    monkeypatch.delenv("FAKE_WANDB_INIT")
+    run_in_process(common + ["--train.max_steps=2"])
+    run_id, before = (out / "wandb_id.txt").read_text(), files()
+    monkeypatch.setenv("FAKE_WANDB_INIT", "down")
+    assert_one_sentence(run_in_process(common + ["--train.max_steps=4"]), "W&B could not start the run")
+    assert files() == before
+    monkeypatch.delenv("FAKE_WANDB_INIT")
+    resumed = run_in_process(common + ["--train.max_steps=4"])
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    assert (out / "wandb_id.txt").read_text() == run_id
+
+
 def test_wandb_is_asked_about_the_cancel_tags_at_most_once_every_wandb_cancel_seconds(tmp_path, monkeypatch,
                                                                                      fake_wandb):
     """The Stopper asks at every check (each step by default); the thread puts its questions at least
