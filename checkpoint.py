@@ -111,28 +111,11 @@ def verify_checkpoint(path):
     files = marker["files"]
     for name, expected in files.items():
         file_path = os.path.join(path, name)
-        link = linked_part(path, name)
-        if link:  # (to anywhere: a file that is not the checkpoint's own, and one that may change)
-            raise UntrustedCheckpoint(f"{link} is a link (to {os.readlink(link)}), and a "
-                                      f"checkpoint is read only from its own files, so it is not "
-                                      f"loaded: put the file itself in its place (`cp -rL` copies "
-                                      f"a folder with its links as files), or give another "
-                                      f"checkpoint.")
         if not os.path.isfile(file_path):
             raise CheckpointError(f"{file_path} is missing")
         if sha256_file(file_path) != expected:
             raise CheckpointError(f"{file_path} does not match its checksum (truncated or corrupt)")
     check_sharded_metadata(path, files)
-
-
-def linked_part(path, name):
-    """The first part of `name`, a file of checkpoint `path` (sharded/__0_0.distcp: the folder, then
-    the file), that is a link, or None."""
-    parts = name.split("/")
-    for k in range(1, len(parts) + 1):
-        if os.path.islink(os.path.join(path, *parts[:k])):
-            return os.path.join(path, *parts[:k])
-    return None
 
 
 def check_sharded_metadata(path, files):

@@ -61,7 +61,7 @@ def test_the_metadata_reader_builds_only_dcp_classes(tmp_path):
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
 @pytest.mark.parametrize("linked", ["sharded/__0_0.distcp", "sharded/.metadata", "sharded"])
-def test_a_piece_of_a_sharded_checkpoint_that_is_a_link_is_refused_before_it_is_read(tmp_path, linked):
+def test_a_piece_of_a_sharded_checkpoint_that_is_a_link_is_refused_before_it_is_loaded(tmp_path, linked):
     """A link to anywhere, even to a copy of the very file (its checksum passes): the checkpoint's own files only."""
     import hashlib
     import json
