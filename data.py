@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import stat
 
 import numpy as np
 import torch
@@ -109,7 +110,27 @@ class CharTokenizer:
 
 # ------------------------------------------------------------------------------- datasets on disk
 def shard_paths(data_dir, split):
-    return sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
+    """The split's shards, in order; one that is no regular file is refused before anything opens
+    it (opening a named pipe waits forever for a writer)."""
+    paths = sorted(glob.glob(os.path.join(data_dir, f"{split}_*.npy")))
+    for path in paths:
+        kind = not_a_regular_file(path)
+        if kind:
+            raise DataError(f"{split} shard {path} is not a regular file ({kind}); put the "
+                            f".npy file prepare_data.py writes in its place, or "
+                            f"{prepare_hint(data_dir)}")
+    return paths
+
+
+def not_a_regular_file(path):
+    """What `path` is when it is no regular file (a link counts as what it names), else ""."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as error:  # a link to nothing, a folder that may not be entered
+        return "a link to nothing" if os.path.islink(path) else error.strerror.lower()
+    kinds = [(stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"),
+             (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device")]
+    return next((kind for test, kind in kinds if test(mode)), "")
 
 
 def dataset_dir(data_root, name):
@@ -246,9 +267,9 @@ def open_shard(path, vocab_limit):
     start."""
     try:
         shard = np.load(path, mmap_mode="r")
-    except (ValueError, OSError) as error:
-        raise DataError(f"shard {path} is not a readable .npy file ({error}); prepare the dataset "
-                        f"again.") from None
+    except Exception as error:  # noqa: BLE001 - a damaged header fails in any of numpy's parsers
+        raise DataError(f"shard {path} is not a readable .npy file ({type(error).__name__}: "
+                        f"{error}); prepare the dataset again.") from None
     if shard.dtype != np.uint16 or shard.ndim != 1:
         raise DataError(f"shard {path} is a {shard.ndim}-D {shard.dtype} array, not the 1-D uint16 "
                         f"token ids prepare_data.py writes; prepare the dataset again with "

@@ -41,8 +41,8 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from checkpoint import find_checkpoints, is_complete_checkpoint  # noqa: E402 - after the line above
 from config import (Config, ConfigError, LogConfig, UserError, all_keys,  # noqa: E402
-                    config_to_dict, field_metadata, get, parse_args, redact_argv, run_command,
-                    sections, setting, validate)
+                    config_to_dict, field_metadata, get, parse_args, run_command,
+                    secret_keys, sections, setting, validate)
 from configurator.model import (PARAMS, configure_minimal_device_mesh_spec,  # noqa: E402
                                 configure_rank_microbatch_size, memory_fit, model_config,
                                 param_counts, shape_of, sized_model)
@@ -354,12 +354,25 @@ def run(cfg, plan):
     train.train(run_config(cfg, plan))
 
 
-def run_child(command, line):
-    """Print `line`, then run one size in its own process; returns (exit status, the name of a
-    signal received). The child starts with Ctrl-C ignored, until its trainer takes it (a Ctrl-C
-    while it imports would be a traceback); a Ctrl-C or a SIGTERM to this process reaches it as a
-    SIGTERM from here, which stops a child still starting at once and one that trains after its
-    step and its checkpoint, as Ctrl-C does."""
+def webhook_in_environment(cfg, overrides):
+    """(overrides, environment) for a size's process, with the webhook in SLACK_WEBHOOK_URL (which
+    lab/notifier.py reads when log.slack_webhook is empty), never on its command line: `ps` shows a
+    command line to every user of the machine, a process's environment only to its owner."""
+    assert secret_keys() == ["log.slack_webhook"], "each secret needs its way into the environment"
+    env = dict(os.environ)
+    if not cfg.log.slack_webhook:  # none, or SLACK_WEBHOOK_URL's, which the child inherits
+        return overrides, env
+    env["SLACK_WEBHOOK_URL"] = cfg.log.slack_webhook  # from the ladder file or the command line
+    kept = [arg for arg in overrides if not arg.startswith("--log.slack_webhook=")]
+    return kept + ["--log.slack_webhook="], env  # (empty: the file's own URL gives way too)
+
+
+def run_child(command, line, env):
+    """Print `line`, then run one size in its own process (with environment `env`); returns (exit
+    status, the name of a signal received). The child starts with Ctrl-C ignored, until its
+    trainer takes it (a Ctrl-C while it imports would be a traceback); a Ctrl-C or a SIGTERM to
+    this process reaches it as a SIGTERM from here, which stops a child still starting at once and
+    one that trains after its step and its checkpoint, as Ctrl-C does."""
     child, received = [], []
 
     def forward(signum, frame):
@@ -371,7 +384,7 @@ def run_child(command, line):
     try:
         print(line, flush=True)
         child.append(subprocess.Popen(
-            command, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)))
+            command, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)))
         if received:  # a signal before the child existed
             child[0].send_signal(signal.SIGTERM)
         while True:
@@ -393,6 +406,7 @@ def run_all(cfg, plans, config_path, overrides):
         if status == "different":
             refuse_different(cfg, p, detail)
     todo, timings = [p for p, status, _ in statuses if status != "finished"], []
+    overrides, env = webhook_in_environment(cfg, overrides)
     for k, (p, status, _) in enumerate(statuses, 1):
         if status == "finished":
             print(f"size {p.size} ({k} of {len(plans)}): finished "
@@ -407,7 +421,7 @@ def run_all(cfg, plans, config_path, overrides):
         start = time.monotonic()
         code, signal_name = run_child(command, f"size {p.size} ({k} of {len(plans)}, "
                                       f"{p.run.max_steps:,} steps{eta}): "
-                                      f"{' '.join(redact_argv(command[1:]))}")  # no secret in clear
+                                      f"{' '.join(command[1:])}", env)
         timings.append((p, time.monotonic() - start))
         status, detail = size_status(cfg, p)
         if signal_name and not find_checkpoints(os.path.join(cfg.ladder.dir, p.size)):

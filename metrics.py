@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -435,11 +436,11 @@ class RowWriter:
     `failed`, on which the loop saves and stops, and the first non-finite loss or gradient norm in
     `nonfinite`, on which it stops. A row for a step already written (a checkpoint's time, uploads
     that failed late) is written as any other, and readers merge it in (read_jsonl). A context
-    manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0, which writes
-    nothing."""
+    manager: W&B's run (`wandb_run`, started by start_wandb) finishes when it closes. `out_dir`
+    None: a rank other than 0, which writes nothing."""
 
-    def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0,
-                 prints=False):
+    def __init__(self, out_dir, end_step, log_cfg, spike_threshold=0.0, prints=False,
+                 wandb_run=None):
         self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
         self.interval = log_cfg.interval
         self.spikes = LossSpikeDetector(spike_threshold)
@@ -448,9 +449,10 @@ class RowWriter:
         self.warm = False  # past the first step this process trains
         self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
         self.failed = self.nonfinite = None  # sentences
-        self.wandb_run = None
-        if log_cfg.wandb and out_dir:
-            self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
+        self.wandb_run = wandb_run
+        if wandb_run is not None:  # the folder is this run's now: a restart logs into the same run
+            with open(os.path.join(out_dir, "wandb_id.txt"), "w") as f:
+                f.write(wandb_run.id)
 
     def __enter__(self):
         return self
@@ -530,20 +532,20 @@ class RowWriter:
     __call__ = write  # (the recorder hands it the rows it collects)
 
 
-def start_wandb(out_dir, log_cfg, config_dict):
-    """Start or resume this run's W&B run (log.wandb). The run id is kept in
-    <out_dir>/wandb_id.txt, so a restart logs into the same run; WANDB_MODE=offline writes it under
-    <out_dir>/wandb/ for a later sync."""
+def start_wandb(out_dir, log_cfg, config_dict, resumed):
+    """Start or resume this run's W&B run (log.wandb), before the run folder changes. A resumed
+    run's id is in <out_dir>/wandb_id.txt (RowWriter writes it), so a restart logs into the same
+    run; WANDB_MODE=offline writes it under <out_dir>/wandb/ for a later sync. A W&B that cannot
+    start the run (a server out of reach, a bad key) is one sentence, and the wandb/ folder goes
+    when this start made it."""
     import wandb
 
-    id_path = os.path.join(out_dir, "wandb_id.txt")
-    if os.path.exists(id_path):
+    id_path, folder = os.path.join(out_dir, "wandb_id.txt"), os.path.join(out_dir, "wandb")
+    run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
+    if resumed and os.path.exists(id_path):  # (a fresh start replaces the old run's id)
         with open(id_path) as f:
             run_id = f.read().strip()
-    else:
-        run_id = uuid.uuid4().hex[:8]  # W&B run ids are short lowercase strings
-        with open(id_path, "w") as f:
-            f.write(run_id)
+    made = not os.path.exists(folder)
     # W&B records the command line (sys.argv): it reads one whose secrets are "***", as
     # `config_dict` holds them.
     argv, sys.argv = sys.argv, redact_argv(sys.argv)
@@ -552,6 +554,14 @@ def start_wandb(out_dir, log_cfg, config_dict):
                           name=log_cfg.wandb_name or os.path.basename(os.path.abspath(out_dir)),
                           group=log_cfg.wandb_group or None, tags=log_cfg.wandb_tags or None,
                           id=run_id, resume="allow", dir=out_dir, config=config_dict)
+    except Exception as error:  # noqa: BLE001 - the network, the key, the server: any of W&B's
+        if made:
+            shutil.rmtree(folder, ignore_errors=True)
+        why = (str(error).strip().splitlines() or [""])[0][:200]
+        raise UserError(f"W&B could not start the run ({type(error).__name__}: {why}); check the "
+                        f"network and your key (`wandb login`), or log offline with "
+                        f"WANDB_MODE=offline (`wandb sync` later), or set --log.wandb=false."
+                        ) from None
     finally:
         sys.argv = argv
 

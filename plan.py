@@ -377,8 +377,8 @@ def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device
 
 def check_weights_fit_device(make, device, kind, world_size, sharded):
     """One sentence, before the model is built, when the estimate's weights alone (memory_per_rank,
-    built on the meta device) pass the memory the device has: building it would end in an
-    allocation traceback (model.block_size=1e8 asks for a 51 GB position table)."""
+    built on the meta device) pass the memory this process can get on the device: building it
+    would end in an allocation traceback (model.block_size=1e8 asks for a 51 GB position table)."""
     have = kind.capacity(device)
     if not have:
         return
@@ -390,7 +390,7 @@ def check_weights_fit_device(make, device, kind, world_size, sharded):
         raise ConfigError(f"the model (block_size={c.block_size}, vocab_size={c.vocab_size}, "
                           f"n_layer={c.n_layer}, n_embd={c.n_embd}) needs {weights / 1e9:,.1f} GB "
                           f"for its weights alone, more than the {have / 1e9:,.1f} GB this "
-                          f"{kind.what} has; make it smaller.")
+                          f"process can get on this {kind.what}; make it smaller.")
 
 
 def describe_memory(model, micro_batch_tokens, world_size, bf16, device_type):
@@ -451,6 +451,27 @@ def cpu_memory(device):
     return values
 
 
+def cpu_capacity(device):
+    """The bytes of memory this process can still get, not the machine's total: what the kernel
+    says is available (MemAvailable: free memory and caches it can drop; the total without
+    /proc), and no more than its address-space limit (`ulimit -v`, RLIMIT_AS) leaves beyond what
+    the process maps already."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    have = page * os.sysconf("SC_PHYS_PAGES")
+    if os.path.exists("/proc/meminfo"):
+        with open("/proc/meminfo") as f:
+            available = [line.split()[1] for line in f if line.startswith("MemAvailable:")]
+        have = int(available[0]) * 1024 if available else have  # (in kB)
+    limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if limit != resource.RLIM_INFINITY:
+        mapped = 0
+        if os.path.exists("/proc/self/statm"):  # Linux: the pages mapped are the first number
+            with open("/proc/self/statm") as f:
+                mapped = int(f.read().split()[0]) * page
+        have = min(have, max(0, limit - mapped))
+    return have
+
+
 def cuda_peak_flops(device):
     name = torch.cuda.get_device_name(device)
     return next((flops for gpu, flops in PEAK_BF16_FLOPS.items() if gpu in name), None)
@@ -493,8 +514,8 @@ class DeviceKind:
     # None: no generator of its own (the CPU's is torch's global one, saved apart)
     rng_state: object
     set_rng_state: object  # state -> None: a resumed run draws the same numbers
-    # device -> the bytes of memory it has, for the check that a model's weights fit before it is
-    # built (None: unknown, not checked)
+    # device -> the bytes of memory this process can get on it, for the check that a model's
+    # weights fit before it is built (None: unknown, not checked)
     capacity: object = nothing
 
 
@@ -508,7 +529,7 @@ DEVICES = {
         autocast_dtype=lambda: torch.bfloat16 if torch.cuda.is_bf16_supported() else None,
         peak_flops=cuda_peak_flops, pin_memory=True, compile=True, fused_optimizer=True,
         compiled_loss_path="full", set_rng_state=torch.cuda.set_rng_state,
-        capacity=lambda device: torch.cuda.get_device_properties(device).total_memory,
+        capacity=lambda device: torch.cuda.mem_get_info(device)[0],  # free: other processes' taken
         rng_state=lambda: torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None),
     # Apple silicon, in one process (PyTorch has no distributed backend for it). Not run on a Mac
     # here (tests/test_devices.py stands in for one), so the choices every MPS supports: float32,
@@ -526,7 +547,7 @@ DEVICES = {
         prepare=nothing, synchronize=nothing, copy_event=None, memory=cpu_memory,
         autocast_dtype=nothing, peak_flops=nothing, pin_memory=False, compile=False,
         fused_optimizer=False, compiled_loss_path="chunked", rng_state=None, set_rng_state=None,
-        capacity=lambda device: os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")),
+        capacity=cpu_capacity),
 }
 
 

@@ -460,10 +460,12 @@ def build_run(cfg, stack):
     stages = Stages(stage_loaders, plan.stage2_step, cfg.stage2, raw_model, cfg.train.out_dir,
                     place.device, cfg.train.model_module)
     generator = torch.Generator(place.device).manual_seed(cfg.train.seed + place.rank)
+    wandb_run = start_wandb(cfg, place, start, config_dict)  # (or refused: the folder as it was)
     state, replaced = run_dir.load_start(cfg, place, start, raw_model, optimizer, stages, generator,
                                          plan, config_dict)
     stack.callback(run_dir.register_stack_dump(cfg.train.out_dir, place.rank))
-    books = start_bookkeeping(cfg, place, plan, replaced, start.replace_bucket, config_dict, stack)
+    books = start_bookkeeping(cfg, place, plan, replaced, start.replace_bucket, config_dict, stack,
+                              wandb_run)
     books.notifier = notifier
     extras, extras_steps = None, ()
     if needs_step_extras(cfg, plan, compiled):
@@ -633,14 +635,29 @@ class Stages:
         return (*self.loaders[-1], self.objective)
 
 
-def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dict, stack):
+def start_wandb(cfg, place, start, config_dict):
+    """Rank 0's W&B run (log.wandb; None elsewhere), started before the run folder changes: a W&B
+    that cannot start it is one sentence on rank 0, and the other ranks stop quietly."""
+    if not cfg.log.wandb:
+        return None
+    started = [None]  # (the run stays here: from_rank0 sends the other ranks only that it began)
+
+    def begin():
+        started[0] = metrics.start_wandb(cfg.train.out_dir, cfg.log, config_dict, start.resumed)
+
+    run_dir.from_rank0(begin, place.rank, place.world_size, place.cpu_group)
+    return started[0]
+
+
+def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dict, stack,
+                      wandb_run):
     """What runs beside the loop: the metric recorder and its writer, the checkpointer (and its
     uploads) and the stopper. `replaced` / `replaced_in_bucket`: another run's checkpoints this one
-    replaces (save_overwrite)."""
+    replaces (save_overwrite); `wandb_run`: rank 0's W&B run (start_wandb), or None."""
     out_dir, threads = cfg.train.out_dir, async_bookkeeping(cfg, place)
     writer = stack.enter_context(metrics.RowWriter(
-        out_dir if place.is_master else None, plan.end_step, cfg.log, config_dict,
-        cfg.train.loss_spike_threshold, prints=threads))
+        out_dir if place.is_master else None, plan.end_step, cfg.log,
+        cfg.train.loss_spike_threshold, prints=threads, wandb_run=wandb_run))
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
     group = dist.new_group(backend="gloo") if threads and place.world_size > 1 else None
     recorder = metrics.MetricRecorder(place.device, place.world_size, threads, group,

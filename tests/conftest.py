@@ -5,6 +5,7 @@ import functools
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -19,9 +20,27 @@ import warm_python
 # Before numpy loads: the scaling-law fits make thousands of tiny numpy/scipy calls, which OpenBLAS's
 # threads slow down several times over on a 2-core machine (ladder.py sets the same for its fits).
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+# The folders this test process makes in the system temp folder: removed when its session ends
+# (pytest_unconfigure), so that the suite leaves the temp folder as it found it.
+MADE_IN_TEMP = []
+
+
+def temp_folder(prefix):
+    """A new folder in the system temp folder, removed with the others when this session ends."""
+    MADE_IN_TEMP.append(tempfile.mkdtemp(prefix=prefix))
+    return MADE_IN_TEMP[-1]
+
+
+def pytest_unconfigure(config):
+    for folder in MADE_IN_TEMP:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # Checkpoints read from a bucket are cached by URL (remote.local_copy); the tests' go to a folder of their own,
-# not the user's ~/.cache, and start empty each session.
-os.environ.setdefault("NANOGPT_REMOTE_CACHE", tempfile.mkdtemp(prefix="nanogpt-lab-remote-cache-"))
+# not the user's ~/.cache, and start empty each session. A test process started by another (pytest-xdist's
+# workers) finds its starter's folder in the environment and leaves it to the starter to remove.
+if "NANOGPT_REMOTE_CACHE" not in os.environ:
+    os.environ["NANOGPT_REMOTE_CACHE"] = temp_folder("nanogpt-lab-remote-cache-")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -138,7 +157,7 @@ def tiny_task_data():
     validation sets written here, with their real fields: the loop's task evaluation tested without that package."""
     import datasets
 
-    root = Path(tempfile.mkdtemp(prefix="tiny_tasks_"))
+    root = Path(temp_folder("tiny_tasks_"))
     verbs = ["throws", "catches", "kicks", "drops", "rolls", "hides", "paints", "weighs"]
     hellaswag = [{"ctx": f"A child {verb} the red ball across the yard. Then she", "label": str(i % 4),
                   "endings": [" runs after it.", " sings a song.", " reads the paper.", " eats the ball."]}

@@ -2,6 +2,8 @@
 checkpoint.py export-hf and debug.py: each ends the program with one `error: ...` sentence that says what
 to do, exit status 1, no traceback, and nothing written."""
 
+import os
+
 import pytest
 import torch
 
@@ -147,4 +149,25 @@ def test_a_model_whose_weights_cannot_fit_the_device_is_one_sentence_before_it_i
     result = run_in_process([*TINY, "--model.block_size=100000000", "--model.n_embd=128",
                              f"--data.data_root={data_root}", f"--train.out_dir={out}"], train.main)
     assert_one_sentence(result, "block_size=100000000", "for its weights alone", "make it smaller")
+    assert not out.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="measures the process through Linux's /proc")
+def test_weights_that_fit_the_machine_but_not_the_process_are_one_sentence_before_they_are_built(data_root, tmp_path):
+    """The check reads what this process can get, not the machine's total: under `ulimit -v` (RLIMIT_AS) a 6 GB
+    position table (block_size=12e6) is refused in one sentence, not left to an allocation traceback."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    argv = ["train.py", *TINY, "--model.block_size=12000000", "--model.n_embd=128", "--train.device=cpu",
+            f"--data.data_root={data_root}", f"--train.out_dir={out}"]
+    limited = ("import resource, runpy, sys, torch\n"  # the limit: 3 GiB beyond what torch maps on this machine
+               "mapped = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+               "resource.setrlimit(resource.RLIMIT_AS, (mapped + 3 * 2**30, resource.RLIM_INFINITY))\n"
+               f"sys.argv = {argv!r}\nrunpy.run_path('train.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", limited], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert_one_sentence(result, "block_size=12000000", "for its weights alone", "this process can get on this CPU",
+                        "make it smaller")
     assert not out.exists()

@@ -59,6 +59,31 @@ def test_the_metadata_reader_builds_only_dcp_classes(tmp_path):
     assert not (tmp_path / "ran").exists()
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in this one process
+@pytest.mark.parametrize("linked", ["sharded/__0_0.distcp", "sharded/.metadata", "sharded"])
+def test_a_piece_of_a_sharded_checkpoint_that_is_a_link_is_refused_before_it_is_loaded(tmp_path, linked):
+    """A link to anywhere, even to a copy of the very file (its checksum passes): the checkpoint's own files only."""
+    import hashlib
+    import json
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from checkpoint import UntrustedCheckpoint, verify_checkpoint
+
+    step = tmp_path / "run" / "step2"
+    dcp.save({"model.w": torch.arange(4.0)}, checkpoint_id=str(step / "sharded"))
+    files = {f"sharded/{p.name}": hashlib.sha256(p.read_bytes()).hexdigest() for p in (step / "sharded").iterdir()}
+    (step / "COMPLETE").write_text(json.dumps({"files": files}))
+    verify_checkpoint(str(step))  # the checkpoint as saved
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(step / linked, elsewhere)
+    (step / linked).symlink_to(elsewhere)
+    with pytest.raises(UntrustedCheckpoint, match=f"step2/{linked} is a link \\(to {elsewhere}\\), and a checkpoint "
+                                                  "is read only from its own files, so it is not loaded: put"):
+        verify_checkpoint(str(step))
+
+
 # ----------------------------------------------------------------------------- secrets reach no record
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from config import ConfigError, parse_args
 import warm_python
-from conftest import ROOT, TINY, read_metrics, run_ladder, run_train
+from conftest import ROOT, TINY, read_metrics, run_in_process, run_ladder, run_train
 
 
 def args(data_root, out, *extra):
@@ -234,7 +234,7 @@ def test_ctrl_c_on_run_all_lets_the_size_save_then_stops_in_one_sentence(data_ro
 def test_ctrl_c_before_a_size_trains_says_nothing_was_saved_and_the_line_hides_the_webhook(
         data_root, tmp_path):
     """Ctrl-C while the size's process still starts: no traceback, no promise of a checkpoint; and
-    the line run-all prints for the size shows the webhook's URL as "***"."""
+    the line run-all prints for the size (its command line) holds no webhook URL."""
     import signal
     path = tiny_ladder(tmp_path, data_root, duration=2_000_000)
     url = "http://127.0.0.1:9/hooks/secret-token"
@@ -244,11 +244,27 @@ def test_ctrl_c_before_a_size_trains_says_nothing_was_saved_and_the_line_hides_t
     line = proc.stdout.readline()  # printed as the size's process starts
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends to the whole foreground process group
     out, err = proc.communicate(timeout=120)
-    assert line.startswith("size 1x32 (1 of 3") and "--log.slack_webhook=***" in line, line
+    assert line.startswith("size 1x32 (1 of 3") and "--log.slack_webhook= " in line, line
     assert "secret-token" not in line + out + err
     assert proc.returncode == 1 and "Traceback" not in err, err[-2000:]
     assert "stopped by SIGINT before size 1x32 had trained a step, so nothing of it was saved" in err, err
     assert not [p for p in (tmp_path / "ladder" / "1x32").glob("step*")]
+
+
+@pytest.mark.parametrize("given", ["command line", "ladder file"])
+def test_run_all_hands_the_webhook_to_each_size_in_its_environment_never_on_its_command_line(
+        data_root, tmp_path, monkeypatch, given):
+    """`ps` shows a process's command line to every user of the machine; its environment only to its owner."""
+    import ladder
+
+    url = "http://127.0.0.1:9/hooks/secret-token"
+    path = tiny_ladder(tmp_path, data_root, extra=f'log.slack_webhook = "{url}"\n' if given == "ladder file" else "")
+    started = []
+    monkeypatch.setattr(ladder, "run_child", lambda command, line, env: started.append((command, env)) or (0, None))
+    run_in_process(["run-all", path, *([f"--log.slack_webhook={url}"] if given == "command line" else [])], ladder.main)
+    command, env = started[0]
+    assert "secret-token" not in " ".join(command) and env["SLACK_WEBHOOK_URL"] == url
+    assert command[-2:] == ["--log.slack_webhook=", "--size=1x32"]  # the ladder file's URL gives way to the variable
 
 
 def test_run_all_refuses_sizes_trained_under_other_settings(tmp_path):

@@ -287,6 +287,33 @@ def test_bad_shards_fail_when_opened_naming_the_file(tmp_path, array, message):
     assert "train_000001.npy" in str(error.value)
 
 
+@pytest.mark.parametrize("header", [b"{'descr': '<u2', 'fortran_order': False, 'shape': (100, ",  # tokenize's error
+                                    b"{'descr': '<u2', 'fortran_order': False, 'shape': (100,), }\x00"])
+def test_a_shard_with_a_damaged_header_is_one_sentence_saying_it_is_no_readable_npy_file(tmp_path, header):
+    path = tmp_path / "train_000001.npy"
+    np.save(path, np.zeros(100, dtype=np.uint16))
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[8:10], "little")  # the header's length, after the magic string and the version
+    path.write_bytes(raw[:10] + header.ljust(length - 1) + b"\n" + raw[10 + length:])
+    with pytest.raises(DataError, match="train_000001.npy is not a readable .npy file .*; prepare the dataset again"):
+        TokenLoader(str(tmp_path), "train", batch_size=2, block_size=8)
+
+
+def test_a_train_shard_that_is_a_named_pipe_is_one_sentence_before_anything_is_written(data_root, tmp_path):
+    """Opening a named pipe waits for a writer that never comes: the start would hang forever."""
+    import shutil
+
+    shutil.copytree(data_root / "shakespeare", tmp_path / "data" / "shakespeare")
+    shard = sorted((tmp_path / "data" / "shakespeare").glob("train_*.npy"))[0]
+    shard.unlink()
+    os.mkfifo(shard)
+    out = tmp_path / "run"
+    result = warm_python.python(["train.py", *args(tmp_path / "data", out)], ROOT, timeout=300)
+    assert_one_sentence(result, f"train shard {shard} is not a regular file (a named pipe (FIFO))",
+                        "put the .npy file prepare_data.py writes in its place")
+    assert not out.exists()
+
+
 def test_a_short_last_shard_does_not_make_the_dataset_unusable(tmp_path):
     write_shard(str(tmp_path / "train_000001.npy"), np.arange(1000) % 50000)
     write_shard(str(tmp_path / "train_000002.npy"), np.arange(5))

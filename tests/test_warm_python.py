@@ -1,8 +1,12 @@
-"""warm_python.py, which most of the suite's `python ...` runs go through, behaves as `python` does."""
+"""warm_python.py, which most of the suite's `python ...` runs go through, behaves as `python` does; the
+suite's helpers leave the system temp folder as they found it."""
 
 import os
+import subprocess
+import sys
 
 import warm_python
+from conftest import ROOT
 
 
 def test_a_warm_child_is_a_process_of_its_own_that_exits_as_python_does(tmp_path):
@@ -17,3 +21,22 @@ def test_a_warm_child_is_a_process_of_its_own_that_exits_as_python_does(tmp_path
     assert (said.returncode, said.stdout, said.stderr) == (1, "['-c', 'x']\n", "one sentence\n")
     failed = warm_python.python(["-c", "raise ValueError('no')"], tmp_path)
     assert failed.returncode == 1 and failed.stderr.endswith("ValueError: no\n")
+
+
+def test_the_suites_helpers_leave_the_system_temp_folder_as_they_found_it(tmp_path):
+    """tests/conftest.py's folders in the system temp folder (the bucket cache, the small task sets) are
+    gone when the session ends, with pytest-xdist's workers as without."""
+    (tmp_path / "test_helpers.py").write_text(
+        "from conftest import tiny_task_data\n\n\ndef test_task_data():\n    assert tiny_task_data()\n\n\n"
+        "def test_nothing():\n    pass\n")
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    env = {name: value for name, value in os.environ.items() if name != "NANOGPT_REMOTE_CACHE"}
+    env.update(TMPDIR=str(temp), PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]))
+    for workers in ("0", "2"):
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                                 "-n", workers, f"--basetemp={tmp_path / 'base'}", f"--rootdir={tmp_path}",
+                                 "test_helpers.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert list(temp.iterdir()) == [], workers
