@@ -168,8 +168,8 @@ def a_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(cuda, "is_bf16_supported", lambda: True)
     monkeypatch.setattr(cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(cuda, "get_device_properties",
-                        lambda device=None: type("Properties", (), {"total_memory": 80 * GIB})())
+    monkeypatch.setattr(cuda, "mem_get_info",  # (free, total): the check that the weights fit reads it
+                        lambda device=None: calls.append("cuda.mem_get_info") or (70 * GIB, 80 * GIB))
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: calls.append("cuda.synchronize"))
     monkeypatch.setattr(cuda, "Event", lambda: RecordedEvent(calls))
     monkeypatch.setattr(cuda, "memory_allocated", lambda device=None: 3 * GIB)
@@ -209,7 +209,7 @@ def test_the_quick_start_trains_on_a_stand_in_gpu_through_every_entry_of_its_row
     assert "placed on cuda, autocast torch.bfloat16" in a_gpu  # auto picks the GPU, and bf16
     assert "torch.compile" in a_gpu and "the first step compiles" in result.stdout  # compile=auto compiles
     assert "output layer + loss: full" in result.stdout  # the loss path auto picks under compile on CUDA
-    assert "fused True" in a_gpu and "pinned" in a_gpu
+    assert "fused True" in a_gpu and "pinned" in a_gpu and "cuda.mem_get_info" in a_gpu
     assert "compiling included" in result.stdout  # the compiled first step, timed to the GPU's end
     # The clock waits for the GPU around each pause (validation at steps 2 and 4, the checkpoint) and at the
     # end of the compiled first step; each metrics copy records an event and waits for it.
