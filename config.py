@@ -109,7 +109,8 @@ class TrainConfig:
     data_parallel: Literal["ddp", "fsdp"] = free_setting("ddp")
     # whose GPT class is trained: model (model.py) or a .py file of your own (the course's capstone)
     model_module: str = identity_setting("model")
-    # output layer + loss: chunked (a slice at a time, never all the logits), full (logits, then
+    # output layer + loss: chunked (a slice at a time, never all the logits, where the first
+    # micro-batch proves it gives forward's loss), full (forward's own line: logits, then
     # F.cross_entropy, as nanoGPT), auto (the faster on the device: docs/measurements.md)
     loss_path: Literal["auto", "chunked", "full"] = applied_setting("auto")
     seed: int = identity_setting(1337, ladder=True)  # model init, data order and sampling

@@ -30,10 +30,10 @@ from checkpoint import Checkpointer, TrainState, newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
 from metrics import NonFiniteLoss, StepClock
-from model import GPT, gpt_class
+from model import GPT, choose_fast_loss, fast_loss_problem, gpt_class
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, device_kind,
-                  is_compiled, loss_path_on, make_plan, pick_device)
+from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, describe_run,
+                  device_kind, is_compiled, loss_path_on, make_plan, pick_device)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -307,7 +307,27 @@ def evaluate(run, due, mix):
         if not run.data.fast_paths["tasks"]:
             scores.update(evaluate_in_loop(run.raw_model, run.data.task_examples, place,
                                            run.cfg.eval.tasks_batch_size))
+    check_fast_loss(run)  # (back in training mode)
     return scores
+
+
+def check_fast_loss(run):
+    """At each evaluation, in training mode: the faster loss the run chose at start still gives
+    forward's loss on the first micro-batch (the loss alone, one forward each way). Where it stops,
+    the run says so in one line and goes on with forward's own line."""
+    model, place = run.raw_model, run.place
+    if not getattr(model, "fast_loss", ""):
+        return
+    with place.autocast:
+        problem = fast_loss_problem(model, *run.first_batch, model.fast_loss, gradients=False)
+    if all_ranks_agree(place, not problem):
+        return
+    if place.is_master:
+        problem = problem or "on another rank the loss path chosen at start gives another loss"
+        print(f"warning: at step {run.state.step}, {problem} on the first micro-batch; forward's "
+              f"own line computes the loss from step {run.state.step + 1} on.", file=sys.stderr,
+              flush=True)
+    model.fast_loss = ""
 
 
 def check_fast_path(run, what, problem_of):
@@ -417,6 +437,7 @@ class Run:
     sample_generator: torch.Generator
     extras: object  # lab/step_extras.py's StepExtras, or None
     extras_steps: object  # the steps it has work at (a set or range; empty without extras)
+    first_batch: tuple  # (x, y) the first step reads: the loss path is checked on it (evaluate)
     flops_per_token: int
     peak_flops: float | None
 
@@ -462,6 +483,12 @@ def build_run(cfg, stack):
     generator = torch.Generator(place.device).manual_seed(cfg.train.seed + place.rank)
     state, replaced = run_dir.load_start(cfg, place, start, raw_model, optimizer, stages, generator,
                                          plan, config_dict)
+    first_loader = stages.loader_at(state.step + 1)  # the loader of the step the run takes first
+    first_batch, loss_why = decide_fast_loss(cfg, place, raw_model, first_loader, compiled)
+    if place.is_master:
+        print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
+                           sequences_per_epoch=stages.loaders[0][1].num_sequences,
+                           loss_why=loss_why))
     stack.callback(run_dir.register_stack_dump(cfg.train.out_dir, place.rank))
     books = start_bookkeeping(cfg, place, plan, replaced, start.replace_bucket, config_dict, stack)
     books.notifier = notifier
@@ -474,8 +501,33 @@ def build_run(cfg, stack):
                optimizer=optimizer, schedule=build_schedule(cfg.optim, plan.max_steps), plan=plan,
                data=RunData(stages, val_loaders, task_examples, tokenizer), books=books,
                state=state, resumed=start.resumed, sample_generator=generator, extras=extras,
-               extras_steps=extras_steps, flops_per_token=raw_model.flops_per_token(),
+               extras_steps=extras_steps, first_batch=first_batch,
+               flops_per_token=raw_model.flops_per_token(),
                peak_flops=cfg.train.peak_flops or place.kind.peak_flops(place.device))
+
+
+def decide_fast_loss(cfg, place, raw_model, loader, compiled):
+    """How the run computes forward's loss (model.choose_fast_loss: the fused loss, the slices, or
+    forward's own line), decided before anything else runs the model, in training mode under the
+    step's autocast, on the micro-batch the first step reads (the loader is put back: the first
+    step reads it again). Returns (that micro-batch, why the path: for the start line)."""
+    position = loader.state_dict()
+    first_batch = loader.next_batch()
+    loader.load_state_dict(position)
+    sharded = cfg.train.data_parallel == "fsdp"  # (whose gradients autograd.grad cannot reach)
+    with place.autocast:
+        why = choose_fast_loss(raw_model, *first_batch, compiled, gradients=not sharded,
+                               agree=functools.partial(all_ranks_agree, place))
+    return first_batch, why
+
+
+def all_ranks_agree(place, holds):
+    """Whether `holds` is true on every rank."""
+    if place.world_size == 1:
+        return holds
+    every = torch.tensor([float(holds)], device=place.device)
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    return bool(every.item())
 
 
 def start_processes(cfg):

@@ -163,11 +163,9 @@ Z_LOSS = [("model.py", "    dropout: float = field(",
            "    # PaLM's z-loss: this times the mean squared log-normalizer of the logits joins the loss (0: off)\n"
            "    z_loss: float = field(default=0.0, metadata={\"role\": \"applied\", \"ladder\": False, "
            "\"check\": \"0 or more\"})\n    dropout: float = field("),
-          ("model.py", "        self.loss_path = loss_path\n",
-           "        self.loss_path = \"full\" if config.z_loss else loss_path\n"),  # the chunked loss has no z-loss
-          ("model.py", "            return F.cross_entropy(",
-           "            z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
-           "            return z + F.cross_entropy(")]
+          ("model.py", "        return F.cross_entropy(",
+           "        z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
+           "        return z + F.cross_entropy(")]
 
 
 def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tmp_path, args):
@@ -177,7 +175,8 @@ def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tm
     assert_one_sentence(run(project, "train.py", *args, "--model.z_loss=-1", check=False),
                         "model.z_loss must be 0 or more")
     run_dir, resumed = train_stop_resume(project, tmp_path, *args, "--model.z_loss=1e-3")
-    assert "output layer + loss: full" in resumed.stdout  # read from the model, which took the full path
+    # the faster losses have no z-loss: the run found so on its first micro-batch and took forward's own line
+    assert "output layer + loss: full logits (the fused loss gives" in resumed.stdout
     run(project, "train.py", *args, *STEPS, "--train.hard_stop=1", f"--train.out_dir={tmp_path / 'off'}")
     assert metrics(tmp_path / "off")[0]["train/loss"] < metrics(run_dir)[0]["train/loss"]  # the term is there
     # An applied setting: a resume may change it, and the change is recorded.
@@ -187,6 +186,63 @@ def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tm
     assert changes[-1]["changes"]["model.z_loss"] == [1e-3, 2e-3]
     samples(project, run_dir)
     exports_with_its_logits(project, run_dir, tmp_path / "hf")  # the z-loss shapes training, not the logits
+
+
+# ------------------------------------------------------------------ the loss a run trains is forward's own
+# A faster loss (the fused one, the slices) serves only where it gives what forward's own line gives, for the model
+# as it trains: checked in training mode on the first micro-batch, before any evaluation, and at each evaluation.
+
+FULL_PATH = "--train.loss_path=full"
+
+
+def losses(run_dir):
+    return [row["train/loss"] for row in metrics(run_dir) if "train/loss" in row]  # (step 0 evaluates only)
+
+
+def test_a_temperature_written_on_forwards_logits_line_trains_what_the_full_path_trains(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", (
+        "model.py", "        logits = self.logits(x)\n", "        logits = self.logits(x) / 0.5\n"))
+    run_dir, resumed = train_stop_resume(project, tmp_path, *args)  # a resume chooses as the straight run
+    assert "output layer + loss: full logits (the fused loss gives" in resumed.stdout
+    assert "; the slices through `logits` give" in resumed.stdout
+    run(project, "train.py", *args, *STEPS, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(run_dir) == losses(tmp_path / "full")  # the same line computes both: bit for bit
+
+
+TRAINING_ONLY_GAIN = ("model.py", "        return self.lm_head(h)\n",
+                      "        return self.lm_head(h) * (1.5 if self.training else 1.0)  # a gain in training only\n")
+
+
+def test_a_logits_that_differs_in_training_is_decided_in_training_mode_with_an_evaluation_at_step_0(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", TRAINING_ONLY_GAIN)
+    first = ["--eval.fixed_steps=[0]", "--train.max_steps=3", "--eval.interval=3", "--train.no_checkpoints=true"]
+    sliced = run(project, "train.py", *args, *first, f"--train.out_dir={tmp_path / 'chunked'}")
+    assert "output layer + loss: slices through `logits`, 2 per micro-step" in sliced.stdout
+    assert "(`logits` is more than a matmul by one weight, and the slices through `logits` gave" in sliced.stdout
+    run(project, "train.py", *args, *first, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(tmp_path / "chunked") == pytest.approx(losses(tmp_path / "full"), rel=1e-5)
+
+
+ANNEALED = [("model.py", "        self.apply(self._init_weights)\n",
+             "        self.apply(self._init_weights)\n"
+             "        self.register_buffer(\"temperature\", torch.ones(()))  # halved after each evaluation\n\n"
+             "    def train(self, mode=True):\n"
+             "        if mode and not self.training:\n"
+             "            self.temperature /= 2\n"
+             "        return super().train(mode)\n"),
+            ("model.py", "        return self.lm_head(h)\n", "        return self.lm_head(h) / self.temperature\n")]
+
+
+def test_a_logits_whose_state_changes_as_it_trains_is_caught_at_the_next_evaluation(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", *ANNEALED)
+    steps = ["--train.max_steps=4", "--eval.interval=2", "--train.no_checkpoints=true"]
+    result = run(project, "train.py", *args, *steps, f"--train.out_dir={tmp_path / 'chunked'}")
+    assert "output layer + loss: fused" in result.stdout  # a temperature of 1 at start: a plain matmul
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith("warning: at step 2, the fused loss gives"), result.stderr
+    assert warned[0].endswith("forward's own line computes the loss from step 3 on.")
+    run(project, "train.py", *args, *steps, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(tmp_path / "chunked") == pytest.approx(losses(tmp_path / "full"), rel=1e-5)
 
 
 def setting(option):
