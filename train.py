@@ -300,10 +300,9 @@ def evaluate(run, due, mix):
         model.train()
         if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
             scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
-    if due.tasks:
+    if due.tasks and not run.data.fast_paths.get("tasks"):  # (off once a check found otherwise)
         from hellaswag_eval import evaluate_in_loop, scoring_problem
-        if "tasks" not in run.data.fast_paths:  # once, at the first: on weights that have trained
-            check_fast_path(run, "tasks", scoring_problem)
+        check_fast_path(run, "tasks", scoring_problem)  # each time: the weights have trained since
         if not run.data.fast_paths["tasks"]:
             scores.update(evaluate_in_loop(run.raw_model, run.data.task_examples, place,
                                            run.cfg.eval.tasks_batch_size))
@@ -331,12 +330,13 @@ def check_fast_loss(run):
 
 
 def check_fast_path(run, what, problem_of):
-    """Before the loop first samples or scores the tasks (`what`): `problem_of` compares the fast
-    path they take (the KV cache, score_tokens) with the model's plain forward. A difference is a
-    warning, and turns `what` off for the run; the ranks that take the path agree."""
+    """Each time before the loop samples or scores the tasks (`what`): `problem_of` compares the
+    fast path they take (the KV cache, score_tokens) with the model's plain forward, to float noise
+    (a few short rows: cheap next to what follows). A difference is a warning, and turns `what` off
+    for the rest of the run; the ranks that take the path agree."""
     place, sharded = run.place, hasattr(run.model, "set_requires_gradient_sync")
     bf16 = sharded and isinstance(place.autocast, torch.autocast)  # FSDP's bf16 weights
-    problem = problem_of(run.raw_model, tolerance=2e-2 if bf16 else 1e-4)
+    problem = problem_of(run.raw_model, **({"tolerance": 2e-2} if bf16 else {}))
     if place.world_size > 1 and (sharded or what == "tasks"):
         found = torch.tensor([float(bool(problem))], device=place.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -344,8 +344,8 @@ def check_fast_path(run, what, problem_of):
                               if found.item() else "")
     run.data.fast_paths[what] = problem
     if problem and place.is_master:
-        print(f"warning: {problem[:-1]}; {what} are off for this run.", file=sys.stderr,
-              flush=True)
+        print(f"warning: at step {run.state.step}, {problem[:-1]}; {what} are off for this run.",
+              file=sys.stderr, flush=True)
 
 
 def write_samples(run, step):
@@ -360,9 +360,10 @@ def write_samples(run, step):
         from lab.fsdp import share_generator
         share_generator(run.sample_generator)
     try:
-        if "samples" not in run.data.fast_paths:  # once, at the first samples
-            from sample import kv_cache_problem
-            check_fast_path(run, "samples", kv_cache_problem)
+        if run.data.fast_paths.get("samples"):  # off once a check found otherwise
+            return
+        from sample import kv_cache_problem
+        check_fast_path(run, "samples", kv_cache_problem)  # each time: the weights have trained
         if run.data.fast_paths["samples"]:
             return
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples,
@@ -405,7 +406,7 @@ class RunData:
     val_loaders: dict  # {metric prefix: TokenLoader}
     task_examples: dict  # eval.tasks' examples (hellaswag_eval.py)
     tokenizer: object  # the training data's: GPT-2's, or a character-level dataset's
-    # "samples", "tasks" once checked (check_fast_path): "" or why the loop does not run them
+    # "samples", "tasks" once checked (check_fast_path): "" or why the loop runs them no more
     fast_paths: dict = field(default_factory=dict)
 
 

@@ -591,6 +591,11 @@ class GPT(model.GPT):
             for linear in (block.attn.c_attn, block.attn.c_proj):
                 torch.nn.init.normal_(linear.weight, std=0.2)
 """
+# The same fork as one writes it, at GPT-2's initial scale: attention barely depends on position at first.
+ROPE_AT_GPT2_SCALE = ROPE_FROM_THE_CACHE.replace(
+    "            for linear in (block.attn.c_attn, block.attn.c_proj):\n"
+    "                torch.nn.init.normal_(linear.weight, std=0.2)\n", "")
+assert ROPE_AT_GPT2_SCALE != ROPE_FROM_THE_CACHE
 SOFT_CAP_IN_FORWARD = """import torch
 import torch.nn.functional as F
 
@@ -636,6 +641,72 @@ def test_a_fork_whose_fast_path_computes_otherwise_is_refused_by_the_tools_and_w
             assert_one_sentence(result, "than its plain forward model(idx)", refused_by[tool])
         else:
             assert result.returncode == 0 and result.stdout.startswith("--- sample 0"), result.stderr
+
+
+def test_a_rope_fork_at_gpt2_scale_is_refused_by_the_tools_and_warned_of_when_its_fast_path_drifts(tmp_path, args):
+    """The RoPE fork as one writes it, at GPT-2's initial scale: its fast paths are off by 1e-4 to 1e-3, far above
+    float noise and below the old 1e-4-of-the-scale tolerance. The loop checks them at every evaluation and
+    sampling, so a path that passes at first is turned off where it drifts; the tools refuse the run's weights."""
+    import hellaswag_eval
+    import sample
+    from conftest import run_in_process, run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(ROPE_AT_GPT2_SCALE)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=6", "--eval.interval=0",
+                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
+                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
+                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert {line.rsplit("; ", 1)[1] for line in warnings} == {"samples are off for this run.",
+                                                              "tasks are off for this run."}, trained.stderr
+    tasks_off = int(next(line for line in warnings if line.endswith("tasks are off for this run."))
+                    .split(",")[0].split()[-1])
+    scored = [row["step"] for row in metrics(run_dir) if "eval/hellaswag/acc" in row]
+    assert scored == list(range(1, tasks_off)), (scored, tasks_off)  # scored until the check found it off
+    for main, extra, phrase in [
+            (sample.main, ["--max_new_tokens=2", "--num_samples=1"], "make its forward with kv_cache"),
+            (hellaswag_eval.main, [f"--data_dir={tiny_task_data()}", "--limit=2"], "give the fork a score_tokens")]:
+        result = run_in_process([f"--init_from={run_dir}", "--device=cpu", f"--model_module={module}", *extra], main)
+        assert_one_sentence(result, "than its plain forward model(idx)", phrase)
+
+
+DRIFTING_FAST_PATHS = """import torch, model
+class GPT(model.GPT):
+    \"\"\"Fast paths right until the model has been evaluated once, then off by `drift`: a stand-in for a fork
+    whose fast paths drift from its forward as it trains.\"\"\"
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        self.register_buffer("drift", torch.zeros(()), persistent=False)
+    def train(self, mode=True):
+        if mode and not self.training:
+            self.drift += 1e-3
+        return super().train(mode)
+    def forward(self, idx, targets=None, kv_cache=None):
+        out = super().forward(idx, targets, kv_cache)
+        if kv_cache is not None:
+            out[..., 0] += self.drift
+        return out
+    def score_tokens(self, idx, targets, *args, **kwargs):
+        return super().score_tokens(idx, targets, *args, **kwargs) + self.drift * (targets != -1)
+"""
+
+
+def test_the_loop_checks_its_fast_paths_each_time_it_takes_them(tmp_path, args):
+    from conftest import run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(DRIFTING_FAST_PATHS)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=3", "--eval.interval=0",
+                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
+                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
+                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert [line.split(",")[0] for line in warnings] == ["warning: at step 1", "warning: at step 2"], trained.stderr
+    assert warnings[1].endswith("tasks are off for this run.")  # its first check passed, its second did not
+    assert [row["step"] for row in metrics(run_dir) if "eval/hellaswag/acc" in row] == [1]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
