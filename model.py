@@ -480,22 +480,25 @@ def choose_fast_loss(model, x, y, compiled=False, gradients=True, agree=bool):
 
 def plain_output_weight(model):
     """The name of the weight W when `model.logits(h)` is h @ W.T and nothing more, else "": the
-    fused loss's one-time check. `logits` must use one parameter alone, of two dimensions, and
-    give exactly what F.linear gives on random rows (autocast off; rows large enough that a cap or
-    any other nonlinearity shows). In doubt, "": the slices, right for any logits."""
+    fused loss's first test (choose_fast_loss). `logits` must use one parameter alone, of two
+    dimensions, and give exactly what F.linear gives on random rows (autocast off; rows large
+    enough that a cap or any other nonlinearity shows, which a model's first logits may be too small
+    to show). In doubt, "": the slices, right for any logits."""
     params = output_parameters(model)
     if len(params) != 1 or params[0].dim() != 2:  # a bias, a gain: more than a matmul
         return ""
     weight = params[0]
+    name = next(name for name, p in model.named_parameters() if p is weight)
+    if type(weight).__name__ == "DTensor":  # sharded (FSDP): only forward gathers it, so only
+        return name  # the first micro-batch's whole loss tests it
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         # a generator of its own: a draw from the global one would shift dropout's random numbers
-        # after a resume, which makes this check at a later step than the run that never stopped
         own = torch.Generator(weight.device).manual_seed(0)
         rows = 100 * torch.randn(8, weight.size(1), device=weight.device, dtype=weight.dtype,
                                  generator=own)
         if not torch.equal(model.logits(rows), F.linear(rows, weight)):
             return ""
-    return next(name for name, p in model.named_parameters() if p is weight)
+    return name
 
 
 class LinearCrossEntropy(torch.autograd.Function):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bucket_fixture import s3  # noqa: F401 - a fixture: moto's S3 server on 127.0.0.1
-from conftest import TINY, assert_one_sentence, run_in_process, run_train
+from conftest import TINY, assert_one_sentence, run_in_process, run_train, tiny_task_data
 
 EVIL = """import os
 open({marker!r}, "w").write("ran")  # whoever handed the checkpoint over runs code here
@@ -153,9 +153,11 @@ def relu_fork(tmp_path_factory):
     return fork_of_the_project(tmp_path_factory.mktemp("relu") / "project", RELU)
 
 
-def test_export_refuses_a_checkpoint_of_other_model_code_and_sampling_says_so_first(relu_fork, data_root, tmp_path):
-    """A ReLU run exported after model.py went back to GPT-2's GELU: export-hf compared the export with the code
-    now, not with the model trained, and wrote another model (exit 0). It refuses, naming the file."""
+def test_the_tools_refuse_a_checkpoint_of_other_model_code_unless_told_to_use_the_code_now(relu_fork, data_root,
+                                                                                          tmp_path):
+    """A ReLU run sampled, scored or exported after model.py went back to GPT-2's GELU: each tool would serve another
+    model than the one trained. Each refuses in one sentence naming the file and the one flag that accepts the code
+    as it is now; with it, sample.py says so on stderr and samples, and export-hf writes and checks its folder."""
     from test_forks import make_edits, run
 
     out = tmp_path / "run"
@@ -163,14 +165,22 @@ def test_export_refuses_a_checkpoint_of_other_model_code_and_sampling_says_so_fi
         "--train.max_steps=2", "--eval.interval=0")
     project = make_edits(relu_fork, RELU[::2] + RELU[1:2])  # model.py as it was: GPT-2's GELU
     try:
-        sampled = run(project, "sample.py", f"--init_from={out}", "--device=cpu", "--max_new_tokens=2",
-                      "--num_samples=1")
+        sample = ["sample.py", f"--init_from={out}", "--device=cpu", "--max_new_tokens=2", "--num_samples=1"]
+        scores = ["hellaswag_eval.py", f"--init_from={out}", "--device=cpu", f"--data_dir={tiny_task_data()}",
+                  "--limit=1"]
+        export = ["checkpoint.py", "export-hf", out, tmp_path / "hf"]
+        for command in (sample, scores, export):
+            refused = run(project, *command, check=False)
+            assert_one_sentence(refused, "was saved with other model code than is here now (model.py)",
+                                "pass --accept_changed_code to use the code as it is now")
+        assert not (tmp_path / "hf").exists()
+        sampled = run(project, *sample, "--accept_changed_code")
         assert sampled.stderr.splitlines()[0].startswith(f"note: the model code changed since {out / 'step2'} "
                                                          "was saved (model.py)")
+        assert sampled.stdout.startswith("--- sample 0")
         pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
-        refused = run(project, "checkpoint.py", "export-hf", out, tmp_path / "hf", check=False)
-        assert_one_sentence(refused, "was saved with other model code than is here now (model.py)")
-        assert not (tmp_path / "hf").exists()
+        run(project, *export, "--accept_changed_code")  # checked against the code now, as every export is
+        assert (tmp_path / "hf" / "config.json").exists()
     finally:
         make_edits(project, RELU)
 
