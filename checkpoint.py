@@ -730,8 +730,8 @@ def check_named_module(saved, named, what, flag):
 # The tools' one flag (sample.py, hellaswag_eval.py, export-hf) that serves a checkpoint with model
 # code other than it was trained with; export-hf still compares what it writes with that code.
 ACCEPT_CHANGED_CODE = "--accept_changed_code"
-ACCEPT_CHANGED_CODE_HELP = ("serve a checkpoint with the model code as it is now, though it changed "
-                            "since the checkpoint was saved")
+ACCEPT_CHANGED_CODE_HELP = ("serve a checkpoint with the model code as it is now, though it "
+                            "changed since the checkpoint was saved")
 
 
 def load_model(source, device, key, model_module="model", flag="--model_module",

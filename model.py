@@ -7,9 +7,10 @@ hidden states and the vocabulary.
 What only the model knows stays here, so a fork edits this file alone and the rest of the trainer
 names no layer: which parameters are embeddings, matrices or gains (`param_groups`; PARAM_KINDS says
 what each kind is to the counts and the optimizer), its blocks (per-layer metrics), its size and
-FLOPs. At the bottom: faster ways to forward's loss, the same cross-entropy a slice of rows at a time
-(`train.loss_path`), fused into one torch.autograd.Function where `logits` is a plain matmul, and
-the check that proves one equal to forward's own line before a run takes it (choose_fast_loss).
+FLOPs. At the bottom: faster ways to forward's loss, the same cross-entropy a slice of rows at a
+time (`train.loss_path`), fused into one torch.autograd.Function where `logits` is a plain matmul,
+and the check that proves one equal to forward's own line before a run takes it
+(choose_fast_loss).
 """
 
 from dataclasses import dataclass, field

@@ -227,3 +227,29 @@ def test_weights_in_another_dtype_than_the_models_are_refused_not_cast(tiny_run,
     assert_one_sentence(run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}",
                                         f"--checkpoint.load_path={step}", "--train.max_steps=3"], train.main), phrase)
     assert not out.exists() or not any(out.glob("step*"))
+
+
+def test_a_saved_config_json_naming_a_model_file_imports_nothing_unless_the_command_line_names_it(tmp_path,
+                                                                                                  data_root):
+    """`python train.py RUN/config.json` (the ladder's way to reproduce a size; a fresh node copies config.json
+    from the bucket): the JSON is data, so the file it names is not imported wherever it lies, here at the top
+    of the run folder. Named again on the command line, it is the user's word."""
+    import train
+    from config import ConfigError, parse_args
+
+    marker = tmp_path / "ran"
+    run_folder = tmp_path / "run"
+    run_folder.mkdir()
+    evil = run_folder / "evil.py"
+    evil.write_text(EVIL.format(marker=str(marker)))
+    (run_folder / "config.json").write_text(json.dumps({"train": {"model_module": str(evil)}}))
+    config = str(run_folder / "config.json")
+    refused = run_in_process([config, f"--data.data_root={data_root}", "--train.max_steps=1"], train.main)
+    assert_one_sentence(refused, f"names train.model_module={evil}", "never imported",
+                        f"pass --train.model_module={evil} to train with that file")
+    assert not marker.exists()
+    assert parse_args([config, f"--train.model_module={evil}"]).train.model_module == str(evil)
+    assert parse_args([config, "--train.model_module=model"]).train.model_module == "model"
+    with pytest.raises(ConfigError, match="never imported"):
+        parse_args([config, "--train.max_steps=1"])
+    assert not marker.exists()
