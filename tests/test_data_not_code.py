@@ -103,7 +103,8 @@ def test_a_bucket_checkpoint_that_lists_other_files_is_refused_and_nothing_lands
 def test_a_model_file_the_user_names_is_imported_and_its_helpers_are_part_of_the_model_code(
         data_root, tmp_path, capsys):
     """A model_module that imports a helper of the project: an edit of the helper (GELU to ReLU) is a change of the
-    model code, said on resume and recorded in config_changes.jsonl, said by sample.py, and export-hf refuses it."""
+    model code, said on resume and recorded in config_changes.jsonl; sample.py and export-hf refuse it unless told
+    to use the code as it is now."""
     import sample
 
     helper = tmp_path / "helper_act.py"
@@ -126,15 +127,18 @@ def test_a_model_file_the_user_names_is_imported_and_its_helpers_are_part_of_the
         changes = [json.loads(line) for line in (out / "config_changes.jsonl").read_text().splitlines()]
         assert changes[-1]["step"] == 2 and f"model code {helper}" in changes[-1]["changes"], changes
         Path(helper).write_text(Path(helper).read_text().replace("nn.ReLU()", "nn.GELU()"))  # edited again
-        sampled = run_in_process(["--init_from", out, "--device=cpu", "--max_new_tokens=2", "--num_samples=1",
-                                  f"--model_module={module}"], sample.main)
+        to_sample = ["--init_from", out, "--device=cpu", "--max_new_tokens=2", "--num_samples=1",
+                     f"--model_module={module}"]
+        assert_one_sentence(run_in_process(to_sample, sample.main), "was saved with other model code", str(helper),
+                            "--accept_changed_code")
+        sampled = run_in_process([*to_sample, "--accept_changed_code"], sample.main)
         assert sampled.returncode == 0 and sampled.stderr.startswith("note: the model code changed since"), sampled
         assert str(helper) in sampled.stderr.splitlines()[0] and sampled.stdout.startswith("--- sample 0")
         pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
         import checkpoint
         refused = run_in_process(["export-hf", out, tmp_path / "hf", f"--model_module={module}"], checkpoint.main)
         assert_one_sentence(refused, "was saved with other model code than is here now", str(helper),
-                            "export it with the code it was trained with")
+                            "check out the code it was trained with")
         assert not (tmp_path / "hf").exists()
     finally:
         sys.path.remove(str(tmp_path))
@@ -253,3 +257,19 @@ def test_a_saved_config_json_naming_a_model_file_imports_nothing_unless_the_comm
     with pytest.raises(ConfigError, match="never imported"):
         parse_args([config, "--train.max_steps=1"])
     assert not marker.exists()
+
+
+def test_the_model_code_covers_helpers_imported_under_try_and_inside_functions(tmp_path):
+    """A helper a model file imports anywhere, not only at its top (under `try:`, inside a function), at any depth,
+    is part of the model's code: an edit of it is a change a resume and the tools hear of."""
+    from metrics import model_code
+
+    for name in ("optional_norm", "inner_act", "deeper"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    (tmp_path / "inner_act.py").write_text("def act():\n    from deeper import VALUE\n    return VALUE\n")
+    module = tmp_path / "my_gpt.py"
+    module.write_text("import model\ntry:\n    import optional_norm\nexcept ImportError:\n    optional_norm = None\n\n\n"
+                      "class GPT(model.GPT):\n    def activation(self):\n        import inner_act\n"
+                      "        return inner_act.act()\n")
+    files = {os.path.basename(name) for name in model_code(str(module))}
+    assert {"optional_norm.py", "inner_act.py", "deeper.py", "my_gpt.py", "model.py"} <= files
