@@ -144,6 +144,9 @@ PARAM_KINDS = {
     "output": ParamKind(in_n=True, muon=False, decay=True),
     "matrix": ParamKind(in_n=True, muon=True, decay=True),
     "vector": ParamKind(in_n=True, muon=False, decay=False),
+    # a bias or gain `logits` adds (a fork's lm_head with bias=True): part of the output layer,
+    # which N leaves to num_params_with_output, and no matmul, so in no count of FLOPs
+    "output_vector": ParamKind(in_n=False, muon=False, decay=False),
 }
 
 
@@ -253,7 +256,8 @@ class GPT(nn.Module):
                      layer, by any name
           matrix     the other weights of two or more dimensions: the matmuls of the blocks (a
                      fork's lookup table held as a bare parameter needs a kind of its own)
-          vector     biases and LayerNorm gains"""
+          vector     biases and LayerNorm gains
+          output_vector  a bias or gain `logits` itself uses (an output layer's bias)"""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
         output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by
@@ -261,6 +265,7 @@ class GPT(nn.Module):
             owner = modules[name.rpartition(".")[0]]
             kind = ("embedding" if isinstance(owner, nn.Embedding)
                     else "output" if id(p) in output and p.dim() == 2
+                    else "output_vector" if id(p) in output and p.dim() < 2
                     else "matrix" if p.dim() >= 2 else "vector")
             groups[kind].append(p)
         return groups
@@ -276,11 +281,11 @@ class GPT(nn.Module):
     def num_params_with_output(self):
         """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian
         et al. 2024 point out that the output layer is real compute; an untied one is already in N).
-        The output layer is what `logits` multiplies by (output_parameters), so a fork that names or
-        ties it otherwise counts as it computes."""
+        The output layer is the matrices `logits` multiplies by (output_parameters; a bias it adds
+        multiplies nothing), so a fork that names or ties it otherwise counts as it computes."""
         outside_n = {id(p) for _, p, kind in parameter_kinds(self) if not kind.in_n}
         return self.num_params(non_embedding=True) + sum(p.numel() for p in output_parameters(self)
-                                                         if id(p) in outside_n)
+                                                         if id(p) in outside_n and p.dim() >= 2)
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B). 6N counts the forward (2N)
@@ -460,9 +465,9 @@ def choose_fast_loss(model, x, y, compiled=False, gradients=True, agree=bool):
     forward's own line; else the slices through `logits` where they are; else forward's own line.
     Under torch.compile the fused loss is not tried (the slices are what was measured compiled).
     `agree(ok)` is every rank's verdict (all equal), so that the ranks take one path. Returns why,
-    for the start line."""
-    if not hasattr(model, "loss_path"):  # a GPT of its own: its forward is all there is
-        return "its own forward"
+    for the start line ("" for a GPT not built on this one, whose forward is all there is)."""
+    if not hasattr(model, "fast_loss"):  # a GPT of its own: its forward is all there is
+        return ""
     model.fast_loss = ""
     if model.loss_path == "full":
         return "train.loss_path=full"

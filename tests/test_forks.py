@@ -400,6 +400,25 @@ def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_expo
     exported_or_refused(model, tmp_path / "hf", refusal)
 
 
+def test_a_bias_on_the_output_layer_is_counted_with_it_outside_n_and_adds_no_matmul_flops():
+    """An lm_head with bias=True: its bias is part of the output layer (kind output_vector: no decay, no Muon), not
+    one of N's vectors, and multiplies nothing, so N and the FLOPs are those of the model without it."""
+    import model
+
+    class WithOutputBias(model.GPT):
+        def __init__(self, config, loss_path="chunked"):
+            super().__init__(config, loss_path)
+            self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=True)
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
+
+    config = model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    plain, biased = model.GPT(config), WithOutputBias(config)
+    assert [p is biased.lm_head.bias for p in biased.param_groups()["output_vector"]] == [True]
+    assert biased.num_params() == plain.num_params() + config.vocab_size  # counted, with the output layer
+    assert biased.num_params(non_embedding=True) == plain.num_params(non_embedding=True)  # not in N
+    assert biased.flops_per_token() == plain.flops_per_token()  # a bias is no matmul
+
+
 def test_a_kind_of_parameter_the_table_does_not_list_is_one_sentence_naming_it(tmp_path, args):
     from conftest import run_train
 
@@ -542,8 +561,9 @@ def test_grouped_query_attention_with_a_new_identity_field_serves_every_tool(tmp
     assert n["non_embedding_params"] == all_heads - 2 * 64 * (128 + 1)  # a key and a value head fewer, with biases
     pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
     refused = run(project, "checkpoint.py", "export-hf", run_dir, tmp_path / "hf", check=False)
-    assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (32, 64) where a Hugging Face GPT-2's is "
-                                 "(32, 96)")
+    # in this model's orientation (out, in), as its weights print, not GPT-2's Conv1D one
+    assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (64, 32) where a Hugging Face GPT-2's is "
+                                 "(96, 32)")
     assert not (tmp_path / "hf").exists()
 
 
