@@ -616,24 +616,12 @@ def parse_args(argv, cfg=None):
     overrides = argv[1:] if has_file else argv
     for arg in overrides:
         apply_override(cfg, arg)
-    if has_file and argv[0].endswith(".json"):
-        check_no_code_from_data(cfg, argv[0], overrides)
+    if has_file and argv[0].endswith(".json") and cfg.train.model_module != "model":
+        from lab.model_module import check_named_by_user  # a saved config.json is data
+        check_named_by_user(cfg.train.model_module, argv[0], overrides)
     validate(cfg)
     cfg.train.model_module = model_path(cfg.train.model_module)
     return cfg
-
-
-def check_no_code_from_data(cfg, path, overrides):
-    """A config.json (a run's saved settings, local or copied from a bucket) is data: a
-    train.model_module it names, wherever that file lies, is imported only when the command line
-    names the same file (STYLE.md, rule 15)."""
-    module = cfg.train.model_module
-    named = any(arg.startswith("--train.model_module=") for arg in overrides)
-    if module != "model" and not named:
-        raise ConfigError(f"{path} names train.model_module={module}, and a file that a saved "
-                          f"config.json names is never imported; pass "
-                          f"--train.model_module={module} to train with that file, once you trust "
-                          "it.")
 
 
 def model_path(module):

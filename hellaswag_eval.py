@@ -44,7 +44,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import ACCEPT_CHANGED_CODE, ACCEPT_CHANGED_CODE_HELP, load_model
+from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
 from plan import pick_device
@@ -574,7 +574,8 @@ def main(argv):
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
     parser.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
-    parser.add_argument(ACCEPT_CHANGED_CODE, action="store_true", help=ACCEPT_CHANGED_CODE_HELP)
+    parser.add_argument("--accept_changed_code", action="store_true",
+                        help="serve a checkpoint whose model code changed since with the code now")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.limit < 0:
         raise TaskDataError(f"--batch_size must be at least 1 and --limit 0 or more (got "
@@ -588,7 +589,7 @@ def main(argv):
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
     model = load_model(args.init_from, args.device, "--init_from", args.model_module,
-                       accept_changed_code=args.accept_changed_code)
+                       changed_ok=args.accept_changed_code)
     if model.config.vocab_size < GPT2_VOCAB_SIZE:
         raise TaskDataError(f"the tasks are scored with GPT-2's tokenizer, and {args.init_from} "
                             f"has a vocabulary of {model.config.vocab_size} tokens (a "

@@ -343,8 +343,8 @@ def save_environment(out_dir, world_size):
 def model_code(model_module):
     """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
     train.model_module names a file of your own), that file, and the project's modules either
-    imports, anywhere in it and at any depth (a helper that holds the MLP). An edit to what the model
-    computes is a change even with the same weights (QK-norm, a logit cap)."""
+    imports, anywhere in it and at any depth (a helper that holds the MLP). An edit to what the
+    model computes is a change even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module

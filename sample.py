@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn import functional as F
 
-from checkpoint import (ACCEPT_CHANGED_CODE, ACCEPT_CHANGED_CODE_HELP, check_source, load_model,
-                        read_trainer_state)
+from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
 from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer
 from plan import pick_device
@@ -299,11 +298,12 @@ def main(argv):
                         help="auto (CUDA, else Apple's MPS, else the CPU), cpu, mps or cuda:N")
     parser.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
-    parser.add_argument(ACCEPT_CHANGED_CODE, action="store_true", help=ACCEPT_CHANGED_CODE_HELP)
+    parser.add_argument("--accept_changed_code", action="store_true",
+                        help="serve a checkpoint whose model code changed since with the code now")
     args = parser.parse_args(argv)
     check_args(args)
     model = load_model(args.init_from, args.device, "--init_from", args.model_module,
-                       accept_changed_code=args.accept_changed_code)
+                       changed_ok=args.accept_changed_code)
     problem = kv_cache_problem(model)  # sampling runs the cached path: checked first
     if problem:
         raise UserError(problem)

@@ -268,8 +268,8 @@ def test_the_model_code_covers_helpers_imported_under_try_and_inside_functions(t
         (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
     (tmp_path / "inner_act.py").write_text("def act():\n    from deeper import VALUE\n    return VALUE\n")
     module = tmp_path / "my_gpt.py"
-    module.write_text("import model\ntry:\n    import optional_norm\nexcept ImportError:\n    optional_norm = None\n\n\n"
-                      "class GPT(model.GPT):\n    def activation(self):\n        import inner_act\n"
-                      "        return inner_act.act()\n")
+    module.write_text("import model\ntry:\n    import optional_norm\nexcept ImportError:\n"
+                      "    optional_norm = None\n\n\nclass GPT(model.GPT):\n    def activation(self):\n"
+                      "        import inner_act\n        return inner_act.act()\n")
     files = {os.path.basename(name) for name in model_code(str(module))}
     assert {"optional_norm.py", "inner_act.py", "deeper.py", "my_gpt.py", "model.py"} <= files
