@@ -30,7 +30,7 @@ from checkpoint import Checkpointer, TrainState, newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
 from metrics import NonFiniteLoss, StepClock
-from model import GPT, choose_fast_loss, fast_loss_problem, gpt_class
+from model import GPT, choose_fast_loss, fast_loss_problem, gpt_class, loss_slice_rows
 from optimizer import build_optimizer, build_schedule, set_lr
 from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, describe_run,
                   device_kind, is_compiled, loss_path_on, make_plan, pick_device)
@@ -511,10 +511,15 @@ def decide_fast_loss(cfg, place, raw_model, loader, compiled):
     """How the run computes forward's loss (model.choose_fast_loss: the fused loss, the slices, or
     forward's own line), decided before anything else runs the model, in training mode under the
     step's autocast, on the micro-batch the first step reads (the loader is put back: the first
-    step reads it again). Returns (that micro-batch, why the path: for the start line)."""
+    step reads it again; on a GPU its first sequences). Returns (what was checked, kept for the
+    checks at each evaluation; why the path, for the start line)."""
     position = loader.state_dict()
     first_batch = loader.next_batch()
     loader.load_state_dict(position)
+    if place.device_type == "cuda":  # forward's own line holds all the logits the fast loss does
+        # not: on a GPU sized for the fast loss, the sequences of one of its slices (model.py)
+        sequences = max(1, loss_slice_rows("cuda", cfg.model.vocab_size) // cfg.model.block_size)
+        first_batch = tuple(t[:sequences] for t in first_batch)
     sharded = cfg.train.data_parallel == "fsdp"  # (whose gradients autograd.grad cannot reach)
     with place.autocast:
         why = choose_fast_loss(raw_model, *first_batch, compiled, gradients=not sharded,
