@@ -727,12 +727,11 @@ def check_named_module(saved, named, what, flag):
                               "with that file, once you trust it.")
 
 
-def load_model(source, device, key, model_module="model", flag="--model_module", export=False):
+def load_model(source, device, key, model_module="model", flag="--model_module", changed_ok=True):
     """A GPT in eval mode from a source check_source takes, built by model.py or by `model_module`,
     the file the user named (`flag`): a file a checkpoint names is never imported, and a checkpoint
     trained with one the user did not name is refused. Model code changed since the checkpoint is a
-    note, or with `export` a refusal (export-hf checks the export against the code now). Errors
-    name `key` (sample.py's --init_from, stage2.reference, ...)."""
+    note, or a refusal unless `changed_ok`. Errors name `key` (sample.py's --init_from, ...)."""
     path = check_source(source, key)
     if path is None:
         from lab.hf import import_hf
@@ -747,10 +746,10 @@ def load_model(source, device, key, model_module="model", flag="--model_module",
     check_weights_fit(path, model, "load it into the model it was trained with.")
     model.load_state_dict(saved_weights(path, model, "cpu"))
     changed = code_changes(trainer.get("model_code"), model_module)
-    if changed and export:
+    if changed and not changed_ok:  # (the code now would serve another model than was trained)
         raise CheckpointError(f"{path} was saved with other model code than is here now "
-                              f"({', '.join(changed)}), and export-hf checks its export against "
-                              "the code as it is now; export it with the code it was trained with.")
+                              f"({', '.join(changed)}); check out the code it was trained with, or "
+                              "pass --accept_changed_code to use the code as it is now.")
     note = code_change_note(trainer.get("model_code"), model_module, path, goes_on="it is loaded")
     if note and not (dist.is_initialized() and dist.get_rank() != 0):  # (stdout is the tool's)
         print(note, file=sys.stderr)
@@ -768,6 +767,7 @@ def main(argv):
     export.add_argument("out_dir")
     export.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
+    export.add_argument("--accept_changed_code", action="store_true", help="use today's model code")
     args = parser.parse_args(argv)
     if args.command == "list":
         if not os.path.isdir(args.run_dir):
@@ -793,7 +793,7 @@ def main(argv):
         from lab.hf import check_export_target, export_hf
         check_export_target(args.out_dir)  # before the (slow) load
         export_hf(load_model(args.checkpoint, "cpu", "export-hf's CHECKPOINT", args.model_module,
-                             export=True), args.out_dir)
+                             changed_ok=args.accept_changed_code), args.out_dir)
 
 
 if __name__ == "__main__":

@@ -109,7 +109,8 @@ class TrainConfig:
     data_parallel: Literal["ddp", "fsdp"] = free_setting("ddp")
     # whose GPT class is trained: model (model.py) or a .py file of your own (the course's capstone)
     model_module: str = identity_setting("model")
-    # output layer + loss: chunked (a slice at a time, never all the logits), full (logits, then
+    # output layer + loss: chunked (a slice at a time, never all the logits, where the first
+    # micro-batch proves it gives forward's loss), full (forward's own line: logits, then
     # F.cross_entropy, as nanoGPT), auto (the faster on the device: docs/measurements.md)
     loss_path: Literal["auto", "chunked", "full"] = applied_setting("auto")
     seed: int = identity_setting(1337, ladder=True)  # model init, data order and sampling
@@ -612,8 +613,12 @@ def parse_args(argv, cfg=None):
     cfg = Config() if cfg is None else cfg
     has_file = argv and not argv[0].startswith("--")
     load_config_file(cfg, argv[0] if has_file else DEFAULT_CONFIG_FILE)
-    for arg in argv[1:] if has_file else argv:
+    overrides = argv[1:] if has_file else argv
+    for arg in overrides:
         apply_override(cfg, arg)
+    if has_file and argv[0].endswith(".json") and cfg.train.model_module != "model":
+        from lab.model_module import check_named_by_user  # a saved config.json is data
+        check_named_by_user(cfg.train.model_module, argv[0], overrides)
     validate(cfg)
     cfg.train.model_module = model_path(cfg.train.model_module)
     return cfg

@@ -48,7 +48,7 @@ from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
 from plan import pick_device
-from sample import KVCache, largest_gap, plain_numerics
+from sample import FAST_PATH_NOISE, KVCache, largest_gap, plain_numerics
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
 # cores the two are equally fast (docs/measurements.md).
@@ -418,19 +418,23 @@ def score_choices(model, examples, device, batch_size=BATCH_SIZE):
 
 
 @torch.no_grad()
-def scoring_problem(model, tolerance=1e-4):
+def scoring_problem(model, tolerance=FAST_PATH_NOISE):
     """"" when score_choices' fast path (a cached shared context, choices packed in one row with
     their own positions and mask, GPT.score_tokens) gives the log-probabilities of the model's plain
-    forward model(idx), row by row, on three made-up examples; else the sentence that says what to
-    change. Made once, before a tool scores."""
+    forward model(idx), token by token, on six made-up examples (each choice scores its last token,
+    so that each sum is one token's log-probability), to float noise; else the sentence that says
+    what to change. Made before hellaswag_eval.py scores, and by the loop at each task
+    evaluation."""
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (3, 2, 12), generator=generator)
-    length = min(12, model.config.block_size + 1)  # a shared context, then two continuations
+    tokens = torch.randint(0, GPT2_VOCAB_SIZE, (6, 2, 12), generator=generator)
+    longest = min(12, model.config.block_size + 1)  # a shared context, then two continuations
     examples = []
-    for ex, cut in zip(tokens, (length // 2 - 1, length // 2, length // 2)):
+    for i, ex in enumerate(tokens):
+        length = longest - i % 3  # the scored tokens at several positions
+        cut = max(1, length // 2 - i % 2)
         rows = [ex[0, :length].tolist(), ex[0, :cut].tolist() + ex[1, cut:length].tolist()]
-        examples.append(Example(rows, [cut, cut], [1, 1], 0, "check", False, True))
+        examples.append(Example(rows, [length - 1, length - 1], [1, 1], 0, "check", False, True))
     was_training = model.training
     model.eval()
     with plain_numerics(device):
@@ -448,7 +452,8 @@ def scoring_problem(model, tolerance=1e-4):
         return ""
     return (f"the model's score_tokens, as the tasks run it (choices packed in one row after a "
             f"cached context), gives other log-probabilities than its plain forward model(idx), up "
-            f"to {gap:.3g} nats apart on three examples, so the tasks would score another model; "
+            f"to {gap:.3g} nats apart on a token (float noise is under {tolerance:.0e} of their "
+            f"scale), so the tasks would score another model; "
             "give the fork a score_tokens (and a forward with kv_cache) that computes what its "
             "forward does.")
 
@@ -569,6 +574,8 @@ def main(argv):
     parser.add_argument("--json", action="store_true", help="print JSON lines instead of sentences")
     parser.add_argument("--model_module", default="model",
                         help="the .py file of the GPT a checkpoint was trained with (its path)")
+    parser.add_argument("--accept_changed_code", action="store_true",
+                        help="serve a checkpoint whose model code changed since with the code now")
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.limit < 0:
         raise TaskDataError(f"--batch_size must be at least 1 and --limit 0 or more (got "
@@ -581,12 +588,13 @@ def main(argv):
     args.device = pick_device(args.device)
     if args.data:
         load_examples(args.data)  # a missing or wrong file, before the model loads
-    model = load_model(args.init_from, args.device, "--init_from", args.model_module)
+    model = load_model(args.init_from, args.device, "--init_from", args.model_module,
+                       changed_ok=args.accept_changed_code)
     if model.config.vocab_size < GPT2_VOCAB_SIZE:
         raise TaskDataError(f"the tasks are scored with GPT-2's tokenizer, and {args.init_from} "
                             f"has a vocabulary of {model.config.vocab_size} tokens (a "
                             f"character-level model); give a model trained on GPT-2's tokens.")
-    problem = scoring_problem(model)  # the fast path, checked once against the plain forward
+    problem = scoring_problem(model)  # the fast path against the plain forward, first
     if problem:
         raise UserError(problem)
     task_examples = load_tasks(names, model.config.block_size, args.data_dir, args.limit, args.data)

@@ -342,8 +342,8 @@ def save_environment(out_dir, world_size):
 def model_code(model_module):
     """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
     train.model_module names a file of your own), that file, and the project's modules either
-    imports at its top, at any depth (a helper that holds the MLP). An edit to what the model
-    computes is a change even with the same weights (QK-norm, a logit cap)."""
+    imports, anywhere in it and at any depth (a helper that holds the MLP). An edit to what the
+    model computes is a change even with the same weights (QK-norm, a logit cap)."""
     files = {"model.py": MODEL_FILE}
     if model_module != "model":
         files[os.path.realpath(model_module)] = model_module
@@ -359,13 +359,14 @@ def model_code(model_module):
 
 
 def local_imports(path):
-    """The files of the modules `path` imports at its top level that lie in its own folder or the
-    project's (not torch's, not the standard library's): real paths."""
+    """The files of the modules `path` imports anywhere (at its top, under `try:`, inside a
+    function) that lie in its own folder or the project's (not torch's, not the standard
+    library's): real paths."""
     with open(path, encoding="utf-8") as f:
         tree = ast.parse(f.read())
-    names = [alias.name for node in tree.body if isinstance(node, ast.Import)
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
              for alias in node.names]
-    for node in tree.body:
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and not node.level:
             names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
     found = []

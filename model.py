@@ -7,8 +7,10 @@ hidden states and the vocabulary.
 What only the model knows stays here, so a fork edits this file alone and the rest of the trainer
 names no layer: which parameters are embeddings, matrices or gains (`param_groups`; PARAM_KINDS says
 what each kind is to the counts and the optimizer), its blocks (per-layer metrics), its size and
-FLOPs. At the bottom: the chunked loss, the same cross-entropy a slice of rows at a time
-(`train.loss_path`), fused into one torch.autograd.Function where `logits` is a plain matmul.
+FLOPs. At the bottom: faster ways to forward's loss, the same cross-entropy a slice of rows at a
+time (`train.loss_path`), fused into one torch.autograd.Function where `logits` is a plain matmul,
+and the check that proves one equal to forward's own line before a run takes it
+(choose_fast_loss).
 """
 
 from dataclasses import dataclass, field
@@ -142,6 +144,9 @@ PARAM_KINDS = {
     "output": ParamKind(in_n=True, muon=False, decay=True),
     "matrix": ParamKind(in_n=True, muon=True, decay=True),
     "vector": ParamKind(in_n=True, muon=False, decay=False),
+    # a bias or gain `logits` adds (a fork's lm_head with bias=True): part of the output layer,
+    # which N leaves to num_params_with_output, and no matmul, so in no count of FLOPs
+    "output_vector": ParamKind(in_n=False, muon=False, decay=False),
 }
 
 
@@ -164,10 +169,13 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying (Press & Wolf 2017, used by GPT-2): the output layer reuses the embedding.
         self.transformer.wte.weight = self.lm_head.weight
-        # how forward computes the loss: "chunked" (below) or "full" (F.cross_entropy)
+        # train.loss_path: "chunked" lets train.py look for a faster way to forward's loss, "full"
+        # keeps forward's own line on every step
         self.loss_path = loss_path
-        # The weight `logits` is a plain matmul by, by name ("" if none): checked on the first step.
-        self.output_weight = None
+        # The faster way in use, "fused" or "sliced" (the bottom of this file), set by train.py
+        # only where it proved it equal to forward's own line for this model (choose_fast_loss);
+        # "": forward's own line. `output_weight` names the fused loss's weight.
+        self.fast_loss, self.output_weight = "", ""
         self.apply(self._init_weights)
 
     def _init_weights(self, module):
@@ -187,28 +195,23 @@ class GPT(nn.Module):
         """The logits (B, T, vocabulary) without `targets`; with them, the mean cross-entropy of the
         next token (the loader shifted the targets by one; targets of -1 are not scored)."""
         x = self.hidden_states(idx, kv_cache)
+        if targets is not None and self.fast_loss:  # the same loss as below, never all the logits
+            rows, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # (bottom of the file)
+            if self.fast_loss == "fused":
+                weight = self.get_parameter(self.output_weight)
+                return LinearCrossEntropy.apply(rows, weight, targets, torch.is_grad_enabled())
+            return chunked_cross_entropy(self.logits, rows, targets, self.config.vocab_size)
+        logits = self.logits(x)
         if targets is None:
-            return self.logits(x)
-        x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)  # a row per token
-        if self.loss_path == "full":  # as nanoGPT: all the logits, then the cross-entropy
-            logits = self.logits(x)
-            return F.cross_entropy(logits.float(), targets, ignore_index=-1)
-        # "chunked" (the default on a CPU): the same loss, never all the logits at once. The first
-        # step checks whether `logits` is h @ weight.T alone (then the fused loss), and by which
-        # weight; any other logits, or a compiled graph (no check in it), take the slices.
-        compiled = torch.compiler.is_compiling()
-        if self.output_weight is None and not compiled:
-            self.output_weight = plain_output_weight(self)
-        if self.output_weight and not compiled:
-            weight = self.get_parameter(self.output_weight)
-            return LinearCrossEntropy.apply(x, weight, targets, torch.is_grad_enabled())
-        return chunked_cross_entropy(self.logits, x, targets, self.config.vocab_size)
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                               ignore_index=-1)
 
     def logits(self, h):
         """Final hidden states (..., n_embd) to logits (..., vocabulary): the one place they are
         made. The losses, sampling, the evaluations and export-hf's check all call it (the fused
-        loss once, to check it is a plain matmul), so a fork that edits the logits here (a
-        soft-cap, a temperature) trains, samples and is scored as the same model everywhere."""
+        loss's check too), so a fork that edits the logits here (a soft-cap, a temperature)
+        trains, samples and is scored as the same model everywhere."""
         return self.lm_head(h)
 
     def score_tokens(self, idx, targets, pos=None, attn_mask=None, kv_cache=None, vocab_size=None):
@@ -257,7 +260,8 @@ class GPT(nn.Module):
                      layer, by any name
           matrix     the other weights of two or more dimensions: the matmuls of the blocks (a
                      fork's lookup table held as a bare parameter needs a kind of its own)
-          vector     biases and LayerNorm gains"""
+          vector     biases and LayerNorm gains
+          output_vector  a bias or gain `logits` itself uses (an output layer's bias)"""
         modules = dict(self.named_modules())
         groups = {kind: [] for kind in self.param_kinds}
         output = {id(p) for p in output_parameters(self)}  # what `logits` multiplies by
@@ -265,6 +269,7 @@ class GPT(nn.Module):
             owner = modules[name.rpartition(".")[0]]
             kind = ("embedding" if isinstance(owner, nn.Embedding)
                     else "output" if id(p) in output and p.dim() == 2
+                    else "output_vector" if id(p) in output and p.dim() < 2
                     else "matrix" if p.dim() >= 2 else "vector")
             groups[kind].append(p)
         return groups
@@ -280,11 +285,11 @@ class GPT(nn.Module):
     def num_params_with_output(self):
         """N plus a tied output layer: every parameter each token multiplies (nanochat's N; Porian
         et al. 2024 point out that the output layer is real compute; an untied one is already in N).
-        The output layer is what `logits` multiplies by (output_parameters), so a fork that names or
-        ties it otherwise counts as it computes."""
+        The output layer is the matrices `logits` multiplies by (output_parameters; a bias it adds
+        multiplies nothing), so a fork that names or ties it otherwise counts as it computes."""
         outside_n = {id(p) for _, p, kind in parameter_kinds(self) if not kind.in_n}
         return self.num_params(non_embedding=True) + sum(p.numel() for p in output_parameters(self)
-                                                         if id(p) in outside_n)
+                                                         if id(p) in outside_n and p.dim() >= 2)
 
     def flops_per_token(self):
         """Training FLOPs per token: 6N + 12·L·d·T (PaLM, appendix B). 6N counts the forward (2N)
@@ -401,24 +406,100 @@ def slice_loss(logits, hidden, targets):
     return F.cross_entropy(logits(hidden).float(), targets, ignore_index=-1, reduction="sum")
 
 
+# How far a faster loss may be from forward's own line and still be the same number, relative:
+# (loss, each gradient's norm), ten times the float noise measured between them on a 2-layer model
+# on a CPU (the fused loss and the slices sum in another order): 1e-7 and 1e-6 in float32; under
+# bf16 autocast 1e-7 and 3e-3, its loss given a hundred times (a GPU's bf16 matmul may round a
+# slice otherwise; not measured here). A temperature of 0.999 on the logits is 1e-4 away.
+LOSS_NOISE = {"float32": (1e-6, 1e-5), "autocast": (1e-5, 3e-2)}
+
+
+FAST_LOSS_NAMES = {"fused": "the fused loss", "sliced": "the slices through `logits`"}
+
+
+def fast_loss_problem(model, x, y, fast, gradients=True):
+    """"" where computing the loss `fast` ("fused", "sliced") gives what forward's own loss line
+    gives for this model on the micro-batch (x, y), in the mode it is in and with the same random
+    numbers for dropout: the loss, and with `gradients` every parameter's gradient, to float noise
+    (LOSS_NOISE). Else one sentence saying how far apart. The global random generators end as they
+    began, and no .grad is touched: the step that follows is the step a run without the check
+    takes."""
+    named = [(name, p) for name, p in model.named_parameters() if p.requires_grad and gradients]
+    params = [p for _, p in named]
+    device, before = x.device, model.fast_loss
+    results = []
+    try:
+        for path in ("", fast):
+            model.fast_loss = path
+            devices = [] if device.type == "cpu" else [device.index or 0]
+            with torch.random.fork_rng(devices, device_type=device.type), \
+                    torch.set_grad_enabled(gradients):
+                loss = model(x, y)
+                grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
+            results.append((loss.detach().float(), grads))
+    finally:
+        model.fast_loss = before
+    (plain, plain_grads), (other, other_grads) = results
+    name = FAST_LOSS_NAMES[fast]
+    loss_noise, gradient_noise = LOSS_NOISE["autocast" if torch.is_autocast_enabled(device.type)
+                                            else "float32"]
+    if not abs(other - plain) <= loss_noise * abs(plain):
+        return f"{name} gives {other.item():.6g} where forward's own line gives {plain.item():.6g}"
+    for (param_name, _), a, b in zip(named, other_grads, plain_grads):
+        if (a is None) != (b is None) or a is not None and not (
+                (a - b).float().norm() <= gradient_noise * b.float().norm()):
+            return (f"{name} gives the loss forward's own line gives but another gradient of "
+                    f"{param_name}")
+    return ""
+
+
+def choose_fast_loss(model, x, y, compiled=False, gradients=True, agree=bool):
+    """Decide how `model` computes its loss, on the run's first micro-batch (x, y) in training mode
+    (train.py, once, before anything else runs the model), and set it on the model: the fused loss
+    where `logits` is a plain matmul by one weight and fast_loss_problem finds it equal to
+    forward's own line; else the slices through `logits` where they are; else forward's own line.
+    Under torch.compile the fused loss is not tried (the slices are what was measured compiled).
+    `agree(ok)` is every rank's verdict (all equal), so that the ranks take one path. Returns why,
+    for the start line ("" for a GPT not built on this one, whose forward is all there is)."""
+    if not hasattr(model, "fast_loss"):  # a GPT of its own: its forward is all there is
+        return ""
+    model.fast_loss = ""
+    if model.loss_path == "full":
+        return "train.loss_path=full"
+    model.output_weight = "" if compiled else plain_output_weight(model)
+    why = ["under torch.compile the slices, not the fused loss" if compiled else
+           f"`logits` is a matmul by {model.output_weight}" if model.output_weight else
+           "`logits` is more than a matmul by one weight"]
+    for fast in ["fused"] * bool(model.output_weight) + ["sliced"]:
+        problem = fast_loss_problem(model, x, y, fast, gradients)
+        if agree(not problem):
+            model.fast_loss = fast
+            return f"{'; '.join(why)}, and {FAST_LOSS_NAMES[fast]} gave forward's loss"
+        why.append(problem or f"another rank found {FAST_LOSS_NAMES[fast]} other than forward's")
+    return "; ".join(why[1:])
+
+
 def plain_output_weight(model):
     """The name of the weight W when `model.logits(h)` is h @ W.T and nothing more, else "": the
-    fused loss's one-time check. `logits` must use one parameter alone, of two dimensions, and
-    give exactly what F.linear gives on random rows (autocast off; rows large enough that a cap or
-    any other nonlinearity shows). In doubt, "": the slices, right for any logits."""
+    fused loss's first test (choose_fast_loss). `logits` must use one parameter alone, of two
+    dimensions, and give exactly what F.linear gives on random rows (autocast off; rows large
+    enough that a cap or any other nonlinearity shows, which a model's first logits may be too small
+    to show). In doubt, "": the slices, right for any logits."""
     params = output_parameters(model)
     if len(params) != 1 or params[0].dim() != 2:  # a bias, a gain: more than a matmul
         return ""
     weight = params[0]
+    name = next(name for name, p in model.named_parameters() if p is weight)
+    if type(weight).__name__ == "DTensor":  # sharded (FSDP): only forward gathers it, so only
+        return name  # the first micro-batch's whole loss tests it
     with torch.no_grad(), torch.autocast(weight.device.type, enabled=False):
         # a generator of its own: a draw from the global one would shift dropout's random numbers
-        # after a resume, which makes this check at a later step than the run that never stopped
         own = torch.Generator(weight.device).manual_seed(0)
         rows = 100 * torch.randn(8, weight.size(1), device=weight.device, dtype=weight.dtype,
                                  generator=own)
         if not torch.equal(model.logits(rows), F.linear(rows, weight)):
             return ""
-    return next(name for name, p in model.named_parameters() if p is weight)
+    return name
 
 
 class LinearCrossEntropy(torch.autograd.Function):

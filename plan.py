@@ -303,9 +303,10 @@ def shares_text(mix):
     return ", ".join(f"{name} {share:.1%}" for name, share in mix)
 
 
-def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch):
+def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch, loss_why=""):
     """The start-up summary a student reads: the model's size, the batch and the run's cost, from
-    the model and plan."""
+    the model and plan; `loss_why`: why the model computes its loss as it does (train.py decided it,
+    model.choose_fast_loss; "" before that, in a dry run)."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
     stop = ""
@@ -319,7 +320,7 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             "data not prepared yet")
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) "
             f"on {device}, {plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
-            f"{loss_description(raw_model, micro_batch_tokens, device_type)}"
+            f"{loss_description(raw_model, micro_batch_tokens, device_type, loss_why)}"
             f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; {data}), "
@@ -327,16 +328,22 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
             + describe_memory(raw_model, micro_batch_tokens, world_size, bf16, device_type))
 
 
-def loss_description(raw_model, rows, device_type):
-    """How this model computes its loss, read from the model: model.py's forward follows its
-    `loss_path`; a model with a forward of its own (a subclass, a train.model_module file) says
-    nothing of it, so neither does this."""
-    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "loss_path"):
-        return "the model's own forward"
-    if raw_model.loss_path == "chunked":
-        slices = loss_slices(rows, raw_model.config.vocab_size, device_type)
-        return f"chunked in {slices} slice(s) per micro-step"
-    return raw_model.loss_path
+def loss_description(raw_model, rows, device_type, why):
+    """How this model computes its loss, read from the model, and `why`: the fused loss, the slices
+    through `logits` (with the slices per micro-step) or the full logits of forward's own line
+    (GPT.fast_loss). A model with a forward of its own (a subclass, a train.model_module file) says
+    so: what it computes is its own. Before the choice (`why` is ""), what decides it."""
+    if type(raw_model).forward is not GPT.forward or not hasattr(raw_model, "fast_loss"):
+        return "the model's own forward" + (f" ({why})" if why else "")
+    slices = loss_slices(rows, raw_model.config.vocab_size, device_type)
+    if not why:
+        return ("full logits (train.loss_path=full)" if raw_model.loss_path == "full" else
+                "fused, slices through `logits` or full logits, whichever gives forward's loss on "
+                "the first micro-batch")
+    path = {"fused": f"fused in {slices} slice(s) per micro-step",
+            "sliced": f"slices through `logits`, {slices} per micro-step",
+            "": "full logits"}[raw_model.fast_loss]
+    return f"{path} ({why})"
 
 
 def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device_type):

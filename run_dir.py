@@ -34,7 +34,7 @@ from config import (ConfigError, keys_with_role, parse_duration, parse_mix, secr
 from data import dataset_dir, fingerprint
 from metrics import (code_change_note, code_changes, metrics_snapshots, model_code,
                      save_environment, truncate_jsonl)
-from plan import describe_run, shares_text
+from plan import shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
 # them).
@@ -545,8 +545,6 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
                                           trains)
         if trains:  # a command that trains nothing leaves the record as it is
             save_environment(out_dir, place.world_size)
-        print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
-                           sequences_per_epoch=stages.loaders[0][1].num_sequences))
         mixes = [f"data: {shares_text(stages.loaders[0][0])}"]
         if plan.stage2_step:
             mixes.append(f"stage 2 after step {plan.stage2_step}: "

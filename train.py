@@ -30,10 +30,10 @@ from checkpoint import Checkpointer, TrainState, newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
 from metrics import NonFiniteLoss, StepClock
-from model import GPT, gpt_class
+from model import GPT, choose_fast_loss, fast_loss_problem, gpt_class, loss_slice_rows
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, device_kind,
-                  is_compiled, loss_path_on, make_plan, pick_device)
+from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, describe_run,
+                  device_kind, is_compiled, loss_path_on, make_plan, pick_device)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -300,23 +300,43 @@ def evaluate(run, due, mix):
         model.train()
         if "val/loss" not in scores:  # several datasets: weighted by the current stage's mixture
             scores["val/loss"] = sum(share * scores[f"val/{name}/loss"] for name, share in mix)
-    if due.tasks:
+    if due.tasks and not run.data.fast_paths.get("tasks"):  # (off once a check found otherwise)
         from hellaswag_eval import evaluate_in_loop, scoring_problem
-        if "tasks" not in run.data.fast_paths:  # once, at the first: on weights that have trained
-            check_fast_path(run, "tasks", scoring_problem)
+        check_fast_path(run, "tasks", scoring_problem)  # each time: the weights have trained since
         if not run.data.fast_paths["tasks"]:
             scores.update(evaluate_in_loop(run.raw_model, run.data.task_examples, place,
                                            run.cfg.eval.tasks_batch_size))
+    check_fast_loss(run)  # (back in training mode)
     return scores
 
 
+def check_fast_loss(run):
+    """At each evaluation, in training mode: the faster loss the run chose at start still gives
+    forward's loss on the first micro-batch (the loss alone, one forward each way). Where it stops,
+    the run says so in one line and goes on with forward's own line."""
+    model, place = run.raw_model, run.place
+    if not getattr(model, "fast_loss", ""):
+        return
+    with place.autocast:
+        problem = fast_loss_problem(model, *run.first_batch, model.fast_loss, gradients=False)
+    if all_ranks_agree(place, not problem):
+        return
+    if place.is_master:
+        problem = problem or "on another rank the loss path chosen at start gives another loss"
+        print(f"warning: at step {run.state.step}, {problem} on the first micro-batch; forward's "
+              f"own line computes the loss from step {run.state.step + 1} on.", file=sys.stderr,
+              flush=True)
+    model.fast_loss = ""
+
+
 def check_fast_path(run, what, problem_of):
-    """Before the loop first samples or scores the tasks (`what`): `problem_of` compares the fast
-    path they take (the KV cache, score_tokens) with the model's plain forward. A difference is a
-    warning, and turns `what` off for the run; the ranks that take the path agree."""
+    """Each time before the loop samples or scores the tasks (`what`): `problem_of` compares the
+    fast path they take (the KV cache, score_tokens) with the model's plain forward, to float noise
+    (a few short rows: cheap next to what follows). A difference is a warning, and turns `what` off
+    for the rest of the run; the ranks that take the path agree."""
     place, sharded = run.place, hasattr(run.model, "set_requires_gradient_sync")
     bf16 = sharded and isinstance(place.autocast, torch.autocast)  # FSDP's bf16 weights
-    problem = problem_of(run.raw_model, tolerance=2e-2 if bf16 else 1e-4)
+    problem = problem_of(run.raw_model, **({"tolerance": 2e-2} if bf16 else {}))
     if place.world_size > 1 and (sharded or what == "tasks"):
         found = torch.tensor([float(bool(problem))], device=place.device)
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
@@ -324,8 +344,8 @@ def check_fast_path(run, what, problem_of):
                               if found.item() else "")
     run.data.fast_paths[what] = problem
     if problem and place.is_master:
-        print(f"warning: {problem[:-1]}; {what} are off for this run.", file=sys.stderr,
-              flush=True)
+        print(f"warning: at step {run.state.step}, {problem[:-1]}; {what} are off for this run.",
+              file=sys.stderr, flush=True)
 
 
 def write_samples(run, step):
@@ -340,9 +360,10 @@ def write_samples(run, step):
         from lab.fsdp import share_generator
         share_generator(run.sample_generator)
     try:
-        if "samples" not in run.data.fast_paths:  # once, at the first samples
-            from sample import kv_cache_problem
-            check_fast_path(run, "samples", kv_cache_problem)
+        if run.data.fast_paths.get("samples"):  # off once a check found otherwise
+            return
+        from sample import kv_cache_problem
+        check_fast_path(run, "samples", kv_cache_problem)  # each time: the weights have trained
         if run.data.fast_paths["samples"]:
             return
         texts = generate_text(run.raw_model, e.sample_prompt, num_samples=e.num_samples,
@@ -385,7 +406,7 @@ class RunData:
     val_loaders: dict  # {metric prefix: TokenLoader}
     task_examples: dict  # eval.tasks' examples (hellaswag_eval.py)
     tokenizer: object  # the training data's: GPT-2's, or a character-level dataset's
-    # "samples", "tasks" once checked (check_fast_path): "" or why the loop does not run them
+    # "samples", "tasks" once checked (check_fast_path): "" or why the loop runs them no more
     fast_paths: dict = field(default_factory=dict)
 
 
@@ -417,6 +438,7 @@ class Run:
     sample_generator: torch.Generator
     extras: object  # lab/step_extras.py's StepExtras, or None
     extras_steps: object  # the steps it has work at (a set or range; empty without extras)
+    first_batch: tuple  # (x, y) the first step reads: the loss path is checked on it (evaluate)
     flops_per_token: int
     peak_flops: float | None
 
@@ -463,6 +485,12 @@ def build_run(cfg, stack):
     wandb_run = start_wandb(cfg, place, start, config_dict)  # (or refused: the folder as it was)
     state, replaced = run_dir.load_start(cfg, place, start, raw_model, optimizer, stages, generator,
                                          plan, config_dict)
+    first_loader = stages.loader_at(state.step + 1)  # the loader of the step the run takes first
+    first_batch, loss_why = decide_fast_loss(cfg, place, raw_model, first_loader, compiled)
+    if place.is_master:
+        print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
+                           sequences_per_epoch=stages.loaders[0][1].num_sequences,
+                           loss_why=loss_why))
     stack.callback(run_dir.register_stack_dump(cfg.train.out_dir, place.rank))
     books = start_bookkeeping(cfg, place, plan, replaced, start.replace_bucket, config_dict, stack,
                               wandb_run)
@@ -476,8 +504,38 @@ def build_run(cfg, stack):
                optimizer=optimizer, schedule=build_schedule(cfg.optim, plan.max_steps), plan=plan,
                data=RunData(stages, val_loaders, task_examples, tokenizer), books=books,
                state=state, resumed=start.resumed, sample_generator=generator, extras=extras,
-               extras_steps=extras_steps, flops_per_token=raw_model.flops_per_token(),
+               extras_steps=extras_steps, first_batch=first_batch,
+               flops_per_token=raw_model.flops_per_token(),
                peak_flops=cfg.train.peak_flops or place.kind.peak_flops(place.device))
+
+
+def decide_fast_loss(cfg, place, raw_model, loader, compiled):
+    """How the run computes forward's loss (model.choose_fast_loss: the fused loss, the slices, or
+    forward's own line), decided before anything else runs the model, in training mode under the
+    step's autocast, on the micro-batch the first step reads (the loader is put back: the first
+    step reads it again; on a GPU its first sequences). Returns (what was checked, kept for the
+    checks at each evaluation; why the path, for the start line)."""
+    position = loader.state_dict()
+    first_batch = loader.next_batch()
+    loader.load_state_dict(position)
+    if place.device_type == "cuda":  # forward's own line holds all the logits the fast loss does
+        # not: on a GPU sized for the fast loss, the sequences of one of its slices (model.py)
+        sequences = max(1, loss_slice_rows("cuda", cfg.model.vocab_size) // cfg.model.block_size)
+        first_batch = tuple(t[:sequences] for t in first_batch)
+    sharded = cfg.train.data_parallel == "fsdp"  # (whose gradients autograd.grad cannot reach)
+    with place.autocast:
+        why = choose_fast_loss(raw_model, *first_batch, compiled, gradients=not sharded,
+                               agree=functools.partial(all_ranks_agree, place))
+    return first_batch, why
+
+
+def all_ranks_agree(place, holds):
+    """Whether `holds` is true on every rank."""
+    if place.world_size == 1:
+        return holds
+    every = torch.tensor([float(holds)], device=place.device)
+    dist.all_reduce(every, op=dist.ReduceOp.MIN)
+    return bool(every.item())
 
 
 def start_processes(cfg):

@@ -254,9 +254,10 @@ def export_hf(model, out_dir):
             raise WeightsError(f"this model has a weight a Hugging Face GPT-2 has no place for ({key}, "
                                f"{tuple(value.shape)}); export-hf writes GPT-2's layout, so keep the checkpoint as it "
                                f"is, or teach hf.export_hf where it goes.")
-        if value.shape != hf_state[key].shape:
-            raise WeightsError(f"this model's {key} is {tuple(value.shape)} where a Hugging Face GPT-2's is "
-                               f"{tuple(hf_state[key].shape)}, so GPT-2 cannot hold it; keep the checkpoint as it is, "
+        if value.shape != hf_state[key].shape:  # (both said in this model's orientation, not Conv1D's)
+            theirs = hf_state[key].t() if key.endswith(CONV1D_SUFFIXES) else hf_state[key]
+            raise WeightsError(f"this model's {key} is {tuple(ours[key].shape)} where a Hugging Face GPT-2's is "
+                               f"{tuple(theirs.shape)}, so GPT-2 cannot hold it; keep the checkpoint as it is, "
                                f"or teach hf.export_hf where it goes.")
         hf_state[key].copy_(value)
     for key in hf_state.keys() - gpt2_form.keys() - {"lm_head.weight"}:

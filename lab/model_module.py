@@ -2,15 +2,16 @@
 GPT this way), and what the trainer asks every model. A module of its own because only that setting loads a file:
 model.gpt_class hands it the path, so a run with model.py's GPT never reads this.
 
-A file is imported only when the user names it (train.model_module in this command or config file, a tool's
---model_module), never because a checkpoint names it, and never from a checkpoint folder or the bucket's download
-cache: files from outside are data, not code.
+A file is imported only when the user names it (train.model_module in this command or .py config file, a tool's
+--model_module), never because a checkpoint or a saved config.json names it, and never from a checkpoint folder or
+the bucket's download cache: files from outside are data, not code.
 """
 
 import importlib.util
 import os
 
 from checkpoint import MARKER
+from config import ConfigError
 
 # What the rest of the trainer asks of every GPT class; model.py's methods fit any GPT built of the same parts.
 WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",
@@ -53,3 +54,13 @@ def check_not_from_outside(module):
         if os.path.dirname(folder) == folder:
             return
         folder = os.path.dirname(folder)
+
+
+def check_named_by_user(module, config_json, overrides):
+    """config.parse_args's check of a run's saved config.json (local, or copied from a bucket): it is data, so the
+    train.model_module it names, wherever that file lies, is imported only when the command line (`overrides`)
+    names that file too; else one sentence with the flag to pass."""
+    if not any(arg.startswith("--train.model_module=") for arg in overrides):
+        raise ConfigError(f"{config_json} names train.model_module={module}, and a file that a saved config.json "
+                          f"names is never imported; pass --train.model_module={module} to train with that file, "
+                          "once you trust it.")

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bucket_fixture import s3  # noqa: F401 - a fixture: moto's S3 server on 127.0.0.1
-from conftest import TINY, assert_one_sentence, run_in_process, run_train
+from conftest import TINY, assert_one_sentence, run_in_process, run_train, tiny_task_data
 
 EVIL = """import os
 open({marker!r}, "w").write("ran")  # whoever handed the checkpoint over runs code here
@@ -103,7 +103,8 @@ def test_a_bucket_checkpoint_that_lists_other_files_is_refused_and_nothing_lands
 def test_a_model_file_the_user_names_is_imported_and_its_helpers_are_part_of_the_model_code(
         data_root, tmp_path, capsys):
     """A model_module that imports a helper of the project: an edit of the helper (GELU to ReLU) is a change of the
-    model code, said on resume and recorded in config_changes.jsonl, said by sample.py, and export-hf refuses it."""
+    model code, said on resume and recorded in config_changes.jsonl; sample.py and export-hf refuse it unless told
+    to use the code as it is now."""
     import sample
 
     helper = tmp_path / "helper_act.py"
@@ -126,15 +127,18 @@ def test_a_model_file_the_user_names_is_imported_and_its_helpers_are_part_of_the
         changes = [json.loads(line) for line in (out / "config_changes.jsonl").read_text().splitlines()]
         assert changes[-1]["step"] == 2 and f"model code {helper}" in changes[-1]["changes"], changes
         Path(helper).write_text(Path(helper).read_text().replace("nn.ReLU()", "nn.GELU()"))  # edited again
-        sampled = run_in_process(["--init_from", out, "--device=cpu", "--max_new_tokens=2", "--num_samples=1",
-                                  f"--model_module={module}"], sample.main)
+        to_sample = ["--init_from", out, "--device=cpu", "--max_new_tokens=2", "--num_samples=1",
+                     f"--model_module={module}"]
+        assert_one_sentence(run_in_process(to_sample, sample.main), "was saved with other model code", str(helper),
+                            "--accept_changed_code")
+        sampled = run_in_process([*to_sample, "--accept_changed_code"], sample.main)
         assert sampled.returncode == 0 and sampled.stderr.startswith("note: the model code changed since"), sampled
         assert str(helper) in sampled.stderr.splitlines()[0] and sampled.stdout.startswith("--- sample 0")
         pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
         import checkpoint
         refused = run_in_process(["export-hf", out, tmp_path / "hf", f"--model_module={module}"], checkpoint.main)
         assert_one_sentence(refused, "was saved with other model code than is here now", str(helper),
-                            "export it with the code it was trained with")
+                            "check out the code it was trained with")
         assert not (tmp_path / "hf").exists()
     finally:
         sys.path.remove(str(tmp_path))
@@ -153,9 +157,11 @@ def relu_fork(tmp_path_factory):
     return fork_of_the_project(tmp_path_factory.mktemp("relu") / "project", RELU)
 
 
-def test_export_refuses_a_checkpoint_of_other_model_code_and_sampling_says_so_first(relu_fork, data_root, tmp_path):
-    """A ReLU run exported after model.py went back to GPT-2's GELU: export-hf compared the export with the code
-    now, not with the model trained, and wrote another model (exit 0). It refuses, naming the file."""
+def test_the_tools_refuse_a_checkpoint_of_other_model_code_unless_told_to_use_the_code_now(relu_fork, data_root,
+                                                                                          tmp_path):
+    """A ReLU run sampled, scored or exported after model.py went back to GPT-2's GELU: each tool would serve another
+    model than the one trained. Each refuses in one sentence naming the file and the one flag that accepts the code
+    as it is now; with it, sample.py says so on stderr and samples, and export-hf writes and checks its folder."""
     from test_forks import make_edits, run
 
     out = tmp_path / "run"
@@ -163,14 +169,22 @@ def test_export_refuses_a_checkpoint_of_other_model_code_and_sampling_says_so_fi
         "--train.max_steps=2", "--eval.interval=0")
     project = make_edits(relu_fork, RELU[::2] + RELU[1:2])  # model.py as it was: GPT-2's GELU
     try:
-        sampled = run(project, "sample.py", f"--init_from={out}", "--device=cpu", "--max_new_tokens=2",
-                      "--num_samples=1")
+        sample = ["sample.py", f"--init_from={out}", "--device=cpu", "--max_new_tokens=2", "--num_samples=1"]
+        scores = ["hellaswag_eval.py", f"--init_from={out}", "--device=cpu", f"--data_dir={tiny_task_data()}",
+                  "--limit=1"]
+        export = ["checkpoint.py", "export-hf", out, tmp_path / "hf"]
+        for command in (sample, scores, export):
+            refused = run(project, *command, check=False)
+            assert_one_sentence(refused, "was saved with other model code than is here now (model.py)",
+                                "pass --accept_changed_code to use the code as it is now")
+        assert not (tmp_path / "hf").exists()
+        sampled = run(project, *sample, "--accept_changed_code")
         assert sampled.stderr.splitlines()[0].startswith(f"note: the model code changed since {out / 'step2'} "
                                                          "was saved (model.py)")
+        assert sampled.stdout.startswith("--- sample 0")
         pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
-        refused = run(project, "checkpoint.py", "export-hf", out, tmp_path / "hf", check=False)
-        assert_one_sentence(refused, "was saved with other model code than is here now (model.py)")
-        assert not (tmp_path / "hf").exists()
+        run(project, *export, "--accept_changed_code")  # checked against the code now, as every export is
+        assert (tmp_path / "hf" / "config.json").exists()
     finally:
         make_edits(project, RELU)
 
@@ -217,3 +231,45 @@ def test_weights_in_another_dtype_than_the_models_are_refused_not_cast(tiny_run,
     assert_one_sentence(run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}",
                                         f"--checkpoint.load_path={step}", "--train.max_steps=3"], train.main), phrase)
     assert not out.exists() or not any(out.glob("step*"))
+
+
+def test_a_saved_config_json_naming_a_model_file_imports_nothing_unless_the_command_line_names_it(tmp_path,
+                                                                                                  data_root):
+    """`python train.py RUN/config.json` (the ladder's way to reproduce a size; a fresh node copies config.json
+    from the bucket): the JSON is data, so the file it names is not imported wherever it lies, here at the top
+    of the run folder. Named again on the command line, it is the user's word."""
+    import train
+    from config import ConfigError, parse_args
+
+    marker = tmp_path / "ran"
+    run_folder = tmp_path / "run"
+    run_folder.mkdir()
+    evil = run_folder / "evil.py"
+    evil.write_text(EVIL.format(marker=str(marker)))
+    (run_folder / "config.json").write_text(json.dumps({"train": {"model_module": str(evil)}}))
+    config = str(run_folder / "config.json")
+    refused = run_in_process([config, f"--data.data_root={data_root}", "--train.max_steps=1"], train.main)
+    assert_one_sentence(refused, f"names train.model_module={evil}", "never imported",
+                        f"pass --train.model_module={evil} to train with that file")
+    assert not marker.exists()
+    assert parse_args([config, f"--train.model_module={evil}"]).train.model_module == str(evil)
+    assert parse_args([config, "--train.model_module=model"]).train.model_module == "model"
+    with pytest.raises(ConfigError, match="never imported"):
+        parse_args([config, "--train.max_steps=1"])
+    assert not marker.exists()
+
+
+def test_the_model_code_covers_helpers_imported_under_try_and_inside_functions(tmp_path):
+    """A helper a model file imports anywhere, not only at its top (under `try:`, inside a function), at any depth,
+    is part of the model's code: an edit of it is a change a resume and the tools hear of."""
+    from metrics import model_code
+
+    for name in ("optional_norm", "inner_act", "deeper"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    (tmp_path / "inner_act.py").write_text("def act():\n    from deeper import VALUE\n    return VALUE\n")
+    module = tmp_path / "my_gpt.py"
+    module.write_text("import model\ntry:\n    import optional_norm\nexcept ImportError:\n"
+                      "    optional_norm = None\n\n\nclass GPT(model.GPT):\n    def activation(self):\n"
+                      "        import inner_act\n        return inner_act.act()\n")
+    files = {os.path.basename(name) for name in model_code(str(module))}
+    assert {"optional_norm.py", "inner_act.py", "deeper.py", "my_gpt.py", "model.py"} <= files

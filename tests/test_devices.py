@@ -68,7 +68,7 @@ def test_the_quick_start_trains_on_a_stand_in_mps_through_its_row_of_the_table(a
     assert [c for c in a_mac if c.startswith("cuda.")] == []  # nothing CUDA-only
     assert "placed on mps, autocast nullcontext" in a_mac  # auto picks MPS; float32
     assert "fused False" in a_mac and "pinned False" in a_mac
-    assert "torch.compile" not in result.stdout and "chunked in" in result.stdout  # compile off: chunked loss
+    assert "torch.compile" not in result.stdout and "fused in" in result.stdout  # compile off: the fused loss
     # The clock waits for MPS before and after each pause: validation at steps 2 and 4, the checkpoint.
     assert a_mac.count("mps.synchronize") == 2 * 3
     rows = read_metrics(out)

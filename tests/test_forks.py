@@ -163,11 +163,9 @@ Z_LOSS = [("model.py", "    dropout: float = field(",
            "    # PaLM's z-loss: this times the mean squared log-normalizer of the logits joins the loss (0: off)\n"
            "    z_loss: float = field(default=0.0, metadata={\"role\": \"applied\", \"ladder\": False, "
            "\"check\": \"0 or more\"})\n    dropout: float = field("),
-          ("model.py", "        self.loss_path = loss_path\n",
-           "        self.loss_path = \"full\" if config.z_loss else loss_path\n"),  # the chunked loss has no z-loss
-          ("model.py", "            return F.cross_entropy(",
-           "            z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
-           "            return z + F.cross_entropy(")]
+          ("model.py", "        return F.cross_entropy(",
+           "        z = self.config.z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()\n"
+           "        return z + F.cross_entropy(")]
 
 
 def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tmp_path, args):
@@ -177,7 +175,8 @@ def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tm
     assert_one_sentence(run(project, "train.py", *args, "--model.z_loss=-1", check=False),
                         "model.z_loss must be 0 or more")
     run_dir, resumed = train_stop_resume(project, tmp_path, *args, "--model.z_loss=1e-3")
-    assert "output layer + loss: full" in resumed.stdout  # read from the model, which took the full path
+    # the faster losses have no z-loss: the run found so on its first micro-batch and took forward's own line
+    assert "output layer + loss: full logits (the fused loss gives" in resumed.stdout
     run(project, "train.py", *args, *STEPS, "--train.hard_stop=1", f"--train.out_dir={tmp_path / 'off'}")
     assert metrics(tmp_path / "off")[0]["train/loss"] < metrics(run_dir)[0]["train/loss"]  # the term is there
     # An applied setting: a resume may change it, and the change is recorded.
@@ -187,6 +186,63 @@ def test_a_new_setting_used_by_the_model_is_declared_once_checked_and_resumes(tm
     assert changes[-1]["changes"]["model.z_loss"] == [1e-3, 2e-3]
     samples(project, run_dir)
     exports_with_its_logits(project, run_dir, tmp_path / "hf")  # the z-loss shapes training, not the logits
+
+
+# ------------------------------------------------------------------ the loss a run trains is forward's own
+# A faster loss (the fused one, the slices) serves only where it gives what forward's own line gives, for the model
+# as it trains: checked in training mode on the first micro-batch, before any evaluation, and at each evaluation.
+
+FULL_PATH = "--train.loss_path=full"
+
+
+def losses(run_dir):
+    return [row["train/loss"] for row in metrics(run_dir) if "train/loss" in row]  # (step 0 evaluates only)
+
+
+def test_a_temperature_written_on_forwards_logits_line_trains_what_the_full_path_trains(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", (
+        "model.py", "        logits = self.logits(x)\n", "        logits = self.logits(x) / 0.5\n"))
+    run_dir, resumed = train_stop_resume(project, tmp_path, *args)  # a resume chooses as the straight run
+    assert "output layer + loss: full logits (the fused loss gives" in resumed.stdout
+    assert "; the slices through `logits` give" in resumed.stdout
+    run(project, "train.py", *args, *STEPS, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(run_dir) == losses(tmp_path / "full")  # the same line computes both: bit for bit
+
+
+TRAINING_ONLY_GAIN = ("model.py", "        return self.lm_head(h)\n",
+                      "        return self.lm_head(h) * (1.5 if self.training else 1.0)  # a gain in training only\n")
+
+
+def test_a_logits_that_differs_in_training_is_decided_in_training_mode_with_an_evaluation_at_step_0(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", TRAINING_ONLY_GAIN)
+    first = ["--eval.fixed_steps=[0]", "--train.max_steps=3", "--eval.interval=3", "--train.no_checkpoints=true"]
+    sliced = run(project, "train.py", *args, *first, f"--train.out_dir={tmp_path / 'chunked'}")
+    assert "output layer + loss: slices through `logits`, 2 per micro-step" in sliced.stdout
+    assert "(`logits` is more than a matmul by one weight, and the slices through `logits` gave" in sliced.stdout
+    run(project, "train.py", *args, *first, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(tmp_path / "chunked") == pytest.approx(losses(tmp_path / "full"), rel=1e-5)
+
+
+ANNEALED = [("model.py", "        self.apply(self._init_weights)\n",
+             "        self.apply(self._init_weights)\n"
+             "        self.register_buffer(\"temperature\", torch.ones(()))  # halved after each evaluation\n\n"
+             "    def train(self, mode=True):\n"
+             "        if mode and not self.training:\n"
+             "            self.temperature /= 2\n"
+             "        return super().train(mode)\n"),
+            ("model.py", "        return self.lm_head(h)\n", "        return self.lm_head(h) / self.temperature\n")]
+
+
+def test_a_logits_whose_state_changes_as_it_trains_is_caught_at_the_next_evaluation(tmp_path, args):
+    project = fork_of_the_project(tmp_path / "project", *ANNEALED)
+    steps = ["--train.max_steps=4", "--eval.interval=2", "--train.no_checkpoints=true"]
+    result = run(project, "train.py", *args, *steps, f"--train.out_dir={tmp_path / 'chunked'}")
+    assert "output layer + loss: fused" in result.stdout  # a temperature of 1 at start: a plain matmul
+    warned = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warned) == 1 and warned[0].startswith("warning: at step 2, the fused loss gives"), result.stderr
+    assert warned[0].endswith("forward's own line computes the loss from step 3 on.")
+    run(project, "train.py", *args, *steps, FULL_PATH, f"--train.out_dir={tmp_path / 'full'}")
+    assert losses(tmp_path / "chunked") == pytest.approx(losses(tmp_path / "full"), rel=1e-5)
 
 
 def setting(option):
@@ -344,6 +400,25 @@ def test_a_gpt_of_your_own_trains_resumes_evaluates_samples_is_laddered_and_expo
     exported_or_refused(model, tmp_path / "hf", refusal)
 
 
+def test_a_bias_on_the_output_layer_is_counted_with_it_outside_n_and_adds_no_matmul_flops():
+    """An lm_head with bias=True: its bias is part of the output layer (kind output_vector: no decay, no Muon), not
+    one of N's vectors, and multiplies nothing, so N and the FLOPs are those of the model without it."""
+    import model
+
+    class WithOutputBias(model.GPT):
+        def __init__(self, config, loss_path="chunked"):
+            super().__init__(config, loss_path)
+            self.lm_head = torch.nn.Linear(config.n_embd, config.vocab_size, bias=True)
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as GPT-2
+
+    config = model.GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32)
+    plain, biased = model.GPT(config), WithOutputBias(config)
+    assert [p is biased.lm_head.bias for p in biased.param_groups()["output_vector"]] == [True]
+    assert biased.num_params() == plain.num_params() + config.vocab_size  # counted, with the output layer
+    assert biased.num_params(non_embedding=True) == plain.num_params(non_embedding=True)  # not in N
+    assert biased.flops_per_token() == plain.flops_per_token()  # a bias is no matmul
+
+
 def test_a_kind_of_parameter_the_table_does_not_list_is_one_sentence_naming_it(tmp_path, args):
     from conftest import run_train
 
@@ -486,8 +561,9 @@ def test_grouped_query_attention_with_a_new_identity_field_serves_every_tool(tmp
     assert n["non_embedding_params"] == all_heads - 2 * 64 * (128 + 1)  # a key and a value head fewer, with biases
     pytest.importorskip("transformers", reason="export-hf needs transformers (pip install transformers)")
     refused = run(project, "checkpoint.py", "export-hf", run_dir, tmp_path / "hf", check=False)
-    assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (32, 64) where a Hugging Face GPT-2's is "
-                                 "(32, 96)")
+    # in this model's orientation (out, in), as its weights print, not GPT-2's Conv1D one
+    assert_one_sentence(refused, "transformer.h.0.attn.c_attn.weight is (64, 32) where a Hugging Face GPT-2's is "
+                                 "(96, 32)")
     assert not (tmp_path / "hf").exists()
 
 
@@ -535,6 +611,11 @@ class GPT(model.GPT):
             for linear in (block.attn.c_attn, block.attn.c_proj):
                 torch.nn.init.normal_(linear.weight, std=0.2)
 """
+# The same fork as one writes it, at GPT-2's initial scale: attention barely depends on position at first.
+ROPE_AT_GPT2_SCALE = ROPE_FROM_THE_CACHE.replace(
+    "            for linear in (block.attn.c_attn, block.attn.c_proj):\n"
+    "                torch.nn.init.normal_(linear.weight, std=0.2)\n", "")
+assert ROPE_AT_GPT2_SCALE != ROPE_FROM_THE_CACHE
 SOFT_CAP_IN_FORWARD = """import torch
 import torch.nn.functional as F
 
@@ -580,6 +661,72 @@ def test_a_fork_whose_fast_path_computes_otherwise_is_refused_by_the_tools_and_w
             assert_one_sentence(result, "than its plain forward model(idx)", refused_by[tool])
         else:
             assert result.returncode == 0 and result.stdout.startswith("--- sample 0"), result.stderr
+
+
+def test_a_rope_fork_at_gpt2_scale_is_refused_by_the_tools_and_warned_of_when_its_fast_path_drifts(tmp_path, args):
+    """The RoPE fork as one writes it, at GPT-2's initial scale: its fast paths are off by 1e-4 to 1e-3, far above
+    float noise and below the old 1e-4-of-the-scale tolerance. The loop checks them at every evaluation and
+    sampling, so a path that passes at first is turned off where it drifts; the tools refuse the run's weights."""
+    import hellaswag_eval
+    import sample
+    from conftest import run_in_process, run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(ROPE_AT_GPT2_SCALE)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=6", "--eval.interval=0",
+                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
+                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
+                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert {line.rsplit("; ", 1)[1] for line in warnings} == {"samples are off for this run.",
+                                                              "tasks are off for this run."}, trained.stderr
+    tasks_off = int(next(line for line in warnings if line.endswith("tasks are off for this run."))
+                    .split(",")[0].split()[-1])
+    scored = [row["step"] for row in metrics(run_dir) if "eval/hellaswag/acc" in row]
+    assert scored == list(range(1, tasks_off)), (scored, tasks_off)  # scored until the check found it off
+    for main, extra, phrase in [
+            (sample.main, ["--max_new_tokens=2", "--num_samples=1"], "make its forward with kv_cache"),
+            (hellaswag_eval.main, [f"--data_dir={tiny_task_data()}", "--limit=2"], "give the fork a score_tokens")]:
+        result = run_in_process([f"--init_from={run_dir}", "--device=cpu", f"--model_module={module}", *extra], main)
+        assert_one_sentence(result, "than its plain forward model(idx)", phrase)
+
+
+DRIFTING_FAST_PATHS = """import torch, model
+class GPT(model.GPT):
+    \"\"\"Fast paths right until the model has been evaluated once, then off by `drift`: a stand-in for a fork
+    whose fast paths drift from its forward as it trains.\"\"\"
+    def __init__(self, config, loss_path="chunked"):
+        super().__init__(config, loss_path)
+        self.register_buffer("drift", torch.zeros(()), persistent=False)
+    def train(self, mode=True):
+        if mode and not self.training:
+            self.drift += 1e-3
+        return super().train(mode)
+    def forward(self, idx, targets=None, kv_cache=None):
+        out = super().forward(idx, targets, kv_cache)
+        if kv_cache is not None:
+            out[..., 0] += self.drift
+        return out
+    def score_tokens(self, idx, targets, *args, **kwargs):
+        return super().score_tokens(idx, targets, *args, **kwargs) + self.drift * (targets != -1)
+"""
+
+
+def test_the_loop_checks_its_fast_paths_each_time_it_takes_them(tmp_path, args):
+    from conftest import run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(DRIFTING_FAST_PATHS)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=3", "--eval.interval=0",
+                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
+                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
+                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    assert [line.split(",")[0] for line in warnings] == ["warning: at step 1", "warning: at step 2"], trained.stderr
+    assert warnings[1].endswith("tasks are off for this run.")  # its first check passed, its second did not
+    assert [row["step"] for row in metrics(run_dir) if "eval/hellaswag/acc" in row] == [1]
 
 
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])

@@ -1,5 +1,6 @@
 """The chunked loss gives what F.cross_entropy on the full logits gives: the fused Function where
-`logits` is a plain matmul, the checkpointed slices through `logits` for any other."""
+`logits` is a plain matmul, the checkpointed slices through `logits` for any other; and a run takes a faster loss
+only where it gives forward's own loss for the model as it trains (model.choose_fast_loss)."""
 
 import inspect
 import sys
@@ -11,8 +12,14 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import model
-from model import GPT, GPTConfig, LinearCrossEntropy, chunked_cross_entropy
+from model import GPT, GPTConfig, LinearCrossEntropy, choose_fast_loss, chunked_cross_entropy
 from data import GPT2_VOCAB_SIZE
+
+
+def chosen(net, x, y):
+    """`net` with its loss path chosen as train.py chooses it, on a first micro-batch (x, y)."""
+    choose_fast_loss(net, x, y)
+    return net
 
 
 def reference_loss(hidden, weight, targets):
@@ -82,7 +89,8 @@ def test_padded_vocabulary_rows_get_their_true_gradient():
     grads = []
     for path in ("chunked", "full"):
         torch.manual_seed(0)
-        net = GPT(config, loss_path=path)
+        net = chosen(GPT(config, loss_path=path), x, y)
+        assert net.fast_loss == {"chunked": "fused", "full": ""}[path]
         loss = net(x, y)
         loss.backward()
         grads.append({name: p.grad for name, p in net.named_parameters()})
@@ -121,7 +129,9 @@ def test_the_chunked_loss_never_makes_all_the_logits_and_the_logits_still_come_w
     monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", 5 * 50304)  # 5 rows of logits at a time
     net = cls(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
-    with torch.no_grad():  # an evaluation may come first: the loss alone
+    chosen(net, x, x)
+    assert net.fast_loss == ("fused" if cls is GPT else "sliced")
+    with torch.no_grad():  # an evaluation: the loss alone
         first = net(x, x)
     with WidestRows(net.config.vocab_size) as widest:
         loss = net(x, x)
@@ -150,10 +160,12 @@ def test_only_a_plain_matmul_by_one_weight_takes_the_fused_loss(logits, weight):
             return eval(logits)
 
     net = Fork(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8, vocab_size=100))
-    assert net.output_weight is None  # not checked before the first chunked loss
     x = torch.randint(0, 100, (2, 8))
     net(x, x)
+    assert net.fast_loss == ""  # forward's own line until the run has chosen
+    chosen(net, x, x)
     assert net.output_weight == weight
+    assert net.fast_loss == ("fused" if weight else "sliced")  # the slices: any logits
 
 
 def test_a_fork_of_logits_trains_the_same_model_on_the_chunked_and_the_full_path(monkeypatch):
@@ -167,6 +179,7 @@ def test_a_fork_of_logits_trains_the_same_model_on_the_chunked_and_the_full_path
             net = cls(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=1000), loss_path=path)
             with torch.no_grad():
                 net.lm_head.weight.mul_(200)  # logits of a few tens: where the cap bites
+            chosen(net, x, y)
             loss = net(x, y)
             loss.backward()
             results[cls, path] = (loss.detach(), [p.grad for p in net.parameters()])
@@ -179,11 +192,11 @@ def test_a_fork_of_logits_trains_the_same_model_on_the_chunked_and_the_full_path
 
 
 def test_an_ordinary_step_calls_only_the_model_and_the_fused_loss():
-    """After the first step has checked `logits`, a step runs the model's forwards and the Function
-    alone: no check, no helper, no inspection of autograd's graph."""
+    """Once the run has chosen the fused loss, a step runs the model's forwards and the Function alone: no
+    check, no inspection of autograd's graph."""
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
-    net(x, x).backward()
+    chosen(net, x, x)
     called = set()
 
     def record(frame, event, arg):
@@ -265,6 +278,7 @@ def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monke
     monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", model.LOSS_SLICE_VALUES["cuda"])
     torch.manual_seed(0)
     net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
+    net.fast_loss = "sliced"  # what a compiled run chooses where the slices give forward's loss
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
     one_slice = traced_graph_nodes(net, 8)  # 8,192 rows: one slice
     gpt2 = traced_graph_nodes(net, rows // net.config.block_size)  # 65,536 rows: 7 slices
@@ -292,7 +306,7 @@ def test_full_and_chunked_paths_train_the_same_model():
     results = []
     for path in ("chunked", "full"):
         torch.manual_seed(0)
-        net = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), loss_path=path)
+        net = chosen(GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16), loss_path=path), x, y)
         loss = net(x, y)
         loss.backward()
         assert loss.ndim == 0  # neither path hands training the logits
@@ -355,13 +369,15 @@ def test_batches_go_to_the_gpu_from_pinned_memory_without_blocking(monkeypatch, 
     assert copies == ["pinned", ("cuda:0", True)]
 
 
-def test_the_first_loss_draws_nothing_from_the_global_random_numbers():
-    """The fused loss's one-time check draws its random rows from a generator of its own: a draw
-    from the global one would shift dropout's numbers after a resume (the check runs at the
-    first step of each process, step 11 for a run resumed at step 10)."""
+def test_choosing_the_loss_path_draws_nothing_from_the_global_random_numbers():
+    """The choice runs the model in training mode, dropout included, with the random numbers the first step
+    then draws again (fork_rng): the steps that follow are those of a run that never checked, and a resumed run
+    draws what the run that never stopped draws."""
     torch.manual_seed(1)
-    model = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.0))
+    net = GPT(GPTConfig(block_size=8, vocab_size=64, n_layer=1, n_head=2, n_embd=16, dropout=0.1))
     idx = torch.randint(0, 64, (2, 8))
     before = torch.get_rng_state()
-    model(idx, idx)
+    chosen(net, idx, idx)
+    assert net.fast_loss == "fused"  # dropout's numbers are the same on both paths
     assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in net.parameters())  # the gradients compared touched no .grad

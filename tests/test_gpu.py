@@ -13,7 +13,7 @@ from config import OptimConfig
 from conftest import ROOT, TINY, read_metrics, run_train
 from hellaswag_fixture import tiny_model, write_hellaswag
 import model
-from model import GPT, GPTConfig, LinearCrossEntropy, chunked_cross_entropy
+from model import GPT, GPTConfig, LinearCrossEntropy, choose_fast_loss, chunked_cross_entropy
 from optimizer import build_optimizer
 from sample import generate_text
 
@@ -55,9 +55,15 @@ def train_losses(net, data, bf16):
 @pytest.mark.parametrize("loss_path", ["chunked", "full"])
 def test_bf16_compiled_training_falls_and_agrees_with_float32_eager(loss_path):
     data = batches(8)
+    first = data[0][:, :-1], data[0][:, 1:]
     reference = small_model(loss_path)
+    choose_fast_loss(reference, *first)  # as train.py decides it, on the first micro-batch
+    assert reference.fast_loss == {"chunked": "fused", "full": ""}[loss_path]
     eager = train_losses(reference, data, bf16=False)
     fast = small_model(loss_path)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        choose_fast_loss(fast, *first, compiled=True)
+    assert fast.fast_loss == {"chunked": "sliced", "full": ""}[loss_path]  # bf16's noise is within the check's
     compiled = train_losses(torch.compile(fast), data, bf16=True)
     assert compiled[-1] < compiled[0] - 0.5  # it learns
     for a, b in zip(compiled, eager):

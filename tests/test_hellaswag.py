@@ -121,3 +121,15 @@ def test_a_file_that_is_not_hellaswag_is_reported_with_its_line(tmp_path):
     path.write_text(json.dumps({"ctx": "x", "endings": ["a", "b", "c", "d"], "label": 0}) + "\n{not json\n")
     with pytest.raises(hellaswag_eval.TaskDataError, match="line 2 of .*bad.jsonl is not a HellaSwag example"):
         hellaswag_eval.load_examples(str(path))
+
+
+def test_packed_scoring_is_checked_token_by_token_at_float_noise():
+    """The unforked model scores within float noise of model(idx); a RoPE fork at GPT-2's initial scale, 1e-5 of
+    a token's log-probability off, is refused with what to change."""
+    from model import GPT, GPTConfig
+    from test_sample import rope_fork_at_gpt2_scale
+
+    torch.manual_seed(0)
+    assert hellaswag_eval.scoring_problem(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))) == ""
+    problem = hellaswag_eval.scoring_problem(rope_fork_at_gpt2_scale())
+    assert "nats apart on a token" in problem and "give the fork a score_tokens" in problem

@@ -74,3 +74,25 @@ def test_unknown_init_from_fails_with_one_sentence(tmp_path):
     result = warm_python.python(["sample.py", f"--init_from={tmp_path / 'nothing'}"], ROOT)
     assert result.returncode != 0 and "Traceback" not in result.stderr
     assert "is not a folder nor one of gpt2" in result.stderr
+
+
+def rope_fork_at_gpt2_scale(seed=0):
+    """A RoPE fork that reads its offset from kv_cache.length (tests/test_forks.py), at GPT-2's initial scale."""
+    from test_forks import ROPE_AT_GPT2_SCALE
+
+    namespace = {}
+    exec(ROPE_AT_GPT2_SCALE, namespace)
+    torch.manual_seed(seed)
+    return namespace["GPT"](GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))
+
+
+def test_the_kv_cache_is_checked_at_float_noise():
+    """The unforked model's cache is within float noise of model(idx); a RoPE fork at GPT-2's initial scale,
+    3e-5 of the scale off, is refused with what to change."""
+    from sample import kv_cache_problem
+
+    torch.manual_seed(0)
+    assert kv_cache_problem(GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=32))) == ""
+    problem = kv_cache_problem(rope_fork_at_gpt2_scale())
+    assert "other log-probabilities than its plain forward model(idx)" in problem
+    assert problem.endswith("(a position read from kv_cache.length inside a layer is a usual cause).")
