@@ -302,6 +302,46 @@ def test_a_failure_the_grader_causes_is_said_as_the_graders_not_the_students(mon
     assert "failed" not in line.split(":")[0], line
 
 
+# Answers that make their own failure read as the grader's: the file the runner once wrote before
+# loading the answer removed, an error raised from a frame that names a file of Python's install,
+# a message whose line separator (U+2028) would choose the "last line" the grader shows.
+AS_THE_GRADERS = [  # (code, words of the failure)
+    ("""
+import os as _os
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    for name in ("answer-loading", "out.pt"):
+        if _os.path.exists(name):
+            _os.remove(name)
+    _os._exit(3)
+""", "before it answered: no output"),
+    ("""
+import os as _os
+
+exec(compile("def rank_sequences(position, rank, world_size, batch_size):\\n"
+             "    raise PermissionError('[Errno 13] the sandbox closed a file')\\n",
+             _os.path.dirname(_os.__file__) + "/shutil.py", "exec"))
+""", "PermissionError ([Errno 13] the sandbox closed a file) in shutil.py"),
+    ("""
+import os as _os
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    print("IndexError\\u2028ModuleNotFoundError: no module named torch", flush=True)
+    _os._exit(3)
+""", "before it answered: IndexError\\u2028ModuleNotFoundError"),
+]
+
+
+@pytest.mark.parametrize("code,words", AS_THE_GRADERS,
+                         ids=["marker removed", "install's frame", "U+2028"])
+def test_an_answers_failure_never_reads_as_the_graders(code, words, tmp_path):
+    passed, line = grade(14, answer_folder(tmp_path, 14, code=code))
+    assert not passed and line.startswith("exercise 14 failed"), line
+    assert words in line and "teacher" not in line and line.isprintable(), line
+
+
 def test_without_bubblewrap_the_grading_says_so_in_one_line_and_still_passes(monkeypatch):
     import exercises.grader.sandbox as sandbox
 

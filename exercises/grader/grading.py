@@ -19,6 +19,7 @@ import io
 import json
 import os
 import queue
+import secrets
 import stat
 import subprocess
 import sys
@@ -134,8 +135,10 @@ class Running:
         # (uid, gid) of the answer's own, or None
         self.user = None if sandbox().as_grader else unprivileged()
         give_to_answer(self.folder.name, self.user)
+        # printed by the runner right before it loads the answer (runner.py says why)
+        self.mark = f"answer-loading-{secrets.token_hex(16)}"
         job = [str(Path(self.folder.name) / "exercises" / answers.path.name),
-               f"{side.__module__}:{side.__name__}", self.inputs, self.outputs]
+               f"{side.__module__}:{side.__name__}", self.inputs, self.outputs, self.mark]
         if hasattr(os, "fork"):
             self.process = None
             self.zygote = zygote_of(room)
@@ -153,17 +156,19 @@ class Running:
 
     def wait(self):
         """{"status": exit status or None, "limit": "time" or "cpu" when the answer was stopped at
-        one, "output": the end of what it printed}."""
+        one, "loaded": whether the runner got as far as loading the answer, "output": the end of
+        what it printed}."""
         if self.process is None:
             return self.zygote.wait(self.timeout)
         try:
             output = self.process.communicate(timeout=self.timeout)[0]
-            return {"status": self.process.returncode, "limit": None,
-                    "output": output[-16_384:].decode(errors="replace")}
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.communicate()
-            return {"status": None, "limit": "time", "output": ""}
+            return {"status": None, "limit": "time", "output": "", "loaded": True}
+        mark = f"\n{self.mark}\n".encode()
+        return {"status": self.process.returncode, "limit": None, "loaded": mark in output,
+                "output": output.replace(mark, b"", 1)[-16_384:].decode(errors="replace")}
 
     def result(self):
         try:
@@ -181,10 +186,11 @@ class Running:
             written = [written_by_answer(self.folder.name, name) for name in names]
             written = [data for data in written if data]
             if not written:
-                lines = [line for line in ended["output"].strip().splitlines() if line.strip()]
+                # (on new lines only: splitlines would also cut at separators the answer chose)
+                lines = [line for line in ended["output"].split("\n") if line.strip()]
                 lines = lines or ["no output"]
                 last = from_the_answer(lines[-1])
-                if written_by_answer(self.folder.name, LOADING) is None:  # before the answer loaded
+                if not ended["loaded"]:  # the grader's failure: the answer never ran
                     raise GraderFailed("the process that runs your answer ended (exit status "
                                        f"{ended['status']}) "
                                        f"before it loaded the answer: {last}")
@@ -204,14 +210,7 @@ class Running:
             raise NotDone(from_the_answer(came_back["not_done"]))
         if "failed" in came_back:
             raise ExerciseFailed(from_the_answer(came_back["failed"]))
-        if "grader" in came_back:
-            raise GraderFailed("the answer's process could not run it: "
-                               f"{from_the_answer(came_back['grader'])}")
         return came_back.get("outputs")
-
-
-# runner.LOADING: written by the answer's process right before it loads the answer
-LOADING = "answer-loading"
 
 
 def written_by_answer(folder, name):
