@@ -7,6 +7,7 @@ holds the sandbox's own walls), or borrowing the project's code where the exerci
 import pytest
 import torch  # noqa: F401 - (the cheats are copied into answer files, which import it)
 
+from conftest import ROOT
 from test_exercises import answer_folder, failed_with
 from test_exercise_mistakes_run import ddp, ddp_all_in_no_sync_reduced_by_hand
 
@@ -81,17 +82,41 @@ def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_th
 
 # The capstone on one import line: model.py's modules instead of the student's, taken whole or
 # inherited.
-BORROWED = [
-    "from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
-    "class GPT(model.GPT):\n    pass\n",
+BORROWED = [  # (code, words of the failure)
+    ("from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
+     "the capstone is yours to write: exercises/16_gpt.py uses model.py's"),
+    ("class GPT(model.GPT):\n    pass\n", "your GPT derives from model.py's GPT"),
+    # model.py's GPT extended with the student's own methods, as a class statement and made by type()
+    ("model.GPT.__init__ = nn.Module.__init__\n_Mine = GPT\n\n\nclass GPT(_Mine, model.GPT):\n    pass\n",
+     "your GPT derives from model.py's GPT"),
+    ("getattr(model, 'G' + 'PT').__init__ = nn.Module.__init__\n"
+     "GPT = type('GPT', (GPT, getattr(model, 'G' + 'PT')), {})\n",
+     "your GPT's GPT derives from model.py's GPT"),
+    # torch's attention where the student's is asked
+    ("def attention(q, k, v, allowed=None, dropout=0.0):\n"
+     "    Tq, Tk = q.size(-2), k.size(-2)\n"
+     "    if allowed is None:\n"
+     "        allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)\n"
+     "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,\n"
+     "                                                            dropout_p=dropout)\n",
+     "yet your answer called torch's scaled_dot_product_attention"),
+    # model.py's MLP pasted: the student's mlp of exercise 10 never runs
+    ("MLP.forward = lambda self, x: self.dropout(self.c_proj(self.gelu(self.c_fc(x))))\n",
+     "your GPT never calls your mlp of exercise 10"),
+    # model.py saved beside the answers under an answer file's name, and re-exported
+    ("_project = answers_of(99, __file__)\n"
+     "CausalSelfAttention, MLP, Block = _project.CausalSelfAttention, _project.MLP, _project.Block\n",
+     "no exercise 99 beside 16_gpt.py"),
 ]
 
 
-@pytest.mark.parametrize("code", BORROWED, ids=["imported", "inherited"])
+@pytest.mark.parametrize("code,words", BORROWED, ids=["imported", "inherited", "extended", "made by type",
+                                                      "torch's attention", "pasted mlp", "beside"])
 def test_a_capstone_borrowed_from_model_py_fails_saying_it_is_the_students_to_write(
-        code, data_root, tmp_path):
-    words = "the capstone is yours to write: exercises/16_gpt.py uses model.py's"
-    failed_with(16, answer_folder(tmp_path, 16, code=code), words, data_root)
+        code, words, data_root, tmp_path):
+    folder = answer_folder(tmp_path, 16, code=code)
+    (folder / "99_model.py").write_text((ROOT / "model.py").read_text())
+    failed_with(16, folder, words, data_root)
 
 PATCHES = [  # (exercise, code that patches what feeds the check, words of the failure)
     # the answer's process patches the check's helper so that train.py's run logs no loss
