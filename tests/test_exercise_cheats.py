@@ -39,6 +39,53 @@ def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batc
     return total
 
 
+def ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
+    """DDP's all-reduce skipped (every micro-step in no_sync), then the rank's own gradient handed to
+    DDP's hook in one bucket of its own, once the hook's guards are rewritten, and the mean it gives
+    back written into .grad: the grader's counter sees one all-reduce of the right values."""
+    import sys
+
+    class Bucket:
+        def __init__(self, flat, params):
+            self.flat, self.params = flat, params
+
+        def index(self):
+            return 0
+
+        def buffer(self):
+            return self.flat
+
+        def parameters(self):
+            return self.params
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+    total = ddp(model, micro_batches, sync="never")
+    params = list(model.parameters())
+    hook, state = model._comm_hooks[0]
+    mean = hook(state, Bucket(torch.cat([p.grad.reshape(-1) for p in params]), params)).wait()
+    torch.nn.utils.vector_to_parameters(mean, [p.grad for p in params])
+    return total
+
+
+def ddp_in_no_sync_then_one_bucket_down_the_hooks_socket(model, micro_batches):
+    """As above, the bucket sent down the socket the hook holds (read from its closure) in the
+    grader's own wire format, past the hook and its guards."""
+    import sys
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    total = ddp(model, micro_batches, sync="never")
+    params = list(model.parameters())
+    hook, _ = model._comm_hooks[0]
+    cells = dict(zip(hook.__code__.co_freevars, (c.cell_contents for c in hook.__closure__)))
+    connection, place = cells["connection"], cells["place"]
+    feed.send_frame(connection, {"index": 0, "params": [place[id(p)] for p in params]},
+                    torch.cat([p.grad.reshape(-1) for p in params]))
+    _, mean = feed.receive_frame(connection)
+    torch.nn.utils.vector_to_parameters(mean, [p.grad for p in params])
+    return total
+
+
 def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperature=1.0, top_k=None,
                                           generator=None):
     """No cache at all: a cached generate run for the counters alone, then the whole window
@@ -69,12 +116,17 @@ GUARDS = [
           "_ddp": ddp,
           "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
      "is not the gradient that rank accumulated over its micro-steps"),
+    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards,
+          "_ddp": ddp},
+     "these are not DDP's buckets"),
+    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_down_the_hooks_socket, "_ddp": ddp},
+     "these are not DDP's buckets"),
     (21, {"generate": generate_recomputed_past_the_counters},
      "with the cache each new token is one position through the model"),
 ]
 
 
-@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[str(n) for n, _, _ in GUARDS])
+@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[f"{n}-{'-'.join(c)}" for n, c, _ in GUARDS])
 def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_the_grader_measures(
         number, cheat, words, data_root, tmp_path):
     failed_with(number, answer_folder(tmp_path, number, cheat), words, data_root)
