@@ -110,6 +110,23 @@ def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperatur
     return idx
 
 
+def generate_with_work_in_children_nobody_waits_for(model, idx, max_new_tokens, temperature=1.0,
+                                                   top_k=None, generator=None):
+    """The work done in a forked child with SIGCHLD ignored: the kernel reaps it at once, so its CPU
+    reaches no parent's account, and it ends before a look at the live processes finds it."""
+    import os
+    import signal
+
+    import sample
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    if os.fork() == 0:
+        model(idx[:, -model.config.block_size:])  # (the whole window again: what the cache saves)
+        os._exit(0)
+    return sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                           generator=generator)
+
+
 # (exercise, {answer function: the cheat; "_name": a helper it calls}, words of the failure)
 GUARDS = [
     (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards,
@@ -121,6 +138,8 @@ GUARDS = [
      "these are not DDP's buckets"),
     (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_down_the_hooks_socket, "_ddp": ddp},
      "these are not DDP's buckets"),
+    (21, {"generate": generate_with_work_in_children_nobody_waits_for},
+     "your answer tried to start another process or thread"),
     (21, {"generate": generate_recomputed_past_the_counters},
      "with the cache each new token is one position through the model"),
 ]

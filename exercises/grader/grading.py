@@ -143,7 +143,7 @@ class Running:
             self.process = None
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
-                               "user": self.user, "timeout": timeout, "cpu": cpu,
+                               "user": self.user, "timeout": timeout, "cpu": cpu, "no_fork": cpu is not None,
                                "environment": ENVIRONMENT})
             return
         start = [sys.executable]

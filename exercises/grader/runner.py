@@ -79,6 +79,10 @@ def describe_error(path, error):
         return "not_done", (f"write {frame.f_code.co_qualname} in exercises/{where} (its docstring "
                             "says what it must "
                             f"do).")
+    if ALONE and isinstance(error, BlockingIOError):
+        return "failed", (f"your answer tried to start another process or thread ({first_line(error)}), "
+                          "which this check refuses: it measures the CPU your answer uses, so compute in "
+                          "your own process.")
     if in_answers:
         frame, line = in_answers[-1]
         where = Path(frame.f_code.co_filename).name
@@ -99,6 +103,10 @@ def describe_error(path, error):
     return "failed", (f"the check stopped on {type(error).__name__} ({first_line(error)}){place}, "
                       "reached with what "
                       f"your answers in exercises/{path.name} returned.")
+
+
+# set in the answer's process when it may start no other process or thread (a check that measures its CPU)
+ALONE = []
 
 
 def run_job(answer_path, side, inputs_path, outputs_path, mark):
@@ -138,7 +146,7 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 def zygote():
     """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS],
     "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or null,
-    "room_only": {...} or null}), and run each under a watcher (`watch`); with ranks=2 the answer's
+    "no_fork": true where the answer may start no process or thread, "room_only": {...} or null}), and run each under a watcher (`watch`); with ranks=2 the answer's
     process becomes torchrun, which starts two runners. Write {"pid": the watcher's} when it starts
     and {"status": ..., "limit": ..., "cpu": ..., "output": ...} when it ends."""
     # the grader reads replies here; anything else printed goes to stderr
@@ -228,6 +236,12 @@ def answer_process(request, output, close):
         isolate(**request["room_only"])
     limits = ((resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_FSIZE, FILE_SIZE),
               (resource.RLIMIT_CORE, 0))
+    if request.get("no_fork"):
+        # The CPU a check measures is counted by process, and a child that ends unwaited-for (SIGCHLD
+        # ignored) takes its CPU with it: so no second process or thread at all. The limit counts the
+        # answer's user's processes, which is this one alone where the answer has a user of its own.
+        limits += ((resource.RLIMIT_NPROC, 1),)
+        ALONE.append(True)
     for limit, value in limits:
         soft, hard = resource.getrlimit(limit)
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
