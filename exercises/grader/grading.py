@@ -143,8 +143,8 @@ class Running:
             self.process = None
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
-                               "user": self.user, "timeout": timeout, "cpu": cpu, "no_fork": cpu is not None,
-                               "environment": ENVIRONMENT})
+                               "user": self.user, "timeout": timeout, "cpu": cpu,
+                               "no_fork": cpu is not None, "environment": ENVIRONMENT})
             return
         start = [sys.executable]
         if ranks > 1:

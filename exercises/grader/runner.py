@@ -10,9 +10,9 @@ folder the answer file sits in), loads the answer file, calls FUNCTION(answers, 
 answer side (a feed_*.py module's), and saves {"outputs": what it returned} as plain data to
 OUTPUTS; or, when the answer is not written yet or raised, {"not_done": ...} or {"failed": ...}, one
 sentence that names the function and its line. Under torchrun each rank does the same, rank r > 0
-into OUTPUTS.r. Right before it loads the answer it prints MARK (a secret of this grading): once in the
-pipe the grader reads, no answer can take it back, so a process that ends without it failed in the
-grader's own hands (`follow` looks for it), and one that printed it failed in the answer's.
+into OUTPUTS.r. Right before it loads the answer it prints MARK (a secret of this grading): once
+in the pipe the grader reads, no answer can take it back, so a process that ends without it failed
+in the grader's own hands (`follow` looks for it), and one that printed it failed in the answer's.
 
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
@@ -54,7 +54,7 @@ def load_answers(path):
 
 
 def first_line(error):
-    # (on new lines only: splitlines would also cut at separators the answer chose, such as U+2028)
+    # (on new lines only: splitlines would also cut at separators the answer chose, as U+2028)
     text = [line for line in str(error).split("\n") if line.strip()]
     return text[0][:200] if text else ""
 
@@ -63,9 +63,9 @@ def describe_error(path, error):
     """(kind, sentence) for an exception raised while the answer ran: "not_done" for an answer not
     written yet, "failed" for everything else: an error in an answer file (this one, or another
     exercise's it builds on), a file that does not load, or an error the check's answer side ran
-    into, fed what the answers returned. Never the grader's: the answer had loaded, and it can raise
-    any error from a frame that names any file (compile's filename), so where a frame says it ran
-    decides no more than the words of the sentence."""
+    into, fed what the answers returned. Never the grader's: the answer had loaded, and it can
+    raise any error from a frame that names any file (compile's filename), so where a frame says
+    it ran decides no more than the words of the sentence."""
     path = Path(path).resolve()
     frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)]
     in_answers = [(frame, line) for frame, line in frames
@@ -80,9 +80,9 @@ def describe_error(path, error):
                             "says what it must "
                             f"do).")
     if ALONE and isinstance(error, BlockingIOError):
-        return "failed", (f"your answer tried to start another process or thread ({first_line(error)}), "
-                          "which this check refuses: it measures the CPU your answer uses, so compute in "
-                          "your own process.")
+        return "failed", (f"your answer tried to start another process or thread "
+                          f"({first_line(error)}), which this check refuses: it measures the CPU "
+                          "your answer uses, so compute in your own process.")
     if in_answers:
         frame, line = in_answers[-1]
         where = Path(frame.f_code.co_filename).name
@@ -105,7 +105,7 @@ def describe_error(path, error):
                       f"your answers in exercises/{path.name} returned.")
 
 
-# set in the answer's process when it may start no other process or thread (a check that measures its CPU)
+# set in the answer's process when it may start no other process or thread (its CPU is measured)
 ALONE = []
 
 
@@ -144,11 +144,12 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 
 
 def zygote():
-    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS],
-    "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or null,
-    "no_fork": true where the answer may start no process or thread, "room_only": {...} or null}), and run each under a watcher (`watch`); with ranks=2 the answer's
-    process becomes torchrun, which starts two runners. Write {"pid": the watcher's} when it starts
-    and {"status": ..., "limit": ..., "cpu": ..., "output": ...} when it ends."""
+    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS,
+    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or
+    null, "no_fork": true where the answer may start no process or thread, "room_only": {...} or
+    null}), and run each under a watcher (`watch`); with ranks=2 the answer's process becomes
+    torchrun, which starts two runners. Write {"pid": the watcher's} when it starts and {"status":
+    ..., "limit": ..., "cpu": ..., "loaded": ..., "output": ...} when it ends."""
     # the grader reads replies here; anything else printed goes to stderr
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -237,9 +238,9 @@ def answer_process(request, output, close):
     limits = ((resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_FSIZE, FILE_SIZE),
               (resource.RLIMIT_CORE, 0))
     if request.get("no_fork"):
-        # The CPU a check measures is counted by process, and a child that ends unwaited-for (SIGCHLD
-        # ignored) takes its CPU with it: so no second process or thread at all. The limit counts the
-        # answer's user's processes, which is this one alone where the answer has a user of its own.
+        # The CPU a check measures is counted by process, and a child that ends unwaited-for
+        # (SIGCHLD ignored) takes its CPU with it: so no second process or thread at all. The limit
+        # counts the processes of the answer's user: this one alone, where it has a user of its own.
         limits += ((resource.RLIMIT_NPROC, 1),)
         ALONE.append(True)
     for limit, value in limits:
