@@ -21,10 +21,11 @@ from conftest import ROOT
 from test_exercises import answer_folder
 
 import exercises.grader.grading as grading
+import exercises.grader.sandbox as sandbox
 from exercises.check import grade
 from exercises.grader.checking import GraderFailed
 from exercises.grader.grading import Answers
-from exercises.grader.sandbox import Sandbox
+from exercises.grader.sandbox import Cgroup, Sandbox
 
 CHECK = ROOT / "exercises" / "check.py"
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -424,3 +425,37 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
         """)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+def cgroup_here():
+    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
+    probe = Cgroup(f"exercise-probe-{os.getpid()}")
+    probe.remove()
+    return bool(probe.folders)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here(),
+                    reason="the answer's memory is counted as a whole in a cgroup, where one may be made")
+def test_an_answer_whose_processes_together_take_too_much_memory_is_stopped(tmp_path, walls,
+                                                                             monkeypatch):
+    """Three processes of 1 GB each, each within its own limit, against a whole of 2 GB here."""
+    monkeypatch.setattr(sandbox, "CGROUP_MEMORY", 2 * 2**30)
+    monkeypatch.setattr(grading, "CGROUP_MEMORY", 2 * 2**30)
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(2):
+                if os.fork() == 0:
+                    hoard = b"x" * 2**30
+                    time.sleep(5)
+                    os._exit(len(hoard) and 0)
+            hoard = b"x" * 2**30
+            time.sleep(5)
+            return _right(position, rank, world_size, batch_size)[:len(hoard)]
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer's processes together used more than 2 GB" in line, line

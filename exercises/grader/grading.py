@@ -16,6 +16,7 @@ says why); under torchrun, two per answer."""
 import ast
 import atexit
 import io
+import itertools
 import json
 import os
 import queue
@@ -30,7 +31,7 @@ import torch
 
 from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone, from_the_answer
 from exercises.grader.room import ROOT, answer_folder, give_to_answer, room_for, unprivileged
-from exercises.grader.sandbox import ENVIRONMENT, Sandbox
+from exercises.grader.sandbox import CGROUP_MEMORY, ENVIRONMENT, Cgroup, Sandbox
 
 HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
@@ -180,6 +181,11 @@ class Running:
                                      "another).")
             if ended["limit"] == "cpu":
                 raise OverCpu(self.cpu, ended["cpu"])
+            if ended.get("memory"):
+                raise ExerciseFailed(f"your answer's processes together used more than "
+                                     f"{CGROUP_MEMORY / 2**30:.3g} GB of memory, the most an "
+                                     "answer may have: look for data kept that is no longer "
+                                     "needed, or copies.")
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's
             # says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
@@ -279,6 +285,7 @@ class Zygote:
         box = sandbox()
         if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree
             request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
+        self.oom_kills = self.cgroup.oom_kills()
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         self.reply(60)  # {"pid": the watcher's}
@@ -290,7 +297,10 @@ class Zygote:
         command = [sys.executable, str(runner), "--zygote"]
         if box.bwrap:
             command = box.command(sys.executable, runner, room, self.room.answers())
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # the zygote and each answer together, where a cgroup may be made (root)
+        self.cgroup = Cgroup(f"exercise-grading-{os.getpid()}-{next(LAUNCHES)}")
+        self.process = subprocess.Popen(self.cgroup.start(command), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, cwd=room,
                                         env=answer_environment(str(room)))
         self.replies = queue.Queue()
@@ -299,7 +309,18 @@ class Zygote:
         self.errors = []  # the last lines the zygote printed: why it ended, when it does
         threading.Thread(target=self.read, args=(self.process.stderr, self.errors),
                          daemon=True).start()
-        atexit.register(self.process.stdin.close)
+        atexit.register(self.close, self.process, self.cgroup)
+
+    @staticmethod
+    def close(process, cgroup):
+        """End a zygote (its stdin closed, it ends after its answer) and remove its cgroup."""
+        process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        cgroup.remove()
 
     def wait(self, timeout):
         """What the watcher said when the answer ended (runner.follow). The watcher stops the answer
@@ -313,7 +334,8 @@ class Zygote:
             raise GraderFailed("the grader's watcher of your answer did not stop it after "
                                f"{timeout} s")
         self.running = False
-        return ended
+        # (the kernel stopped a process of the answer at the cgroup's memory limit)
+        return ended | {"memory": self.cgroup.oom_kills() > self.oom_kills}
 
     def reply(self, timeout):
         line = self.replies.get(timeout=timeout)
@@ -336,6 +358,7 @@ class Zygote:
 
 
 ZYGOTES = {}  # room -> its Zygote
+LAUNCHES = itertools.count()  # (each zygote started names its cgroup)
 
 
 def zygote_of(room):
