@@ -15,7 +15,10 @@ def answers_of(number, beside):
     """Exercise `number`'s answer file in the folder of `beside` (an answer file's __file__), loaded as a module:
     the answers next to yours, whichever copy of the project they sit in."""
     folder = Path(beside).resolve().parent
-    path = next(folder.glob(f"{number:02d}_*.py"))
+    path = next(folder.glob(f"{number:02d}_*.py"), None)
+    if path is None:
+        raise FileNotFoundError(f"no exercise {number} beside {Path(beside).name}: an answer builds only on the "
+                                f"course's answer files")
     spec = importlib.util.spec_from_file_location(f"exercise_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

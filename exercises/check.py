@@ -110,9 +110,12 @@ def stopped(error):
     exercise teaches (an assertion of the check), or what came back from the answer was not what it reads."""
     import traceback
 
+    from exercises.grader.checking import from_the_answer
+
     last = (traceback.extract_tb(error.__traceback__) or [None])[-1]
     where = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
-    text = (str(error).strip().splitlines() or [""])[0][:200]
+    # (the error may quote what the answer returned: new lines only, and escaped)
+    text = from_the_answer(([line for line in str(error).split("\n") if line.strip()] or [""])[0], 200)
     if isinstance(error, AssertionError):
         return (f"cannot be checked: the project no longer does what it teaches ({text}{where}); tell your "
                 f"teacher.")

@@ -7,6 +7,7 @@ holds the sandbox's own walls), or borrowing the project's code where the exerci
 import pytest
 import torch  # noqa: F401 - (the cheats are copied into answer files, which import it)
 
+from conftest import ROOT
 from test_exercises import answer_folder, failed_with
 from test_exercise_mistakes_run import ddp, ddp_all_in_no_sync_reduced_by_hand
 
@@ -38,6 +39,53 @@ def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batc
     return total
 
 
+def ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
+    """DDP's all-reduce skipped (every micro-step in no_sync), then the rank's own gradient handed to
+    DDP's hook in one bucket of its own, once the hook's guards are rewritten, and the mean it gives
+    back written into .grad: the grader's counter sees one all-reduce of the right values."""
+    import sys
+
+    class Bucket:
+        def __init__(self, flat, params):
+            self.flat, self.params = flat, params
+
+        def index(self):
+            return 0
+
+        def buffer(self):
+            return self.flat
+
+        def parameters(self):
+            return self.params
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+    total = ddp(model, micro_batches, sync="never")
+    params = list(model.parameters())
+    hook, state = model._comm_hooks[0]
+    mean = hook(state, Bucket(torch.cat([p.grad.reshape(-1) for p in params]), params)).wait()
+    torch.nn.utils.vector_to_parameters(mean, [p.grad for p in params])
+    return total
+
+
+def ddp_in_no_sync_then_one_bucket_down_the_hooks_socket(model, micro_batches):
+    """As above, the bucket sent down the socket the hook holds (read from its closure) in the
+    grader's own wire format, past the hook and its guards."""
+    import sys
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    total = ddp(model, micro_batches, sync="never")
+    params = list(model.parameters())
+    hook, _ = model._comm_hooks[0]
+    cells = dict(zip(hook.__code__.co_freevars, (c.cell_contents for c in hook.__closure__)))
+    connection, place = cells["connection"], cells["place"]
+    feed.send_frame(connection, {"index": 0, "params": [place[id(p)] for p in params]},
+                    torch.cat([p.grad.reshape(-1) for p in params]))
+    _, mean = feed.receive_frame(connection)
+    torch.nn.utils.vector_to_parameters(mean, [p.grad for p in params])
+    return total
+
+
 def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperature=1.0, top_k=None,
                                           generator=None):
     """No cache at all: a cached generate run for the counters alone, then the whole window
@@ -62,18 +110,42 @@ def generate_recomputed_past_the_counters(model, idx, max_new_tokens, temperatur
     return idx
 
 
+def generate_with_work_in_children_nobody_waits_for(model, idx, max_new_tokens, temperature=1.0,
+                                                   top_k=None, generator=None):
+    """The work done in a forked child with SIGCHLD ignored: the kernel reaps it at once, so its CPU
+    reaches no parent's account, and it ends before a look at the live processes finds it."""
+    import os
+    import signal
+
+    import sample
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    if os.fork() == 0:
+        model(idx[:, -model.config.block_size:])  # (the whole window again: what the cache saves)
+        os._exit(0)
+    return sample.generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k,
+                           generator=generator)
+
+
 # (exercise, {answer function: the cheat; "_name": a helper it calls}, words of the failure)
 GUARDS = [
     (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards,
           "_ddp": ddp,
           "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
      "is not the gradient that rank accumulated over its micro-steps"),
+    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards,
+          "_ddp": ddp},
+     "these are not DDP's buckets"),
+    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_down_the_hooks_socket, "_ddp": ddp},
+     "these are not DDP's buckets"),
+    (21, {"generate": generate_with_work_in_children_nobody_waits_for},
+     "your answer tried to start another process or thread"),
     (21, {"generate": generate_recomputed_past_the_counters},
      "with the cache each new token is one position through the model"),
 ]
 
 
-@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[str(n) for n, _, _ in GUARDS])
+@pytest.mark.parametrize("number,cheat,words", GUARDS, ids=[f"{n}-{'-'.join(c)}" for n, c, _ in GUARDS])
 def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_the_grader_measures(
         number, cheat, words, data_root, tmp_path):
     failed_with(number, answer_folder(tmp_path, number, cheat), words, data_root)
@@ -81,17 +153,41 @@ def test_an_answer_that_rewrites_what_counts_in_its_own_process_fails_on_what_th
 
 # The capstone on one import line: model.py's modules instead of the student's, taken whole or
 # inherited.
-BORROWED = [
-    "from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
-    "class GPT(model.GPT):\n    pass\n",
+BORROWED = [  # (code, words of the failure)
+    ("from model import CausalSelfAttention, MLP, Block, GPT  # noqa\n",
+     "the capstone is yours to write: exercises/16_gpt.py uses model.py's"),
+    ("class GPT(model.GPT):\n    pass\n", "your GPT derives from model.py's GPT"),
+    # model.py's GPT extended with the student's own methods, as a class statement and made by type()
+    ("model.GPT.__init__ = nn.Module.__init__\n_Mine = GPT\n\n\nclass GPT(_Mine, model.GPT):\n    pass\n",
+     "your GPT derives from model.py's GPT"),
+    ("getattr(model, 'G' + 'PT').__init__ = nn.Module.__init__\n"
+     "GPT = type('GPT', (GPT, getattr(model, 'G' + 'PT')), {})\n",
+     "your GPT's GPT derives from model.py's GPT"),
+    # torch's attention where the student's is asked
+    ("def attention(q, k, v, allowed=None, dropout=0.0):\n"
+     "    Tq, Tk = q.size(-2), k.size(-2)\n"
+     "    if allowed is None:\n"
+     "        allowed = torch.ones(Tq, Tk, dtype=torch.bool).tril(diagonal=Tk - Tq)\n"
+     "    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed,\n"
+     "                                                            dropout_p=dropout)\n",
+     "yet your answer called torch's scaled_dot_product_attention"),
+    # model.py's MLP pasted: the student's mlp of exercise 10 never runs
+    ("MLP.forward = lambda self, x: self.dropout(self.c_proj(self.gelu(self.c_fc(x))))\n",
+     "your GPT never calls your mlp of exercise 10"),
+    # model.py saved beside the answers under an answer file's name, and re-exported
+    ("_project = answers_of(99, __file__)\n"
+     "CausalSelfAttention, MLP, Block = _project.CausalSelfAttention, _project.MLP, _project.Block\n",
+     "no exercise 99 beside 16_gpt.py"),
 ]
 
 
-@pytest.mark.parametrize("code", BORROWED, ids=["imported", "inherited"])
+@pytest.mark.parametrize("code,words", BORROWED, ids=["imported", "inherited", "extended", "made by type",
+                                                      "torch's attention", "pasted mlp", "beside"])
 def test_a_capstone_borrowed_from_model_py_fails_saying_it_is_the_students_to_write(
-        code, data_root, tmp_path):
-    words = "the capstone is yours to write: exercises/16_gpt.py uses model.py's"
-    failed_with(16, answer_folder(tmp_path, 16, code=code), words, data_root)
+        code, words, data_root, tmp_path):
+    folder = answer_folder(tmp_path, 16, code=code)
+    (folder / "99_model.py").write_text((ROOT / "model.py").read_text())
+    failed_with(16, folder, words, data_root)
 
 PATCHES = [  # (exercise, code that patches what feeds the check, words of the failure)
     # the answer's process patches the check's helper so that train.py's run logs no loss

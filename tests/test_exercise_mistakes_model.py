@@ -106,6 +106,19 @@ def block_built_attention_first(self, config):
     self.mlp = MLP(config)
 
 
+def gpt_built_output_layer_first(self, config, loss_path="chunked"):
+    nn.Module.__init__(self)
+    self.config, self.loss_path = config, loss_path
+    self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+    self.transformer = nn.ModuleDict(dict(
+        wte=nn.Embedding(config.vocab_size, config.n_embd),
+        wpe=nn.Embedding(config.block_size, config.n_embd), drop=nn.Dropout(config.dropout),
+        h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
+        ln_f=nn.LayerNorm(config.n_embd, bias=config.bias)))
+    parts.tie_weights(self)
+    self.apply(lambda module: parts.init_weights(module, config.n_layer))
+
+
 def hidden_states_from_position_0(self, idx, kv_cache=None, pos=None, attn_mask=None):
     x = self.transformer.drop(parts.embed(self, idx))
     for block in self.transformer.h:
@@ -158,6 +171,8 @@ WRONG = [
     (16, {"attention": attention_of_unscaled_scores}, "divide the scores by sqrt(head size)"),
     (16, {"attention": attention_blind_to_the_cache}, "tril(diagonal=Tk - Tq)"),
     (16, {"Block.__init__": block_built_attention_first}, "create the modules in model.py's order"),
+    # (the tied weight then goes by lm_head.weight: the names are right, the order is not)
+    (16, {"GPT.__init__": gpt_built_output_layer_first}, "create the modules in model.py's order"),
     (
         16,
         {"GPT.hidden_states": hidden_states_from_position_0},

@@ -21,10 +21,11 @@ from conftest import ROOT
 from test_exercises import answer_folder
 
 import exercises.grader.grading as grading
+import exercises.grader.sandbox as sandbox
 from exercises.check import grade
 from exercises.grader.checking import GraderFailed
 from exercises.grader.grading import Answers
-from exercises.grader.sandbox import Sandbox
+from exercises.grader.sandbox import Cgroup, Sandbox
 
 CHECK = ROOT / "exercises" / "check.py"
 AS_ROOT = hasattr(os, "geteuid") and os.geteuid() == 0
@@ -186,21 +187,29 @@ def test_an_answer_sees_no_other_checkout_and_no_variable_it_was_not_given(tmp_p
 
 # An answer to exercise 14 that leaves processes behind: a double fork in a session of its own, and
 # a chain of shells each of which starts the next and ends, faster than a list of processes can be
-# read.
+# read. Started at the first call, and as far as the answer's limit on processes lets it (where it
+# has a user of its own, the chains' zombies soon reach it).
 LEAVING_ANSWER = """
 import os as _os
 import subprocess as _subprocess
 
+_started = []
+
 
 def rank_sequences(position, rank, world_size, batch_size):
-    if _os.fork() == 0:
-        _os.setsid()
-        if _os.fork() == 0:
-            _os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {marker}"])
-        _os._exit(0)
-    for _ in range(4):
-        chain = 'sh -c "$0" "$1" & exit'
-        _subprocess.Popen(["/bin/sh", "-c", chain, chain, "{marker}"])
+    if not _started:
+        _started.append(True)
+        try:
+            if _os.fork() == 0:
+                _os.setsid()
+                if _os.fork() == 0:
+                    _os.execv("/bin/sh", ["sh", "-c", "while :; do sleep 1; done # {marker}"])
+                _os._exit(0)
+            for _ in range(4):
+                chain = 'sh -c "$0" "$1" & exit'
+                _subprocess.Popen(["/bin/sh", "-c", chain, chain, "{marker}"])
+        except BlockingIOError:
+            pass
     return [position + rank * batch_size + i for i in range(batch_size)]
 """
 
@@ -302,6 +311,46 @@ def test_a_failure_the_grader_causes_is_said_as_the_graders_not_the_students(mon
     assert "failed" not in line.split(":")[0], line
 
 
+# Answers that make their own failure read as the grader's: the file the runner once wrote before
+# loading the answer removed, an error raised from a frame that names a file of Python's install,
+# a message whose line separator (U+2028) would choose the "last line" the grader shows.
+AS_THE_GRADERS = [  # (code, words of the failure)
+    ("""
+import os as _os
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    for name in ("answer-loading", "out.pt"):
+        if _os.path.exists(name):
+            _os.remove(name)
+    _os._exit(3)
+""", "before it answered: no output"),
+    ("""
+import os as _os
+
+exec(compile("def rank_sequences(position, rank, world_size, batch_size):\\n"
+             "    raise PermissionError('[Errno 13] the sandbox closed a file')\\n",
+             _os.path.dirname(_os.__file__) + "/shutil.py", "exec"))
+""", "PermissionError ([Errno 13] the sandbox closed a file) in shutil.py"),
+    ("""
+import os as _os
+
+
+def rank_sequences(position, rank, world_size, batch_size):
+    print("IndexError\\u2028ModuleNotFoundError: no module named torch", flush=True)
+    _os._exit(3)
+""", "before it answered: IndexError\\u2028ModuleNotFoundError"),
+]
+
+
+@pytest.mark.parametrize("code,words", AS_THE_GRADERS,
+                         ids=["marker removed", "install's frame", "U+2028"])
+def test_an_answers_failure_never_reads_as_the_graders(code, words, tmp_path):
+    passed, line = grade(14, answer_folder(tmp_path, 14, code=code))
+    assert not passed and line.startswith("exercise 14 failed"), line
+    assert words in line and "teacher" not in line and line.isprintable(), line
+
+
 def test_without_bubblewrap_the_grading_says_so_in_one_line_and_still_passes(monkeypatch):
     import exercises.grader.sandbox as sandbox
 
@@ -328,3 +377,85 @@ def test_an_answer_that_grabs_memory_is_stopped_at_its_limit_not_the_machines(tm
         """)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised MemoryError" in line, line
+
+
+def test_each_answer_finds_tmp_as_the_sandbox_made_it(tmp_path, walls):
+    """What one answer leaves in /tmp is gone before the next runs (as root without bubblewrap: what
+    the answer's own user left in the machine's /tmp)."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("on the machine's /tmp only an answer's own user tells its files apart")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    leaving = answer_folder(tmp_path / "a", 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            os.makedirs("/tmp/left-by-an-earlier-answer/closed")
+            os.chmod("/tmp/left-by-an-earlier-answer", 0)
+            raise ValueError("left a folder in /tmp")
+        """)
+    finding = answer_folder(tmp_path / "b", 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            if os.path.lexists("/tmp/left-by-an-earlier-answer"):
+                raise ValueError("found what an earlier answer left in /tmp")
+            return _right(position, rank, world_size, batch_size)
+        """)
+    assert "left a folder in /tmp" in grade(14, leaving)[1]
+    passed, line = grade(14, finding)
+    assert passed, line
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
+def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(200):
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+def cgroup_here():
+    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
+    probe = Cgroup(f"exercise-probe-{os.getpid()}")
+    probe.remove()
+    return bool(probe.folders)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here(),
+                    reason="the answer's memory is counted as a whole in a cgroup, where one may be made")
+def test_an_answer_whose_processes_together_take_too_much_memory_is_stopped(tmp_path, walls,
+                                                                             monkeypatch):
+    """Three processes of 1 GB each, each within its own limit, against a whole of 2 GB here."""
+    monkeypatch.setattr(sandbox, "CGROUP_MEMORY", 2 * 2**30)
+    monkeypatch.setattr(grading, "CGROUP_MEMORY", 2 * 2**30)
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(2):
+                if os.fork() == 0:
+                    hoard = b"x" * 2**30
+                    time.sleep(5)
+                    os._exit(len(hoard) and 0)
+            hoard = b"x" * 2**30
+            time.sleep(5)
+            return _right(position, rank, world_size, batch_size)[:len(hoard)]
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer's processes together used more than 2 GB" in line, line

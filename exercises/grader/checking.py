@@ -37,12 +37,14 @@ class GraderFailed(Exception):
 
 def from_the_answer(text, limit=300):
     """`text` that came from the answer's process, fit to print in the grader's one line: cut to `limit`
-    characters, every control character (ANSI escapes, carriage returns, new lines, direction marks) written
-    as its escape, so that nothing the answer prints can rewrite the line around it."""
+    characters, every control character (ANSI escapes, carriage returns, new lines, direction marks) and
+    every separator but the plain space (U+2028's line, U+2029's paragraph, a no-break space) written as its
+    escape, so that nothing the answer prints can rewrite the line around it or pass for another line."""
     import unicodedata
 
     text = str(text)[:limit]
-    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c)[0] == "C" else c for c in text)
+    return "".join(c.encode("unicode_escape").decode() if unicodedata.category(c)[0] in "CZ" and c != " " else c
+                   for c in text)
 
 
 # ----------------------------------------------------------------------------- the grading side: comparing

@@ -1,5 +1,11 @@
 """The check of exercise 16, the capstone: attention written out, GPT-2 assembled, then trained by train.py.
 
+0. What the student wrote: no class of the answer file derives from one of model.py's (read from its text, and
+   from the classes of the GPT it builds); torch's scaled_dot_product_attention is refused while the answer runs
+   (a function mode and a dispatch mode: an answer that calls it fails in one sentence); the GPT calls every one
+   of the student's exercise-10 parts. Pasted code cannot be told from written code: a copy of model.py's
+   attention written out by hand passes, as a correct answer does.
+
 1. The student's `attention` against F.scaled_dot_product_attention on random queries, keys and values: causal,
    with a cache (fewer queries than keys), and with a given mask; values, then the gradients of q, k and v.
 2. The student's GPT against model.py's, built on the same seed: the same parameters by name, order and value,
@@ -12,6 +18,7 @@
    training mode) is also checked from data in 2: the curve shows the trainer takes the student's GPT.
 """
 
+import ast
 import random
 import tempfile
 
@@ -19,8 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from exercises.grader.checking import ExerciseFailed, compared, gradient_advice, is_close, run_training, shown
-from exercises.grader.feed_capstone import (assembly_answers, trained_with_dropout, training_answers, training_args,
-                                     with_gradients)
+from exercises.grader.feed_capstone import (PARTS, assembly_answers, trained_with_dropout, training_answers,
+                                            training_args, with_gradients)
 
 
 # ----------------------------------------------------------------------------- 1. attention
@@ -107,10 +114,13 @@ def packed_rows(rng, T):
     return pos, mask
 
 
-def compare_weights(mine, reference):
+def compare_weights(mine, names, reference):
+    """`mine`: the student's GPT's parameters by name; `names`: every name of them (a tied weight's two)."""
     want = dict(reference.named_parameters())
-    missing = [name for name in want if name not in mine]
-    extra = [name for name in mine if name not in want]
+    every = [name for name, _ in reference.named_parameters(remove_duplicate=False)]
+    # (a tied weight is kept under the name of whichever of its modules comes first: a matter of order)
+    missing = [name for name in every if name not in names]
+    extra = [name for name in names if name not in every]
     if missing or extra:
         what = f"no {missing[0]}" if missing else f"a {extra[0]} that model.py's has not"
         raise ExerciseFailed(f"your GPT has {what}: give the modules model.py's names (a checkpoint, param_groups and "
@@ -175,6 +185,26 @@ def compare_dropout(mine, inputs):
             raise ExerciseFailed(f"your GPT in training mode with dropout 0.1: {wrong}.")
 
 
+YOURS = "the capstone is yours to write, so your classes derive from torch's nn.Module, not from model.py's"
+
+
+def borrowed_class(source):
+    """"your CLASS derives from model.py's BASE" for the first class of the answer file `source` whose bases name
+    one of model.py's classes (model.GPT, or a name imported from model), read from the text without running it;
+    else None."""
+    tree = ast.parse(source)
+    modules = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names if alias.name == "model"}
+    imported = {alias.asname or alias.name for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module == "model" for alias in node.names}
+    for node in ast.walk(tree):
+        for base in getattr(node, "bases", []):
+            if (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id in modules) \
+                    or (isinstance(base, ast.Name) and base.id in imported):
+                return f"your {node.name} derives from model.py's {getattr(base, 'attr', None) or base.id}"
+    return None
+
+
 # ----------------------------------------------------------------------------- 3. trained by train.py
 
 
@@ -191,11 +221,21 @@ def check_capstone(answers, data_root="", steps=12, quick_start=True):
     pos, attn_mask = packed_rows(rng, 12)
     inputs = {"attention": attention_cases(rng), "config": shape, "seed": rng.randint(0, 10**6),
               "idx": tokens[:, :-1], "targets": tokens[:, 1:], "pos": pos, "attn_mask": attn_mask}
+    borrowed = borrowed_class(answers.path.read_text(encoding="utf-8"))
+    if borrowed:
+        raise ExerciseFailed(f"{borrowed}: {YOURS}.")
     mine = answers.run(assembly_answers, inputs)
+    if mine["borrowed"]:
+        raise ExerciseFailed(f"your GPT's {mine['borrowed']}: {YOURS}.")
+    unused = [name for name in PARTS if name not in mine["parts"]]
+    if unused:
+        raise ExerciseFailed(f"your GPT never calls your {', '.join(unused)} of exercise 10 (exercises/10_gpt.py): "
+                             f"the capstone assembles GPT-2 from your parts, so call each where model.py does that "
+                             f"work.")
     compare_attention(inputs["attention"], mine["attention"])
     torch.manual_seed(inputs["seed"])
     reference = GPT(GPTConfig(**shape), loss_path="full").eval()
-    compare_weights(mine["weights"], reference)
+    compare_weights(mine["weights"], mine["names"], reference)
     compare_gpt(mine, reference, inputs)
     compare_dropout(mine["dropout"], inputs)
     running = answers.start(training_answers, (answers.data_root(data_root), steps, quick_start))

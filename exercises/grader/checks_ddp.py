@@ -2,6 +2,13 @@
 function (grading.py's `ranks=2`), and the gradients every rank ends with come back. The truth is one process
 that computes the gradient of the whole batch, here: 15 averaging the gradients by hand, 20 DDP's own
 all-reduce with `no_sync` during accumulation, as train.py's `train_step` does it.
+
+For 20 the grading side also keeps what DDP's all-reduce did (AllReduceCounter): each bucket goes through this
+process, which checks the bucket layout against the one DDP makes (`ddp_buckets`: one bucket at step 1, the
+rebuilt ones after), what each bucket held against the rank's own gradient, and the rank's final gradients against
+the means it sent back. The hook's guards in the answer's process (feed_ddp.py) are only obstacles: the answer can
+rebind anything there. An answer that rebuilt DDP's bucketing by hand and sent exactly DDP's buckets, its own
+gradients in them, would pass: that is DDP's work done again, which no check outside the process tells apart.
 """
 
 import os
@@ -13,8 +20,8 @@ import threading
 import torch
 
 from exercises.grader.checking import ExerciseFailed, compared, gradients, is_close, shown, tiny_gpt
-from exercises.grader.feed_ddp import (HALF, averaging_answers, batch, no_sync_answers, no_sync_batches, receive_frame,
-                                send_frame)
+from exercises.grader.feed_ddp import (BUCKET_CAP_MB, HALF, averaging_answers, batch, no_sync_answers,
+                                       no_sync_batches, receive_frame, send_frame)
 
 
 def whole_batch_gradient(seed, x, y):
@@ -86,6 +93,8 @@ class AllReduceCounter:
         self.server.listen()
         # rank: [[(bucket index, its size) of each all-reduce] of each step]; and what each bucket held
         self.steps, self.held = {0: [[]], 1: [[]]}, {0: [[]], 1: [[]]}
+        # rank: [[the mean sent back for each of its all-reduces] of each step]
+        self.means = {0: [[]], 1: [[]]}
         self.waiting, self.lock = {}, threading.Lock()
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -108,22 +117,25 @@ class AllReduceCounter:
             while True:
                 header, bucket = receive_frame(connection)
                 if "step_done" in header:
-                    self.steps[rank].append([])
-                    self.held[rank].append([])
+                    for kept in (self.steps, self.held, self.means):
+                        kept[rank].append([])
                     continue
                 self.steps[rank][-1].append((header.get("index"), bucket.numel()))
                 self.held[rank][-1].append((header.get("params"), bucket))
+                means = self.means[rank][-1]
                 with self.lock:
                     other = self.waiting.pop(count, None)
                     if other is None:
-                        self.waiting[count] = (connection, bucket)
+                        self.waiting[count] = (connection, bucket, means)
                 count += 1
                 if other is not None:
-                    other_connection, other_bucket = other
+                    other_connection, other_bucket, other_means = other
                     if other_bucket.numel() != bucket.numel():  # the ranks disagree on DDP's buckets: no mean
                         other_connection.close()
                         break
                     mean = (bucket + other_bucket) / 2
+                    means.append(mean)
+                    other_means.append(mean)
                     send_frame(connection, {}, mean)
                     send_frame(other_connection, {}, mean)
         except (OSError, ValueError):
@@ -150,12 +162,44 @@ def held_its_own(buckets, local):
         return False
 
 
+def ddp_buckets(seed, x, y):
+    """[the places of each bucket's parameters, in order] that DDP all-reduces at step 1 and at step 2 of
+    exercise 20, computed here as DDP computes them: before its first backward, one bucket of every parameter;
+    from then on the buckets it rebuilds from the order in which the first backward made the gradients ready,
+    cut at BUCKET_CAP_MB (torch's own bucketing, the function DDP calls). `x`, `y`: a micro-batch."""
+    import torch.distributed as dist
+
+    model = tiny_gpt(seed)
+    params = list(model.parameters())
+    place, ready = {id(p): i for i, p in enumerate(params)}, []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda p: ready.append(place[id(p)]))  # when DDP's hook fires
+    model(x, y).backward()
+    cap = int(BUCKET_CAP_MB * 2**20)
+    rebuilt, _ = dist._compute_bucket_assignment_by_size([params[i] for i in ready], [cap, cap],
+                                                         [False] * len(ready), ready)
+    return [[list(range(len(params)))], [list(bucket) for bucket in rebuilt]]
+
+
+def came_from_the_all_reduce(grads, held, means):
+    """Whether one rank's gradients ({name: gradient}) are, bucket by bucket, the means this process sent back
+    for the buckets it held (`held`: (places, values) of each; `means`: the mean sent for each)."""
+    grads = list(grads.values())
+    try:
+        return len(means) == len(held) and all(
+            torch.allclose(torch.cat([grads[i].flatten() for i in params]), mean, rtol=1e-6, atol=1e-9)
+            for (params, _), mean in zip(held, means))
+    except (TypeError, IndexError, RuntimeError, AttributeError):
+        return False
+
+
 def check_no_sync(answers):
     seed, micro_steps = random.randrange(2**31), 3
     counter = AllReduceCounter(answers.shared_folder())
     try:
         running = answers.start(no_sync_answers, {"seed": seed, "micro_steps": micro_steps,
                                                   "counter": counter.address}, ranks=2)
+        layouts = ddp_buckets(seed, *no_sync_batches(seed, micro_steps, 0, 1)[-1])
         wants, locals_ = [], []
         for step in (1, 2):
             batches = [b for rank in (0, 1) for b in no_sync_batches(seed, micro_steps, rank, step)]
@@ -172,7 +216,6 @@ def check_no_sync(answers):
         ranks = running.result()
     finally:
         counter.close()
-    size = sum(p.numel() for p in tiny_gpt(seed).parameters())
     for step, (want, rank0_loss) in enumerate(wants, 1):
         mine = [rank[step - 1] for rank in ranks]
         all_reduces = counter.steps[0][step - 1] if step <= len(counter.steps[0]) else []
@@ -205,13 +248,25 @@ def check_no_sync(answers):
                                  f"bucket(s) need one all-reduce each, on the last micro-step: run every micro-step "
                                  f"but the last inside model.no_sync(), so the gradients cross the network once per "
                                  f"optimizer step.")
-        assert sum(buckets.values()) == size, "DDP's buckets must hold every parameter once"
         for rank in (0, 1):
-            if not held_its_own(counter.held[rank][step - 1], locals_[step - 1][rank]):
+            held = counter.held[rank][step - 1] if step <= len(counter.held[rank]) else []
+            sent = [params for params, _ in held]
+            if sent != layouts[step - 1]:
+                when = ("before its first backward" if step == 1 else
+                        "once it has rebuilt them in the order backward made the gradients ready")
+                raise ExerciseFailed(f"at step {step} rank {rank} all-reduced {len(sent)} bucket(s) where DDP, "
+                                     f"{when}, all-reduces {len(layouts[step - 1])} of other parameters: these "
+                                     f"are not DDP's buckets, so let DDP all-reduce the gradients itself, on the "
+                                     f"last micro-step (a bucket sent by your own code is not DDP's).")
+            if not held_its_own(held, locals_[step - 1][rank]):
                 raise ExerciseFailed(f"at step {step} what reached DDP's all-reduce from rank {rank} is not the "
                                      f"gradient that rank accumulated over its micro-steps: let DDP all-reduce, on "
                                      f"the last micro-step, what backward() accumulated (a hook called by your own "
                                      f"code is not DDP's).")
+            if not came_from_the_all_reduce(mine[rank]["grads"], held, counter.means[rank][step - 1]):
+                raise ExerciseFailed(f"at step {step} rank {rank}'s gradients are not what DDP's all-reduce gave "
+                                     f"back: let DDP write the mean of the ranks' gradients into .grad, and leave "
+                                     f"it there.")
         loss = mine[0]["loss"]
         if mine[0]["keeps_graph"]:
             raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return it detached.")

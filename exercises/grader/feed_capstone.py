@@ -1,13 +1,72 @@
 """What the answer's process runs for exercise 16 (checks_capstone.py grades it): the answer's attention,
-its GPT on the check's seed and tokens (with a cache, on packed rows, with dropout), and train.py training it.
-feeding.py says what a feed module is, and holds."""
+its GPT on the check's seed and tokens (with a cache, on packed rows, with dropout), and train.py training it;
+all of it with torch's own attention refused, noting which of the student's exercise-10 parts the GPT calls
+and which of its classes derive from model.py's. feeding.py says what a feed module is, and holds."""
 
+import contextlib
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from exercises.grader.feeding import TINY_RUN, run_training
+from exercises.grader.feeding import TINY_RUN, ExerciseFailed, run_training
+
+# What exercise 10 asks, which the capstone's GPT is to be assembled from (exercises/16_gpt.py's `parts`).
+PARTS = ("mlp", "block_forward", "embed", "tie_weights", "init_weights", "next_token_loss")
+TORCHS_ATTENTION = ("exercise 16 asks you to write attention out, yet your answer called torch's "
+                    "scaled_dot_product_attention: compute the scores, mask them, softmax them and mix the values "
+                    "in your own attention, and call it from your CausalSelfAttention.")
+
+
+class TorchsAttentionRefused(TorchFunctionMode):
+    """F.scaled_dot_product_attention, refused where it is called (it may decompose into plain matmuls below)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") == "scaled_dot_product_attention":
+            raise ExerciseFailed(TORCHS_ATTENTION)
+        return func(*args, **(kwargs or {}))
+
+
+class TorchsAttentionKernelsRefused(TorchDispatchMode):
+    """The kernels behind it (aten._scaled_dot_product_*), refused however they are reached (torch.ops.aten)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "scaled_dot_product" in func.__name__:
+            raise ExerciseFailed(TORCHS_ATTENTION)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def written_by_the_student(answers):
+    """Inside the block torch's attention is refused; yields the set of exercise 10's parts (`PARTS`, the
+    functions of the 10_*.py beside the answer file) that were called in it."""
+    folder = Path(answers.__file__).resolve().parent
+    tens = {str(path.resolve()) for path in folder.glob("10_*.py")}
+    called, previous = set(), sys.getprofile()
+
+    def note(frame, event, arg):
+        if event == "call" and frame.f_code.co_name in PARTS and frame.f_code.co_filename in tens:
+            called.add(frame.f_code.co_name)
+
+    sys.setprofile(note)
+    try:
+        with TorchsAttentionRefused(), TorchsAttentionKernelsRefused():
+            yield called
+    finally:
+        sys.setprofile(previous)
+
+
+def from_model_py(gpt):
+    """"CLASS derives from model.py's BASE" for the first of `gpt`'s modules whose class is or inherits one of
+    model.py's classes, else None: the capstone is the student's to write, not model.py's to extend."""
+    for module in gpt.modules():
+        base = next((c for c in type(module).__mro__ if c.__module__ == "model"), None)
+        if base is not None:
+            return f"{type(module).__name__} derives from model.py's {base.__name__}"
+    return None
 
 
 QUICK_START = Path(__file__).resolve().parents[2] / "config" / "shakespeare.py"
@@ -25,6 +84,13 @@ def with_gradients(function, case):
 
 
 def assembly_answers(answers, inputs):
+    with written_by_the_student(answers) as called:
+        results = assembled(answers, inputs)
+    results["parts"] = sorted(called)
+    return results
+
+
+def assembled(answers, inputs):
     from model import GPTConfig
     from sample import KVCache
 
@@ -32,7 +98,10 @@ def assembly_answers(answers, inputs):
     config = GPTConfig(**inputs["config"])
     torch.manual_seed(inputs["seed"])
     gpt = answers.GPT(config).eval()
+    results["borrowed"] = from_model_py(gpt)
     results["weights"] = dict(gpt.named_parameters())
+    # every name of every parameter, a tied weight under both: which one named_parameters keeps hangs on order
+    results["names"] = [name for name, _ in gpt.named_parameters(remove_duplicate=False)]
     results["tied"] = gpt.lm_head.weight is gpt.transformer.wte.weight
     idx, targets = inputs["idx"], inputs["targets"]
     with torch.no_grad():
@@ -70,6 +139,6 @@ def training_args(data_root, steps, quick_start, out):
 
 
 def training_answers(answers, inputs):
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, TorchsAttentionRefused(), TorchsAttentionKernelsRefused():
         rows = run_training(training_args(*inputs, out) + [f"--train.model_module={answers.__file__}"])
     return [row["train/loss"] for row in rows]

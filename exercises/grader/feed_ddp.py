@@ -15,6 +15,8 @@ from torch.distributed import GradBucket
 from exercises.grader.feeding import gradients, tiny_gpt
 
 HALF = 4  # sequences per rank
+# exercise 20's DDP buckets: small, so that several all-reduces make up one step once DDP has rebuilt them
+BUCKET_CAP_MB = 0.05
 AUTOGRAD = os.path.dirname(torch.autograd.__file__) + os.sep  # where the backward pass that calls DDP's hooks runs
 
 
@@ -116,8 +118,7 @@ def no_sync_answers(answers, inputs):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, micro_steps = dist.get_rank(), inputs["micro_steps"]
-    # Small buckets, so that several all-reduces make up one step once DDP has rebuilt them (after step 1).
-    model = DDP(tiny_gpt(inputs["seed"]), bucket_cap_mb=0.05)
+    model = DDP(tiny_gpt(inputs["seed"]), bucket_cap_mb=BUCKET_CAP_MB)
     connection, hook = all_reduce_by_the_grader(inputs["counter"], rank, list(model.module.parameters()))
     model.register_comm_hook(None, hook)
     steps = []

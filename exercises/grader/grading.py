@@ -16,9 +16,11 @@ says why); under torchrun, two per answer."""
 import ast
 import atexit
 import io
+import itertools
 import json
 import os
 import queue
+import secrets
 import stat
 import subprocess
 import sys
@@ -29,7 +31,7 @@ import torch
 
 from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone, from_the_answer
 from exercises.grader.room import ROOT, answer_folder, give_to_answer, room_for, unprivileged
-from exercises.grader.sandbox import ENVIRONMENT, Sandbox
+from exercises.grader.sandbox import CGROUP_MEMORY, ENVIRONMENT, Cgroup, Sandbox
 
 HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
@@ -134,14 +136,16 @@ class Running:
         # (uid, gid) of the answer's own, or None
         self.user = None if sandbox().as_grader else unprivileged()
         give_to_answer(self.folder.name, self.user)
+        # printed by the runner right before it loads the answer (runner.py says why)
+        self.mark = f"answer-loading-{secrets.token_hex(16)}"
         job = [str(Path(self.folder.name) / "exercises" / answers.path.name),
-               f"{side.__module__}:{side.__name__}", self.inputs, self.outputs]
+               f"{side.__module__}:{side.__name__}", self.inputs, self.outputs, self.mark]
         if hasattr(os, "fork"):
             self.process = None
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
                                "user": self.user, "timeout": timeout, "cpu": cpu,
-                               "environment": ENVIRONMENT})
+                               "no_fork": cpu is not None, "environment": ENVIRONMENT})
             return
         start = [sys.executable]
         if ranks > 1:
@@ -153,17 +157,19 @@ class Running:
 
     def wait(self):
         """{"status": exit status or None, "limit": "time" or "cpu" when the answer was stopped at
-        one, "output": the end of what it printed}."""
+        one, "loaded": whether the runner got as far as loading the answer, "output": the end of
+        what it printed}."""
         if self.process is None:
             return self.zygote.wait(self.timeout)
         try:
             output = self.process.communicate(timeout=self.timeout)[0]
-            return {"status": self.process.returncode, "limit": None,
-                    "output": output[-16_384:].decode(errors="replace")}
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.communicate()
-            return {"status": None, "limit": "time", "output": ""}
+            return {"status": None, "limit": "time", "output": "", "loaded": True}
+        mark = f"\n{self.mark}\n".encode()
+        return {"status": self.process.returncode, "limit": None, "loaded": mark in output,
+                "output": output.replace(mark, b"", 1)[-16_384:].decode(errors="replace")}
 
     def result(self):
         try:
@@ -175,16 +181,22 @@ class Running:
                                      "another).")
             if ended["limit"] == "cpu":
                 raise OverCpu(self.cpu, ended["cpu"])
+            if ended.get("memory"):
+                raise ExerciseFailed(f"your answer's processes together used more than "
+                                     f"{CGROUP_MEMORY / 2**30:.3g} GB of memory, the most an "
+                                     "answer may have: look for data kept that is no longer "
+                                     "needed, or copies.")
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's
             # says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
             written = [written_by_answer(self.folder.name, name) for name in names]
             written = [data for data in written if data]
             if not written:
-                lines = [line for line in ended["output"].strip().splitlines() if line.strip()]
+                # (on new lines only: splitlines would also cut at separators the answer chose)
+                lines = [line for line in ended["output"].split("\n") if line.strip()]
                 lines = lines or ["no output"]
                 last = from_the_answer(lines[-1])
-                if written_by_answer(self.folder.name, LOADING) is None:  # before the answer loaded
+                if not ended["loaded"]:  # the grader's failure: the answer never ran
                     raise GraderFailed("the process that runs your answer ended (exit status "
                                        f"{ended['status']}) "
                                        f"before it loaded the answer: {last}")
@@ -204,14 +216,7 @@ class Running:
             raise NotDone(from_the_answer(came_back["not_done"]))
         if "failed" in came_back:
             raise ExerciseFailed(from_the_answer(came_back["failed"]))
-        if "grader" in came_back:
-            raise GraderFailed("the answer's process could not run it: "
-                               f"{from_the_answer(came_back['grader'])}")
         return came_back.get("outputs")
-
-
-# runner.LOADING: written by the answer's process right before it loads the answer
-LOADING = "answer-loading"
 
 
 def written_by_answer(folder, name):
@@ -280,6 +285,7 @@ class Zygote:
         box = sandbox()
         if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree
             request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
+        self.oom_kills = self.cgroup.oom_kills()
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         self.reply(60)  # {"pid": the watcher's}
@@ -291,7 +297,10 @@ class Zygote:
         command = [sys.executable, str(runner), "--zygote"]
         if box.bwrap:
             command = box.command(sys.executable, runner, room, self.room.answers())
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        # the zygote and each answer together, where a cgroup may be made (root)
+        self.cgroup = Cgroup(f"exercise-grading-{os.getpid()}-{next(LAUNCHES)}")
+        self.process = subprocess.Popen(self.cgroup.start(command), stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, cwd=room,
                                         env=answer_environment(str(room)))
         self.replies = queue.Queue()
@@ -300,7 +309,18 @@ class Zygote:
         self.errors = []  # the last lines the zygote printed: why it ended, when it does
         threading.Thread(target=self.read, args=(self.process.stderr, self.errors),
                          daemon=True).start()
-        atexit.register(self.process.stdin.close)
+        atexit.register(self.close, self.process, self.cgroup)
+
+    @staticmethod
+    def close(process, cgroup):
+        """End a zygote (its stdin closed, it ends after its answer) and remove its cgroup."""
+        process.stdin.close()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        cgroup.remove()
 
     def wait(self, timeout):
         """What the watcher said when the answer ended (runner.follow). The watcher stops the answer
@@ -314,7 +334,8 @@ class Zygote:
             raise GraderFailed("the grader's watcher of your answer did not stop it after "
                                f"{timeout} s")
         self.running = False
-        return ended
+        # (the kernel stopped a process of the answer at the cgroup's memory limit)
+        return ended | {"memory": self.cgroup.oom_kills() > self.oom_kills}
 
     def reply(self, timeout):
         line = self.replies.get(timeout=timeout)
@@ -337,6 +358,7 @@ class Zygote:
 
 
 ZYGOTES = {}  # room -> its Zygote
+LAUNCHES = itertools.count()  # (each zygote started names its cgroup)
 
 
 def zygote_of(room):

@@ -235,12 +235,20 @@ def __getattr__(name):
 def answer_folder(graded, parent):
     """A new folder of one answer's own in `parent` (Room.answers), holding copies of the answer
     files in `graded` (the student's exercises/), under exercises/ so the answer's messages name
-    them as the student knows them."""
+    them as the student knows them. Only the course's answer files go (the names of the teacher's):
+    a file of the student's own there, say model.py saved as 99_model.py, would let an answer
+    import the project's code where the exercise is to write it."""
     folder = tempfile.TemporaryDirectory(prefix="exercise-answer-", dir=parent)
     (Path(folder.name) / "exercises").mkdir()
-    for path in Path(graded).glob("[0-9][0-9]_*.py"):
-        shutil.copy(path, Path(folder.name) / "exercises" / path.name)
+    for name in answer_names():
+        if (Path(graded) / name).is_file():
+            shutil.copy(Path(graded) / name, Path(folder.name) / "exercises" / name)
     return folder
+
+
+def answer_names():
+    """The names of the course's answer files (exercises/NN_name.py of the teacher's copy)."""
+    return sorted(path.name for path in (ROOT / "exercises").glob("[0-9][0-9]_*.py"))
 
 
 # ------------------------------------------------------------ the grading files, before and after

@@ -1,7 +1,7 @@
 """The process an answer runs in (grading.py starts it; torchrun starts two for the checks of data
 parallelism).
 
-    python ROOM/exercises/grader/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS
+    python ROOM/exercises/grader/runner.py ANSWER_FILE MODULE:FUNCTION INPUTS OUTPUTS MARK
     python ROOM/exercises/grader/runner.py --zygote   # one such process per job read from stdin
 
 It runs from the room (room.py: a copy of the project without the teacher's answers), puts the
@@ -10,7 +10,9 @@ folder the answer file sits in), loads the answer file, calls FUNCTION(answers, 
 answer side (a feed_*.py module's), and saves {"outputs": what it returned} as plain data to
 OUTPUTS; or, when the answer is not written yet or raised, {"not_done": ...} or {"failed": ...}, one
 sentence that names the function and its line. Under torchrun each rank does the same, rank r > 0
-into OUTPUTS.r.
+into OUTPUTS.r. Right before it loads the answer it prints MARK (a secret of this grading): once
+in the pipe the grader reads, no answer can take it back, so a process that ends without it failed
+in the grader's own hands (`follow` looks for it), and one that printed it failed in the answer's.
 
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
@@ -19,6 +21,7 @@ project and the feed modules once, never loads an answer file, and for each answ
 drops its privileges, keeps the end of what it prints, and stops it at its limits. When the answer's
 process ends, whatever it left running ends with it."""
 
+import contextlib
 import ctypes
 import datetime
 import importlib
@@ -27,6 +30,7 @@ import json
 import os
 import resource
 import select
+import shutil
 import signal
 import sys
 import time
@@ -40,8 +44,9 @@ sys.path.insert(0, str(ROOT))
 OUTPUT_TAIL = 16_384
 MEMORY = 8 * 2**30  # address space of one answer's process (torch maps most of 1 GB of libraries)
 FILE_SIZE = 2**30  # the largest file an answer's process may write
-# the file a process writes before it loads the answer: what fails before is the grader's
-LOADING = "answer-loading"
+# processes and threads of one answer together, where it has a user of its own (torchrun's two ranks
+# and their threads take about 30)
+PROCESSES = 64
 
 
 def load_answers(path):
@@ -54,16 +59,18 @@ def load_answers(path):
 
 
 def first_line(error):
-    text = str(error).strip().splitlines()
+    # (on new lines only: splitlines would also cut at separators the answer chose, as U+2028)
+    text = [line for line in str(error).split("\n") if line.strip()]
     return text[0][:200] if text else ""
 
 
 def describe_error(path, error):
     """(kind, sentence) for an exception raised while the answer ran: "not_done" for an answer not
-    written yet, "failed" for an error in an answer file (this one, or another exercise's it builds
-    on), a file that does not load, or an error the check's answer side ran into, fed what the
-    answers returned; "grader" for what the grader caused (a module it cannot import or a file it
-    cannot read, outside the answer files)."""
+    written yet, "failed" for everything else: an error in an answer file (this one, or another
+    exercise's it builds on), a file that does not load, or an error the check's answer side ran
+    into, fed what the answers returned. Never the grader's: the answer had loaded, and it can
+    raise any error from a frame that names any file (compile's filename), so where a frame says
+    it ran decides no more than the words of the sentence."""
     path = Path(path).resolve()
     frames = [(frame, line) for frame, line in traceback.walk_tb(error.__traceback__)]
     in_answers = [(frame, line) for frame, line in frames
@@ -77,6 +84,10 @@ def describe_error(path, error):
         return "not_done", (f"write {frame.f_code.co_qualname} in exercises/{where} (its docstring "
                             "says what it must "
                             f"do).")
+    if ALONE and isinstance(error, BlockingIOError):
+        return "failed", (f"your answer tried to start another process or thread "
+                          f"({first_line(error)}), which this check refuses: it measures the CPU "
+                          "your answer uses, so compute in your own process.")
     if in_answers:
         frame, line = in_answers[-1]
         where = Path(frame.f_code.co_filename).name
@@ -94,19 +105,16 @@ def describe_error(path, error):
     last = traceback.extract_tb(error.__traceback__)[-1:] or [None]
     last = last[0]
     place = f" in {Path(last.filename).name} line {last.lineno}" if last else ""
-    in_the_checks = last and Path(last.filename).resolve().parent == ROOT / "exercises" / "grader"
-    if isinstance(error, AssertionError) and in_the_checks:
-        return "failed", ("this exercise cannot be checked: the project no longer does what it "
-                          "teaches "
-                          f"({first_line(error)}); tell your teacher.")
-    if isinstance(error, (ImportError, PermissionError)):
-        return "grader", f"{type(error).__name__} ({first_line(error)}){place}"
     return "failed", (f"the check stopped on {type(error).__name__} ({first_line(error)}){place}, "
                       "reached with what "
                       f"your answers in exercises/{path.name} returned.")
 
 
-def run_job(answer_path, side, inputs_path, outputs_path):
+# set in the answer's process when it may start no other process or thread (its CPU is measured)
+ALONE = []
+
+
+def run_job(answer_path, side, inputs_path, outputs_path, mark):
     import torch
 
     from exercises.grader.feeding import ExerciseFailed, plain
@@ -120,7 +128,7 @@ def run_job(answer_path, side, inputs_path, outputs_path):
     inputs = torch.load(inputs_path, weights_only=True)
     module_name, function_name = side.split(":")
     answer_side = getattr(importlib.import_module(module_name), function_name)
-    Path(LOADING).touch()
+    os.write(1, f"\n{mark}\n".encode())
     try:
         came_back = {"outputs": plain(answer_side(load_answers(answer_path), inputs))}
     except ExerciseFailed as failure:  # the answer side found the answer unusable (a wrong type)
@@ -141,11 +149,12 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 
 
 def zygote():
-    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS],
-    "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or null,
-    "room_only": {...} or null}), and run each under a watcher (`watch`); with ranks=2 the answer's
-    process becomes torchrun, which starts two runners. Write {"pid": the watcher's} when it starts
-    and {"status": ..., "limit": ..., "cpu": ..., "output": ...} when it ends."""
+    """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS,
+    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or
+    null, "no_fork": true where the answer may start no process or thread, "room_only": {...} or
+    null}), and run each under a watcher (`watch`); with ranks=2 the answer's process becomes
+    torchrun, which starts two runners. Write {"pid": the watcher's} when it starts and {"status":
+    ..., "limit": ..., "cpu": ..., "loaded": ..., "output": ...} when it ends."""
     # the grader reads replies here; anything else printed goes to stderr
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -156,6 +165,7 @@ def zygote():
             pass
     import torch
     torch.set_num_threads(1)
+    SANDBOX_TMP.update(os.listdir("/tmp") if os.path.isdir("/tmp") else [])
     for line in sys.stdin:
         request = json.loads(line)
         report, report_to = os.pipe()
@@ -175,7 +185,8 @@ def zygote():
             said = f.read()
         _, status = os.waitpid(pid, 0)
         ended = json.loads(said) if said else {"status": os.waitstatus_to_exitcode(status),
-                                               "output": "", "limit": None, "cpu": 0.0}
+                                               "output": "", "limit": None, "cpu": 0.0,
+                                               "loaded": False}
         print(json.dumps(ended), file=replies, flush=True)
 
 
@@ -211,11 +222,58 @@ def watch(request, report, zygote_fds):
         finally:
             os._exit(1)
     os.close(output_to)
-    ended = follow(pid, output, request["timeout"], request.get("cpu"))
+    ended = follow(pid, output, request["timeout"], request.get("cpu"), request["job"][4])
     # nothing, in a namespace of its own: its processes ended with the answer's
     stop_descendants(libc)
+    clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
+
+
+# The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
+# way to the room, the answers' folders and Python where they lie under /tmp).
+SANDBOX_TMP = set()
+
+
+def clear_tmp(request):
+    """Remove what the answer left in /tmp, its processes all ended, so that the next answer finds
+    /tmp as the sandbox made it, its space free again: in the sandbox, every entry that was not
+    there when the zygote started; on the machine's own /tmp (no sandbox), every entry of the
+    answer's own user, where it has one. As that user where it has one (the watcher ends right
+    after), so that what it made closed to others still goes."""
+    user = request.get("user")
+    if request.get("room_only") and user is None:
+        return  # (the machine's /tmp, shared with the grader's user: none tells the answer's apart)
+    if user is not None:
+        os.setgroups([])
+        os.setgid(user[1])
+        os.setuid(user[0])
+    for entry in os.scandir("/tmp"):
+        try:
+            owner = entry.stat(follow_symlinks=False).st_uid
+        except OSError:
+            continue
+        if (not request.get("room_only") and entry.name in SANDBOX_TMP) or \
+                (user is not None and owner != user[0]):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path, onerror=opened_and_removed)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def opened_and_removed(function, path, _):
+    """shutil.rmtree's second try at `path`, which the answer closed to its own user (chmod 000)."""
+    for folder in (os.path.dirname(path), path):
+        with contextlib.suppress(OSError):
+            if folder != "/tmp" and not os.path.islink(folder):  # (/tmp itself stays as it is)
+                os.chmod(folder, 0o700)
+    with contextlib.suppress(OSError):
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            function(path)
 
 
 def answer_process(request, output, close):
@@ -232,10 +290,19 @@ def answer_process(request, output, close):
         isolate(**request["room_only"])
     limits = ((resource.RLIMIT_AS, MEMORY), (resource.RLIMIT_FSIZE, FILE_SIZE),
               (resource.RLIMIT_CORE, 0))
+    if request.get("no_fork"):
+        # The CPU a check measures is counted by process, and a child that ends unwaited-for
+        # (SIGCHLD ignored) takes its CPU with it: so no second process or thread at all. The limit
+        # counts the processes of the answer's user: this one alone, where it has a user of its own.
+        limits += ((resource.RLIMIT_NPROC, 1),)
+        ALONE.append(True)
+    elif request.get("user") is not None:
+        # all the answer's processes and threads together (its user's: this answer's alone)
+        limits += ((resource.RLIMIT_NPROC, PROCESSES),)
     for limit, value in limits:
-        soft, hard = resource.getrlimit(limit)
+        hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-        resource.setrlimit(limit, (value, hard if hard != resource.RLIM_INFINITY else value))
+        resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
     drop_privileges(request.get("user"))
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
         del os.environ[name]
@@ -276,11 +343,13 @@ def drop_privileges(user):
     libc.capset(ctypes.byref(Header(0x20080522, 0)), (Sets * 2)())
 
 
-def follow(pid, output, timeout, cpu_limit):
+def follow(pid, output, timeout, cpu_limit, mark):
     """Wait for the answer's process `pid`, reading its output: {"status": its exit status or None,
     "limit": "time" or "cpu" when it was stopped at one, "cpu": seconds of CPU of all its processes,
-    "output": the end of what they printed}."""
+    "loaded": whether `mark` came (run_job prints it right before it loads the answer), "output":
+    the end of what they printed, without the mark}."""
     tail, status, limit, cpu, ended_at, reading = bytearray(), None, None, 0.0, None, True
+    mark, loaded = f"\n{mark}\n".encode(), False
     deadline = time.monotonic() + timeout
     while True:
         if not reading:
@@ -289,7 +358,11 @@ def follow(pid, output, timeout, cpu_limit):
             data = os.read(output, 65536)
             reading = bool(data)
             tail += data
-            del tail[:-OUTPUT_TAIL]
+            if not loaded and mark in tail:
+                loaded = True
+                del tail[tail.index(mark):tail.index(mark) + len(mark)]
+            # (kept a mark long, so a mark cut in two by the pipe is found once whole)
+            del tail[:-max(OUTPUT_TAIL, len(mark))]
         if status is None:
             done, code, usage = os.wait4(pid, os.WNOHANG)
             if done:
@@ -306,7 +379,8 @@ def follow(pid, output, timeout, cpu_limit):
         elif not reading or time.monotonic() - ended_at > 1:  # (a leftover may hold the output)
             break
     os.close(output)
-    return {"status": status, "limit": limit, "cpu": cpu, "output": tail.decode(errors="replace")}
+    return {"status": status, "limit": limit, "cpu": cpu, "loaded": loaded,
+            "output": tail.decode(errors="replace")}
 
 
 def processes():

