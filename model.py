@@ -470,7 +470,8 @@ def choose_fast_loss(model, x, y, compiled=False, gradients=True, agree=bool):
     why = ["under torch.compile the slices, not the fused loss" if compiled else
            f"`logits` is a matmul by {model.output_weight}" if model.output_weight else
            "`logits` is more than a matmul by one weight"]
-    for fast in ["fused"] * bool(model.output_weight) + ["sliced"]:
+    candidates = ["fused", "sliced"] if model.output_weight else ["sliced"]
+    for fast in candidates:
         problem = fast_loss_problem(model, x, y, fast, gradients)
         if agree(not problem):
             model.fast_loss = fast
