@@ -181,6 +181,72 @@ def doomed(kinds, keep_last):
     return sorted(s for s in gone if s != steps[-1])
 
 
+def fsync_dir(path):
+    """Make a folder's entries durable: a file's own fsync does not cover its name in the folder
+    (a creation, a rename, a removal)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_atomic(path, data):
+    """Write `data` so that `path` holds either nothing or all of it, on disk; returns its sha256."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_checkpoint(out_dir, step, snapshot, kind, sharded=False):
+    """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, and point `latest` at
+    it; returns the folder. Every file goes into step<N>.partial and is fsynced, COMPLETE last
+    ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole (one already
+    there is replaced only then), so a crash at any instant leaves the old state or the new one.
+    `sharded`: FSDP's ranks have written step<N>.partial/sharded/ already (lab/fsdp.py)."""
+    final = os.path.join(out_dir, f"step{step}")
+    partial, old = f"{final}.partial", f"{final}.replaced"
+    checksums = {}
+    if sharded:
+        pieces = os.path.join(partial, SHARDED)
+        checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
+                     for name in sorted(os.listdir(pieces))}
+        fsync_dir(pieces)
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    for name, obj in snapshot.items():
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        checksums[f"{name}.pt"] = write_file_atomic(os.path.join(partial, f"{name}.pt"),
+                                                    buffer.getvalue())
+    marker = {"step": step, "kind": kind, "files": checksums}
+    write_file_atomic(os.path.join(partial, MARKER), json.dumps(marker, indent=1).encode())
+    fsync_dir(partial)
+    if os.path.exists(final):  # the same step saved again: the new one replaces it whole
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+    link_latest(out_dir, f"step{step}")
+    return final
+
+
+def link_latest(out_dir, name):
+    """Point out_dir/latest at `name`, swapped atomically: a reader sees the old target or the new
+    one."""
+    link = os.path.join(out_dir, "latest.tmp")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(name, link)
+    os.replace(link, os.path.join(out_dir, "latest"))
+    fsync_dir(out_dir)
+
+
 class Checkpointer:
     """Saves the run's checkpoints in `out_dir`: every rank captures its part (the RNG states of all
     ranks are gathered; under FSDP each rank writes its own pieces), rank 0 writes the rest,
@@ -221,11 +287,41 @@ class Checkpointer:
         trainer's `state` (a TrainState: counters, data position) with the config, and every rank's
         RNG states. Every rank calls it. Prints how long the loop stalled (rank 0)."""
         start = time.perf_counter()
-        if self.thread is not None or self.error is not None:  # the previous save lands first: at
-            self.wait()  # most one snapshot in CPU memory
-            if time.perf_counter() - start > self.soft_timeout:
-                warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
-                          self.soft_timeout)
+        self.wait_for_previous()
+        captured = self.capture(step, model, optimizer, state, sample_generator)
+        if captured is None:  # a rank other than 0, with no pieces to write
+            return time.perf_counter() - start
+        snapshot, shards = captured
+        if self.async_save:
+            self.thread = threading.Thread(target=self.write, args=(step, snapshot, kind, shards),
+                                           daemon=True)
+            self.thread.start()
+        else:
+            self.write(step, snapshot, kind, shards)
+            if self.error is not None:
+                self.wait()  # (raises it)
+        stalled = time.perf_counter() - start
+        if self.is_master and step > 0:
+            how = "async" if self.async_save else "sync"
+            print(f"checkpoint step{step} ({kind}, {how}): the loop stalled {stalled:.3f} s",
+                  flush=True)
+        return stalled
+
+    def wait_for_previous(self):
+        """The previous save lands before this one starts: at most one snapshot in CPU memory. A
+        wait longer than log.bookkeeping_soft_timeout warns."""
+        if self.thread is None and self.error is None:
+            return
+        start = time.perf_counter()
+        self.wait()
+        if time.perf_counter() - start > self.soft_timeout:
+            warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
+                      self.soft_timeout)
+
+    def capture(self, step, model, optimizer, state, sample_generator):
+        """This rank's part of a save: (snapshot {"model", "optim", "trainer"} for rank 0 to write,
+        FSDP's pieces being written or None), or None on a rank that writes nothing. Every rank's
+        RNG states are gathered; under FSDP every rank starts writing its pieces."""
         sharded = hasattr(model, "set_requires_gradient_sync")  # what FSDP's fully_shard gives
         whole, shards = None, None
         if sharded and self.unsharded_interval and step % self.unsharded_interval == 0:
@@ -244,7 +340,7 @@ class Checkpointer:
             except fsdp.DCP_ERRORS as error:
                 raise self.failed(step, error) from None
         elif not self.is_master:
-            return time.perf_counter() - start
+            return None
         if sharded:  # the pieces are being written: a whole model.pt at most
             snapshot = {"model": whole} if whole else {}
         else:
@@ -254,74 +350,19 @@ class Checkpointer:
         # CPU writes the tensors themselves, as nothing runs meanwhile.
         if self.async_save or next(model.parameters()).device.type != "cpu":
             snapshot = to_cpu(snapshot)
-        if self.async_save:
-            self.thread = threading.Thread(target=self.write, args=(step, snapshot, kind, shards),
-                                           daemon=True)
-            self.thread.start()
-        else:
-            self.write(step, snapshot, kind, shards)
-            if self.error is not None:
-                self.wait()  # (raises it)
-        stalled = time.perf_counter() - start
-        if self.is_master and step > 0:
-            how = "async" if self.async_save else "sync"
-            print(f"checkpoint step{step} ({kind}, {how}): the loop stalled {stalled:.3f} s",
-                  flush=True)
-        return stalled
+        return snapshot, shards
 
     def write(self, step, snapshot, kind, shards=None):
-        """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N> (rank 0; on the save
-        thread with async_save). Every file goes into step<N>.partial and is fsynced, COMPLETE last
-        ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole, so a
-        crash at any instant leaves the old state or the new one. Then `latest` links it, the
-        replaced run's checkpoints go, its upload is queued and retention runs. `shards`: FSDP's
-        ranks are writing step<N>.partial/sharded/ (lab/fsdp.py)."""
+        """Rank 0's part of a save (on the save thread with async_save): once FSDP's ranks have
+        written their `shards`, write_checkpoint; then the checkpoints of the run this one replaces
+        go, the upload is queued and retention runs. An error is kept, and wait() raises it in the
+        training thread."""
         try:
             if shards is not None:
                 shards.wait()  # every rank's pieces, and .metadata, are on disk
                 if not self.is_master:
                     return
-            final = os.path.join(self.out_dir, f"step{step}")
-            partial, old = f"{final}.partial", f"{final}.replaced"
-            checksums = {}
-            if shards is not None:
-                pieces = os.path.join(partial, SHARDED)
-                checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
-                             for name in sorted(os.listdir(pieces))}
-            else:
-                shutil.rmtree(partial, ignore_errors=True)
-                os.makedirs(partial)
-            files = {f"{name}.pt": obj for name, obj in snapshot.items()}
-            for name, obj in [*files.items(), (MARKER, None)]:
-                if name == MARKER:
-                    marker = {"step": step, "kind": kind, "files": checksums}
-                    data = json.dumps(marker, indent=1).encode()
-                else:
-                    buffer = io.BytesIO()
-                    torch.save(obj, buffer)
-                    data = buffer.getvalue()
-                    checksums[name] = hashlib.sha256(data).hexdigest()
-                with open(os.path.join(partial, name), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            for folder in [partial, *(os.path.join(partial, SHARDED),) * (shards is not None)]:
-                fd = os.open(folder, os.O_RDONLY)  # the folder's entries are on disk too
-                os.fsync(fd)
-                os.close(fd)
-            if os.path.exists(final):  # the same step saved again: the new one replaces it whole
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-            link = os.path.join(self.out_dir, "latest.tmp")  # swapped atomically: old or new target
-            if os.path.lexists(link):
-                os.remove(link)
-            os.symlink(f"step{step}", link)
-            os.replace(link, os.path.join(self.out_dir, "latest"))
-            fd = os.open(self.out_dir, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            final = write_checkpoint(self.out_dir, step, snapshot, kind, shards is not None)
             for path in self.replaced:
                 if os.path.abspath(path) != os.path.abspath(final):
                     shutil.rmtree(path, ignore_errors=True)
@@ -367,7 +408,9 @@ class Checkpointer:
                 os.remove(path)
             found = find_checkpoints(self.out_dir)  # what is on disk now, whatever this run knew
             if found:  # (the step itself, when what failed came after its folder was complete)
-                where = f"step{found[-1][0]} is intact" + " all the same" * (found[-1][0] == step)
+                where = f"step{found[-1][0]} is intact"
+                if found[-1][0] == step:
+                    where += " all the same"
         if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
             from lab import fsdp
             reason = fsdp.why_not_saved(error)

@@ -137,26 +137,13 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return []
-        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host
-        # numbers go in one copy.
-        values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
-        on_device = [i for i, entry in enumerate(entries) if torch.is_tensor(entry[2])]
-        on_host = [i for i, entry in enumerate(entries) if not torch.is_tensor(entry[2])]
-        if on_device:
-            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64)
-                                             .reshape(()) for i in on_device])
-        if on_host:
-            values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host],
-                                           dtype=torch.float64).to(self.device)
+        values = one_vector([value for _, _, value in entries], self.device)
         kinds = [self.reductions[name] for _, name, _ in entries]
         labels = [(step, name) for step, name, _ in entries]
         if handle_rows is None:
             if self.world_size > 1:  # (one rank has nothing to combine)
                 values = self.reduce(values, kinds, group=None)
-            rows = {}
-            for (step, name), value in zip(labels, values.tolist()):
-                rows.setdefault(step, {})[name] = value
-            return sorted(rows.items())
+            return rows_of(labels, values)
         # With an event the copy overlaps with the next steps; without one it waits here.
         host_values = values.to("cpu", non_blocking=self.copy_event is not None)
         copied = self.copy_event() if self.copy_event is not None else None
@@ -169,10 +156,7 @@ class MetricRecorder:
             reduced = host_values
             if self.world_size > 1:
                 reduced = self.reduce(host_values, kinds, self.group)
-            rows = {}  # (as above)
-            for (step, name), value in zip(labels, reduced.tolist()):
-                rows.setdefault(step, {})[name] = value
-            handle_rows(sorted(rows.items()))
+            handle_rows(rows_of(labels, reduced))
 
         self.in_flight = self.worker.submit(finish)
         return []
@@ -206,6 +190,29 @@ class MetricRecorder:
                              torch.where(is_mean, summed / self.world_size, summed))
         values = torch.where(is_rank0, gathered[0], values)
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
+
+
+def one_vector(values, device):
+    """`values` (tensors and numbers) as one float64 vector on `device`: float64 keeps large counts
+    (tokens, FLOPs) exact. Device tensors stack in place; host numbers go in one copy."""
+    vector = torch.empty(len(values), dtype=torch.float64, device=device)
+    on_device = [i for i, value in enumerate(values) if torch.is_tensor(value)]
+    on_host = [i for i, value in enumerate(values) if not torch.is_tensor(value)]
+    if on_device:
+        vector[on_device] = torch.stack([values[i].to(device, torch.float64).reshape(())
+                                         for i in on_device])
+    if on_host:
+        vector[on_host] = torch.tensor([float(values[i]) for i in on_host],
+                                       dtype=torch.float64).to(device)
+    return vector
+
+
+def rows_of(labels, values):
+    """[(step, {name: float})] in step order, of [(step, name)] `labels` and their `values`."""
+    rows = {}
+    for (step, name), value in zip(labels, values.tolist()):
+        rows.setdefault(step, {})[name] = value
+    return sorted(rows.items())
 
 
 def warn_slow(what, seconds, soft_timeout):
@@ -424,6 +431,50 @@ CONSOLE_LABELS = {  # metric -> its short label in the console line, in this ord
 }
 
 
+def console_line(step, values):
+    """The numbers a person watches, of row `values`: "step 100 | loss 5.12 | ... | eta 0:03:10"."""
+    parts = [f"step {step:>6}"]
+    val = {n: n[4:] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
+    for name, label in {**CONSOLE_LABELS, **val}.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if name == "throughput/tokens_per_sec":
+            text = f"{value:,.0f}"
+        elif name == "throughput/eta_sec":
+            seconds = int(value)
+            text = f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        else:
+            text = f"{value:.4g}"
+        parts.append(f"{label} {text}")
+    return " | ".join(parts)
+
+
+class Eta:
+    """throughput/eta_sec: the mean time per step so far (the step and what was timed apart in its
+    window: evaluations, checkpoints, samples) x the steps left. The first step this process trains
+    holds torch.compile and the allocator's warm-up: left out."""
+
+    def __init__(self, end_step):
+        self.end_step = end_step
+        self.warm = False  # past the first step this process trains
+        self.steps, self.seconds = 0, 0.0  # the steps the ETA is measured on, and their time
+
+    def update(self, step, values):
+        """Count in row `values` of `step`; returns the seconds left, or None before a step is
+        timed."""
+        if self.warm or "throughput/checkpoint_time_sec" in values:
+            self.seconds += sum(value for name, value in values.items()
+                                if name.startswith("throughput/") and name.endswith("_time_sec")
+                                and name not in PARTS_OF_THE_STEP)
+        eta = None
+        if "throughput/step_time_sec" in values and self.warm:
+            self.steps += 1
+            eta = self.seconds / self.steps * (self.end_step - step)
+        self.warm = self.warm or "throughput/step_time_sec" in values
+        return eta
+
+
 class SinkError(UserError):
     """Rank 0 could not write its metrics (a full disk, say)."""
 
@@ -438,17 +489,16 @@ class RowWriter:
     `nonfinite`, on which it stops. A row for a step already written (a checkpoint's time, uploads
     that failed late) is written as any other, and readers merge it in (read_jsonl). A context
     manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0, which writes
-    nothing."""
+    nothing. `console`: the plan's Every of log.interval."""
 
-    def __init__(self, out_dir, end_step, log_cfg, config_dict=None, spike_threshold=0.0,
+    def __init__(self, out_dir, end_step, console, log_cfg, config_dict=None, spike_threshold=0.0,
                  prints=False):
         self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
-        self.interval = log_cfg.interval
+        self.console = console  # (plan.Every)
         self.spikes = LossSpikeDetector(spike_threshold)
+        self.eta = Eta(end_step)
         self.writing = threading.Lock()  # rows come from the bookkeeping thread and the loop
         self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest
-        self.warm = False  # past the first step this process trains
-        self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
         self.failed = self.nonfinite = None  # sentences
         self.wandb_run = None
         if log_cfg.wandb and out_dir:
@@ -462,72 +512,67 @@ class RowWriter:
             self.wandb_run.finish()
 
     def write(self, rows):
-        """[(step, {name: value})]: returns their console lines."""
+        """[(step, {name: value})]: flags spikes, adds the ETA, notes a non-finite loss, writes the
+        rows and returns their console lines."""
         if not rows:
             return []
         with self.writing:
             self.spikes.flag(rows)
             lines = []
             for step, values in rows:
-                # throughput/eta_sec: the mean time per step so far (the step and what was timed
-                # apart in its window: evaluations, checkpoints, samples) x the steps left. The
-                # first step this process trains holds torch.compile and the allocator's warm-up:
-                # left out.
-                if self.warm or "throughput/checkpoint_time_sec" in values:
-                    self.timed_seconds += sum(value for name, value in values.items()
-                                              if name.startswith("throughput/")
-                                              and name.endswith("_time_sec")
-                                              and name not in PARTS_OF_THE_STEP)
-                if "throughput/step_time_sec" in values and self.warm:
-                    self.timed_steps += 1
-                    left = self.end_step - step
-                    values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * left
-                self.warm = self.warm or "throughput/step_time_sec" in values
-                bad = [name for name in ("train/loss", "train/grad_norm")
-                       if not math.isfinite(values.get(name, 0.0))]
-                if bad and self.nonfinite is None:  # (train.nan_policy=stop: the loop stops on it)
-                    self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no "
-                                      f"checkpoint was saved after it")
-                due = (step % self.interval == 0 or step == self.end_step
-                       or "train/loss_spike" in values)
-                if self.out_dir and ("val/loss" in values or "train/loss" in values and due):
-                    parts = [f"step {step:>6}"]  # the numbers a person watches
-                    val = {n: n[4:] for n in sorted(values)
-                           if n.startswith("val/") and n != "val/loss"}
-                    for name, label in {**CONSOLE_LABELS, **val}.items():
-                        v = values.get(name)
-                        if v is not None:
-                            text = (f"{v:,.0f}" if name == "throughput/tokens_per_sec" else
-                                    f"{int(v) // 3600}:{int(v) % 3600 // 60:02d}:{int(v) % 60:02d}"
-                                    if name == "throughput/eta_sec" else f"{v:.4g}")
-                            parts.append(f"{label} {text}")
-                    lines.append(" | ".join(parts))
+                eta = self.eta.update(step, values)
+                if eta is not None:
+                    values["throughput/eta_sec"] = eta
+                self.note_nonfinite(step, values)
+                if self.out_dir and self.gets_a_line(step, values):
+                    lines.append(console_line(step, values))
                 for name in values:
                     if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
                         values[name] = int(values[name])  # counts, exact in float64
                 self.logged.update(values)
             self.last_step = max(self.last_step, rows[-1][0])
             if self.out_dir and not self.failed:
-                try:
-                    with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                        for step, values in rows:
-                            f.write(json.dumps({"step": step, **values}) + "\n")
-                            if any(name.startswith(("val/", "eval/")) for name in values):
-                                # OLMo's MetricSaver: a file per evaluation, which the ladder reads
-                                path = os.path.join(self.out_dir, f"metrics_step{step}.json")
-                                with open(f"{path}.tmp", "w") as snapshot:
-                                    json.dump({"step": step, **values}, snapshot, indent=1)
-                                os.replace(f"{path}.tmp", path)
-                except OSError as error:
-                    self.failed = (f"writing metrics in {self.out_dir} failed at step {step} "
-                                   f"({error.strerror or error})")
-                if self.wandb_run is not None and not self.failed:
-                    for step, values in rows:
-                        self.wandb_run.log(values, step=step)
+                self.append(rows)
             if self.prints:
                 for line in lines:
                     print(line, flush=True)
         return lines
+
+    def note_nonfinite(self, step, values):
+        """Keep the first non-finite loss or gradient norm in `nonfinite` (train.nan_policy=stop:
+        the loop stops on it)."""
+        bad = [name for name in ("train/loss", "train/grad_norm")
+               if not math.isfinite(values.get(name, 0.0))]
+        if bad and self.nonfinite is None:
+            self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no checkpoint was "
+                              f"saved after it")
+
+    def gets_a_line(self, step, values):
+        """A console line for an evaluation, and for a loss at log.interval, the last step or a
+        spike."""
+        due = (self.console.due(step, last=step == self.end_step)
+               or "train/loss_spike" in values)
+        return "val/loss" in values or ("train/loss" in values and due)
+
+    def append(self, rows):
+        """Rows to metrics.jsonl, a metrics_step<N>.json per evaluation, and W&B; a write error is
+        kept in `failed`."""
+        try:
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+                for step, values in rows:
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+                    if any(name.startswith(("val/", "eval/")) for name in values):
+                        # OLMo's MetricSaver: a file per evaluation, which the ladder reads
+                        path = os.path.join(self.out_dir, f"metrics_step{step}.json")
+                        with open(f"{path}.tmp", "w") as snapshot:
+                            json.dump({"step": step, **values}, snapshot, indent=1)
+                        os.replace(f"{path}.tmp", path)
+        except OSError as error:
+            self.failed = (f"writing metrics in {self.out_dir} failed at step {step} "
+                           f"({error.strerror or error})")
+        if self.wandb_run is not None and not self.failed:
+            for step, values in rows:
+                self.wandb_run.log(values, step=step)
 
     __call__ = write  # (the recorder hands it the rows it collects)
 

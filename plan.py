@@ -46,6 +46,13 @@ class Every:
         return step in self.fixed or (self.interval > 0 and step > 0 and
                                       (step % self.interval == 0 or last))
 
+    def steps(self, end_step):
+        """Every step up to `end_step` (the last) at which `due` fires, as a set."""
+        steps = {s for s in self.fixed if s <= end_step}
+        if self.interval > 0:
+            steps |= set(range(self.interval, end_step + 1, self.interval)) | {end_step}
+        return steps
+
 
 @dataclass(frozen=True)
 class Due:
@@ -58,7 +65,6 @@ class Due:
     # the step it describes, and before a checkpoint, so that metrics.jsonl is then complete
     write_metrics: bool = False
     evals: bool = False  # val or tasks
-    reads_weights: bool = False  # an evaluation, a checkpoint or samples
     collect_garbage: bool = False  # gc.collect on every rank (train.gc_interval)
 
 
@@ -98,13 +104,12 @@ class Plan:
         eat it."""
         if stop and not last:
             checkpoint = None if self.no_checkpoints else "permanent"
-            return Due(checkpoint=checkpoint, write_metrics=True, reads_weights=bool(checkpoint))
+            return Due(checkpoint=checkpoint, write_metrics=True)
         cadences = (self.val, self.tasks, self.samples, self.checkpoints, self.ephemeral,
                     self.metrics, self.console, self.garbage)
-        if not (last or step in self.fixed_checkpoints or any(
-                step in every.fixed or (every.interval and step % every.interval == 0)
-                for every in cadences)):
-            return NOTHING  # (most steps: no Every is asked)
+        if not (last or step in self.fixed_checkpoints or any(every.due(step)
+                                                               for every in cadences)):
+            return NOTHING  # (most steps)
         checkpoint = None  # the kind of checkpoint due, if any
         if self.no_checkpoints:
             pass
@@ -121,8 +126,7 @@ class Plan:
         write = (self.metrics.due(step, last) or self.console.due(step, last) or evals
                  or bool(checkpoint))
         return Due(val=val, tasks=tasks, checkpoint=checkpoint, sample=sample, evals=evals,
-                   reads_weights=evals or sample or bool(checkpoint), write_metrics=write,
-                   collect_garbage=self.garbage.interval > 0 and step % self.garbage.interval == 0)
+                   write_metrics=write, collect_garbage=self.garbage.due(step))
 
     def checkpoint_steps(self):
         """Every step a checkpoint will be saved at if the run is not stopped early (step 0 too)."""

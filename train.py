@@ -639,7 +639,7 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
     replaces (save_overwrite)."""
     out_dir, threads = cfg.train.out_dir, async_bookkeeping(cfg, place)
     writer = stack.enter_context(metrics.RowWriter(
-        out_dir if place.is_master else None, plan.end_step, cfg.log, config_dict,
+        out_dir if place.is_master else None, plan.end_step, plan.console, cfg.log, config_dict,
         cfg.train.loss_spike_threshold, prints=threads))
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
     group = dist.new_group(backend="gloo") if threads and place.world_size > 1 else None
@@ -676,12 +676,11 @@ def async_bookkeeping(cfg, place):
 
 def needs_step_extras(cfg, plan, compiled):
     """Whether any of lab/step_extras.py's parts is on: traces, activation statistics, skipped
-    data, per-layer gradient norms, NaN skipping, timing compilation, the garbage collector's
-    schedule, the profiler, every rank's line."""
+    data, per-layer gradient norms, NaN skipping, timing compilation, the profiler, every rank's
+    line."""
     return bool(cfg.debug.trace_steps or cfg.log.activations_interval or plan.skipped
                 or cfg.log.grad_norms_interval or cfg.train.nan_policy == "skip" or compiled
-                or 0 < cfg.train.gc_interval <= plan.end_step or cfg.log.profile
-                or cfg.log.all_ranks)
+                or cfg.log.profile or cfg.log.all_ranks)
 
 
 if __name__ == "__main__":

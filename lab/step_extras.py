@@ -31,10 +31,10 @@ class StepExtras:
             self.steps = range(first_step, end + 1)
             return
         steps = {s for every in (plan.traces, plan.activations, plan.grad_norms)
-                 for s in periodic(every, end)}
+                 for s in every.steps(end)}
         steps |= {s for start, stop in plan.skipped for s in range(start, stop)}
         if cfg.log.all_ranks:
-            steps |= periodic(plan.console, end)
+            steps |= plan.console.steps(end)
         self.steps = {s for s in steps if first_step <= s <= end} | ({first_step} if compiled else set())
 
     def before_step(self, run, step, loader, clock):
@@ -97,14 +97,6 @@ def per_layer_grad_norms(raw_model):
     for i, block in enumerate(raw_model.blocks):
         norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
     return norms
-
-
-def periodic(every, end_step):
-    """The steps from 1 to `end_step` at which `every` (a plan.Every) is due."""
-    steps = set(every.fixed)
-    if every.interval:
-        steps |= set(range(every.interval, end_step + 1, every.interval)) | {end_step}
-    return steps
 
 
 def make_profiler(cfg):

@@ -20,7 +20,7 @@ def eta_rows(step_times, collect_interval, async_bookkeeping):
     every `collect_interval` steps (the rows of a window arrive together), on the worker thread with async
     bookkeeping. Returns {step: the row as written}."""
     end_step = len(step_times)
-    writer = metrics.RowWriter(None, end_step, LogConfig(interval=1))
+    writer = metrics.RowWriter(None, end_step, plan.Every(1), LogConfig(interval=1))
     written = {}
 
     def on_rows(rows):
@@ -56,7 +56,7 @@ def test_eta_is_not_dominated_by_the_compiling_first_step(monkeypatch):
     step_times = [30.0] + [0.1] * 19
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    writer = metrics.RowWriter(None, len(step_times), LogConfig(interval=1))
+    writer = metrics.RowWriter(None, len(step_times), plan.Every(1), LogConfig(interval=1))
     for step, step_time in enumerate(step_times, 1):
         clock[0] += step_time
         values = {"throughput/step_time_sec": step_time}
