@@ -30,7 +30,6 @@ import math
 import os
 import pickle
 import random
-import re
 import shutil
 import sys
 import threading
@@ -41,18 +40,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from checkpoint_folder import (MARKER, STEP_DIR, doomed, find_checkpoints,
+                               is_complete_checkpoint, newest_checkpoint, read_marker,
+                               sha256_file)
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
 from metrics import code_change_note, code_changes, metrics_snapshots, warn_slow
-from model import gpt_class
+from model import GPT
 from plan import DEVICES
 
-MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
-STEP_DIR = re.compile(r"^step(\d+)$")
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ
 # (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
-WARNED = set()  # unreadable markers already reported (one warning each)
 
 
 class CheckpointError(UserError):
@@ -62,44 +61,6 @@ class CheckpointError(UserError):
 class UntrustedCheckpoint(CheckpointError):
     """Files that pass their checksums and still cannot be used: never skipped for an older
     checkpoint in silence."""
-
-
-def read_marker(path, fs=None):
-    """The COMPLETE marker of checkpoint folder `path` (in a bucket with `fs`, an fsspec
-    filesystem), or None if it is missing or unreadable (not a dict of files): such a folder is
-    never used."""
-    try:
-        if fs is None:
-            with open(os.path.join(path, MARKER), "rb") as f:
-                marker = json.loads(f.read())
-        else:
-            marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
-        if isinstance(marker, dict) and isinstance(marker.get("files"), dict):
-            return marker
-        return None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
-def is_complete_checkpoint(path):
-    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with
-    one warning."""
-    if read_marker(path) is not None:
-        return True
-    if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
-        WARNED.add(path)
-        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint",
-              file=sys.stderr, flush=True)
-    return False
-
-
-def find_checkpoints(run_dir):
-    """[(step, path), ...] of the complete checkpoints in `run_dir`, oldest first."""
-    if not os.path.isdir(run_dir):
-        return []
-    named = [(STEP_DIR.match(name), os.path.join(run_dir, name)) for name in os.listdir(run_dir)]
-    return sorted((int(match.group(1)), path) for match, path in named
-                  if match and is_complete_checkpoint(path))
 
 
 def verify_checkpoint(path):
@@ -162,25 +123,6 @@ def resolve_checkpoint(source):
     return path
 
 
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def doomed(kinds, keep_last):
-    """Retention (as OLMo-core), in the folder and in the bucket alike: {step: kind} -> the steps to
-    delete. An ephemeral checkpoint lives until a newer one exists; the `keep_last` newest permanent
-    ones are kept (0: all), fixed ones always; never the newest."""
-    steps = sorted(kinds)
-    permanent = [s for s in steps if kinds[s] == "permanent"]
-    gone = [s for s in steps if kinds[s] == "ephemeral"]
-    gone += permanent[:-keep_last] if keep_last > 0 else []
-    return sorted(s for s in gone if s != steps[-1])
-
-
 def fsync_dir(path):
     """Make a folder's entries durable: a file's own fsync does not cover its name in the folder
     (a creation, a rename, a removal)."""
@@ -192,7 +134,8 @@ def fsync_dir(path):
 
 
 def write_file_atomic(path, data):
-    """Write `data` so that `path` holds either nothing or all of it, on disk; returns its sha256."""
+    """Write `data` so that `path` holds either nothing or all of it, on disk; returns its
+    sha256."""
     tmp = f"{path}.tmp"
     with open(tmp, "wb") as f:
         f.write(data)
@@ -716,12 +659,6 @@ def load_with_shards(path, model, optimizer, device):
                       lambda: fsdp.apply(model, optimizer, model_state, optim_state, full))
 
 
-def newest_checkpoint(run_dir):
-    """The newest complete checkpoint of `run_dir` (unverified), or None."""
-    found = find_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
 def check_source(source, key):
     """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an
     OpenAI name, with transformers installed, or a local HF folder); else one sentence naming `key`,
@@ -770,6 +707,16 @@ def check_named_module(saved, named, what, flag):
                               "with that file, once you trust it.")
 
 
+def gpt_class(module="model"):
+    """The GPT class that train.model_module names: model.py's, or the one in a .py file of your
+    own, which takes the same GPTConfig and answers what the trainer asks (lab/model_module.py
+    loads it), so the trainer names no layer of it."""
+    if module == "model":
+        return GPT
+    from lab.model_module import load_gpt_class
+    return load_gpt_class(module)
+
+
 def load_model(source, device, key, model_module="model", flag="--model_module", export=False):
     """A GPT in eval mode from a source check_source takes, built by model.py or by `model_module`,
     the file the user named (`flag`): a file a checkpoint names is never imported, and a checkpoint
@@ -779,7 +726,7 @@ def load_model(source, device, key, model_module="model", flag="--model_module",
     path = check_source(source, key)
     if path is None:
         from lab.hf import import_hf
-        return import_hf(source, model_module).to(device).eval()
+        return import_hf(source, gpt_class(model_module)).to(device).eval()
     trainer = read_trainer_state(path)
     cfg = config_from_dict(trainer["config"])
     check_named_module(cfg.train.model_module, model_module, f"{key}={source}", flag)

@@ -326,6 +326,25 @@ def check_model(model_cfg, where=""):
         raise ConfigError(where + failed[0])
 
 
+# What train.data_parallel=fsdp (lab/fsdp.py) cannot honour: why, and the other way out
+FSDP_CANNOT = {
+    "stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
+    "debug.trace_steps": ("a trace runs the model on rank 0 alone",
+                          "leave debug.trace_steps empty"),
+    "log.activations_interval": ("its statistics read whole weights",
+                                 "--log.activations_interval=0"),
+}
+
+
+def check_fsdp_settings(cfg):
+    """validate's check of a run with train.data_parallel=fsdp: one sentence for a setting it
+    cannot honour."""
+    for key, (why, remedy) in FSDP_CANNOT.items():
+        if get(cfg, key):
+            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set "
+                              f"--train.data_parallel=ddp or {remedy}.")
+
+
 def validate(cfg):
     """The checks that need no data or run folder: word choices, declared ranges (ladder.py's
     too), the model's checks, formats."""
@@ -363,8 +382,7 @@ def validate(cfg):
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; "
                           f"name the tasks to run, e.g. --eval.tasks=hellaswag,arc_easy.")
     if cfg.train.data_parallel == "fsdp":
-        from lab.fsdp import check_settings
-        check_settings(cfg)
+        check_fsdp_settings(cfg)
     module = cfg.train.model_module
     if module != "model" and not (module.endswith(".py") and os.path.isfile(module)):
         raise ConfigError(f"train.model_module={module!r} is neither model nor an existing .py "

@@ -349,16 +349,6 @@ def parameter_kinds(model):
     return [(name, p, table[kind_of[id(p)]]) for name, p in model.named_parameters()]
 
 
-def gpt_class(module="model"):
-    """The GPT class that train.model_module names: this file's, or the one in a .py file of your
-    own, which takes the same GPTConfig and answers what the trainer asks (model_module.py loads
-    it), so the trainer names no layer of it."""
-    if module == "model":
-        return GPT
-    from lab.model_module import load_gpt_class
-    return load_gpt_class(module)
-
-
 # ------------------------------------------------------------------------------- the chunked loss
 # `F.cross_entropy(logits(x), targets)` a slice of rows at a time, so the (tokens x vocabulary)
 # logits are never all held (train.loss_path chooses; tested against the full path). How many

@@ -23,8 +23,8 @@ import re
 
 import torch
 
+from checkpoint import gpt_class
 from config import ConfigError, check_model
-from model import gpt_class
 
 GPT2_SHAPES = {"gpt2": (12, 768), "gpt2-medium": (24, 1024), "gpt2-large": (36, 1280), "gpt2-xl": (48, 1600)}
 CPU_DIAL = ["2x32", "2x64", "2x128", "2x256"]

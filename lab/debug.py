@@ -42,9 +42,8 @@ if __name__ == "__main__":  # `python lab/debug.py`: the project's modules are o
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import run_dir as run_folder  # noqa: E402 - after the line above
-from checkpoint import to_cpu
+from checkpoint import gpt_class, to_cpu
 from config import UserError, config_from_dict, run_command
-from model import gpt_class
 from optimizer import build_optimizer
 
 TRACES = "traces"

@@ -10,9 +10,9 @@ import tempfile
 
 import torch
 
+from checkpoint import gpt_class
 from config import get, parse_duration, parse_mix
 from data import build_loaders, dataset_dir, prepare_hint
-from model import gpt_class
 from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size

@@ -45,25 +45,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import ConfigError, UserError, get
+from config import UserError
 from model import output_parameters
 
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
-
-
-# What train.data_parallel=fsdp cannot honour: why, and the other way out
-CANNOT = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
-          "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
-          "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
-
-
-def check_settings(cfg):
-    """config.validate's check of a run with train.data_parallel=fsdp: one sentence for a setting
-    it cannot honour."""
-    for key, (why, remedy) in CANNOT.items():
-        if get(cfg, key):
-            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set "
-                              f"--train.data_parallel=ddp or {remedy}.")
 
 
 def shard(model, bf16, compiled):

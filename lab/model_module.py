@@ -1,6 +1,6 @@
 """The GPT class of a .py file of your own, which train.model_module names (the course's capstone trains a student's
 GPT this way), and what the trainer asks every model. A module of its own because only that setting loads a file:
-model.gpt_class hands it the path, so a run with model.py's GPT never reads this.
+checkpoint.gpt_class hands it the path, so a run with model.py's GPT never reads this.
 
 A file is imported only when the user names it (train.model_module in this command or config file, a tool's
 --model_module), never because a checkpoint names it, and never from a checkpoint folder or the bucket's download
@@ -10,7 +10,7 @@ cache: files from outside are data, not code.
 import importlib.util
 import os
 
-from checkpoint import MARKER
+from checkpoint_folder import MARKER
 
 # What the rest of the trainer asks of every GPT class; model.py's methods fit any GPT built of the same parts.
 WHAT_THE_TRAINER_ASKS = ("forward", "logits", "score_tokens", "blocks", "param_groups", "param_kinds", "num_params",

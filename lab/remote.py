@@ -32,7 +32,7 @@ import threading
 import time
 import uuid
 
-from checkpoint import MARKER, doomed, read_marker, sha256_file
+from checkpoint_folder import MARKER, doomed, read_marker, sha256_file
 from config import UserError
 
 PACKAGES = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs"}  # schemes whose package is optional

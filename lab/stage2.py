@@ -24,11 +24,10 @@ import os
 import torch
 from torch.nn import functional as F
 
-from checkpoint import (CheckpointError, check_named_module, check_source, check_weights_fit, load_model,
-                        read_trainer_state, saved_weights, verify_checkpoint)
+from checkpoint import (CheckpointError, check_named_module, check_source, check_weights_fit, gpt_class,
+                        load_model, read_trainer_state, saved_weights, verify_checkpoint)
 from config import config_from_dict
 from data import GPT2_VOCAB_SIZE
-from model import gpt_class
 
 
 def full_kl(logits, reference_logits, targets):
