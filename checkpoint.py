@@ -197,16 +197,17 @@ class Checkpointer:
     then applies retention (`doomed`) to the checkpoints it knows, read from the folder once at
     start. `replaced`: the checkpoints of a run this one replaces (checkpoint.save_overwrite),
     deleted once this run's first is complete. `uploader` (lab/remote.py): each complete checkpoint
-    is queued for upload, and retention keeps it until its upload ends. `shard_group` (FSDP): a gloo
-    group of the checkpoints' own."""
+    is queued for upload, and retention keeps it until its upload ends. `sharding`: lab/fsdp.py's
+    ShardedCheckpoints under train.data_parallel=fsdp, else None."""
 
     def __init__(self, out_dir, checkpoint_cfg, config_dict, is_master, replaced=(), uploader=None,
-                 shard_group=None, soft_timeout=30.0):
+                 sharding=None, soft_timeout=30.0):
         c = checkpoint_cfg
         self.out_dir, self.keep_last, self.async_save = out_dir, c.keep_last, c.async_save
         self.unsharded_interval, self.is_master = c.unsharded_interval, is_master
         self.config_dict = config_dict
-        self.replaced, self.uploader, self.shard_group = list(replaced), uploader, shard_group
+        self.replaced, self.uploader = list(replaced), uploader
+        self.sharding = sharding  # lab/fsdp.py's ShardedCheckpoints, or None: is the model sharded?
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.kinds = {}  # {step: kind} of the checkpoints in out_dir, which retention deletes
         if is_master:
@@ -265,26 +266,24 @@ class Checkpointer:
         """This rank's part of a save: (snapshot {"model", "optim", "trainer"} for rank 0 to write,
         FSDP's pieces being written or None), or None on a rank that writes nothing. Every rank's
         RNG states are gathered; under FSDP every rank starts writing its pieces."""
-        sharded = hasattr(model, "set_requires_gradient_sync")  # what FSDP's fully_shard gives
+        sharding = self.sharding
         whole, shards = None, None
-        if sharded and self.unsharded_interval and step % self.unsharded_interval == 0:
-            from lab import fsdp
-            whole = fsdp.gather_weights(model, tied=set(ties(model)))  # every rank sends its pieces
+        if sharding and self.unsharded_interval and step % self.unsharded_interval == 0:
+            whole = sharding.whole_weights(model, tied=set(ties(model)))  # every rank sends pieces
         trainer = state.to_dict()
         rng = [rng_state(sample_generator)]
         if dist.is_initialized():
             rng = [None] * dist.get_world_size()
             dist.all_gather_object(rng, rng_state(sample_generator))
-        if sharded:  # every rank writes its pieces of the weights and the optimizer's state
-            from lab import fsdp
+        if sharding:  # every rank writes its pieces of the weights and the optimizer's state
             try:
-                shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
-                                           self.shard_group, self.async_save, tied=set(ties(model)))
-            except fsdp.DCP_ERRORS as error:
+                shards = sharding.start(self.out_dir, step, model, optimizer, self.is_master,
+                                        self.async_save, tied=set(ties(model)))
+            except sharding.errors as error:
                 raise self.failed(step, error) from None
         elif not self.is_master:
             return None
-        if sharded:  # the pieces are being written: a whole model.pt at most
+        if sharding:  # the pieces are being written: a whole model.pt at most
             snapshot = {"model": whole} if whole else {}
         else:
             snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()}
@@ -342,7 +341,8 @@ class Checkpointer:
         """The one sentence that ends a run whose save of `step` failed, once rank 0 has removed
         what it left: the partial folder (the disk's space) and the metrics snapshots of this step
         and later (async_save fails at the next save), which name checkpoints that never were."""
-        every_rank = hasattr(error, "failures")  # FSDP's pieces: DCP raises it on every rank
+        # FSDP's pieces: DCP raises its error, which gathers every rank's failures, on every rank
+        every_rank = self.sharding is not None and hasattr(error, "failures")
         reason = getattr(error, "strerror", None) or str(error).strip()[:200]
         where = "no checkpoint of this run is intact yet"
         if self.is_master:
@@ -355,9 +355,8 @@ class Checkpointer:
                 if found[-1][0] == step:
                     where += " all the same"
         if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
-            from lab import fsdp
-            reason = fsdp.why_not_saved(error)
-            dist.barrier(group=self.shard_group)
+            reason = self.sharding.why_not_saved(error)
+            dist.barrier(group=self.sharding.group)
         error = CheckpointError(f"saving the checkpoint of step {step} in {self.out_dir} failed "
                                 f"({reason}); {where}: free disk space, then run the same command "
                                 "again to resume.")
@@ -594,11 +593,12 @@ def keep_settings(optimizer, load):
 
 
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
-                    load_trainer_state=True):
+                    load_trainer_state=True, sharding=None):
     """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved
     trainer state, or None. RNG states go back only to the rank that saved them: after a change of
     world size, ranks without one keep their fresh seeded state (dropout masks then differ from an
-    uninterrupted run, as they must: there is none)."""
+    uninterrupted run, as they must: there is none). `sharding` (not None): the model is sharded
+    (lab/fsdp.py), and loads through load_with_shards whatever the checkpoint."""
     device = next(model.parameters()).device
     # not a checkpoint of ours: GPT-2's weights (hf.py)
     if not os.path.exists(os.path.join(path, MARKER)):
@@ -614,7 +614,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
                               "and this run uses another optimizer; set "
                               "--checkpoint.load_optim=false to start the optimizer afresh.")
     check_weights_fit(path, model, "load it into the model it was trained with.")
-    if os.path.isdir(os.path.join(path, SHARDED)) or hasattr(model, "set_requires_gradient_sync"):
+    if os.path.isdir(os.path.join(path, SHARDED)) or sharding is not None:
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         model.load_state_dict(saved_weights(path, model, device))

@@ -538,8 +538,7 @@ def evaluate_in_loop(raw_model, task_examples, place, batch_size):
     The raw model: variable-length batches would make torch.compile recompile. Under FSDP every rank
     scores every example: each forward gathers weights from all ranks, so all must run the same
     forwards, and the examples' lengths differ from rank to rank."""
-    sharded = hasattr(raw_model, "set_requires_gradient_sync")
-    rank, world_size = (0, 1) if sharded else (place.rank, place.world_size)
+    rank, world_size = (0, 1) if place.sharding else (place.rank, place.world_size)
     with place.autocast:
         results = evaluate_tasks(raw_model, task_examples, place.device, batch_size, rank,
                                  world_size)

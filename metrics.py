@@ -55,6 +55,7 @@ class MetricRecorder:
         self.group = bookkeeping_group  # async bookkeeping's own gloo group
         self.worker = ThreadPoolExecutor(max_workers=1) if async_bookkeeping else None
         self.in_flight = None
+        self.nonfinite = ""  # the first non-finite loss or gradient norm collected, in words
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
         """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
@@ -97,8 +98,9 @@ class MetricRecorder:
         """Record the step's `values` (their means over the ranks) and `maxima` (the largest rank's:
         times every rank waited for, memory), as record_all would, and end `step`; with `write`,
         reduce every pending step over the ranks and hand the rows to `on_rows`; with `wait` too,
-        return once they are handled (metrics.jsonl then holds every step so far). Returns the
-        console lines `on_rows` returned here, or [] (none written, or async)."""
+        return once they are handled (metrics.jsonl then holds every step so far). Returns (the
+        console lines `on_rows` returned here, or [] (none written, or async); the first non-finite
+        loss or gradient norm found in the rows handed over so far, in words, or "")."""
         for reduce, recorded in (("mean", values or {}), ("max", maxima or {})):
             for name, value in recorded.items():  # (a name recorded already keeps its first value)
                 if self.reductions.setdefault(name, reduce) != reduce:
@@ -110,20 +112,28 @@ class MetricRecorder:
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
+        if self.nonfinite:  # (found on the worker since): every row is written before the run ends
+            write = wait = True
         if not write:
-            return []
+            return [], self.nonfinite
         start = time.perf_counter()
         lines = []
         if self.worker is None:
-            lines = self.on_rows(self.collect())
+            lines = self.hand_over(self.collect())
         else:
-            self.collect(self.on_rows)
+            self.collect(self.hand_over)
             if wait:
                 self.wait()
         seconds = time.perf_counter() - start
         if seconds > self.soft_timeout:
             warn_slow(f"collecting the metrics of step {step}", seconds, self.soft_timeout)
-        return lines
+        return lines, self.nonfinite
+
+    def hand_over(self, rows):
+        """Hand collected `rows` to on_rows (on the worker thread with async bookkeeping), noting
+        the first non-finite loss or gradient norm among them."""
+        self.nonfinite = self.nonfinite or first_nonfinite(rows)
+        return self.on_rows(rows)
 
     def collect(self, handle_rows=None):
         """Reduce every pending metric over the ranks: one collective, one copy to the host. Returns
@@ -190,6 +200,17 @@ class MetricRecorder:
                              torch.where(is_mean, summed / self.world_size, summed))
         values = torch.where(is_rank0, gathered[0], values)
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
+
+
+def first_nonfinite(rows):
+    """The first non-finite train/loss or train/grad_norm in host `rows`, in words, or ""."""
+    for step, values in rows:
+        bad = [name for name in ("train/loss", "train/grad_norm")
+               if not math.isfinite(values.get(name, 0.0))]
+        if bad:
+            return (f"{bad[0]} is {values[bad[0]]} at step {step}, so no checkpoint was saved "
+                    f"after it")
+    return ""
 
 
 def one_vector(values, device):
@@ -485,11 +506,10 @@ class RowWriter:
     evaluation, W&B) and returns the console lines of those that get one (every log.interval steps,
     the last step, a spike, an evaluation), printed here with `prints` (async bookkeeping: no loop
     waits for them). It never raises (it may run on the worker thread): a write error is kept in
-    `failed`, on which the loop saves and stops, and the first non-finite loss or gradient norm in
-    `nonfinite`, on which it stops. A row for a step already written (a checkpoint's time, uploads
-    that failed late) is written as any other, and readers merge it in (read_jsonl). A context
-    manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0, which writes
-    nothing. `console`: the plan's Every of log.interval."""
+    `failed`, on which the loop saves and stops. A row for a step already written (a checkpoint's
+    time, uploads that failed late) is written as any other, and readers merge it in (read_jsonl).
+    A context manager: W&B's run finishes when it closes. `out_dir` None: a rank other than 0,
+    which writes nothing. `console`: the plan's Every of log.interval."""
 
     def __init__(self, out_dir, end_step, console, log_cfg, config_dict=None, spike_threshold=0.0,
                  prints=False):
@@ -499,7 +519,7 @@ class RowWriter:
         self.eta = Eta(end_step)
         self.writing = threading.Lock()  # rows come from the bookkeeping thread and the loop
         self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest
-        self.failed = self.nonfinite = None  # sentences
+        self.failed = None  # a sentence
         self.wandb_run = None
         if log_cfg.wandb and out_dir:
             self.wandb_run = start_wandb(out_dir, log_cfg, config_dict)
@@ -512,8 +532,8 @@ class RowWriter:
             self.wandb_run.finish()
 
     def write(self, rows):
-        """[(step, {name: value})]: flags spikes, adds the ETA, notes a non-finite loss, writes the
-        rows and returns their console lines."""
+        """[(step, {name: value})]: flags spikes, adds the ETA, writes the rows and returns their
+        console lines."""
         if not rows:
             return []
         with self.writing:
@@ -523,7 +543,6 @@ class RowWriter:
                 eta = self.eta.update(step, values)
                 if eta is not None:
                     values["throughput/eta_sec"] = eta
-                self.note_nonfinite(step, values)
                 if self.out_dir and self.gets_a_line(step, values):
                     lines.append(console_line(step, values))
                 for name in values:
@@ -537,15 +556,6 @@ class RowWriter:
                 for line in lines:
                     print(line, flush=True)
         return lines
-
-    def note_nonfinite(self, step, values):
-        """Keep the first non-finite loss or gradient norm in `nonfinite` (train.nan_policy=stop:
-        the loop stops on it)."""
-        bad = [name for name in ("train/loss", "train/grad_norm")
-               if not math.isfinite(values.get(name, 0.0))]
-        if bad and self.nonfinite is None:
-            self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no checkpoint was "
-                              f"saved after it")
 
     def gets_a_line(self, step, values):
         """A console line for an evaluation, and for a loss at log.interval, the last step or a

@@ -365,8 +365,12 @@ def memory_per_rank(model, micro_batch_tokens, world_size, sharded, bf16, device
     # rest: what is not in a block (embeddings, final norm, output)
     block, rest = max(blocks), n - sum(blocks)
     cfg, share = model.config, world_size if sharded else 1
-    weights = 4 * n / share + ((2 * block + rest) * (2 if bf16 else 4) if sharded else 2 * n * bf16)
-    gradients, optimizer = 4 * n / share + 4 * max(block, rest) * sharded, 8 * n / share
+    weights, gradients, optimizer = 4 * n / share, 4 * n / share, 8 * n / share
+    if sharded:  # the gathered weights of the largest unit at a time, and its gradients
+        weights += (2 * block + rest) * (2 if bf16 else 4)
+        gradients += 4 * max(block, rest)
+    elif bf16:  # autocast's bf16 copy of every weight
+        weights += 2 * n
     if not sharded and world_size > 1:
         # DDP's buckets: the gradients copied into the flat buffers it all-reduces
         gradients += 4 * n

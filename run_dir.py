@@ -527,7 +527,8 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
         saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer,
                                 sample_generator=sample_generator, rank=place.rank,
                                 world_size=place.world_size, load_optim=load_optim,
-                                load_trainer_state=start.resumed or ck.load_trainer_state)
+                                load_trainer_state=start.resumed or ck.load_trainer_state,
+                                sharding=place.sharding)
     if saved:
         state = TrainState.from_dict(saved)
         state.best_val_loss = state.best_val_loss.to(place.device)
@@ -591,8 +592,11 @@ def started_from(start, saved, load_optim, step):
         return ""
     # else GPT-2's weights, with a fresh optimizer
     ours = os.path.exists(os.path.join(start.path, MARKER))
-    loaded = (["weights"] + ["optimizer state"] * (ours and load_optim)
-              + ["trainer state"] * (saved is not None))
+    loaded = ["weights"]
+    if ours and load_optim:
+        loaded.append("optimizer state")
+    if saved is not None:
+        loaded.append("trainer state")
     return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 

@@ -55,8 +55,9 @@ class StepExtras:
                 "skip_data": plan.skips_data(step)}
 
     def after_step(self, run, step, step_metrics, clock):
-        """What runs after step `step`'s train_step, before its metrics are recorded."""
-        cfg = self.cfg
+        """What runs after step `step`'s train_step, before its metrics are recorded. Returns why
+        the run must end (too many non-finite steps skipped in a row), or ""."""
+        cfg, ended = self.cfg, ""
         if step == self.compile_step:  # its time, GPU work included (one sync, once)
             clock.synchronize()
             seconds = time.perf_counter() - self.started
@@ -64,14 +65,16 @@ class StepExtras:
                 print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
             run.books.recorder.record_all({"throughput/compile_time_sec": seconds})
         if cfg.train.nan_policy == "skip":  # (skip mode reads the flag on the host: one sync a step)
-            self.in_a_row = self.in_a_row + 1 if "train/skipped_nonfinite_step" in step_metrics else 0
-            run.state.nonfinite_skipped += self.in_a_row > 0
+            if "train/skipped_nonfinite_step" in step_metrics:
+                self.in_a_row += 1
+                run.state.nonfinite_skipped += 1
+            else:
+                self.in_a_row = 0
             run.books.recorder.record_all({"train/nonfinite_steps_skipped": run.state.nonfinite_skipped})
             if cfg.train.nan_skip_limit and self.in_a_row >= cfg.train.nan_skip_limit:
                 # the loop stops on it once this step's row is written, as on any non-finite loss
-                run.books.writer.nonfinite = (
-                    f"the loss or gradient was non-finite at {self.in_a_row} steps in a row up to step "
-                    f"{step} (train.nan_policy=skip), so the weights are no longer trained")
+                ended = (f"the loss or gradient was non-finite at {self.in_a_row} steps in a row up "
+                         f"to step {step} (train.nan_policy=skip), so the weights are no longer trained")
         if self.profiler:
             self.profiler.step()
         if cfg.log.all_ranks and not self.is_master and self.plan.console.due(step, step == self.plan.end_step):
@@ -79,6 +82,7 @@ class StepExtras:
             if "train/loss" in step_metrics:
                 print(f"[rank {run.place.rank}] step {step:>6} | loss {float(step_metrics['train/loss']):.4g}",
                       flush=True)
+        return ended
 
 
 def grad_norm(params):
