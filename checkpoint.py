@@ -40,13 +40,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint_folder import (MARKER, STEP_DIR, doomed, find_checkpoints,
-                               is_complete_checkpoint, newest_checkpoint, read_marker,
-                               sha256_file)
+from checkpoint_folder import (MARKER, doomed, find_checkpoints, is_complete_checkpoint,
+                               read_marker, sha256_file)
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
+from devices import DEVICES
 from metrics import code_change_note, code_changes, metrics_snapshots, warn_slow
 from model import GPT
-from plan import DEVICES
 
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ

@@ -100,7 +100,7 @@ class TrainConfig:
     # tokens per step (all ranks and micro-steps)
     total_batch_size: int = identity_setting(524288, "at least 1", ladder=True)
     max_steps: int = applied_setting(19073, "at least 1", ladder=True)  # the LR schedule ends here
-    # auto: CUDA, else Apple's MPS, else the CPU (plan.py's device table)
+    # auto: CUDA, else Apple's MPS, else the CPU (devices.py's table)
     device: str = applied_setting("auto", "auto, cpu, mps, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on CUDA
     compile: Literal["auto", "true", "false"] = applied_setting("auto")  # auto: on for CUDA only

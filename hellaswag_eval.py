@@ -47,7 +47,7 @@ import torch.distributed as dist
 from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
-from plan import pick_device
+from devices import pick_device
 from sample import KVCache, largest_gap, plain_numerics
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU

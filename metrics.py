@@ -47,7 +47,7 @@ class MetricRecorder:
     def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None,
                  on_rows=None, soft_timeout=30.0, copy_event=None):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
-        self.copy_event = copy_event  # the device table's (plan.py); None: the host copy waits
+        self.copy_event = copy_event  # the device table's (devices.py); None: the host copy waits
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
@@ -261,7 +261,7 @@ class StepClock:
 
     def __init__(self, synchronize, tokens_per_step, block_size, flops_per_token, world_size,
                  peak_flops):
-        # the device table's (plan.py): waits for the device's queued work; None on a CPU
+        # the device table's (devices.py): waits for the device's queued work; None on a CPU
         self.synchronize = synchronize
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
         self.flops_per_token, self.world_size = flops_per_token, world_size

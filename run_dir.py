@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_model_shape,
-                        check_sharded_metadata, check_source, check_weights_fit,
-                        find_checkpoints, load_checkpoint, newest_checkpoint,
-                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
+from checkpoint import (CheckpointError, TrainState, check_model_shape, check_sharded_metadata,
+                        check_source, check_weights_fit, load_checkpoint, newest_valid_checkpoint,
+                        read_trainer_state, verify_checkpoint)
+from checkpoint_folder import MARKER, STEP_DIR, find_checkpoints, newest_checkpoint, read_marker
 from config import (ConfigError, keys_with_role, parse_duration, parse_mix, secret_keys,
                     with_defaults)
 from data import dataset_dir, fingerprint

@@ -26,14 +26,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from checkpoint import Checkpointer, TrainState, gpt_class, newest_checkpoint
+from checkpoint import Checkpointer, TrainState, gpt_class
+from checkpoint_folder import newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
+from devices import DeviceKind, device_kind, pick_device
 from metrics import NonFiniteLoss, StepClock
 from model import GPT
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, device_kind,
-                  is_compiled, loss_path_on, make_plan, pick_device)
+from plan import (Plan, SignalFlag, Stopper, check_weights_fit_device, is_compiled, loss_path_on,
+                  make_plan)
 
 
 # ------------------------------------------------------------------------------- the command line

@@ -16,7 +16,8 @@ from data import build_loaders, dataset_dir, prepare_hint
 from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size
-from plan import describe_run, device_kind, loss_path_on, make_plan, pick_device, shares_text
+from devices import device_kind, pick_device
+from plan import describe_run, loss_path_on, make_plan, shares_text
 from optimizer import period_ends
 
 

@@ -11,7 +11,8 @@ import re
 import shutil
 import time
 
-from checkpoint import STEP_DIR, CheckpointError, find_checkpoints
+from checkpoint import CheckpointError
+from checkpoint_folder import STEP_DIR, find_checkpoints
 
 
 def plan_rewind(out_dir, step, number, bucket_steps=()):

@@ -13,8 +13,8 @@ from tools.house_counts import steps_of_the_quick_start
 
 # What the layout issue fixes: the design card's files, the core every run reads, the commands.
 TOP_LEVEL = {"train.py", "model.py", "config.py", "checkpoint.py", "checkpoint_folder.py",
-             "hellaswag_eval.py", "ladder.py", "data.py", "optimizer.py", "metrics.py", "plan.py",
-             "run_dir.py", "sample.py", "prepare_data.py"}
+             "devices.py", "hellaswag_eval.py", "ladder.py", "data.py", "optimizer.py", "metrics.py",
+             "plan.py", "run_dir.py", "sample.py", "prepare_data.py"}
 NOT_MODULES = ("tests", "exercises", "tools", "config", ".git", ".bench", "data", "out")
 
 
