@@ -22,6 +22,7 @@ run folder are run_dir.py's.
 """
 
 import argparse
+import ast
 import dataclasses
 import hashlib
 import io
@@ -44,7 +45,7 @@ from checkpoint_folder import (MARKER, doomed, find_checkpoints, is_complete_che
                                read_marker, sha256_file)
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
 from devices import DEVICES
-from metrics import code_change_note, code_changes, metrics_snapshots, warn_slow
+from metrics import metrics_snapshots, warn_slow
 from model import GPT
 
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
@@ -704,6 +705,84 @@ def check_named_module(saved, named, what, flag):
         raise CheckpointError(f"{what} was trained with train.model_module={saved}, and a file a "
                               f"checkpoint names is never imported; pass {flag}={saved} to load it "
                               "with that file, once you trust it.")
+
+
+# The files that make the model, whose hashes each checkpoint keeps (TrainState.model_code): a
+# resume or a tool is told of an edit.
+PROJECT = os.path.dirname(os.path.realpath(__file__))
+MODEL_FILE = os.path.join(PROJECT, "model.py")
+
+
+def model_code(model_module):
+    """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
+    train.model_module names a file of your own), that file, and the project's modules either
+    imports at its top, at any depth (a helper that holds the MLP). An edit to what the model
+    computes is a change even with the same weights (QK-norm, a logit cap)."""
+    files = {"model.py": MODEL_FILE}
+    if model_module != "model":
+        files[os.path.realpath(model_module)] = model_module
+    waiting = list(files.values())
+    while waiting:
+        for path in local_imports(waiting.pop()):
+            inside = os.path.commonpath([path, PROJECT]) == PROJECT
+            name = os.path.relpath(path, PROJECT) if inside else path
+            if name not in files:
+                files[name] = path
+                waiting.append(path)
+    return {name: code_hash(path) for name, path in files.items()}
+
+
+def local_imports(path):
+    """The files of the modules `path` imports at its top level that lie in its own folder or the
+    project's (not torch's, not the standard library's): real paths."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = [alias.name for node in tree.body if isinstance(node, ast.Import)
+             for alias in node.names]
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    found = []
+    for name in names:
+        for folder in (os.path.dirname(os.path.realpath(path)), PROJECT):
+            base = os.path.join(folder, *name.split("."))
+            candidates = (f"{base}.py", os.path.join(base, "__init__.py"))
+            found += [os.path.realpath(c) for c in candidates if os.path.isfile(c)]
+    return list(dict.fromkeys(found))
+
+
+def code_hash(path):
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    # docstrings go, as comments and layout did (ast.parse): none changes what it does
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def code_changes(saved_code, model_module):
+    """{file: (hash saved, hash now)} of each file of the model's code that is not the same as when
+    the checkpoint was saved (None: not a file of it then, or now); {} when no hash was kept."""
+    if not saved_code:
+        return {}
+    now = model_code(model_module)
+    return {name: (saved_code.get(name), now.get(name)) for name in {**saved_code, **now}
+            if saved_code.get(name) != now.get(name)}
+
+
+def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
+    """The line to print when the model's source is not the one checkpoint `path` was saved with,
+    though its weights fit (the code as it is now may compute another function of them); "" if the
+    same, or no hash was kept."""
+    changed = code_changes(saved_code, model_module)
+    if not changed:
+        return ""
+    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
+            f"weights fit, so {goes_on} with the code as it is now")
 
 
 def gpt_class(module="model"):

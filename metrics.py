@@ -10,16 +10,11 @@ console lines. Names are namespaced: train/, val/, optim/, throughput/, system/,
 eval/. `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
 """
 
-import ast
 import contextlib
-import hashlib
 import json
 import math
 import os
-import platform
 import re
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -334,110 +329,6 @@ class LossSpikeDetector:
 
 class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
-
-
-# What produced the run: the code, the software and the hardware (environment.json), and the files
-# that make the model, whose hashes each checkpoint keeps (a resume or a tool is told of an edit).
-PROJECT = os.path.dirname(os.path.realpath(__file__))
-MODEL_FILE = os.path.join(PROJECT, "model.py")
-
-
-def save_environment(out_dir, world_size):
-    """What produced this run, beside config.json: the code version, the software, the hardware."""
-    repo = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    env = {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "command": redact_argv(sys.argv),  # a secret on the command line is "***"
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "host": socket.gethostname(),
-        "world_size": world_size,
-    }
-    with open(os.path.join(out_dir, "environment.json"), "w") as f:
-        json.dump(env, f, indent=2)
-
-
-def model_code(model_module):
-    """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
-    train.model_module names a file of your own), that file, and the project's modules either
-    imports at its top, at any depth (a helper that holds the MLP). An edit to what the model
-    computes is a change even with the same weights (QK-norm, a logit cap)."""
-    files = {"model.py": MODEL_FILE}
-    if model_module != "model":
-        files[os.path.realpath(model_module)] = model_module
-    waiting = list(files.values())
-    while waiting:
-        for path in local_imports(waiting.pop()):
-            inside = os.path.commonpath([path, PROJECT]) == PROJECT
-            name = os.path.relpath(path, PROJECT) if inside else path
-            if name not in files:
-                files[name] = path
-                waiting.append(path)
-    return {name: code_hash(path) for name, path in files.items()}
-
-
-def local_imports(path):
-    """The files of the modules `path` imports at its top level that lie in its own folder or the
-    project's (not torch's, not the standard library's): real paths."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    names = [alias.name for node in tree.body if isinstance(node, ast.Import)
-             for alias in node.names]
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-    found = []
-    for name in names:
-        for folder in (os.path.dirname(os.path.realpath(path)), PROJECT):
-            base = os.path.join(folder, *name.split("."))
-            candidates = (f"{base}.py", os.path.join(base, "__init__.py"))
-            found += [os.path.realpath(c) for c in candidates if os.path.isfile(c)]
-    return list(dict.fromkeys(found))
-
-
-def code_hash(path):
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    # docstrings go, as comments and layout did (ast.parse): none changes what it does
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        first = body[0] if isinstance(body, list) and body else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                and isinstance(first.value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def code_changes(saved_code, model_module):
-    """{file: (hash saved, hash now)} of each file of the model's code that is not the same as when
-    the checkpoint was saved (None: not a file of it then, or now); {} when no hash was kept."""
-    if not saved_code:
-        return {}
-    now = model_code(model_module)
-    return {name: (saved_code.get(name), now.get(name)) for name in {**saved_code, **now}
-            if saved_code.get(name) != now.get(name)}
-
-
-def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with,
-    though its weights fit (the code as it is now may compute another function of them); "" if the
-    same, or no hash was kept."""
-    changed = code_changes(saved_code, model_module)
-    if not changed:
-        return ""
-    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
-            f"weights fit, so {goes_on} with the code as it is now")
 
 
 # ------------------------------------------------------------------------------- writing the rows

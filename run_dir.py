@@ -15,9 +15,11 @@ pid file and stack dump, which `python lab/debug.py stacks RUN` reads.
 import faulthandler
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,14 +28,14 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import (CheckpointError, TrainState, check_model_shape, check_sharded_metadata,
-                        check_source, check_weights_fit, load_checkpoint, newest_valid_checkpoint,
-                        read_trainer_state, verify_checkpoint)
+                        check_source, check_weights_fit, code_change_note, code_changes,
+                        load_checkpoint, model_code, newest_valid_checkpoint, read_trainer_state,
+                        verify_checkpoint)
 from checkpoint_folder import MARKER, STEP_DIR, find_checkpoints, newest_checkpoint, read_marker
-from config import (ConfigError, keys_with_role, parse_duration, parse_mix, secret_keys,
-                    with_defaults)
+from config import (ConfigError, keys_with_role, parse_duration, parse_mix, redact_argv,
+                    secret_keys, with_defaults)
 from data import dataset_dir, fingerprint
-from metrics import (code_change_note, code_changes, metrics_snapshots, model_code,
-                     save_environment, truncate_jsonl)
+from metrics import metrics_snapshots, truncate_jsonl
 from plan import describe_run, shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
@@ -50,6 +52,36 @@ def run_records(out_dir):
     metrics snapshots."""
     snapshots = [path for _, path in sorted(metrics_snapshots(out_dir).items())]
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json")] + snapshots
+
+
+# What produced the run (environment.json, beside config.json): the code version, the software
+# and the hardware.
+
+
+def save_environment(out_dir, world_size):
+    """What produced this run, beside config.json: the code version, the software, the hardware."""
+    repo = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    env = {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "command": redact_argv(sys.argv),  # a secret on the command line is "***"
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "host": socket.gethostname(),
+        "world_size": world_size,
+    }
+    with open(os.path.join(out_dir, "environment.json"), "w") as f:
+        json.dump(env, f, indent=2)
 
 
 class RunLock:
