@@ -70,6 +70,18 @@ NOTHING = Due()  # an ordinary step
 
 
 @dataclass(frozen=True)
+class StepOptions:
+    """What train_step does differently at a step, at the steps lab/step_extras.py lists (its
+    `before_step` says)."""
+    skip_data: bool = False  # train.steps_to_skip: read the step's batches, train nothing
+    layer_norms: bool = False  # log.grad_norms_interval: per-layer gradient norms, before clipping
+    nan_policy: str = "stop"  # train.nan_policy: "skip" passes over a non-finite step (one sync)
+
+
+PLAIN_STEP = StepOptions()  # an ordinary step
+
+
+@dataclass(frozen=True)
 class Plan:
     grad_accum_steps: int  # micro-steps per optimizer step on each rank
     tokens_per_step: int  # train.total_batch_size

@@ -34,8 +34,8 @@ from devices import DeviceKind, device_kind, pick_device
 from metrics import NonFiniteLoss, StepClock
 from model import GPT
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (Plan, SignalFlag, Stopper, check_weights_fit_device, is_compiled, loss_path_on,
-                  make_plan)
+from plan import (PLAIN_STEP, Plan, SignalFlag, Stopper, check_weights_fit_device, is_compiled,
+                  loss_path_on, make_plan)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -110,10 +110,10 @@ def train(cfg):
                 mix, loader, objective = run.data.stages.for_step(step)
             lrs = set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)
             extras = run.extras if step in run.extras_steps else None  # (lab/step_extras.py)
-            options = extras.before_step(run, step, loader, clock) if extras else {}
+            options = extras.before_step(run, step, loader, clock) if extras else PLAIN_STEP
             step_metrics, data_time = train_step(run.model, run.optimizer, loader,
                                                  plan.grad_accum_steps, place.autocast,
-                                                 cfg.optim.grad_clip, objective, **options)
+                                                 cfg.optim.grad_clip, objective, options)
             if extras:  # (too many non-finite steps skipped in a row: the run ends on it)
                 nonfinite = extras.after_step(run, step, step_metrics, clock) or nonfinite
             trained = "train/loss" in step_metrics  # a skipped step trained nothing
@@ -183,13 +183,13 @@ def train(cfg):
 
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, objective=None,
-               nan_policy="stop", layer_norms=False, skip_data=False):
+               options=PLAIN_STEP):
     """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward,
     clip, optimizer step. Returns ({metric: this rank's value, on the device}, seconds reading
     data); the recorder averages them over the ranks. In stage 2 `objective(model, x, y)` replaces
-    the model's loss with CE + beta x KL (lab/stage2.py). The keywords after it are
-    lab/step_extras.py's. No host sync, unless nan_policy=skip."""
-    if skip_data:  # train.steps_to_skip: read past a known-bad stretch of data, untrained
+    the model's loss with CE + beta x KL (lab/stage2.py). `options` (plan.StepOptions): what
+    lab/step_extras.py asks of this step. No host sync, unless nan_policy=skip."""
+    if options.skip_data:  # train.steps_to_skip: read past a known-bad stretch of data, untrained
         loader.skip_batches(grad_accum_steps)
         return {"train/skipped_data_step": 1.0}, 0.0
     raw_model = model.module if isinstance(model, DDP) else model
@@ -216,7 +216,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, 
         (parts[0] / grad_accum_steps).backward()
         sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
     step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm (log.grad_norms_interval)
+    if options.layer_norms:  # before clipping, as train/grad_norm (log.grad_norms_interval)
         from lab.step_extras import per_layer_grad_norms
         step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
@@ -225,7 +225,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, 
         grad_norm = grad_norm.full_tensor()
     # nan_policy=skip must know now: one host-device sync per step. Every rank decides alike: a
     # rank's non-finite loss makes its gradients, and the all-reduced norm, non-finite.
-    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
+    if options.nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
         step_metrics = {"train/skipped_nonfinite_step": 1.0}
     else:
         optimizer.step()

@@ -6,13 +6,15 @@ rank's own line (log.all_ranks).
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set). At those
 steps the loop calls `before_step`, which runs what comes before the step and returns
-`train_step`'s keywords, then `after_step`; at every other step it calls neither.
+`train_step`'s options (plan.StepOptions), then `after_step`; at every other step it calls neither.
 """
 
 import os
 import time
 
 import torch
+
+from plan import StepOptions
 
 
 
@@ -38,7 +40,7 @@ class StepExtras:
         self.steps = {s for s in steps if first_step <= s <= end} | ({first_step} if compiled else set())
 
     def before_step(self, run, step, loader, clock):
-        """What runs before step `step`; returns train_step's keywords for it."""
+        """What runs before step `step`; returns train_step's options for it."""
         plan, cfg = self.plan, self.cfg
         if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (lab/debug.py)
             from lab import debug
@@ -51,8 +53,8 @@ class StepExtras:
             with clock.paused("activations"):
                 run.books.recorder.record_all(activation_stats(run.raw_model, loader, run.place.autocast))
         self.started = time.perf_counter()
-        return {"nan_policy": cfg.train.nan_policy, "layer_norms": plan.grad_norms.due(step),
-                "skip_data": plan.skips_data(step)}
+        return StepOptions(skip_data=plan.skips_data(step), layer_norms=plan.grad_norms.due(step),
+                           nan_policy=cfg.train.nan_policy)
 
     def after_step(self, run, step, step_metrics, clock):
         """What runs after step `step`'s train_step, before its metrics are recorded. Returns why
