@@ -18,7 +18,7 @@ FSDP every rank writes its pieces first); every rank reads. Locks, fresh starts 
 run folder are run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
-    python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
+    python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (lab/hf.py)
 """
 
 import argparse
@@ -600,7 +600,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
     uninterrupted run, as they must: there is none). `sharding` (not None): the model is sharded
     (lab/fsdp.py), and loads through load_with_shards whatever the checkpoint."""
     device = next(model.parameters()).device
-    # not a checkpoint of ours: GPT-2's weights (hf.py)
+    # not a checkpoint of ours: GPT-2's weights (lab/hf.py)
     if not os.path.exists(os.path.join(path, MARKER)):
         from lab.hf import load_gpt2_weights
         load_gpt2_weights(model, path)
@@ -665,7 +665,7 @@ def check_source(source, key):
     the setting or flag it came from. Reads no weights, except a bucket's (an s3:// or gs:// URL),
     downloaded once into a cache."""
     from lab.hf import OPENAI_MODELS, is_hf_folder
-    # a bucket (remote.py): the local copy is checked as any checkpoint folder is
+    # a bucket (lab/remote.py): the local copy is checked as any checkpoint folder is
     if "://" in source:
         from lab import remote
         return resolve_checkpoint(remote.local_copy(source, key))

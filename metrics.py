@@ -238,8 +238,7 @@ def warn_slow(what, seconds, soft_timeout):
           flush=True)
 
 
-# ------------------------------------------------------------------------------- the step's clock
-# and speed
+# ----------------------------------------------------------------------- the step's clock and speed
 
 
 def mfu(flops_per_token, tokens_per_sec, world_size, peak_flops):

@@ -296,8 +296,7 @@ class Stopper:
             "its checkpoint is saved" if saved else "no checkpoint (train.no_checkpoints)")
 
 
-# --------------------------------------------------------------------------- the start-up summary
-# and memory estimate
+# --------------------------------------------------------- the start-up summary and memory estimate
 
 
 def is_compiled(cfg, device_type):

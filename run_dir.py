@@ -310,7 +310,7 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
         replacing = (f"note: replacing the different run in train.out_dir={out_dir} "
                      "(checkpoint.save_overwrite); its checkpoints go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
-    # else GPT-2's weights (hf.py checks those)
+    # else GPT-2's weights (lab/hf.py checks those)
     ours = path and os.path.exists(os.path.join(path, MARKER))
     if resuming:
         check_identity(out_dir, saved, run_config)
@@ -339,7 +339,7 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     own wins (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
-    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
+    if "://" in load_path:  # a bucket (lab/remote.py): downloaded once, into a cache
         from lab import remote
         load_path = remote.local_copy(load_path, "checkpoint.load_path")
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
@@ -781,15 +781,15 @@ def register_stack_dump(out_dir, rank):
     os.makedirs(folder, exist_ok=True)
     # the global rank: nodes sharing a folder never collide
     pid_path = os.path.join(folder, f"rank{rank}.pid")
-    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9
-    # the file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default
-    # action).
+    # The start time proves to `lab/debug.py stacks` that the pid is still this rank's: after a
+    # kill -9 the file stays behind, and the pid may go to a process that SIGUSR1 would kill (its
+    # default action).
     start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
     with open(pid_path, "w") as f:
         json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank,
                    "start_time": start_time}, f)
-    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its
-    # start.
+    # Append mode: `lab/debug.py stacks` empties the file before signalling, and the dump lands at
+    # its start.
     stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
 
