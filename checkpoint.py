@@ -18,10 +18,11 @@ FSDP every rank writes its pieces first); every rank reads. Locks, fresh starts 
 run folder are run_dir.py's.
 
     python checkpoint.py list RUN_DIR               # the complete checkpoints of a run
-    python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (see hf.py)
+    python checkpoint.py export-hf CHECKPOINT OUT   # a Hugging Face GPT-2 folder (lab/hf.py)
 """
 
 import argparse
+import ast
 import dataclasses
 import hashlib
 import io
@@ -30,7 +31,6 @@ import math
 import os
 import pickle
 import random
-import re
 import shutil
 import sys
 import threading
@@ -41,18 +41,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from checkpoint_folder import (MARKER, doomed, find_checkpoints, is_complete_checkpoint,
+                               read_marker, sha256_file)
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
-from metrics import code_change_note, code_changes, metrics_snapshots, warn_slow
-from model import gpt_class
-from plan import DEVICES
+from devices import DEVICES
+from metrics import metrics_snapshots, warn_slow
+from model import GPT
 
-MARKER = "COMPLETE"
 SHARDED = "sharded"  # an FSDP run's folder of pieces inside a checkpoint (fsdp.FOLDER)
-STEP_DIR = re.compile(r"^step(\d+)$")
 # What must match to load weights: the model's `identity` fields (config.py); dropout may differ
 # (fine-tuning).
 SHAPE_FIELDS = [key.split(".")[1] for key in keys_with_role("identity", "model")]
-WARNED = set()  # unreadable markers already reported (one warning each)
 
 
 class CheckpointError(UserError):
@@ -62,44 +61,6 @@ class CheckpointError(UserError):
 class UntrustedCheckpoint(CheckpointError):
     """Files that pass their checksums and still cannot be used: never skipped for an older
     checkpoint in silence."""
-
-
-def read_marker(path, fs=None):
-    """The COMPLETE marker of checkpoint folder `path` (in a bucket with `fs`, an fsspec
-    filesystem), or None if it is missing or unreadable (not a dict of files): such a folder is
-    never used."""
-    try:
-        if fs is None:
-            with open(os.path.join(path, MARKER), "rb") as f:
-                marker = json.loads(f.read())
-        else:
-            marker = json.loads(fs.cat_file(f"{path}/{MARKER}"))
-        if isinstance(marker, dict) and isinstance(marker.get("files"), dict):
-            return marker
-        return None
-    except (OSError, ValueError, UnicodeDecodeError):
-        return None
-
-
-def is_complete_checkpoint(path):
-    """A folder with a readable marker; an unreadable one means "not a checkpoint" everywhere, with
-    one warning."""
-    if read_marker(path) is not None:
-        return True
-    if os.path.exists(os.path.join(path, MARKER)) and path not in WARNED:
-        WARNED.add(path)
-        print(f"warning: {path} has an unreadable {MARKER} marker; it is not used as a checkpoint",
-              file=sys.stderr, flush=True)
-    return False
-
-
-def find_checkpoints(run_dir):
-    """[(step, path), ...] of the complete checkpoints in `run_dir`, oldest first."""
-    if not os.path.isdir(run_dir):
-        return []
-    named = [(STEP_DIR.match(name), os.path.join(run_dir, name)) for name in os.listdir(run_dir)]
-    return sorted((int(match.group(1)), path) for match, path in named
-                  if match and is_complete_checkpoint(path))
 
 
 def verify_checkpoint(path):
@@ -162,23 +123,71 @@ def resolve_checkpoint(source):
     return path
 
 
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+def fsync_dir(path):
+    """Make a folder's entries durable: a file's own fsync does not cover its name in the folder
+    (a creation, a rename, a removal)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
-def doomed(kinds, keep_last):
-    """Retention (as OLMo-core), in the folder and in the bucket alike: {step: kind} -> the steps to
-    delete. An ephemeral checkpoint lives until a newer one exists; the `keep_last` newest permanent
-    ones are kept (0: all), fixed ones always; never the newest."""
-    steps = sorted(kinds)
-    permanent = [s for s in steps if kinds[s] == "permanent"]
-    gone = [s for s in steps if kinds[s] == "ephemeral"]
-    gone += permanent[:-keep_last] if keep_last > 0 else []
-    return sorted(s for s in gone if s != steps[-1])
+def write_file_atomic(path, data):
+    """Write `data` so that `path` holds either nothing or all of it, on disk; returns its
+    sha256."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return hashlib.sha256(data).hexdigest()
+
+
+def write_checkpoint(out_dir, step, snapshot, kind, sharded=False):
+    """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N>, and point `latest` at
+    it; returns the folder. Every file goes into step<N>.partial and is fsynced, COMPLETE last
+    ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole (one already
+    there is replaced only then), so a crash at any instant leaves the old state or the new one.
+    `sharded`: FSDP's ranks have written step<N>.partial/sharded/ already (lab/fsdp.py)."""
+    final = os.path.join(out_dir, f"step{step}")
+    partial, old = f"{final}.partial", f"{final}.replaced"
+    checksums = {}
+    if sharded:
+        pieces = os.path.join(partial, SHARDED)
+        checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
+                     for name in sorted(os.listdir(pieces))}
+        fsync_dir(pieces)
+    else:
+        shutil.rmtree(partial, ignore_errors=True)
+        os.makedirs(partial)
+    for name, obj in snapshot.items():
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        checksums[f"{name}.pt"] = write_file_atomic(os.path.join(partial, f"{name}.pt"),
+                                                    buffer.getvalue())
+    marker = {"step": step, "kind": kind, "files": checksums}
+    write_file_atomic(os.path.join(partial, MARKER), json.dumps(marker, indent=1).encode())
+    fsync_dir(partial)
+    if os.path.exists(final):  # the same step saved again: the new one replaces it whole
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+    os.replace(partial, final)
+    shutil.rmtree(old, ignore_errors=True)
+    link_latest(out_dir, f"step{step}")
+    return final
+
+
+def link_latest(out_dir, name):
+    """Point out_dir/latest at `name`, swapped atomically: a reader sees the old target or the new
+    one."""
+    link = os.path.join(out_dir, "latest.tmp")
+    if os.path.lexists(link):
+        os.remove(link)
+    os.symlink(name, link)
+    os.replace(link, os.path.join(out_dir, "latest"))
+    fsync_dir(out_dir)
 
 
 class Checkpointer:
@@ -188,16 +197,17 @@ class Checkpointer:
     then applies retention (`doomed`) to the checkpoints it knows, read from the folder once at
     start. `replaced`: the checkpoints of a run this one replaces (checkpoint.save_overwrite),
     deleted once this run's first is complete. `uploader` (lab/remote.py): each complete checkpoint
-    is queued for upload, and retention keeps it until its upload ends. `shard_group` (FSDP): a gloo
-    group of the checkpoints' own."""
+    is queued for upload, and retention keeps it until its upload ends. `sharding`: lab/fsdp.py's
+    ShardedCheckpoints under train.data_parallel=fsdp, else None."""
 
     def __init__(self, out_dir, checkpoint_cfg, config_dict, is_master, replaced=(), uploader=None,
-                 shard_group=None, soft_timeout=30.0):
+                 sharding=None, soft_timeout=30.0):
         c = checkpoint_cfg
         self.out_dir, self.keep_last, self.async_save = out_dir, c.keep_last, c.async_save
         self.unsharded_interval, self.is_master = c.unsharded_interval, is_master
         self.config_dict = config_dict
-        self.replaced, self.uploader, self.shard_group = list(replaced), uploader, shard_group
+        self.replaced, self.uploader = list(replaced), uploader
+        self.sharding = sharding  # lab/fsdp.py's ShardedCheckpoints, or None: is the model sharded?
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.kinds = {}  # {step: kind} of the checkpoints in out_dir, which retention deletes
         if is_master:
@@ -221,39 +231,11 @@ class Checkpointer:
         trainer's `state` (a TrainState: counters, data position) with the config, and every rank's
         RNG states. Every rank calls it. Prints how long the loop stalled (rank 0)."""
         start = time.perf_counter()
-        if self.thread is not None or self.error is not None:  # the previous save lands first: at
-            self.wait()  # most one snapshot in CPU memory
-            if time.perf_counter() - start > self.soft_timeout:
-                warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
-                          self.soft_timeout)
-        sharded = hasattr(model, "set_requires_gradient_sync")  # what FSDP's fully_shard gives
-        whole, shards = None, None
-        if sharded and self.unsharded_interval and step % self.unsharded_interval == 0:
-            from lab import fsdp
-            whole = fsdp.gather_weights(model, tied=set(ties(model)))  # every rank sends its pieces
-        trainer = state.to_dict()
-        rng = [rng_state(sample_generator)]
-        if dist.is_initialized():
-            rng = [None] * dist.get_world_size()
-            dist.all_gather_object(rng, rng_state(sample_generator))
-        if sharded:  # every rank writes its pieces of the weights and the optimizer's state
-            from lab import fsdp
-            try:
-                shards = fsdp.start_shards(self.out_dir, step, model, optimizer, self.is_master,
-                                           self.shard_group, self.async_save, tied=set(ties(model)))
-            except fsdp.DCP_ERRORS as error:
-                raise self.failed(step, error) from None
-        elif not self.is_master:
+        self.wait_for_previous()
+        captured = self.capture(step, model, optimizer, state, sample_generator)
+        if captured is None:  # a rank other than 0, with no pieces to write
             return time.perf_counter() - start
-        if sharded:  # the pieces are being written: a whole model.pt at most
-            snapshot = {"model": whole} if whole else {}
-        else:
-            snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()}
-        snapshot["trainer"] = {**trainer, "config": self.config_dict, "rng": rng}
-        # A copy on the CPU, which training cannot change while a thread writes it; a sync save on a
-        # CPU writes the tensors themselves, as nothing runs meanwhile.
-        if self.async_save or next(model.parameters()).device.type != "cpu":
-            snapshot = to_cpu(snapshot)
+        snapshot, shards = captured
         if self.async_save:
             self.thread = threading.Thread(target=self.write, args=(step, snapshot, kind, shards),
                                            daemon=True)
@@ -269,59 +251,60 @@ class Checkpointer:
                   flush=True)
         return stalled
 
+    def wait_for_previous(self):
+        """The previous save lands before this one starts: at most one snapshot in CPU memory. A
+        wait longer than log.bookkeeping_soft_timeout warns."""
+        if self.thread is None and self.error is None:
+            return
+        start = time.perf_counter()
+        self.wait()
+        if time.perf_counter() - start > self.soft_timeout:
+            warn_slow("waiting for the previous checkpoint", time.perf_counter() - start,
+                      self.soft_timeout)
+
+    def capture(self, step, model, optimizer, state, sample_generator):
+        """This rank's part of a save: (snapshot {"model", "optim", "trainer"} for rank 0 to write,
+        FSDP's pieces being written or None), or None on a rank that writes nothing. Every rank's
+        RNG states are gathered; under FSDP every rank starts writing its pieces."""
+        sharding = self.sharding
+        whole, shards = None, None
+        if sharding and self.unsharded_interval and step % self.unsharded_interval == 0:
+            whole = sharding.whole_weights(model, tied=set(ties(model)))  # every rank sends pieces
+        trainer = state.to_dict()
+        rng = [rng_state(sample_generator)]
+        if dist.is_initialized():
+            rng = [None] * dist.get_world_size()
+            dist.all_gather_object(rng, rng_state(sample_generator))
+        if sharding:  # every rank writes its pieces of the weights and the optimizer's state
+            try:
+                shards = sharding.start(self.out_dir, step, model, optimizer, self.is_master,
+                                        self.async_save, tied=set(ties(model)))
+            except sharding.errors as error:
+                raise self.failed(step, error) from None
+        elif not self.is_master:
+            return None
+        if sharding:  # the pieces are being written: a whole model.pt at most
+            snapshot = {"model": whole} if whole else {}
+        else:
+            snapshot = {"model": model_weights(model), "optim": optimizer.state_dict()}
+        snapshot["trainer"] = {**trainer, "config": self.config_dict, "rng": rng}
+        # A copy on the CPU, which training cannot change while a thread writes it; a sync save on a
+        # CPU writes the tensors themselves, as nothing runs meanwhile.
+        if self.async_save or next(model.parameters()).device.type != "cpu":
+            snapshot = to_cpu(snapshot)
+        return snapshot, shards
+
     def write(self, step, snapshot, kind, shards=None):
-        """Write `snapshot` ({"model", "optim", "trainer"}) as out_dir/step<N> (rank 0; on the save
-        thread with async_save). Every file goes into step<N>.partial and is fsynced, COMPLETE last
-        ({"step", "kind", "files": {name: sha256}}); one rename makes step<N> appear whole, so a
-        crash at any instant leaves the old state or the new one. Then `latest` links it, the
-        replaced run's checkpoints go, its upload is queued and retention runs. `shards`: FSDP's
-        ranks are writing step<N>.partial/sharded/ (lab/fsdp.py)."""
+        """Rank 0's part of a save (on the save thread with async_save): once FSDP's ranks have
+        written their `shards`, write_checkpoint; then the checkpoints of the run this one replaces
+        go, the upload is queued and retention runs. An error is kept, and wait() raises it in the
+        training thread."""
         try:
             if shards is not None:
                 shards.wait()  # every rank's pieces, and .metadata, are on disk
                 if not self.is_master:
                     return
-            final = os.path.join(self.out_dir, f"step{step}")
-            partial, old = f"{final}.partial", f"{final}.replaced"
-            checksums = {}
-            if shards is not None:
-                pieces = os.path.join(partial, SHARDED)
-                checksums = {f"{SHARDED}/{name}": sha256_file(os.path.join(pieces, name))
-                             for name in sorted(os.listdir(pieces))}
-            else:
-                shutil.rmtree(partial, ignore_errors=True)
-                os.makedirs(partial)
-            files = {f"{name}.pt": obj for name, obj in snapshot.items()}
-            for name, obj in [*files.items(), (MARKER, None)]:
-                if name == MARKER:
-                    marker = {"step": step, "kind": kind, "files": checksums}
-                    data = json.dumps(marker, indent=1).encode()
-                else:
-                    buffer = io.BytesIO()
-                    torch.save(obj, buffer)
-                    data = buffer.getvalue()
-                    checksums[name] = hashlib.sha256(data).hexdigest()
-                with open(os.path.join(partial, name), "wb") as f:
-                    f.write(data)
-                    f.flush()
-                    os.fsync(f.fileno())
-            for folder in [partial, *(os.path.join(partial, SHARDED),) * (shards is not None)]:
-                fd = os.open(folder, os.O_RDONLY)  # the folder's entries are on disk too
-                os.fsync(fd)
-                os.close(fd)
-            if os.path.exists(final):  # the same step saved again: the new one replaces it whole
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(final, old)
-            os.replace(partial, final)
-            shutil.rmtree(old, ignore_errors=True)
-            link = os.path.join(self.out_dir, "latest.tmp")  # swapped atomically: old or new target
-            if os.path.lexists(link):
-                os.remove(link)
-            os.symlink(f"step{step}", link)
-            os.replace(link, os.path.join(self.out_dir, "latest"))
-            fd = os.open(self.out_dir, os.O_RDONLY)
-            os.fsync(fd)
-            os.close(fd)
+            final = write_checkpoint(self.out_dir, step, snapshot, kind, shards is not None)
             for path in self.replaced:
                 if os.path.abspath(path) != os.path.abspath(final):
                     shutil.rmtree(path, ignore_errors=True)
@@ -358,7 +341,8 @@ class Checkpointer:
         """The one sentence that ends a run whose save of `step` failed, once rank 0 has removed
         what it left: the partial folder (the disk's space) and the metrics snapshots of this step
         and later (async_save fails at the next save), which name checkpoints that never were."""
-        every_rank = hasattr(error, "failures")  # FSDP's pieces: DCP raises it on every rank
+        # FSDP's pieces: DCP raises its error, which gathers every rank's failures, on every rank
+        every_rank = self.sharding is not None and hasattr(error, "failures")
         reason = getattr(error, "strerror", None) or str(error).strip()[:200]
         where = "no checkpoint of this run is intact yet"
         if self.is_master:
@@ -367,11 +351,12 @@ class Checkpointer:
                 os.remove(path)
             found = find_checkpoints(self.out_dir)  # what is on disk now, whatever this run knew
             if found:  # (the step itself, when what failed came after its folder was complete)
-                where = f"step{found[-1][0]} is intact" + " all the same" * (found[-1][0] == step)
+                where = f"step{found[-1][0]} is intact"
+                if found[-1][0] == step:
+                    where += " all the same"
         if every_rank:  # rank 0 has cleaned up before any rank exits, and it alone speaks
-            from lab import fsdp
-            reason = fsdp.why_not_saved(error)
-            dist.barrier(group=self.shard_group)
+            reason = self.sharding.why_not_saved(error)
+            dist.barrier(group=self.sharding.group)
         error = CheckpointError(f"saving the checkpoint of step {step} in {self.out_dir} failed "
                                 f"({reason}); {where}: free disk space, then run the same command "
                                 "again to resume.")
@@ -608,13 +593,14 @@ def keep_settings(optimizer, load):
 
 
 def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_size, load_optim=True,
-                    load_trainer_state=True):
+                    load_trainer_state=True, sharding=None):
     """Restore weights (and optimizer, RNG) from `path` into the raw `model`; returns the saved
     trainer state, or None. RNG states go back only to the rank that saved them: after a change of
     world size, ranks without one keep their fresh seeded state (dropout masks then differ from an
-    uninterrupted run, as they must: there is none)."""
+    uninterrupted run, as they must: there is none). `sharding` (not None): the model is sharded
+    (lab/fsdp.py), and loads through load_with_shards whatever the checkpoint."""
     device = next(model.parameters()).device
-    # not a checkpoint of ours: GPT-2's weights (hf.py)
+    # not a checkpoint of ours: GPT-2's weights (lab/hf.py)
     if not os.path.exists(os.path.join(path, MARKER)):
         from lab.hf import load_gpt2_weights
         load_gpt2_weights(model, path)
@@ -628,7 +614,7 @@ def load_checkpoint(path, *, model, optimizer, sample_generator, rank, world_siz
                               "and this run uses another optimizer; set "
                               "--checkpoint.load_optim=false to start the optimizer afresh.")
     check_weights_fit(path, model, "load it into the model it was trained with.")
-    if os.path.isdir(os.path.join(path, SHARDED)) or hasattr(model, "set_requires_gradient_sync"):
+    if os.path.isdir(os.path.join(path, SHARDED)) or sharding is not None:
         load_with_shards(path, model, optimizer if load_optim else None, device)
     else:
         model.load_state_dict(saved_weights(path, model, device))
@@ -673,19 +659,13 @@ def load_with_shards(path, model, optimizer, device):
                       lambda: fsdp.apply(model, optimizer, model_state, optim_state, full))
 
 
-def newest_checkpoint(run_dir):
-    """The newest complete checkpoint of `run_dir` (unverified), or None."""
-    found = find_checkpoints(run_dir)
-    return found[-1][1] if found else None
-
-
 def check_source(source, key):
     """The checkpoint of `source` (a run or checkpoint folder), or None for GPT-2's weights (an
     OpenAI name, with transformers installed, or a local HF folder); else one sentence naming `key`,
     the setting or flag it came from. Reads no weights, except a bucket's (an s3:// or gs:// URL),
     downloaded once into a cache."""
     from lab.hf import OPENAI_MODELS, is_hf_folder
-    # a bucket (remote.py): the local copy is checked as any checkpoint folder is
+    # a bucket (lab/remote.py): the local copy is checked as any checkpoint folder is
     if "://" in source:
         from lab import remote
         return resolve_checkpoint(remote.local_copy(source, key))
@@ -727,6 +707,95 @@ def check_named_module(saved, named, what, flag):
                               "with that file, once you trust it.")
 
 
+# The files that make the model, whose hashes each checkpoint keeps (TrainState.model_code): a
+# resume or a tool is told of an edit.
+PROJECT = os.path.dirname(os.path.realpath(__file__))
+MODEL_FILE = os.path.join(PROJECT, "model.py")
+
+
+def model_code(model_module):
+    """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
+    train.model_module names a file of your own), that file, and the project's modules either
+    imports, anywhere in it and at any depth (a helper that holds the MLP). An edit to what the
+    model computes is a change even with the same weights (QK-norm, a logit cap)."""
+    files = {"model.py": MODEL_FILE}
+    if model_module != "model":
+        files[os.path.realpath(model_module)] = model_module
+    waiting = list(files.values())
+    while waiting:
+        for path in local_imports(waiting.pop()):
+            inside = os.path.commonpath([path, PROJECT]) == PROJECT
+            name = os.path.relpath(path, PROJECT) if inside else path
+            if name not in files:
+                files[name] = path
+                waiting.append(path)
+    return {name: code_hash(path) for name, path in files.items()}
+
+
+def local_imports(path):
+    """The files of the modules `path` imports anywhere (at its top, under `try:`, inside a
+    function) that lie in its own folder or the project's (not torch's, not the standard
+    library's): real paths."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+             for alias in node.names]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+    found = []
+    for name in names:
+        for folder in (os.path.dirname(os.path.realpath(path)), PROJECT):
+            base = os.path.join(folder, *name.split("."))
+            candidates = (f"{base}.py", os.path.join(base, "__init__.py"))
+            found += [os.path.realpath(c) for c in candidates if os.path.isfile(c)]
+    return list(dict.fromkeys(found))
+
+
+def code_hash(path):
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    # docstrings go, as comments and layout did (ast.parse): none changes what it does
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        first = body[0] if isinstance(body, list) and body else None
+        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                and isinstance(first.value.value, str):
+            node.body = body[1:] or [ast.Pass()]
+    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+
+
+def code_changes(saved_code, model_module):
+    """{file: (hash saved, hash now)} of each file of the model's code that is not the same as when
+    the checkpoint was saved (None: not a file of it then, or now); {} when no hash was kept."""
+    if not saved_code:
+        return {}
+    now = model_code(model_module)
+    return {name: (saved_code.get(name), now.get(name)) for name in {**saved_code, **now}
+            if saved_code.get(name) != now.get(name)}
+
+
+def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
+    """The line to print when the model's source is not the one checkpoint `path` was saved with,
+    though its weights fit (the code as it is now may compute another function of them); "" if the
+    same, or no hash was kept."""
+    changed = code_changes(saved_code, model_module)
+    if not changed:
+        return ""
+    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
+            f"weights fit, so {goes_on} with the code as it is now")
+
+
+def gpt_class(module="model"):
+    """The GPT class that train.model_module names: model.py's, or the one in a .py file of your
+    own, which takes the same GPTConfig and answers what the trainer asks (lab/model_module.py
+    loads it), so the trainer names no layer of it."""
+    if module == "model":
+        return GPT
+    from lab.model_module import load_gpt_class
+    return load_gpt_class(module)
+
+
 def load_model(source, device, key, model_module="model", flag="--model_module", changed_ok=True):
     """A GPT in eval mode from a source check_source takes, built by model.py or by `model_module`,
     the file the user named (`flag`): a file a checkpoint names is never imported, and a checkpoint
@@ -735,7 +804,7 @@ def load_model(source, device, key, model_module="model", flag="--model_module",
     path = check_source(source, key)
     if path is None:
         from lab.hf import import_hf
-        return import_hf(source, model_module).to(device).eval()
+        return import_hf(source, gpt_class(model_module)).to(device).eval()
     trainer = read_trainer_state(path)
     cfg = config_from_dict(trainer["config"])
     check_named_module(cfg.train.model_module, model_module, f"{key}={source}", flag)

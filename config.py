@@ -100,7 +100,7 @@ class TrainConfig:
     # tokens per step (all ranks and micro-steps)
     total_batch_size: int = identity_setting(524288, "at least 1", ladder=True)
     max_steps: int = applied_setting(19073, "at least 1", ladder=True)  # the LR schedule ends here
-    # auto: CUDA, else Apple's MPS, else the CPU (plan.py's device table)
+    # auto: CUDA, else Apple's MPS, else the CPU (devices.py's table)
     device: str = applied_setting("auto", "auto, cpu, mps, cuda or cuda:N")
     dtype: Literal["auto", "float32", "bfloat16"] = applied_setting("auto")  # auto: bf16 on CUDA
     compile: Literal["auto", "true", "false"] = applied_setting("auto")  # auto: on for CUDA only
@@ -327,6 +327,25 @@ def check_model(model_cfg, where=""):
         raise ConfigError(where + failed[0])
 
 
+# What train.data_parallel=fsdp (lab/fsdp.py) cannot honour: why, and the other way out
+FSDP_CANNOT = {
+    "stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
+    "debug.trace_steps": ("a trace runs the model on rank 0 alone",
+                          "leave debug.trace_steps empty"),
+    "log.activations_interval": ("its statistics read whole weights",
+                                 "--log.activations_interval=0"),
+}
+
+
+def check_fsdp_settings(cfg):
+    """validate's check of a run with train.data_parallel=fsdp: one sentence for a setting it
+    cannot honour."""
+    for key, (why, remedy) in FSDP_CANNOT.items():
+        if get(cfg, key):
+            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set "
+                              f"--train.data_parallel=ddp or {remedy}.")
+
+
 def validate(cfg):
     """The checks that need no data or run folder: word choices, declared ranges (ladder.py's
     too), the model's checks, formats."""
@@ -364,8 +383,7 @@ def validate(cfg):
         raise ConfigError(f"eval.tasks_interval={cfg.eval.tasks_interval} but eval.tasks is empty; "
                           f"name the tasks to run, e.g. --eval.tasks=hellaswag,arc_easy.")
     if cfg.train.data_parallel == "fsdp":
-        from lab.fsdp import check_settings
-        check_settings(cfg)
+        check_fsdp_settings(cfg)
     module = cfg.train.model_module
     if module != "model" and not (module.endswith(".py") and os.path.isfile(module)):
         raise ConfigError(f"train.model_module={module!r} is neither model nor an existing .py "

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from checkpoint import load_model
 from config import ConfigError, UserError, run_command
 from data import GPT2_VOCAB_SIZE, get_tokenizer, rank0_first
-from plan import pick_device
+from devices import pick_device
 from sample import FAST_PATH_NOISE, KVCache, largest_gap, plain_numerics
 
 # Examples per batch: on an H100, 64 is 5.1x the plain one-example loop where 16 is 4.6x; on 2 CPU
@@ -543,8 +543,7 @@ def evaluate_in_loop(raw_model, task_examples, place, batch_size):
     The raw model: variable-length batches would make torch.compile recompile. Under FSDP every rank
     scores every example: each forward gathers weights from all ranks, so all must run the same
     forwards, and the examples' lengths differ from rank to rank."""
-    sharded = hasattr(raw_model, "set_requires_gradient_sync")
-    rank, world_size = (0, 1) if sharded else (place.rank, place.world_size)
+    rank, world_size = (0, 1) if place.sharding else (place.rank, place.world_size)
     with place.autocast:
         results = evaluate_tasks(raw_model, task_examples, place.device, batch_size, rank,
                                  world_size)

@@ -10,17 +10,12 @@ console lines. Names are namespaced: train/, val/, optim/, throughput/, system/,
 eval/. `python tools/plot_metrics.py RUN_DIR [RUN_DIR ...]` plots them.
 """
 
-import ast
 import contextlib
-import hashlib
 import json
 import math
 import os
-import platform
 import re
 import shutil
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -48,7 +43,7 @@ class MetricRecorder:
     def __init__(self, device, world_size=1, async_bookkeeping=False, bookkeeping_group=None,
                  on_rows=None, soft_timeout=30.0, copy_event=None):
         self.device, self.world_size, self.on_rows = device, world_size, on_rows
-        self.copy_event = copy_event  # the device table's (plan.py); None: the host copy waits
+        self.copy_event = copy_event  # the device table's (devices.py); None: the host copy waits
         self.soft_timeout = soft_timeout  # log.bookkeeping_soft_timeout: a longer wait warns
         self.step_values = {}  # name -> the (merged) value recorded in the current step
         self.reductions = {}  # name -> how ranks combine it; fixed by the first record
@@ -56,6 +51,7 @@ class MetricRecorder:
         self.group = bookkeeping_group  # async bookkeeping's own gloo group
         self.worker = ThreadPoolExecutor(max_workers=1) if async_bookkeeping else None
         self.in_flight = None
+        self.nonfinite = ""  # the first non-finite loss or gradient norm collected, in words
 
     def record_metric(self, name, value, reduce="mean", merge="warn"):
         """Record `value` (a tensor or number) for this step. `reduce` says how ranks combine: mean,
@@ -98,8 +94,9 @@ class MetricRecorder:
         """Record the step's `values` (their means over the ranks) and `maxima` (the largest rank's:
         times every rank waited for, memory), as record_all would, and end `step`; with `write`,
         reduce every pending step over the ranks and hand the rows to `on_rows`; with `wait` too,
-        return once they are handled (metrics.jsonl then holds every step so far). Returns the
-        console lines `on_rows` returned here, or [] (none written, or async)."""
+        return once they are handled (metrics.jsonl then holds every step so far). Returns (the
+        console lines `on_rows` returned here, or [] (none written, or async); the first non-finite
+        loss or gradient norm found in the rows handed over so far, in words, or "")."""
         for reduce, recorded in (("mean", values or {}), ("max", maxima or {})):
             for name, value in recorded.items():  # (a name recorded already keeps its first value)
                 if self.reductions.setdefault(name, reduce) != reduce:
@@ -111,20 +108,28 @@ class MetricRecorder:
         if self.step_values:
             self.pending.append((step, self.step_values))
         self.step_values = {}
+        if self.nonfinite:  # (found on the worker since): every row is written before the run ends
+            write = wait = True
         if not write:
-            return []
+            return [], self.nonfinite
         start = time.perf_counter()
         lines = []
         if self.worker is None:
-            lines = self.on_rows(self.collect())
+            lines = self.hand_over(self.collect())
         else:
-            self.collect(self.on_rows)
+            self.collect(self.hand_over)
             if wait:
                 self.wait()
         seconds = time.perf_counter() - start
         if seconds > self.soft_timeout:
             warn_slow(f"collecting the metrics of step {step}", seconds, self.soft_timeout)
-        return lines
+        return lines, self.nonfinite
+
+    def hand_over(self, rows):
+        """Hand collected `rows` to on_rows (on the worker thread with async bookkeeping), noting
+        the first non-finite loss or gradient norm among them."""
+        self.nonfinite = self.nonfinite or first_nonfinite(rows)
+        return self.on_rows(rows)
 
     def collect(self, handle_rows=None):
         """Reduce every pending metric over the ranks: one collective, one copy to the host. Returns
@@ -138,26 +143,13 @@ class MetricRecorder:
         self.pending = []
         if not entries:
             return []
-        # float64 keeps large counts (tokens, FLOPs) exact. Device tensors stack in place; host
-        # numbers go in one copy.
-        values = torch.empty(len(entries), dtype=torch.float64, device=self.device)
-        on_device = [i for i, entry in enumerate(entries) if torch.is_tensor(entry[2])]
-        on_host = [i for i, entry in enumerate(entries) if not torch.is_tensor(entry[2])]
-        if on_device:
-            values[on_device] = torch.stack([entries[i][2].to(self.device, torch.float64)
-                                             .reshape(()) for i in on_device])
-        if on_host:
-            values[on_host] = torch.tensor([float(entries[i][2]) for i in on_host],
-                                           dtype=torch.float64).to(self.device)
+        values = one_vector([value for _, _, value in entries], self.device)
         kinds = [self.reductions[name] for _, name, _ in entries]
         labels = [(step, name) for step, name, _ in entries]
         if handle_rows is None:
             if self.world_size > 1:  # (one rank has nothing to combine)
                 values = self.reduce(values, kinds, group=None)
-            rows = {}
-            for (step, name), value in zip(labels, values.tolist()):
-                rows.setdefault(step, {})[name] = value
-            return sorted(rows.items())
+            return rows_of(labels, values)
         # With an event the copy overlaps with the next steps; without one it waits here.
         host_values = values.to("cpu", non_blocking=self.copy_event is not None)
         copied = self.copy_event() if self.copy_event is not None else None
@@ -170,10 +162,7 @@ class MetricRecorder:
             reduced = host_values
             if self.world_size > 1:
                 reduced = self.reduce(host_values, kinds, self.group)
-            rows = {}  # (as above)
-            for (step, name), value in zip(labels, reduced.tolist()):
-                rows.setdefault(step, {})[name] = value
-            handle_rows(sorted(rows.items()))
+            handle_rows(rows_of(labels, reduced))
 
         self.in_flight = self.worker.submit(finish)
         return []
@@ -209,6 +198,40 @@ class MetricRecorder:
         return torch.where(squared, values.clamp_min(0).sqrt(), values)
 
 
+def first_nonfinite(rows):
+    """The first non-finite train/loss or train/grad_norm in host `rows`, in words, or ""."""
+    for step, values in rows:
+        bad = [name for name in ("train/loss", "train/grad_norm")
+               if not math.isfinite(values.get(name, 0.0))]
+        if bad:
+            return (f"{bad[0]} is {values[bad[0]]} at step {step}, so no checkpoint was saved "
+                    f"after it")
+    return ""
+
+
+def one_vector(values, device):
+    """`values` (tensors and numbers) as one float64 vector on `device`: float64 keeps large counts
+    (tokens, FLOPs) exact. Device tensors stack in place; host numbers go in one copy."""
+    vector = torch.empty(len(values), dtype=torch.float64, device=device)
+    on_device = [i for i, value in enumerate(values) if torch.is_tensor(value)]
+    on_host = [i for i, value in enumerate(values) if not torch.is_tensor(value)]
+    if on_device:
+        vector[on_device] = torch.stack([values[i].to(device, torch.float64).reshape(())
+                                         for i in on_device])
+    if on_host:
+        vector[on_host] = torch.tensor([float(values[i]) for i in on_host],
+                                       dtype=torch.float64).to(device)
+    return vector
+
+
+def rows_of(labels, values):
+    """[(step, {name: float})] in step order, of [(step, name)] `labels` and their `values`."""
+    rows = {}
+    for (step, name), value in zip(labels, values.tolist()):
+        rows.setdefault(step, {})[name] = value
+    return sorted(rows.items())
+
+
 def warn_slow(what, seconds, soft_timeout):
     """log.bookkeeping_soft_timeout (OLMo-core's): bookkeeping that held the loop this long."""
     print(f"warning: {what} took {seconds:.3g} s, more than log.bookkeeping_soft_timeout="
@@ -216,8 +239,7 @@ def warn_slow(what, seconds, soft_timeout):
           flush=True)
 
 
-# ------------------------------------------------------------------------------- the step's clock
-# and speed
+# ----------------------------------------------------------------------- the step's clock and speed
 
 
 def mfu(flops_per_token, tokens_per_sec, world_size, peak_flops):
@@ -234,7 +256,7 @@ class StepClock:
 
     def __init__(self, synchronize, tokens_per_step, block_size, flops_per_token, world_size,
                  peak_flops):
-        # the device table's (plan.py): waits for the device's queued work (a no-op on a CPU)
+        # the device table's (devices.py): waits for the device's queued work (a no-op on a CPU)
         self.synchronize = synchronize
         self.tokens_per_step, self.block_size = tokens_per_step, block_size
         self.flops_per_token, self.world_size = flops_per_token, world_size
@@ -307,111 +329,6 @@ class NonFiniteLoss(UserError):
     """Training produced NaN or Inf; the message says what to do."""
 
 
-# What produced the run: the code, the software and the hardware (environment.json), and the files
-# that make the model, whose hashes each checkpoint keeps (a resume or a tool is told of an edit).
-PROJECT = os.path.dirname(os.path.realpath(__file__))
-MODEL_FILE = os.path.join(PROJECT, "model.py")
-
-
-def save_environment(out_dir, world_size):
-    """What produced this run, beside config.json: the code version, the software, the hardware."""
-    repo = os.path.dirname(os.path.abspath(__file__))
-
-    def git(*args):
-        try:
-            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
-                                  timeout=10).stdout.strip()
-        except (OSError, subprocess.TimeoutExpired):
-            return ""
-
-    env = {
-        "git_commit": git("rev-parse", "HEAD"),
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-        "command": redact_argv(sys.argv),  # a secret on the command line is "***"
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-        "host": socket.gethostname(),
-        "world_size": world_size,
-    }
-    with open(os.path.join(out_dir, "environment.json"), "w") as f:
-        json.dump(env, f, indent=2)
-
-
-def model_code(model_module):
-    """{file: code_hash} of the files that make the model: model.py (GPTConfig, and the GPT unless
-    train.model_module names a file of your own), that file, and the project's modules either
-    imports, anywhere in it and at any depth (a helper that holds the MLP). An edit to what the
-    model computes is a change even with the same weights (QK-norm, a logit cap)."""
-    files = {"model.py": MODEL_FILE}
-    if model_module != "model":
-        files[os.path.realpath(model_module)] = model_module
-    waiting = list(files.values())
-    while waiting:
-        for path in local_imports(waiting.pop()):
-            inside = os.path.commonpath([path, PROJECT]) == PROJECT
-            name = os.path.relpath(path, PROJECT) if inside else path
-            if name not in files:
-                files[name] = path
-                waiting.append(path)
-    return {name: code_hash(path) for name, path in files.items()}
-
-
-def local_imports(path):
-    """The files of the modules `path` imports anywhere (at its top, under `try:`, inside a
-    function) that lie in its own folder or the project's (not torch's, not the standard
-    library's): real paths."""
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-             for alias in node.names]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names += [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-    found = []
-    for name in names:
-        for folder in (os.path.dirname(os.path.realpath(path)), PROJECT):
-            base = os.path.join(folder, *name.split("."))
-            candidates = (f"{base}.py", os.path.join(base, "__init__.py"))
-            found += [os.path.realpath(c) for c in candidates if os.path.isfile(c)]
-    return list(dict.fromkeys(found))
-
-
-def code_hash(path):
-    with open(path, encoding="utf-8") as f:
-        tree = ast.parse(f.read())
-    # docstrings go, as comments and layout did (ast.parse): none changes what it does
-    for node in ast.walk(tree):
-        body = getattr(node, "body", None)
-        first = body[0] if isinstance(body, list) and body else None
-        if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                and isinstance(first.value.value, str):
-            node.body = body[1:] or [ast.Pass()]
-    return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-
-
-def code_changes(saved_code, model_module):
-    """{file: (hash saved, hash now)} of each file of the model's code that is not the same as when
-    the checkpoint was saved (None: not a file of it then, or now); {} when no hash was kept."""
-    if not saved_code:
-        return {}
-    now = model_code(model_module)
-    return {name: (saved_code.get(name), now.get(name)) for name in {**saved_code, **now}
-            if saved_code.get(name) != now.get(name)}
-
-
-def code_change_note(saved_code, model_module, path, goes_on="the run goes on"):
-    """The line to print when the model's source is not the one checkpoint `path` was saved with,
-    though its weights fit (the code as it is now may compute another function of them); "" if the
-    same, or no hash was kept."""
-    changed = code_changes(saved_code, model_module)
-    if not changed:
-        return ""
-    return (f"note: the model code changed since {path} was saved ({', '.join(changed)}); its "
-            f"weights fit, so {goes_on} with the code as it is now")
-
-
 # ------------------------------------------------------------------------------- writing the rows
 
 # In throughput/step_time_sec already: not added again to the time a step window took (the ETA)
@@ -424,6 +341,50 @@ CONSOLE_LABELS = {  # metric -> its short label in the console line, in this ord
 }
 
 
+def console_line(step, values):
+    """The numbers a person watches, of row `values`: "step 100 | loss 5.12 | ... | eta 0:03:10"."""
+    parts = [f"step {step:>6}"]
+    val = {n: n[4:] for n in sorted(values) if n.startswith("val/") and n != "val/loss"}
+    for name, label in {**CONSOLE_LABELS, **val}.items():
+        value = values.get(name)
+        if value is None:
+            continue
+        if name == "throughput/tokens_per_sec":
+            text = f"{value:,.0f}"
+        elif name == "throughput/eta_sec":
+            seconds = int(value)
+            text = f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+        else:
+            text = f"{value:.4g}"
+        parts.append(f"{label} {text}")
+    return " | ".join(parts)
+
+
+class Eta:
+    """throughput/eta_sec: the mean time per step so far (the step and what was timed apart in its
+    window: evaluations, checkpoints, samples) x the steps left. The first step this process trains
+    holds torch.compile and the allocator's warm-up: left out."""
+
+    def __init__(self, end_step):
+        self.end_step = end_step
+        self.warm = False  # past the first step this process trains
+        self.steps, self.seconds = 0, 0.0  # the steps the ETA is measured on, and their time
+
+    def update(self, step, values):
+        """Count in row `values` of `step`; returns the seconds left, or None before a step is
+        timed."""
+        if self.warm or "throughput/checkpoint_time_sec" in values:
+            self.seconds += sum(value for name, value in values.items()
+                                if name.startswith("throughput/") and name.endswith("_time_sec")
+                                and name not in PARTS_OF_THE_STEP)
+        eta = None
+        if "throughput/step_time_sec" in values and self.warm:
+            self.steps += 1
+            eta = self.seconds / self.steps * (self.end_step - step)
+        self.warm = self.warm or "throughput/step_time_sec" in values
+        return eta
+
+
 class SinkError(UserError):
     """Rank 0 could not write its metrics (a full disk, say)."""
 
@@ -434,22 +395,21 @@ class RowWriter:
     evaluation, W&B) and returns the console lines of those that get one (every log.interval steps,
     the last step, a spike, an evaluation), printed here with `prints` (async bookkeeping: no loop
     waits for them). It never raises (it may run on the worker thread): a write error is kept in
-    `failed`, on which the loop saves and stops, and the first non-finite loss or gradient norm in
-    `nonfinite`, on which it stops. A row for a step already written (a checkpoint's time, uploads
-    that failed late) is written as any other, and readers merge it in (read_jsonl). A context
-    manager: W&B's run (`wandb_run`, started by start_wandb) finishes when it closes. `out_dir`
-    None: a rank other than 0, which writes nothing."""
+    `failed`, on which the loop saves and stops. A row for a step already written (a checkpoint's
+    time, uploads that failed late) is written as any other, and readers merge it in (read_jsonl).
+    A context manager: W&B's run (`wandb_run`, started by start_wandb) finishes when it closes.
+    `out_dir` None: a rank other than 0, which writes nothing. `console`: the plan's Every of
+    log.interval."""
 
-    def __init__(self, out_dir, end_step, log_cfg, spike_threshold=0.0, prints=False,
+    def __init__(self, out_dir, end_step, console, spike_threshold=0.0, prints=False,
                  wandb_run=None):
         self.out_dir, self.end_step, self.prints = out_dir, end_step, prints
-        self.interval = log_cfg.interval
+        self.console = console  # (plan.Every)
         self.spikes = LossSpikeDetector(spike_threshold)
+        self.eta = Eta(end_step)
         self.writing = threading.Lock()  # rows come from the bookkeeping thread and the loop
         self.last_step, self.logged = 0, {}  # the newest row written, and each metric's latest
-        self.warm = False  # past the first step this process trains
-        self.timed_steps, self.timed_seconds = 0, 0.0  # the steps the ETA is measured on
-        self.failed = self.nonfinite = None  # sentences
+        self.failed = None  # a sentence
         self.wandb_run = wandb_run
         if wandb_run is not None:  # the folder is this run's now: a restart logs into the same run
             with open(os.path.join(out_dir, "wandb_id.txt"), "w") as f:
@@ -463,72 +423,57 @@ class RowWriter:
             self.wandb_run.finish()
 
     def write(self, rows):
-        """[(step, {name: value})]: returns their console lines."""
+        """[(step, {name: value})]: flags spikes, adds the ETA, writes the rows and returns their
+        console lines."""
         if not rows:
             return []
         with self.writing:
             self.spikes.flag(rows)
             lines = []
             for step, values in rows:
-                # throughput/eta_sec: the mean time per step so far (the step and what was timed
-                # apart in its window: evaluations, checkpoints, samples) x the steps left. The
-                # first step this process trains holds torch.compile and the allocator's warm-up:
-                # left out.
-                if self.warm or "throughput/checkpoint_time_sec" in values:
-                    self.timed_seconds += sum(value for name, value in values.items()
-                                              if name.startswith("throughput/")
-                                              and name.endswith("_time_sec")
-                                              and name not in PARTS_OF_THE_STEP)
-                if "throughput/step_time_sec" in values and self.warm:
-                    self.timed_steps += 1
-                    left = self.end_step - step
-                    values["throughput/eta_sec"] = self.timed_seconds / self.timed_steps * left
-                self.warm = self.warm or "throughput/step_time_sec" in values
-                bad = [name for name in ("train/loss", "train/grad_norm")
-                       if not math.isfinite(values.get(name, 0.0))]
-                if bad and self.nonfinite is None:  # (train.nan_policy=stop: the loop stops on it)
-                    self.nonfinite = (f"{bad[0]} is {values[bad[0]]} at step {step}, so no "
-                                      f"checkpoint was saved after it")
-                due = (step % self.interval == 0 or step == self.end_step
-                       or "train/loss_spike" in values)
-                if self.out_dir and ("val/loss" in values or "train/loss" in values and due):
-                    parts = [f"step {step:>6}"]  # the numbers a person watches
-                    val = {n: n[4:] for n in sorted(values)
-                           if n.startswith("val/") and n != "val/loss"}
-                    for name, label in {**CONSOLE_LABELS, **val}.items():
-                        v = values.get(name)
-                        if v is not None:
-                            text = (f"{v:,.0f}" if name == "throughput/tokens_per_sec" else
-                                    f"{int(v) // 3600}:{int(v) % 3600 // 60:02d}:{int(v) % 60:02d}"
-                                    if name == "throughput/eta_sec" else f"{v:.4g}")
-                            parts.append(f"{label} {text}")
-                    lines.append(" | ".join(parts))
+                eta = self.eta.update(step, values)
+                if eta is not None:
+                    values["throughput/eta_sec"] = eta
+                if self.out_dir and self.gets_a_line(step, values):
+                    lines.append(console_line(step, values))
                 for name in values:
                     if name in ("tokens", "data/epoch") or name.endswith("/sequences"):
                         values[name] = int(values[name])  # counts, exact in float64
                 self.logged.update(values)
             self.last_step = max(self.last_step, rows[-1][0])
             if self.out_dir and not self.failed:
-                try:
-                    with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
-                        for step, values in rows:
-                            f.write(json.dumps({"step": step, **values}) + "\n")
-                            if any(name.startswith(("val/", "eval/")) for name in values):
-                                # OLMo's MetricSaver: a file per evaluation, which the ladder reads
-                                path = os.path.join(self.out_dir, f"metrics_step{step}.json")
-                                with open(f"{path}.tmp", "w") as snapshot:
-                                    json.dump({"step": step, **values}, snapshot, indent=1)
-                                os.replace(f"{path}.tmp", path)
-                except OSError as error:
-                    self.failed = (f"writing metrics in {self.out_dir} failed at step {step} "
-                                   f"({error.strerror or error})")
-                if self.wandb_run is not None and not self.failed:
-                    for step, values in rows:
-                        self.wandb_run.log(values, step=step)
+                self.append(rows)
             if self.prints:
                 for line in lines:
                     print(line, flush=True)
         return lines
+
+    def gets_a_line(self, step, values):
+        """A console line for an evaluation, and for a loss at log.interval, the last step or a
+        spike."""
+        due = (self.console.due(step, last=step == self.end_step)
+               or "train/loss_spike" in values)
+        return "val/loss" in values or ("train/loss" in values and due)
+
+    def append(self, rows):
+        """Rows to metrics.jsonl, a metrics_step<N>.json per evaluation, and W&B; a write error is
+        kept in `failed`."""
+        try:
+            with open(os.path.join(self.out_dir, "metrics.jsonl"), "a") as f:
+                for step, values in rows:
+                    f.write(json.dumps({"step": step, **values}) + "\n")
+                    if any(name.startswith(("val/", "eval/")) for name in values):
+                        # OLMo's MetricSaver: a file per evaluation, which the ladder reads
+                        path = os.path.join(self.out_dir, f"metrics_step{step}.json")
+                        with open(f"{path}.tmp", "w") as snapshot:
+                            json.dump({"step": step, **values}, snapshot, indent=1)
+                        os.replace(f"{path}.tmp", path)
+        except OSError as error:
+            self.failed = (f"writing metrics in {self.out_dir} failed at step {step} "
+                           f"({error.strerror or error})")
+        if self.wandb_run is not None and not self.failed:
+            for step, values in rows:
+                self.wandb_run.log(values, step=step)
 
     __call__ = write  # (the recorder hands it the rows it collects)
 

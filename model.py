@@ -354,16 +354,6 @@ def parameter_kinds(model):
     return [(name, p, table[kind_of[id(p)]]) for name, p in model.named_parameters()]
 
 
-def gpt_class(module="model"):
-    """The GPT class that train.model_module names: this file's, or the one in a .py file of your
-    own, which takes the same GPTConfig and answers what the trainer asks (model_module.py loads
-    it), so the trainer names no layer of it."""
-    if module == "model":
-        return GPT
-    from lab.model_module import load_gpt_class
-    return load_gpt_class(module)
-
-
 # ------------------------------------------------------------------------------- the chunked loss
 # `F.cross_entropy(logits(x), targets)` a slice of rows at a time, so the (tokens x vocabulary)
 # logits are never all held (train.loss_path chooses; tested against the full path). How many
@@ -380,7 +370,7 @@ def loss_slice_rows(device_type, vocab_size):
 
 def choose_loss_path(setting, fastest):
     """train.loss_path resolved to "chunked" or "full". "auto" picks `fastest`, the one measured
-    fastest on the device (plan.py's device table, docs/measurements.md): "full" under
+    fastest on the device (devices.py's table, docs/measurements.md): "full" under
     torch.compile on CUDA, where inductor fuses the softmax into the loss; "chunked" everywhere
     else, as fast or faster and never holding all the logits."""
     return fastest if setting == "auto" else setting

@@ -49,7 +49,7 @@ def param_groups(model, optim):
 
 def build_optimizer(model, optim, fused=False):
     """AdamW, or MuonAdamW, over `model` from the `optim` config section; `fused`: AdamW's kernel
-    that updates all tensors in one launch, where the device table has it (plan.py)."""
+    that updates all tensors in one launch, where the device table has it (devices.py)."""
     groups = param_groups(model, optim)
     adamw = torch.optim.AdamW(
         [{"params": groups["decay"], "weight_decay": optim.weight_decay, "name": "adamw",

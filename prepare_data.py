@@ -73,18 +73,21 @@ def write_shards(documents, out_dir, shard_tokens, val_tokens, start=None, total
             buffer[filled : filled + take] = tokens[pos : pos + take]
             filled, pos = filled + take, pos + take
             if filled == size:
-                at_end = pos == len(tokens)
-                finish_shard(size, doc_index + at_end, 0 if at_end else pos)
+                if pos == len(tokens):  # the document ends with the shard: the next one is next
+                    finish_shard(size, doc_index + 1, 0)
+                else:
+                    finish_shard(size, doc_index, pos)
                 shard, size, filled = shard + 1, shard_tokens, 0
                 buffer = np.empty(size, dtype=np.uint16)
                 bar.set_description(f"shard {shard}")
         doc_index += 1
         bar.update(1)
-    if filled:
+    shards = shard
+    if filled:  # the last shard, partly filled
         finish_shard(filled, doc_index, 0)
+        shards += 1
     bar.close()
-    write_progress(out_dir, {"shards": shard + (filled > 0), "documents": doc_index, "offset": 0,
-                             "done": True})
+    write_progress(out_dir, {"shards": shards, "documents": doc_index, "offset": 0, "done": True})
 
 
 def write_progress(out_dir, progress):

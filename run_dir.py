@@ -15,9 +15,11 @@ pid file and stack dump, which `python lab/debug.py stacks RUN` reads.
 import faulthandler
 import json
 import os
+import platform
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,15 +27,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from checkpoint import (MARKER, STEP_DIR, CheckpointError, TrainState, check_model_shape,
-                        check_sharded_metadata, check_source, check_weights_fit,
-                        find_checkpoints, load_checkpoint, newest_checkpoint,
-                        newest_valid_checkpoint, read_marker, read_trainer_state, verify_checkpoint)
-from config import (ConfigError, keys_with_role, parse_duration, parse_mix, secret_keys,
-                    with_defaults)
+from checkpoint import (CheckpointError, TrainState, check_model_shape, check_sharded_metadata,
+                        check_source, check_weights_fit, code_change_note, code_changes,
+                        load_checkpoint, model_code, newest_valid_checkpoint, read_trainer_state,
+                        verify_checkpoint)
+from checkpoint_folder import MARKER, STEP_DIR, find_checkpoints, newest_checkpoint, read_marker
+from config import (ConfigError, keys_with_role, parse_duration, parse_mix, redact_argv,
+                    secret_keys, with_defaults)
 from data import dataset_dir, fingerprint
-from metrics import (code_change_note, code_changes, metrics_snapshots, model_code,
-                     save_environment, truncate_jsonl)
+from metrics import metrics_snapshots, truncate_jsonl
 from plan import shares_text
 
 # A run's record besides checkpoints (a run that replaces it with save_overwrite starts without
@@ -50,6 +52,36 @@ def run_records(out_dir):
     metrics snapshots."""
     snapshots = [path for _, path in sorted(metrics_snapshots(out_dir).items())]
     return [os.path.join(out_dir, name) for name in (*RECORD_FILES, "environment.json")] + snapshots
+
+
+# What produced the run (environment.json, beside config.json): the code version, the software
+# and the hardware.
+
+
+def save_environment(out_dir, world_size):
+    """What produced this run, beside config.json: the code version, the software, the hardware."""
+    repo = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True,
+                                  timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    env = {
+        "git_commit": git("rev-parse", "HEAD"),
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "command": redact_argv(sys.argv),  # a secret on the command line is "***"
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "host": socket.gethostname(),
+        "world_size": world_size,
+    }
+    with open(os.path.join(out_dir, "environment.json"), "w") as f:
+        json.dump(env, f, indent=2)
 
 
 class RunLock:
@@ -278,7 +310,7 @@ def checked_start(out_dir, c, run_config, model, rewind_to, fetched):
         replacing = (f"note: replacing the different run in train.out_dir={out_dir} "
                      "(checkpoint.save_overwrite); its checkpoints go once this run has one")
         note = "\n".join(filter(None, [note, replacing]))
-    # else GPT-2's weights (hf.py checks those)
+    # else GPT-2's weights (lab/hf.py checks those)
     ours = path and os.path.exists(os.path.join(path, MARKER))
     if resuming:
         check_identity(out_dir, saved, run_config)
@@ -307,7 +339,7 @@ def find_start_checkpoint(out_dir, load, load_path, ignore_own=False):
     own wins (a restarted fine-tune resumes)."""
     if load == "never":
         return None, False, ""
-    if "://" in load_path:  # a bucket (remote.py): its checkpoint is downloaded once, into a cache
+    if "://" in load_path:  # a bucket (lab/remote.py): downloaded once, into a cache
         from lab import remote
         load_path = remote.local_copy(load_path, "checkpoint.load_path")
     own = None if ignore_own else newest_valid_checkpoint(out_dir)
@@ -527,7 +559,8 @@ def load_start(cfg, place, start, raw_model, optimizer, stages, sample_generator
         saved = load_checkpoint(start.path, model=raw_model, optimizer=optimizer,
                                 sample_generator=sample_generator, rank=place.rank,
                                 world_size=place.world_size, load_optim=load_optim,
-                                load_trainer_state=start.resumed or ck.load_trainer_state)
+                                load_trainer_state=start.resumed or ck.load_trainer_state,
+                                sharding=place.sharding)
     if saved:
         state = TrainState.from_dict(saved)
         state.best_val_loss = state.best_val_loss.to(place.device)
@@ -589,8 +622,11 @@ def started_from(start, saved, load_optim, step):
         return ""
     # else GPT-2's weights, with a fresh optimizer
     ours = os.path.exists(os.path.join(start.path, MARKER))
-    loaded = (["weights"] + ["optimizer state"] * (ours and load_optim)
-              + ["trainer state"] * (saved is not None))
+    loaded = ["weights"]
+    if ours and load_optim:
+        loaded.append("optimizer state")
+    if saved is not None:
+        loaded.append("trainer state")
     return f"loaded {', '.join(loaded)} from {start.path}; the run starts at step {step}"
 
 
@@ -743,15 +779,15 @@ def register_stack_dump(out_dir, rank):
     os.makedirs(folder, exist_ok=True)
     # the global rank: nodes sharing a folder never collide
     pid_path = os.path.join(folder, f"rank{rank}.pid")
-    # The start time proves to `debug.py stacks` that the pid is still this rank's: after a kill -9
-    # the file stays behind, and the pid may go to a process that SIGUSR1 would kill (its default
-    # action).
+    # The start time proves to `lab/debug.py stacks` that the pid is still this rank's: after a
+    # kill -9 the file stays behind, and the pid may go to a process that SIGUSR1 would kill (its
+    # default action).
     start_time = process_start_time(os.getpid()) if os.path.isdir(PROC) else None
     with open(pid_path, "w") as f:
         json.dump({"pid": os.getpid(), "host": socket.gethostname(), "rank": rank,
                    "start_time": start_time}, f)
-    # Append mode: `debug.py stacks` empties the file before signalling, and the dump lands at its
-    # start.
+    # Append mode: `lab/debug.py stacks` empties the file before signalling, and the dump lands at
+    # its start.
     stacks_file = open(os.path.join(folder, f"rank{rank}.txt"), "a")
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
 

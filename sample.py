@@ -22,7 +22,7 @@ from torch.nn import functional as F
 from checkpoint import check_source, load_model, read_trainer_state
 from config import UserError, config_from_dict, run_command
 from data import GPT2_VOCAB_SIZE, dataset_dir, fingerprint, get_tokenizer
-from plan import pick_device
+from devices import pick_device
 
 
 @dataclass

@@ -26,14 +26,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import metrics
 import run_dir
-from checkpoint import Checkpointer, TrainState, newest_checkpoint
+from checkpoint import Checkpointer, TrainState, gpt_class
+from checkpoint_folder import newest_checkpoint
 from config import ConfigError, UserError, check_warmup, config_to_dict, parse_args, run_command
 from data import build_loaders, dataset_dir, dataset_names, get_tokenizer, rank0_first, shard_paths
+from devices import DeviceKind, device_kind, pick_device
 from metrics import NonFiniteLoss, StepClock
-from model import GPT, choose_fast_loss, fast_loss_problem, gpt_class, loss_slice_rows
+from model import GPT, choose_fast_loss, fast_loss_problem, loss_slice_rows
 from optimizer import build_optimizer, build_schedule, set_lr
-from plan import (DeviceKind, Plan, SignalFlag, Stopper, check_weights_fit_device, describe_run,
-                  device_kind, is_compiled, loss_path_on, make_plan, pick_device)
+from plan import (PLAIN_STEP, Plan, SignalFlag, Stopper, check_weights_fit_device, describe_run,
+                  is_compiled, loss_path_on, make_plan)
 
 
 # ------------------------------------------------------------------------------- the command line
@@ -101,20 +103,23 @@ def train(cfg):
                           run.flops_per_token, place.world_size, run.peak_flops)
         mix, loader, objective = run.data.stages.for_step(state.step + 1)
         stop = ""
+        nonfinite = ""  # a NaN or Inf in the metrics, or too many steps skipped: the run ends on it
         while state.step < plan.end_step:
             step = state.step + 1  # the step being taken, as logged
             if step - 1 == plan.stage2_step:  # stage 2 begins: its data and objective
                 mix, loader, objective = run.data.stages.for_step(step)
             lrs = set_lr(run.optimizer, run.schedule.lr_at(step), cfg.optim.lr)
             extras = run.extras if step in run.extras_steps else None  # (lab/step_extras.py)
-            options = extras.before_step(run, step, loader, clock) if extras else {}
+            options = extras.before_step(run, step, loader, clock) if extras else PLAIN_STEP
             step_metrics, data_time = train_step(run.model, run.optimizer, loader,
                                                  plan.grad_accum_steps, place.autocast,
-                                                 cfg.optim.grad_clip, objective, **options)
-            if extras:
-                extras.after_step(run, step, step_metrics, clock)
+                                                 cfg.optim.grad_clip, objective, options)
+            if extras:  # (too many non-finite steps skipped in a row: the run ends on it)
+                nonfinite = extras.after_step(run, step, step_metrics, clock) or nonfinite
             trained = "train/loss" in step_metrics  # a skipped step trained nothing
-            state.step, state.tokens = step, state.tokens + plan.tokens_per_step * trained
+            state.step = step
+            if trained:
+                state.tokens += plan.tokens_per_step
             speed, apart = clock.lap(state.tokens, data_time, trained)
 
             # After the step, in this order: stop?, evaluate, metrics, checkpoint, samples. On a
@@ -122,7 +127,7 @@ def train(cfg):
             stop = books.stopper.poll(step)  # a signal, CANCEL, the time limit: all ranks agree
             due = plan.due(step, last=step == plan.end_step, stop=bool(stop))
             values = {**step_metrics, **speed, **lrs, "tokens": state.tokens}  # means over ranks
-            maxima = apart  # the time every rank waited for: the slowest rank's
+            maxima = dict(apart)  # the time every rank waited for: the slowest rank's
             if due.evals:
                 with clock.paused("eval"):
                     values.update(evaluate(run, due, mix))
@@ -133,15 +138,18 @@ def train(cfg):
                 maxima.update(place.kind.memory(place.device))
                 if cfg.checkpoint.remote_folder:
                     maxima.update(books.checkpointer.upload_metrics())
-            # The rows written come back as the console lines to print. Before a checkpoint every
-            # row so far is written, and a non-finite loss among them ends the run.
-            halt = bool(books.writer.nonfinite)  # (lab/step_extras.py: too many steps skipped)
-            lines = books.recorder.finish_step(step, values, due.write_metrics or halt,
-                                               wait=bool(due.checkpoint) or halt, maxima=maxima)
+            # The rows written come back as the console lines to print, with the first NaN or Inf
+            # in train/loss or grad_norm among them. Before a checkpoint every row so far is
+            # written, and a non-finite value among them ends the run (train.nan_policy).
+            halt = bool(nonfinite)  # (the rows so far are written before the run ends)
+            lines, found = books.recorder.finish_step(step, values, due.write_metrics or halt,
+                                                      wait=bool(due.checkpoint) or halt,
+                                                      maxima=maxima)
             for line in lines:
                 print(line, flush=True)
-            if books.writer.nonfinite:  # NaN or Inf in train/loss or grad_norm (train.nan_policy)
-                raise NonFiniteLoss(nonfinite_advice(books.writer.nonfinite, cfg.train.out_dir,
+            nonfinite = nonfinite or found
+            if nonfinite:
+                raise NonFiniteLoss(nonfinite_advice(nonfinite, cfg.train.out_dir,
                                                      skipping=cfg.train.nan_policy == "skip"))
             if due.checkpoint:  # (its time goes in its own step's row, the last one's too)
                 with clock.paused("checkpoint", logged=False):
@@ -175,18 +183,20 @@ def train(cfg):
 
 
 def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, objective=None,
-               nan_policy="stop", layer_norms=False, skip_data=False):
+               options=PLAIN_STEP):
     """One optimizer step over `grad_accum_steps` micro-batches of `loader`: forward, backward,
     clip, optimizer step. Returns ({metric: this rank's value, on the device}, seconds reading
     data); the recorder averages them over the ranks. In stage 2 `objective(model, x, y)` replaces
-    the model's loss with CE + beta x KL (lab/stage2.py). The keywords after it are
-    lab/step_extras.py's. No host sync, unless nan_policy=skip."""
-    if skip_data:  # train.steps_to_skip: read past a known-bad stretch of data, untrained
+    the model's loss with CE + beta x KL (lab/stage2.py). `options` (plan.StepOptions): what
+    lab/step_extras.py asks of this step. No host sync, unless nan_policy=skip."""
+    if options.skip_data:  # train.steps_to_skip: read past a known-bad stretch of data, untrained
         loader.skip_batches(grad_accum_steps)
         return {"train/skipped_data_step": 1.0}, 0.0
     raw_model = model.module if isinstance(model, DDP) else model
     sharded = hasattr(model, "set_requires_gradient_sync")  # FSDP (lab/fsdp.py)
-    names = ["train/loss"] + ["train/ce_loss", "train/kl", "train/reference_loss"] * bool(objective)
+    names = ["train/loss"]
+    if objective:  # stage 2's parts of the loss
+        names += ["train/ce_loss", "train/kl", "train/reference_loss"]
     sums = torch.zeros(len(names), device=loader.device)
     data_time = 0.0
     for micro_step in range(grad_accum_steps):
@@ -206,7 +216,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, 
         (parts[0] / grad_accum_steps).backward()
         sums += torch.stack([p.detach().float() for p in parts]) / grad_accum_steps
     step_metrics = dict(zip(names, sums))
-    if layer_norms:  # before clipping, as train/grad_norm (log.grad_norms_interval)
+    if options.layer_norms:  # before clipping, as train/grad_norm (log.grad_norms_interval)
         from lab.step_extras import per_layer_grad_norms
         step_metrics.update(per_layer_grad_norms(raw_model))
     # clip_grad_norm_ returns the norm before clipping; an infinite limit measures only.
@@ -215,7 +225,7 @@ def train_step(model, optimizer, loader, grad_accum_steps, autocast, grad_clip, 
         grad_norm = grad_norm.full_tensor()
     # nan_policy=skip must know now: one host-device sync per step. Every rank decides alike: a
     # rank's non-finite loss makes its gradients, and the all-reduced norm, non-finite.
-    if nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
+    if options.nan_policy == "skip" and not torch.isfinite(sums[0] + grad_norm).item():
         step_metrics = {"train/skipped_nonfinite_step": 1.0}
     else:
         optimizer.step()
@@ -255,7 +265,8 @@ def before_the_first_step(run):
         first = plan.due(0)
         if first.evals:
             run.books.recorder.record_all(evaluate(run, first, run.data.stages.loaders[0][0]))
-            for line in run.books.recorder.finish_step(0, {}, write=True, wait=True):
+            lines, _ = run.books.recorder.finish_step(0, {}, write=True, wait=True)
+            for line in lines:  # (no training yet: no loss to be non-finite)
                 print(line, flush=True)
         if first.checkpoint:
             save_first(run, first.checkpoint, first_loader)
@@ -334,7 +345,7 @@ def check_fast_path(run, what, problem_of):
     fast path they take (the KV cache, score_tokens) with the model's plain forward, to float noise
     (a few short rows: cheap next to what follows). A difference is a warning, and turns `what` off
     for the rest of the run; the ranks that take the path agree."""
-    place, sharded = run.place, hasattr(run.model, "set_requires_gradient_sync")
+    place, sharded = run.place, run.place.sharding is not None
     bf16 = sharded and isinstance(place.autocast, torch.autocast)  # FSDP's bf16 weights
     problem = problem_of(run.raw_model, **({"tolerance": 2e-2} if bf16 else {}))
     if place.world_size > 1 and (sharded or what == "tasks"):
@@ -354,9 +365,9 @@ def write_samples(run, step):
     weights from all), from rank 0's sampling generator."""
     from sample import generate_text
     e, place = run.cfg.eval, run.place
-    if not (place.is_master or hasattr(run.model, "set_requires_gradient_sync")):
+    if not (place.is_master or place.sharding):
         return
-    if hasattr(run.model, "set_requires_gradient_sync"):
+    if place.sharding:
         from lab.fsdp import share_generator
         share_generator(run.sample_generator)
     try:
@@ -396,6 +407,8 @@ class Placement:
     cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
     autocast: object  # bf16 autocast, or a context that does nothing
     is_master: bool  # rank 0 alone prints and writes the run folder's files
+    # train.data_parallel=fsdp: lab/fsdp.py's ShardedCheckpoints (each rank holds pieces); else None
+    sharding: object = None
 
 
 @dataclass
@@ -448,10 +461,6 @@ def build_run(cfg, stack):
     run ends. Every refusal comes first (decide_start): the run folder changes only once the start
     is loaded."""
     place = start_processes(cfg)
-    if cfg.train.data_parallel == "fsdp" and not dist.is_initialized():
-        raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, and "
-                          "this is a plain python process; start it with torchrun "
-                          "--nproc-per-node=N, or set --train.data_parallel=ddp.")
     if cfg.train.gc_interval:  # OLMo's GarbageCollector: no pause at a moment every rank waits for
         gc.disable()
         stack.callback(gc.enable)
@@ -562,12 +571,20 @@ def start_processes(cfg):
             cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     else:
         kind.prepare(device)
+    sharding = None  # the one answer to "is the model sharded?"
+    if cfg.train.data_parallel == "fsdp":
+        if not dist.is_initialized():
+            raise ConfigError("train.data_parallel=fsdp shards the model over torchrun's ranks, "
+                              "and this is a plain python process; start it with torchrun "
+                              "--nproc-per-node=N, or set --train.data_parallel=ddp.")
+        from lab.fsdp import ShardedCheckpoints
+        sharding = ShardedCheckpoints()  # every rank saves its pieces, over a gloo group
     use_bf16 = cfg.train.dtype == "bfloat16" or (
         cfg.train.dtype == "auto" and kind.autocast_dtype() == torch.bfloat16)
     # bf16 autocast: matmuls in bfloat16, weights and optimizer state in float32 (no loss scaling).
     autocast = torch.autocast(kind.name, dtype=torch.bfloat16) if use_bf16 else nullcontext()
     return Placement(rank, world_size, device, kind.name, kind, cpu_group, autocast,
-                     is_master=rank == 0)
+                     is_master=rank == 0, sharding=sharding)
 
 
 def collective_failure(error):
@@ -714,7 +731,7 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
     replaces (save_overwrite); `wandb_run`: rank 0's W&B run (start_wandb), or None."""
     out_dir, threads = cfg.train.out_dir, async_bookkeeping(cfg, place)
     writer = stack.enter_context(metrics.RowWriter(
-        out_dir if place.is_master else None, plan.end_step, cfg.log,
+        out_dir if place.is_master else None, plan.end_step, plan.console,
         cfg.train.loss_spike_threshold, prints=threads, wandb_run=wandb_run))
     # Async bookkeeping gets a gloo group of its own: its collectives run on another thread.
     group = dist.new_group(backend="gloo") if threads and place.world_size > 1 else None
@@ -727,10 +744,8 @@ def start_bookkeeping(cfg, place, plan, replaced, replaced_in_bucket, config_dic
         from lab import remote
         uploader = remote.start_uploads(cfg.checkpoint, lambda: run_dir.run_records(out_dir),
                                         replaced_in_bucket, writer, stack)
-    # FSDP: every rank writes its pieces of each checkpoint, through a gloo group of their own.
-    shard_group = dist.new_group(backend="gloo") if cfg.train.data_parallel == "fsdp" else None
     checkpointer = Checkpointer(out_dir, cfg.checkpoint, config_dict, place.is_master,
-                                replaced=replaced, uploader=uploader, shard_group=shard_group,
+                                replaced=replaced, uploader=uploader, sharding=place.sharding,
                                 soft_timeout=cfg.log.bookkeeping_soft_timeout)
     stack.callback(checkpointer.wait)  # a save in flight lands before the process exits
     wandb_cancel = None  # rank 0 asks W&B whether the run was tagged to cancel it
@@ -751,12 +766,11 @@ def async_bookkeeping(cfg, place):
 
 def needs_step_extras(cfg, plan, compiled):
     """Whether any of lab/step_extras.py's parts is on: traces, activation statistics, skipped
-    data, per-layer gradient norms, NaN skipping, timing compilation, the garbage collector's
-    schedule, the profiler, every rank's line."""
+    data, per-layer gradient norms, NaN skipping, timing compilation, the profiler, every rank's
+    line."""
     return bool(cfg.debug.trace_steps or cfg.log.activations_interval or plan.skipped
                 or cfg.log.grad_norms_interval or cfg.train.nan_policy == "skip" or compiled
-                or 0 < cfg.train.gc_interval <= plan.end_step or cfg.log.profile
-                or cfg.log.all_ranks)
+                or cfg.log.profile or cfg.log.all_ranks)
 
 
 if __name__ == "__main__":

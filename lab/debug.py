@@ -1,14 +1,16 @@
 """When a run goes wrong: where two runs part, how two checkpoints differ, where a hung job waits.
 
-In the loop (train.py calls these; every rank also registers a stack dump, run_dir.register_stack_dump):
+In the loop (train.py calls these; every rank also registers a stack dump,
+run_dir.register_stack_dump):
 - `trace_forward` (debug.trace_steps): at the chosen steps, rank 0 runs the step's first micro-batch
   through the model once more with forward hooks on every submodule, and saves each module's inputs
   and outputs to `<out_dir>/traces/step<N>/rank0.pt` with a small `index.json` (OLMo's
   `module_outputs_save_steps`). The extra forward uses the weights of that step (before its update),
-  runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay nothing.
+  runs in no-grad mode and forks the RNG, so the training itself is unchanged; other steps pay
+  nothing.
 - `make_deterministic` (train.deterministic): deterministic kernels, for hunting divergences.
-- `activation_stats` (log.activations_interval, OLMo-core's GAP monitor): each block's activations and each layer's
-  parameter norm, from one extra forward pass of the step's first micro-batch.
+- `activation_stats` (log.activations_interval, OLMo-core's GAP monitor): each block's activations
+  and each layer's parameter norm, from one extra forward pass of the step's first micro-batch.
 
 From the command line:
 
@@ -20,9 +22,9 @@ compare-traces answers "where did these two runs start to differ?": per traced s
 the order they ran, the largest absolute and relative difference of their outputs, and the first
 module past the tolerance or with NaN/Inf where the other run has none (exit status 1 when there is
 one, as `diff`). compare-state lists the weights and AdamW moments that differ most between two
-checkpoints, those with NaN/Inf in one only first. In both, NaN/Inf at the same places in both runs are
-no difference. stacks signals a running job's processes, only those proven still to be its ranks (a
-rank killed with -9 leaves its pid file, and the pid may go to another process), and prints every
+checkpoints, those with NaN/Inf in one only first. In both, NaN/Inf at the same places in both runs
+are no difference. stacks signals a running job's processes, only those proven still to be its ranks
+(a rank killed with -9 leaves its pid file, and the pid may go to another process), and prints every
 rank's stack, then their frames side by side and where each rank is, so the rank stuck elsewhere
 stands out.
 """
@@ -42,9 +44,8 @@ if __name__ == "__main__":  # `python lab/debug.py`: the project's modules are o
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import run_dir as run_folder  # noqa: E402 - after the line above
-from checkpoint import to_cpu
+from checkpoint import gpt_class, to_cpu
 from config import UserError, config_from_dict, run_command
-from model import gpt_class
 from optimizer import build_optimizer
 
 TRACES = "traces"
@@ -60,9 +61,11 @@ class DebugError(UserError):
 
 
 def make_deterministic():
-    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed (docs/measurements.md);
-    an op with no deterministic version raises an error naming it instead of running."""
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS (before its first use)
+    """The settings `torch.use_deterministic_algorithms` needs. On GPUs this costs speed
+    (docs/measurements.md); an op with no deterministic version raises an error naming it instead of
+    running."""
+    # deterministic cuBLAS (before its first use)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
@@ -76,8 +79,9 @@ def tensors_of(value):
 
 @torch.no_grad()
 def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
-    """Save every submodule's inputs and outputs for the first micro-batch of `step` (see the top), or
-    for its first `sequences` sequences (a GPT's outputs for one sequence do not depend on the others)."""
+    """Save every submodule's inputs and outputs for the first micro-batch of `step` (see the top),
+    or for its first `sequences` sequences (a GPT's outputs for one sequence do not depend on the
+    others)."""
     state = loader.state_dict()
     x, y = loader.next_batch()  # the batch the step is about to train on ...
     loader.load_state_dict(state)  # ... left in place for it
@@ -97,8 +101,9 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
     size = sum(t.numel() * t.element_size() for c in calls for t in c["inputs"] + c["output"])
     free = shutil.disk_usage(out_dir).free
     if size > free // 2:  # a trace must never fill the disk the checkpoints need
-        print(f"warning: the trace of step {step} would take {size / 1e9:.1f} GB and {out_dir} has {free / 1e9:.1f} "
-              f"GB free, so it is not saved; lower debug.trace_sequences.", file=sys.stderr, flush=True)
+        print(f"warning: the trace of step {step} would take {size / 1e9:.1f} GB and {out_dir} has "
+              f"{free / 1e9:.1f} GB free, so it is not saved; lower debug.trace_sequences.",
+              file=sys.stderr, flush=True)
         return
     folder = os.path.join(out_dir, TRACES, f"step{step}")
     os.makedirs(folder, exist_ok=True)
@@ -112,10 +117,11 @@ def trace_forward(model, loader, autocast, out_dir, step, sequences=0):
 
 @torch.no_grad()
 def activation_stats(raw_model, loader, autocast):
-    """log.activations_interval: each block's output on the step's first micro-batch (activations/layerNN/rms, mean,
-    max_abs), from forward hooks on one extra forward pass in eval mode (no dropout, no random numbers drawn: the
-    training is unchanged), and each layer's parameter norm (params/layerNN/norm, params/embedding/norm). The
-    batch is read and put back; every value stays on the device (no sync)."""
+    """log.activations_interval: each block's output on the step's first micro-batch
+    (activations/layerNN/rms, mean, max_abs), from forward hooks on one extra forward pass in eval
+    mode (no dropout, no random numbers drawn: the training is unchanged), and each layer's
+    parameter norm (params/layerNN/norm, params/embedding/norm). The batch is read and put back;
+    every value stays on the device (no sync)."""
     position = loader.state_dict()
     x, _ = loader.next_batch()
     loader.load_state_dict(position)
@@ -158,7 +164,8 @@ def load_traces(run_dir):
     """{step: [call, ...]} of a run's traces."""
     folder = os.path.join(run_dir, TRACES)
     if not os.path.isdir(folder):
-        raise DebugError(f"{run_dir} has no {TRACES}/ folder; train it with --debug.trace_steps=... to save traces.")
+        raise DebugError(f"{run_dir} has no {TRACES}/ folder; train it with "
+                         "--debug.trace_steps=... to save traces.")
     traces = {}
     for name in os.listdir(folder):
         path = os.path.join(folder, name, "rank0.pt")
@@ -168,15 +175,17 @@ def load_traces(run_dir):
 
 
 def apart(a, b):
-    """Why `a` and `b` cannot be compared value by value, in words, or "" when they can: other shapes, or
-    NaN/Inf at other places. NaN compares false with everything, so a plain max |a - b| > atol would call
-    a run gone NaN equal to any other; NaN and Inf at the same places in both are no difference."""
+    """Why `a` and `b` cannot be compared value by value, in words, or "" when they can: other
+    shapes, or NaN/Inf at other places. NaN compares false with everything, so a plain max |a - b| >
+    atol would call a run gone NaN equal to any other; NaN and Inf at the same places in both are no
+    difference."""
     if a.shape != b.shape:
         return f"shapes {list(a.shape)} and {list(b.shape)}"
     for name, test in (("NaN", torch.isnan), ("+Inf", torch.isposinf), ("-Inf", torch.isneginf)):
         in_a, in_b = test(a), test(b)
         if not torch.equal(in_a, in_b):
-            return f"{name} at different places: {int(in_a.sum())} and {int(in_b.sum())} of {a.numel()} values"
+            return (f"{name} at different places: {int(in_a.sum())} and {int(in_b.sum())} of "
+                    f"{a.numel()} values")
     return ""
 
 
@@ -187,7 +196,8 @@ def finite_values(a, b):
 
 
 def tensor_difference(a, b):
-    """(max |a - b|, max |b|, why apart) over the finite values; an infinite difference when `apart`."""
+    """(max |a - b|, max |b|, why apart) over the finite values; an infinite difference when
+    `apart`."""
     why = apart(a, b)
     if why:
         return float("inf"), 0.0, why
@@ -202,12 +212,13 @@ def relative(largest, scale):
 
 
 def compare_calls(calls_a, calls_b, atol, rtol):
-    """[(name, max abs, max rel, parted, why apart)] per module call, in execution order. A call that
-    cannot be compared value by value (another module, other outputs, NaN/Inf at other places, a call
-    one run did not make) parts whatever the tolerances."""
+    """[(name, max abs, max rel, parted, why apart)] per module call, in execution order. A call
+    that cannot be compared value by value (another module, other outputs, NaN/Inf at other places,
+    a call one run did not make) parts whatever the tolerances."""
     rows = []
     for a, b in zip(calls_a, calls_b):
-        diffs = [tensor_difference(x, y) for x, y in zip(a["output"], b["output"])] or [(0.0, 0.0, "")]
+        diffs = [tensor_difference(x, y) for x,
+                 y in zip(a["output"], b["output"])] or [(0.0, 0.0, "")]
         whys = [why for _, _, why in diffs if why]
         if len(a["output"]) != len(b["output"]):
             whys.insert(0, f"{len(a['output'])} and {len(b['output'])} outputs")
@@ -219,45 +230,46 @@ def compare_calls(calls_a, calls_b, atol, rtol):
     if len(calls_a) != len(calls_b):
         extra = max(calls_a, calls_b, key=len)[len(rows)]
         rows.append(
-            (extra["name"], float("inf"), float("inf"), True, f"{len(calls_a)} and {len(calls_b)} module calls")
+            (extra["name"], float("inf"), float("inf"), True, f"{len(calls_a)} and {len(calls_b)} "
+                                                              "module calls")
         )
     return rows
 
 
 def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
     """Print the comparison; returns (step, module) of the first parting, or None."""
-    if not (atol >= 0 and rtol >= 0):  # written so that NaN fails too: it would let every difference pass
-        raise DebugError(f"--atol and --rtol must be numbers of 0 or more (got {atol} and {rtol}); give tolerances "
-                         f"such as --atol=1e-6.")
+    # written so that NaN fails too: it would let every difference pass
+    if not (atol >= 0 and rtol >= 0):
+        raise DebugError(f"--atol and --rtol must be numbers of 0 or more (got {atol} and {rtol}); "
+                         "give tolerances such as --atol=1e-6.")
     traces_a, traces_b = load_traces(run_a), load_traces(run_b)
     steps = sorted(set(traces_a) & set(traces_b))
     if step is not None:
         steps = [s for s in steps if s == step]
     if not steps:
         raise DebugError(f"{run_a} and {run_b} have no traced step in common"
-                         f"{'' if step is None else f' at step {step}'} (they have {sorted(traces_a)} and "
-                         f"{sorted(traces_b)}); trace the same --debug.trace_steps in both.")
+                         f"{'' if step is None else f' at step {step}'} (they have "
+                         f"{sorted(traces_a)} and {sorted(traces_b)}); trace the same "
+                         "--debug.trace_steps in both.")
     first = None
     for s in steps:
         a, b = traces_a[s], traces_b[s]
         same_tokens = all(torch.equal(x, y) for x, y in zip(a[0]["inputs"], b[0]["inputs"]))
-        print(
-            f"step {s}: {len(a)} module calls" + ("" if same_tokens else "; the input tokens differ (different data)")
-        )
+        differ = "" if same_tokens else "; the input tokens differ (different data)"
+        print(f"step {s}: {len(a)} module calls{differ}")
         print(f"  {'module':40s} {'max abs diff':>14s} {'max rel diff':>14s}")
         for name, largest, relative, parted, why in compare_calls(a, b, atol, rtol):
-            print(
-                f"  {name:40s} {largest:14.3e} {relative:14.3e}{'  <- parts here' if parted and first is None else ''}"
-                f"{f'  ({why})' if why else ''}"
-            )
+            here = "  <- parts here" if parted and first is None else ""
+            print(f"  {name:40s} {largest:14.3e} {relative:14.3e}{here}"
+                  f"{f'  ({why})' if why else ''}")
             if parted and first is None:
                 first = (s, name, why)
     if first:
-        print(
-            f"the runs first part at step {first[0]} in {first[1]} ({first[2] or f'beyond atol={atol}, rtol={rtol}'})"
-        )
+        why = first[2] or f"beyond atol={atol}, rtol={rtol}"
+        print(f"the runs first part at step {first[0]} in {first[1]} ({why})")
     else:
-        print(f"no module parts beyond atol={atol}, rtol={rtol} at step(s) {', '.join(map(str, steps))}")
+        print(f"no module parts beyond atol={atol}, rtol={rtol} at step(s) "
+              f"{', '.join(map(str, steps))}")
     return first[:2] if first else None
 
 
@@ -265,13 +277,15 @@ def compare_traces(run_a, run_b, step=None, atol=0.0, rtol=0.0):
 
 
 def named_state(path, model_module="model"):
-    """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...); the optimizer's
-    parameters are named by the GPT of `model_module` (--model_module: a file the checkpoint names is never
-    imported)."""
-    from checkpoint import SHARDED, check_named_module, read_file, read_trainer_state, resolve_checkpoint
+    """{name: tensor} of a checkpoint's weights and AdamW moments (`optim/<param>/exp_avg`, ...);
+    the optimizer's parameters are named by the GPT of `model_module` (--model_module: a file the
+    checkpoint names is never imported)."""
+    from checkpoint import (SHARDED, check_named_module, read_file, read_trainer_state,
+                            resolve_checkpoint)
 
     if not os.path.isdir(path):
-        raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint folder.")
+        raise DebugError(f"{path} is not a folder; give a run folder or a step<N> checkpoint "
+                         "folder.")
     path = resolve_checkpoint(path)
     if os.path.isdir(os.path.join(path, SHARDED)):  # an FSDP run's pieces, put together (fsdp.py)
         from lab.fsdp import read_tensors
@@ -289,19 +303,23 @@ def named_state(path, model_module="model"):
     cfg = config_from_dict(trainer["config"])
     check_named_module(cfg.train.model_module, model_module, path, "--model_module")
     try:
-        with torch.device("meta"):  # the run's own class, as the user named it: its parameters, in its order
+        # the run's own class, as the user named it: its parameters, in its order
+        with torch.device("meta"):
             model = gpt_class(model_module)(cfg.model)
     except ValueError as error:  # a file that is gone, or lies inside a checkpoint
         raise DebugError(f"--model_module: {error}") from None
     names = {id(p): n for n, p in model.named_parameters()}
     optimizer = build_optimizer(model, cfg.optim)
-    parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}  # MuonAdamW: both
+    # MuonAdamW: both
+    parts = optimizer.optimizers if hasattr(optimizer, "optimizers") else {"": optimizer}
     for part_name, part in parts.items():
         ordered = [names[id(p)] for g in part.param_groups for p in g["params"]]
         saved = optim[part_name] if part_name else optim
-        if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in part.param_groups]:
-            raise DebugError(f"{path} holds optimizer state grouped otherwise than this code groups the model's "
-                             f"parameters (the model code changed since); compare checkpoints of one code.")
+        sizes = [len(g["params"]) for g in part.param_groups]
+        if [len(g["params"]) for g in saved["param_groups"]] != sizes:
+            raise DebugError(f"{path} holds optimizer state grouped otherwise than this code "
+                             "groups the model's parameters (the model code changed since); "
+                             "compare checkpoints of one code.")
         for index, moments in saved["state"].items():
             for key, value in moments.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -311,7 +329,8 @@ def named_state(path, model_module="model"):
 
 def compare_state(path_a, path_b, top=20, model_module="model"):
     """Print the tensors that differ, the most different (relative norm) first; returns how many."""
-    if top < 1:  # 0 would print an empty table, and a negative count would slice the list from its end
+    # 0 would print an empty table, and a negative count would slice the list from its end
+    if top < 1:
         raise DebugError(f"--top={top} lists no tensor; give --top=1 or more.")
     path_a, a = named_state(path_a, model_module)
     path_b, b = named_state(path_b, model_module)
@@ -325,12 +344,15 @@ def compare_state(path_a, path_b, top=20, model_module="model"):
         x, y = finite_values(a[name], b[name])
         if not torch.equal(x, y):
             diff, norm = x - y, x.norm().item()
-            rows.append((name, diff.abs().max().item(), diff.norm().item() / norm if norm else float("inf"), ""))
+            rows.append((name, diff.abs().max().item(),
+                         diff.norm().item() / norm if norm else float("inf"), ""))
     if not rows and not only:
-        print(f"identical: all {len(a)} tensors (weights and AdamW moments) of {path_a} and {path_b} are equal")
+        print(f"identical: all {len(a)} tensors (weights and AdamW moments) of {path_a} and "
+              f"{path_b} are equal")
         return 0
     rows.sort(key=lambda r: -r[2])
-    print(f"{len(rows)} of {len(set(a) & set(b))} tensors differ between {path_a} and {path_b}, most different first:")
+    print(f"{len(rows)} of {len(set(a) & set(b))} tensors differ between {path_a} and {path_b}, "
+          "most different first:")
     print(f"  {'tensor':50s} {'max abs diff':>14s} {'rel norm diff':>14s}")
     for name, largest, relative, why in rows[:top]:
         print(f"  {name:50s} {largest:14.3e} {relative:14.3e}{f'  ({why})' if why else ''}")
@@ -345,14 +367,16 @@ def compare_state(path_a, path_b, top=20, model_module="model"):
 
 
 def main_thread_frames(dump):
-    """The main thread's frames in a faulthandler dump, innermost first, as "file.py:line in function"
-    (the main thread is the one whose outermost frame is a script's `<module>`)."""
+    """The main thread's frames in a faulthandler dump, innermost first, as "file.py:line in
+    function" (the main thread is the one whose outermost frame is a script's `<module>`)."""
     threads = [[line.strip() for line in block.splitlines() if line.strip().startswith("File")]
                for block in dump.split("\n\n")]
     threads = [frames for frames in threads if frames]
-    frames = next((t for t in threads if t[-1].endswith("in <module>")), threads[0] if threads else [])
+    frames = next((t for t in threads if t[-1].endswith("in <module>")),
+                  threads[0] if threads else [])
     return [
-        (f'"{HERE}{os.sep}' in f, f.replace('File "', "").replace('", line ', ":").split(os.sep)[-1]) for f in frames
+        (f'"{HERE}{os.sep}' in f,
+         f.replace('File "', "").replace('", line ', ":").split(os.sep)[-1]) for f in frames
     ]
 
 
@@ -377,8 +401,8 @@ def side_by_side(frames_by_rank, depth=12):
 
 
 def verified_rank(path, here):
-    """(rank info, "") when the pid file at `path` names a process of this host that is still the rank
-    that wrote it, else (info or None, why it is not signalled)."""
+    """(rank info, "") when the pid file at `path` names a process of this host that is still the
+    rank that wrote it, else (info or None, why it is not signalled)."""
     try:
         with open(path) as f:
             info = json.load(f)
@@ -388,8 +412,8 @@ def verified_rank(path, here):
     if host != here:
         return info, ""
     if not os.path.isdir(run_folder.PROC):
-        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without {run_folder.PROC}; not "
-                      f"signalled (use `py-spy dump --pid {pid}` if it is)")
+        return info, (f"rank {rank}: pid {pid} cannot be proven to be this run's rank without "
+                      f"{run_folder.PROC}; not signalled (use `py-spy dump --pid {pid}` if it is)")
     started = run_folder.process_start_time(pid)
     if started is None:
         return info, f"rank {rank}: stale pid file, pid {pid} has ended; not signalled"
@@ -399,14 +423,16 @@ def verified_rank(path, here):
 
 
 def collect_stacks(run_dir, wait=10.0):
-    """{rank: dump} of every rank of the run started on this host that answers SIGUSR1, and the ranks
-    that were asked and did not answer. Only a process proven to be the rank is signalled (see
+    """{rank: dump} of every rank of the run started on this host that answers SIGUSR1, and the
+    ranks that were asked and did not answer. Only a process proven to be the rank is signalled (see
     register_stack_dump); each pid file that is not is reported in one line."""
     folder = os.path.join(run_dir, run_folder.STACKS)
-    pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid")) if os.path.isdir(folder) else []
+    pid_files = []
+    if os.path.isdir(folder):
+        pid_files = sorted(f for f in os.listdir(folder) if f.endswith(".pid"))
     if not pid_files:
-        raise DebugError(f"no running training has registered in {folder}; give the train.out_dir of a run that "
-                         f"is running now (or use `py-spy dump --pid PID`).")
+        raise DebugError(f"no running training has registered in {folder}; give the train.out_dir "
+                         "of a run that is running now (or use `py-spy dump --pid PID`).")
     here, asked, elsewhere = socket.gethostname(), {}, []
     for name in pid_files:
         info, why_not = verified_rank(os.path.join(folder, name), here)
@@ -418,21 +444,24 @@ def collect_stacks(run_dir, wait=10.0):
             text_path = os.path.join(folder, f"rank{info['rank']}.txt")
             open(text_path, "w").close()  # empty it: the new dump lands at its start
             try:
-                os.kill(info["pid"], signal.SIGUSR1)  # proven this rank a moment ago: no pid is reused that fast
+                # proven this rank a moment ago: no pid is reused that fast
+                os.kill(info["pid"], signal.SIGUSR1)
                 asked[info["rank"]] = text_path
             except ProcessLookupError:  # it ended since
                 print(f"rank {info['rank']}: pid {info['pid']} ended before it could be signalled")
     if elsewhere:
-        print(f"on other hosts (run this command there too; the files land in {folder}): {', '.join(elsewhere)}")
+        print(f"on other hosts (run this command there too; the files land in {folder}): "
+              f"{', '.join(elsewhere)}")
     elif not asked:
-        raise DebugError(f"no rank registered in {folder} is running now (see above); give the train.out_dir of a "
-                         f"run that is running now.")
+        raise DebugError(f"no rank registered in {folder} is running now (see above); give the "
+                         "train.out_dir of a run that is running now.")
     dumps, sizes, deadline = {}, {}, time.monotonic() + wait
     while len(dumps) < len(asked) and time.monotonic() < deadline:
         time.sleep(0.2)
         for rank, path in asked.items():
             size = os.path.getsize(path)
-            if rank not in dumps and size and sizes.get(rank) == size:  # written, and no longer growing
+            # written, and no longer growing
+            if rank not in dumps and size and sizes.get(rank) == size:
                 dumps[rank] = open(path).read()
             sizes[rank] = size
     return dumps, sorted(set(asked) - set(dumps))
@@ -444,13 +473,15 @@ def show_stacks(run_dir, wait=10.0):
         print(f"==================== rank {rank}\n{dumps[rank].rstrip()}")
     if dumps:
         frames = {rank: main_thread_frames(dumps[rank]) for rank in sorted(dumps)}
-        print("==================== side by side (main thread, this project's frames, outermost first)")
+        print("==================== side by side (main thread, this project's frames, outermost "
+              "first)")
         side_by_side(frames)
         places = {rank: where(f) for rank, f in frames.items()}
         common = max(set(places.values()), key=list(places.values()).count)
         print("==================== where each rank is (main thread, innermost frame)")
         for rank, place in places.items():
-            print(f"rank {rank}: {place}{'' if place == common else '   <- not where the others are'}")
+            print(f"rank {rank}: "
+                  f"{place}{'' if place == common else '   <- not where the others are'}")
     if silent:
         print(f"no answer within {wait:g} s from rank(s) {', '.join(map(str, silent))}")
     return dumps
@@ -463,13 +494,16 @@ def main(argv):
     p.add_argument("run_a")
     p.add_argument("run_b")
     p.add_argument("--step", type=int, default=None, help="only this traced step")
-    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (0: any difference counts)")
-    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to the largest output value")
+    p.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (0: any difference "
+                                                           "counts)")
+    p.add_argument("--rtol", type=float, default=0.0, help="tolerance relative to the largest "
+                                                           "output value")
     p = commands.add_parser("compare-state", help="per-tensor differences of two checkpoints")
     p.add_argument("ckpt_a")
     p.add_argument("ckpt_b")
     p.add_argument("--top", type=int, default=20, help="tensors listed")
-    p.add_argument("--model_module", default="model", help="the .py file of the GPT the runs trained with")
+    p.add_argument("--model_module", default="model", help="the .py file of the GPT the runs "
+                                                           "trained with")
     p = commands.add_parser("stacks", help="every rank's stacks of a running (or hung) training")
     p.add_argument("run")
     p.add_argument("--wait", type=float, default=10.0, help="seconds to wait for the dumps")

@@ -1,8 +1,10 @@
-"""`python train.py ... --dry_run`: the plan of a run, printed, and its learning rate plotted; no run folder is touched.
+"""`python train.py ... --dry_run`: the plan of a run, printed, and its learning rate plotted; no
+run folder is touched.
 
-What the run would use, resolved as train.py resolves it: the model's size and loss path (a model built on the meta
-device: no memory, no initialisation), the data (read only for its size; a dataset not prepared yet is fine unless a
-duration is in epochs), the batch, the schedule, the optimizer's groups and the steps that keep a checkpoint.
+What the run would use, resolved as train.py resolves it: the model's size and loss path (a model
+built on the meta device: no memory, no initialisation), the data (read only for its size; a dataset
+not prepared yet is fine unless a duration is in epochs), the batch, the schedule, the optimizer's
+groups and the steps that keep a checkpoint.
 """
 
 import os
@@ -10,29 +12,33 @@ import tempfile
 
 import torch
 
+from checkpoint import gpt_class
 from config import get, parse_duration, parse_mix
 from data import build_loaders, dataset_dir, prepare_hint
-from model import gpt_class
 from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size
-from plan import describe_run, device_kind, loss_path_on, make_plan, pick_device, shares_text
+from devices import device_kind, pick_device
+from plan import describe_run, loss_path_on, make_plan, shares_text
 from optimizer import period_ends
 
 
 def dry_run(cfg):
-    """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run folder.
-    The data is read only for its size; a dataset not prepared yet (FineWeb-Edu before its download)
-    is fine unless a duration is in epochs."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, without starting a process group
+    """`--dry_run`: resolve what the run would use, print it as a plan, plot the LR, touch no run
+    folder. The data is read only for its size; a dataset not prepared yet (FineWeb-Edu before its
+    download) is fine unless a duration is in epochs."""
+    # torchrun's, without starting a process group
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
     mix = parse_mix(cfg.data.mix) or [(cfg.data.dataset, 1.0)]
     stage2_mix = parse_mix(cfg.stage2.mix, "stage2.mix")
-    missing = [name for name, _ in mix + stage2_mix if not dataset_ready(dataset_dir(cfg.data.data_root, name))]
+    missing = [name for name,
+               _ in mix + stage2_mix if not dataset_ready(dataset_dir(cfg.data.data_root, name))]
     in_epochs = [key for key in ("train.max_duration", "train.hard_stop", "stage2.start")
                  if get(cfg, key) and parse_duration(get(cfg, key), key)[1] == "epochs"]
     sequences_per_epoch = None
     if not missing or in_epochs:
-        for name, _ in mix + stage2_mix:  # a missing dataset here is one sentence (a built-in one is prepared)
+        # a missing dataset here is one sentence (a built-in one is prepared)
+        for name, _ in mix + stage2_mix:
             ensure_dataset(dataset_dir(cfg.data.data_root, name))
         stage_loaders, _ = build_loaders(cfg, 0, 1, "cpu")
         sequences_per_epoch = stage_loaders[0][1].num_sequences
@@ -40,7 +46,8 @@ def dry_run(cfg):
     device_type = torch.device(device).type
     with torch.device("meta"):  # shapes and counts only: no memory, no initialisation
         raw_model = gpt_class(cfg.train.model_module)(cfg.model, loss_path_on(cfg, device_type))
-    if cfg.data.batch_size == "auto":  # chosen as train.py's build_model chooses it (a CPU is one sentence)
+    # chosen as train.py's build_model chooses it (a CPU is one sentence)
+    if cfg.data.batch_size == "auto":
         bf16 = cfg.train.dtype == "bfloat16" or (
             cfg.train.dtype == "auto" and device_kind(device).autocast_dtype() == torch.bfloat16)
         cfg.data.batch_size, why = resolve_batch_size(cfg, raw_model, world_size, device, bf16)
@@ -56,30 +63,41 @@ def dry_run(cfg):
         print(f"data: {', '.join(missing)} not prepared yet ({hint})")
     print("data: " + shares_text(mix))
     if plan.stage2_step:
-        print(f"stage 2: after step {plan.stage2_step:,} ({plan.stage2_step * plan.tokens_per_step:,} tokens): data "
-              + shares_text(stage2_mix) + f"; CE + {cfg.stage2.kl_beta:g} x KL ({cfg.stage2.kl_estimator}) "
-              f"toward " + (cfg.stage2.reference
-                            or f"the model at step {plan.stage2_step} (kept as a fixed checkpoint)"))
-    print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per micro-step, "
-          f"{plan.grad_accum_steps} micro-step(s) x {world_size} rank(s) = {plan.tokens_per_step:,} tokens per step")
-    print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup {schedule.warmup_steps} "
-          f"steps" + (f", decay {schedule.decay_steps[0]} steps ({schedule.shape})" if schedule.kind == "wsd" else "")
-          + (f", periods {list(schedule.periods)} ending at steps {period_ends(schedule)}, decays "
-             f"{list(schedule.decay_steps)} ({schedule.shape})" if schedule.kind == "wsds" else ""))
+        reference = (cfg.stage2.reference
+                     or f"the model at step {plan.stage2_step} (kept as a fixed checkpoint)")
+        print(f"stage 2: after step {plan.stage2_step:,} "
+              f"({plan.stage2_step * plan.tokens_per_step:,} tokens): data "
+              + shares_text(stage2_mix) + f"; CE + {cfg.stage2.kl_beta:g} x KL "
+              f"({cfg.stage2.kl_estimator}) toward " + reference)
+    print(f"batch: {cfg.data.batch_size} sequences x {cfg.model.block_size} tokens per rank per "
+          f"micro-step, {plan.grad_accum_steps} micro-step(s) x {world_size} rank(s) = "
+          f"{plan.tokens_per_step:,} tokens per step")
+    decay = ""
+    if schedule.kind == "wsd":
+        decay = f", decay {schedule.decay_steps[0]} steps ({schedule.shape})"
+    elif schedule.kind == "wsds":
+        decay = (f", periods {list(schedule.periods)} ending at steps {period_ends(schedule)}, "
+                 f"decays {list(schedule.decay_steps)} ({schedule.shape})")
+    print(f"schedule: {schedule.kind}, peak {schedule.lr:g}, floor {schedule.min_lr:g}, warmup "
+          f"{schedule.warmup_steps} steps{decay}")
     if schedule.kind in ("wsd", "wsds") and 1 in schedule.decay_steps and schedule.min_lr == 0:
-        print("warning: a decay of one step trains that step at LR 0, so the checkpoint after the decay equals the "
-              "one before it; set optim.decay_steps to 2 or more, or optim.min_lr above 0.")
+        print("warning: a decay of one step trains that step at LR 0, so the checkpoint after the "
+              "decay equals the one before it; set optim.decay_steps to 2 or more, or optim.min_lr "
+              "above 0.")
     for line in describe_optimizer(raw_model, cfg.optim):
         print(f"optimizer: {line}")
-    print(f"checkpoints at {len(saves)} step(s): {', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
-          f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not touched)")
+    print(f"checkpoints at {len(saves)} step(s): "
+          f"{', '.join(map(str, saves[:8]))}{' ...' if len(saves) > 8 else ''}"
+          f"{', ' + str(saves[-1]) if len(saves) > 8 else ''}; out_dir {cfg.train.out_dir} (not "
+          "touched)")
     marks = [(end, f"period {i + 1}") for i, end in enumerate(period_ends(schedule))]
     if plan.stage2_step:
         marks.append((plan.stage2_step, "stage 2"))
     if plan.end_step < plan.max_steps:
         marks.append((plan.end_step, "hard stop"))
     name = os.path.basename(os.path.normpath(cfg.train.out_dir)) or "run"
-    path = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"lr_schedule_{name}.png"), marks)
+    path = plot_schedule(schedule, os.path.join(tempfile.gettempdir(), f"lr_schedule_{name}.png"),
+                         marks)
     print(f"learning rate plot: {path}")
 
 
@@ -89,12 +107,13 @@ def describe_optimizer(model, optim):
     count = {name: sum(p.numel() for p in params) for name, params in groups.items()}
     lines = []
     if "muon" in groups:
-        lines.append(f"Muon: {count['muon']:,} parameters in {len(groups['muon'])} block matrices, LR "
-                     f"{optim.muon_lr or optim.lr:g}, weight decay {optim.muon_weight_decay:g}, momentum "
-                     f"{optim.muon_momentum:g}")
+        lines.append(f"Muon: {count['muon']:,} parameters in {len(groups['muon'])} block matrices, "
+                     f"LR {optim.muon_lr or optim.lr:g}, weight decay {optim.muon_weight_decay:g}, "
+                     f"momentum {optim.muon_momentum:g}")
     lines.append(f"AdamW: {count['decay']:,} parameters with weight decay {optim.weight_decay:g} "
-                 f"({len(groups['decay'])} tensors), {count['no_decay']:,} without ({len(groups['no_decay'])}), LR "
-                 f"{optim.lr:g}, betas ({optim.beta1:g}, {optim.beta2:g})")
+                 f"({len(groups['decay'])} tensors), {count['no_decay']:,} without "
+                 f"({len(groups['no_decay'])}), LR {optim.lr:g}, betas ({optim.beta1:g}, "
+                 f"{optim.beta2:g})")
     return lines
 
 

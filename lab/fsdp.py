@@ -9,8 +9,9 @@ for checkpoints that each rank writes its own piece of); this file only calls it
     shard_and_fill(...)       train.py's wrap_model: `shard` each block, then the whole model; then `materialise`:
                               each rank fills its own pieces, equal to the weights a whole build would draw
     share_generator(...)      train.py's write_samples: rank 0's sampling generator on every rank
-    start_shards(...)         every rank writes its pieces into step<N>.partial/sharded/ (checkpoint.py's Checkpointer)
-    gather_weights(model)     the whole weights on rank 0: model.pt beside the pieces (checkpoint.unsharded_interval)
+    ShardedCheckpoints        the Checkpointer's sharded saves: `start` has every rank write its pieces into
+                              step<N>.partial/sharded/; `whole_weights`, the whole weights on rank 0 (model.pt beside
+                              the pieces, checkpoint.unsharded_interval)
     load_shards(...)          a checkpoint into this run's model and optimizer, whatever world size wrote it
     full_into_sharded(...)    model.pt/optim.pt (a DDP run's) into a sharded model: DDP runs resume as FSDP
     apply(...)                what was read, put into the model and optimizer
@@ -45,25 +46,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from config import ConfigError, UserError, get
+from config import UserError
 from model import output_parameters
 
 FOLDER = "sharded"  # inside a checkpoint folder: DCP's .metadata and one __<rank>_0.distcp file per rank
-
-
-# What train.data_parallel=fsdp cannot honour: why, and the other way out
-CANNOT = {"stage2.start": ("stage 2's reference model is not sharded", "leave stage2.start empty"),
-          "debug.trace_steps": ("a trace runs the model on rank 0 alone", "leave debug.trace_steps empty"),
-          "log.activations_interval": ("its statistics read whole weights", "--log.activations_interval=0")}
-
-
-def check_settings(cfg):
-    """config.validate's check of a run with train.data_parallel=fsdp: one sentence for a setting
-    it cannot honour."""
-    for key, (why, remedy) in CANNOT.items():
-        if get(cfg, key):
-            raise ConfigError(f"train.data_parallel=fsdp cannot run with {key}: {why}; set "
-                              f"--train.data_parallel=ddp or {remedy}.")
 
 
 def shard(model, bf16, compiled):
@@ -311,16 +297,6 @@ def save_shards(model, optimizer, partial, group, async_save, tied=()):
 DCP_ERRORS = (Exception, CheckpointException)  # what DCP raises: its own is a BaseException
 
 
-def why_not_saved(error):
-    """Why DCP's save failed, in a few words, from its error, which gathers every rank's: {rank: (error, stack)}."""
-    ranks = ", ".join(str(rank) for rank in sorted(error.failures))
-    first = error.failures[min(error.failures)][0]
-    text = getattr(first, "strerror", None) or (str(first).strip() or type(first).__name__).splitlines()[0]
-    if "unexpected pos" in text:  # torch.save's zip writer, when a write came up short
-        text = "a file was cut short, as on a full disk"
-    return f"rank(s) {ranks}: {text[:200]}"
-
-
 class Shards:
     """FSDP's pieces of one checkpoint being written by every rank: `wait()` returns once all are on disk."""
 
@@ -332,23 +308,46 @@ class Shards:
             self.future.result()
 
 
-def start_shards(out_dir, step, model, optimizer, is_master, group, async_save, tied=()):
-    """Every rank writes its pieces of the weights and optimizer state into step<N>.partial/sharded/ (fsdp.py);
-    rank 0 first clears what a killed save left there. With async_save, they are written in the background.
-    `tied`: second names of a tied weight, left out as model.pt leaves them out."""
-    partial = os.path.join(out_dir, f"step{step}.partial")
-    if is_master:
-        shutil.rmtree(partial, ignore_errors=True)
-        os.makedirs(partial)
-    dist.barrier(group=group)  # the folder is fresh before any rank writes into it
-    return Shards(save_shards(model, optimizer, partial, group, async_save, tied))
+class ShardedCheckpoints:
+    """How a sharded run (train.data_parallel=fsdp) saves, for checkpoint.py's Checkpointer, made
+    once where train.py tests that setting: every rank writes the pieces it holds, through a gloo
+    group of the checkpoints' own, so that an async save's collectives never meet the training's."""
 
+    errors = DCP_ERRORS  # what a save raises, on every rank
 
-def gather_weights(model, tied=()):
-    """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on the other ranks):
-    checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied weight, left out as model.pt does."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return {name: t for name, t in get_model_state_dict(model, options=options).items() if name not in tied}
+    def __init__(self):
+        self.group = dist.new_group(backend="gloo")
+
+    def start(self, out_dir, step, model, optimizer, is_master, async_save, tied=()):
+        """Every rank writes its pieces of the weights and optimizer state into
+        step<N>.partial/sharded/; rank 0 first clears what a killed save left there. With
+        async_save, they are written in the background. `tied`: second names of a tied weight, left
+        out as model.pt leaves them out."""
+        partial = os.path.join(out_dir, f"step{step}.partial")
+        if is_master:
+            shutil.rmtree(partial, ignore_errors=True)
+            os.makedirs(partial)
+        dist.barrier(group=self.group)  # the folder is fresh before any rank writes into it
+        return Shards(save_shards(model, optimizer, partial, self.group, async_save, tied))
+
+    def whole_weights(self, model, tied=()):
+        """The whole weights by name on rank 0's CPU, put together from every rank's pieces ({} on
+        the other ranks): checkpoint.unsharded_interval's model.pt. `tied`: second names of a tied
+        weight, left out as model.pt does."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {name: t for name, t in get_model_state_dict(model, options=options).items()
+                if name not in tied}
+
+    def why_not_saved(self, error):
+        """Why DCP's save failed, in a few words, from its error, which gathers every rank's:
+        {rank: (error, stack)}."""
+        ranks = ", ".join(str(rank) for rank in sorted(error.failures))
+        first = error.failures[min(error.failures)][0]
+        text = getattr(first, "strerror", None) or (str(first).strip()
+                                                    or type(first).__name__).splitlines()[0]
+        if "unexpected pos" in text:  # torch.save's zip writer, when a write came up short
+            text = "a file was cut short, as on a full disk"
+        return f"rank(s) {ranks}: {text[:200]}"
 
 
 def load_shards(path, model, optimizer, tied=None):

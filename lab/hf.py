@@ -22,7 +22,7 @@ import tempfile
 
 from config import UserError
 from data import EOT_TOKEN, GPT2_VOCAB_SIZE, gpt2_tokenizer_files
-from model import GPTConfig, gpt_class, output_parameters
+from model import GPT, GPTConfig, output_parameters
 
 OPENAI_MODELS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -118,16 +118,17 @@ def hf_gpt2(source):
     return hf_model.float()
 
 
-def import_hf(source, model_module="model"):
-    """Our GPT (model.py's, as edited, or the one of the file `model_module`) with the weights of an OpenAI GPT-2
-    name or a local HF GPT-2 folder, refused in one sentence unless it gives transformers' GPT-2 logits on a few
-    tokens: a fork that computes otherwise would sample and score another model under GPT-2's name."""
+def import_hf(source, gpt=GPT):
+    """A GPT of class `gpt` (model.py's, as edited, or that of the file train.model_module names:
+    checkpoint.gpt_class) with the weights of an OpenAI GPT-2 name or a local HF GPT-2 folder,
+    refused in one sentence unless it gives transformers' GPT-2 logits on a few tokens: a fork that
+    computes otherwise would sample and score another model under GPT-2's name."""
     hf_model = hf_gpt2(source)
     c = hf_model.config
     # Keep GPT-2's own 50,257-token vocabulary: padding rows would change the softmax and the loss.
     config = GPTConfig(block_size=c.n_positions, vocab_size=c.vocab_size, n_layer=c.n_layer, n_head=c.n_head,
                        n_embd=c.n_embd, dropout=0.0, bias=True)
-    model = gpt_class(model_module)(config)
+    model = gpt(config)
     gpt2_weights_into(model, hf_model, source)
     difference = logits_difference(model, hf_model, length=32)
     if difference is not None:

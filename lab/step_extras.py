@@ -6,13 +6,15 @@ rank's own line (log.all_ranks).
 
 `StepExtras.steps` holds every step at which one of them has work (a `range` or a set). At those
 steps the loop calls `before_step`, which runs what comes before the step and returns
-`train_step`'s keywords, then `after_step`; at every other step it calls neither.
+`train_step`'s options (plan.StepOptions), then `after_step`; at every other step it calls neither.
 """
 
 import os
 import time
 
 import torch
+
+from plan import StepOptions
 
 
 
@@ -25,60 +27,76 @@ class StepExtras:
         self.compile_step = first_step if compiled else None  # this process's first step compiles
         self.in_a_row = 0  # non-finite steps skipped in a row (nan_policy=skip)
         self.started = 0.0  # when the step began (the compiling step's time)
-        self.profiler = stack.enter_context(make_profiler(cfg)) if cfg.log.profile and is_master else None
+        self.profiler = None
+        if cfg.log.profile and is_master:
+            self.profiler = stack.enter_context(make_profiler(cfg))
         end = plan.end_step
         if cfg.train.nan_policy == "skip" or self.profiler:  # every step
             self.steps = range(first_step, end + 1)
             return
         steps = {s for every in (plan.traces, plan.activations, plan.grad_norms)
-                 for s in periodic(every, end)}
+                 for s in every.steps(end)}
         steps |= {s for start, stop in plan.skipped for s in range(start, stop)}
         if cfg.log.all_ranks:
-            steps |= periodic(plan.console, end)
-        self.steps = {s for s in steps if first_step <= s <= end} | ({first_step} if compiled else set())
+            steps |= plan.console.steps(end)
+        if compiled:  # the first step's time, compiling included
+            steps.add(first_step)
+        self.steps = {s for s in steps if first_step <= s <= end}
 
     def before_step(self, run, step, loader, clock):
-        """What runs before step `step`; returns train_step's keywords for it."""
+        """What runs before step `step`; returns train_step's options for it."""
         plan, cfg = self.plan, self.cfg
-        if plan.traces.due(step):  # every module's inputs and outputs, saved by rank 0 (lab/debug.py)
+        # every module's inputs and outputs, saved by rank 0 (lab/debug.py)
+        if plan.traces.due(step):
             from lab import debug
             with clock.paused("trace"):  # (on every rank, as all record the same metrics)
                 if self.is_master:
-                    debug.trace_forward(run.raw_model, loader, run.place.autocast, cfg.train.out_dir, step,
+                    debug.trace_forward(run.raw_model, loader, run.place.autocast,
+                                        cfg.train.out_dir, step,
                                         cfg.debug.trace_sequences)
         if plan.activations.due(step):  # each block's activations and each layer's weights
             from lab.debug import activation_stats
             with clock.paused("activations"):
-                run.books.recorder.record_all(activation_stats(run.raw_model, loader, run.place.autocast))
+                stats = activation_stats(run.raw_model, loader, run.place.autocast)
+                run.books.recorder.record_all(stats)
         self.started = time.perf_counter()
-        return {"nan_policy": cfg.train.nan_policy, "layer_norms": plan.grad_norms.due(step),
-                "skip_data": plan.skips_data(step)}
+        return StepOptions(skip_data=plan.skips_data(step), layer_norms=plan.grad_norms.due(step),
+                           nan_policy=cfg.train.nan_policy)
 
     def after_step(self, run, step, step_metrics, clock):
-        """What runs after step `step`'s train_step, before its metrics are recorded."""
-        cfg = self.cfg
+        """What runs after step `step`'s train_step, before its metrics are recorded. Returns why
+        the run must end (too many non-finite steps skipped in a row), or ""."""
+        cfg, ended = self.cfg, ""
         if step == self.compile_step:  # its time, GPU work included (one sync, once)
             clock.synchronize()
             seconds = time.perf_counter() - self.started
             if self.is_master:
                 print(f"step {step} took {seconds:.1f} s, compiling included", flush=True)
             run.books.recorder.record_all({"throughput/compile_time_sec": seconds})
-        if cfg.train.nan_policy == "skip":  # (skip mode reads the flag on the host: one sync a step)
-            self.in_a_row = self.in_a_row + 1 if "train/skipped_nonfinite_step" in step_metrics else 0
-            run.state.nonfinite_skipped += self.in_a_row > 0
-            run.books.recorder.record_all({"train/nonfinite_steps_skipped": run.state.nonfinite_skipped})
+        # (skip mode reads the flag on the host: one sync a step)
+        if cfg.train.nan_policy == "skip":
+            if "train/skipped_nonfinite_step" in step_metrics:
+                self.in_a_row += 1
+                run.state.nonfinite_skipped += 1
+            else:
+                self.in_a_row = 0
+            run.books.recorder.record_all(
+                {"train/nonfinite_steps_skipped": run.state.nonfinite_skipped})
             if cfg.train.nan_skip_limit and self.in_a_row >= cfg.train.nan_skip_limit:
                 # the loop stops on it once this step's row is written, as on any non-finite loss
-                run.books.writer.nonfinite = (
-                    f"the loss or gradient was non-finite at {self.in_a_row} steps in a row up to step "
-                    f"{step} (train.nan_policy=skip), so the weights are no longer trained")
+                ended = (f"the loss or gradient was non-finite at {self.in_a_row} steps in a row "
+                         f"up to step {step} (train.nan_policy=skip), so the weights are no longer "
+                         "trained")
         if self.profiler:
             self.profiler.step()
-        if cfg.log.all_ranks and not self.is_master and self.plan.console.due(step, step == self.plan.end_step):
+        last = step == self.plan.end_step
+        if cfg.log.all_ranks and not self.is_master and self.plan.console.due(step, last):
             # this rank's own loss (the logged row holds the mean over ranks); one host sync
             if "train/loss" in step_metrics:
-                print(f"[rank {run.place.rank}] step {step:>6} | loss {float(step_metrics['train/loss']):.4g}",
+                print(f"[rank {run.place.rank}] step {step:>6} | loss "
+                      f"{float(step_metrics['train/loss']):.4g}",
                       flush=True)
+        return ended
 
 
 def grad_norm(params):
@@ -90,21 +108,13 @@ def grad_norm(params):
 
 
 def per_layer_grad_norms(raw_model):
-    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to find
-    which layer blows up. The model says which parameters are embeddings and which modules are its
-    blocks."""
+    """The gradient norm of the embeddings (grad/embedding) and of each block (grad/layerNN), to
+    find which layer blows up. The model says which parameters are embeddings and which modules are
+    its blocks."""
     norms = {"grad/embedding": grad_norm(raw_model.param_groups()["embedding"])}
     for i, block in enumerate(raw_model.blocks):
         norms[f"grad/layer{i:02d}"] = grad_norm(block.parameters())
     return norms
-
-
-def periodic(every, end_step):
-    """The steps from 1 to `end_step` at which `every` (a plan.Every) is due."""
-    steps = set(every.fixed)
-    if every.interval:
-        steps |= set(range(every.interval, end_step + 1, every.interval)) | {end_step}
-    return steps
 
 
 def make_profiler(cfg):
@@ -118,6 +128,7 @@ def make_profiler(cfg):
         activities=activities,
         schedule=torch.profiler.schedule(wait=log.profile_wait, warmup=log.profile_warmup,
                                          active=log.profile_active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(cfg.train.out_dir, "profiler"),
+        on_trace_ready=torch.profiler.tensorboard_trace_handler(os.path.join(cfg.train.out_dir,
+                                                                             "profiler"),
                                                                worker_name="rank0"),
     )

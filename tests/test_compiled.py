@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hellaswag_eval
-import plan
+import devices
 import sample
 import train
 from conftest import TINY, read_metrics, run_in_process, run_train
@@ -53,8 +53,8 @@ def runs(data_root, tmp_path_factory, inductor_cache):
     base = tmp_path_factory.mktemp("compiled")
     found = {}
     with pytest.MonkeyPatch.context() as patch:
-        cpu = plan.DEVICES["cpu"]
-        patch.setitem(plan.DEVICES, "cpu", type(cpu)(**{**cpu.__dict__, "fused_optimizer": True}))
+        cpu = devices.DEVICES["cpu"]
+        patch.setitem(devices.DEVICES, "cpu", type(cpu)(**{**cpu.__dict__, "fused_optimizer": True}))
         fused = []
         build_optimizer = train.build_optimizer
         patch.setattr(train, "build_optimizer",

@@ -262,7 +262,7 @@ def test_a_saved_config_json_naming_a_model_file_imports_nothing_unless_the_comm
 def test_the_model_code_covers_helpers_imported_under_try_and_inside_functions(tmp_path):
     """A helper a model file imports anywhere, not only at its top (under `try:`, inside a function), at any depth,
     is part of the model's code: an edit of it is a change a resume and the tools hear of."""
-    from metrics import model_code
+    from checkpoint import model_code
 
     for name in ("optional_norm", "inner_act", "deeper"):
         (tmp_path / f"{name}.py").write_text("VALUE = 1\n")

@@ -1,4 +1,4 @@
-"""The device table (plan.py), and Apple silicon stood in for: no machine here has one, so torch's MPS
+"""The device table (devices.py), and Apple silicon stood in for: no machine here has one, so torch's MPS
 checks and calls are replaced by fakes and the tensors stay on this CPU. The quick start's config runs
 through every branch of the MPS row, and nothing CUDA-only is called. Then a run cancelled from W&B,
 whose client is stood in for too (tests/fake_wandb/)."""
@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-import plan
+import devices
 import train
 from checkpoint import find_checkpoints, read_trainer_state
 from conftest import ROOT, TINY, assert_one_sentence, read_metrics, run_in_process, run_train
@@ -36,7 +36,7 @@ def a_mac(monkeypatch):
     calls = []
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setitem(plan.DEVICES, "cuda", dataclasses.replace(plan.DEVICES["cuda"], available=lambda: False))
+    monkeypatch.setitem(devices.DEVICES, "cuda", dataclasses.replace(devices.DEVICES["cuda"], available=lambda: False))
     monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps.synchronize"))
     monkeypatch.setattr(torch.mps, "current_allocated_memory", lambda: 3 * GIB)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 5 * GIB)
@@ -90,7 +90,7 @@ def test_mps_under_torchrun_is_one_sentence_before_anything_is_written(a_mac, da
                                            f"--train.out_dir={out}"])
     assert_one_sentence(result, "--train.device=mps runs in one process", "no DDP or FSDP", "--train.device=cpu")
     assert not out.exists()
-    assert plan.pick_device("auto", processes=2) == "cpu"  # auto under torchrun on a Mac: gloo on its CPU
+    assert devices.pick_device("auto", processes=2) == "cpu"  # auto under torchrun on a Mac: gloo on its CPU
 
 
 def test_a_micro_batch_fit_to_gpu_memory_is_refused_on_mps_in_one_sentence():
@@ -107,26 +107,26 @@ def test_a_micro_batch_fit_to_gpu_memory_is_refused_on_mps_in_one_sentence():
 
 def test_auto_picks_cuda_then_mps_then_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
-    monkeypatch.setitem(plan.DEVICES, "cuda", dataclasses.replace(plan.DEVICES["cuda"], available=lambda: True))
-    assert plan.pick_device("auto") == "cuda"
-    monkeypatch.setitem(plan.DEVICES, "cuda", dataclasses.replace(plan.DEVICES["cuda"], available=lambda: False))
-    assert plan.pick_device("auto") == "mps"
+    monkeypatch.setitem(devices.DEVICES, "cuda", dataclasses.replace(devices.DEVICES["cuda"], available=lambda: True))
+    assert devices.pick_device("auto") == "cuda"
+    monkeypatch.setitem(devices.DEVICES, "cuda", dataclasses.replace(devices.DEVICES["cuda"], available=lambda: False))
+    assert devices.pick_device("auto") == "mps"
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    assert plan.pick_device("auto") == "cpu"
+    assert devices.pick_device("auto") == "cpu"
 
 
 def test_mps_on_a_machine_without_one_is_one_sentence(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    with pytest.raises(plan.UserError, match=r"--device=mps but this torch sees no Apple GPU \(MPS\); give"):
-        plan.pick_device("mps")
+    with pytest.raises(devices.UserError, match=r"--device=mps but this torch sees no Apple GPU \(MPS\); give"):
+        devices.pick_device("mps")
 
 
-@pytest.mark.parametrize("name", list(plan.DEVICES))
+@pytest.mark.parametrize("name", list(devices.DEVICES))
 def test_every_row_hands_the_loop_a_function_wherever_the_loop_calls_one(name):
     """The entries the loop calls on every device are functions on every row (a CPU's clock has
     nothing to wait for, and says so with a function that does nothing); the ones a row may leave
     out (None) are each tested where they are used."""
-    row = plan.DEVICES[name]
+    row = devices.DEVICES[name]
     for entry in ("available", "count", "prepare", "synchronize", "memory", "autocast_dtype", "peak_flops",
                   "capacity"):
         assert callable(getattr(row, entry)), f"{name}: {entry}"
@@ -182,8 +182,8 @@ def a_gpu(monkeypatch):
     for name in ("manual_seed", "manual_seed_all"):  # (torch.manual_seed seeds every GPU too)
         monkeypatch.setattr(cuda, name, lambda seed, name=name: calls.append(f"cuda.{name}"))
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # the row sets it; put back after
-    monkeypatch.setitem(plan.DEVICES, "cuda", dataclasses.replace(  # (the row holds torch's functions)
-        plan.DEVICES["cuda"], available=cuda.is_available, count=cuda.device_count,
+    monkeypatch.setitem(devices.DEVICES, "cuda", dataclasses.replace(  # (the row holds torch's functions)
+        devices.DEVICES["cuda"], available=cuda.is_available, count=cuda.device_count,
         synchronize=cuda.synchronize, copy_event=cuda.Event, set_rng_state=cuda.set_rng_state))
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args: calls.append("pinned") or self)
     monkeypatch.setattr(torch, "compile", lambda model, **kwargs: calls.append("torch.compile") or model)

@@ -123,7 +123,7 @@ def test_a_change_of_the_model_code_that_keeps_the_weights_is_said_on_resume(tmp
 
 def test_a_checkpoint_without_a_code_hash_is_resumed_without_a_word_of_it(tmp_path):
     from checkpoint import TrainState
-    from metrics import code_change_note, model_code
+    from checkpoint import code_change_note, model_code
 
     saved = {"step": 3, "tokens": 384, "best_val_loss": 4.0, "data": {}, "nonfinite_skipped": 0,
              "data_fingerprint": {}}  # trainer.pt of a run saved before checkpoints kept the hash

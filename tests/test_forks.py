@@ -473,7 +473,8 @@ def test_an_output_layer_by_another_name_is_the_output_whole_and_sharded(tmp_pat
 import os, sys, torch.distributed as dist
 sys.path.insert(0, {str(ROOT)!r})
 from config import OptimConfig
-from model import GPTConfig, gpt_class
+from checkpoint import gpt_class
+from model import GPTConfig
 from optimizer import param_groups
 from lab.fsdp import shard
 GPT = gpt_class({str(module)!r})
@@ -499,7 +500,8 @@ def test_a_parameter_of_more_than_two_dimensions_is_refused_by_muon_unless_its_k
     was a traceback from torch.optim.Muon, and is one sentence naming it. Given a kind of its own (a table per
     layer: not in N, AdamW without decay), the run trains under Muon."""
     from conftest import run_train
-    from model import GPT, GPTConfig, gpt_class
+    from checkpoint import gpt_class
+    from model import GPT, GPTConfig
 
     module = tmp_path / "my_gpt.py"
     module.write_text(STACKED_VALUE_EMBEDDINGS)

@@ -333,7 +333,7 @@ def test_adamw_is_fused_on_cuda_and_plain_on_cpu():
     from config import OptimConfig
     from optimizer import build_optimizer
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
-    from plan import DEVICES
+    from devices import DEVICES
     assert build_optimizer(net, OptimConfig(), DEVICES["cuda"].fused_optimizer).defaults["fused"]
     assert not build_optimizer(net, OptimConfig(), DEVICES["cpu"].fused_optimizer).defaults["fused"]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from conftest import run_in_process
 
+import devices
 import metrics
 import plan
-from config import LogConfig
 from tools import plot_metrics
 
 
@@ -20,7 +20,7 @@ def eta_rows(step_times, collect_interval, async_bookkeeping):
     every `collect_interval` steps (the rows of a window arrive together), on the worker thread with async
     bookkeeping. Returns {step: the row as written}."""
     end_step = len(step_times)
-    writer = metrics.RowWriter(None, end_step, LogConfig(interval=1))
+    writer = metrics.RowWriter(None, end_step, plan.Every(1))
     written = {}
 
     def on_rows(rows):
@@ -56,7 +56,7 @@ def test_eta_is_not_dominated_by_the_compiling_first_step(monkeypatch):
     step_times = [30.0] + [0.1] * 19
     clock = [0.0]
     monkeypatch.setattr(time, "monotonic", lambda: clock[0])
-    writer = metrics.RowWriter(None, len(step_times), LogConfig(interval=1))
+    writer = metrics.RowWriter(None, len(step_times), plan.Every(1))
     for step, step_time in enumerate(step_times, 1):
         clock[0] += step_time
         values = {"throughput/step_time_sec": step_time}
@@ -71,20 +71,20 @@ def test_cpu_peak_memory_is_never_below_the_current(monkeypatch):
     # ru_maxrss is the kernel's high-water mark, updated lazily: it can read below /proc/self/statm's
     # current resident set a moment after memory grew. Here it lags as far as it can.
     big = torch.ones(2**25)  # 128 MiB resident now
-    monkeypatch.setattr(plan.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=1))
-    values = plan.cpu_memory("cpu")
+    monkeypatch.setattr(devices.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=1))
+    values = devices.cpu_memory("cpu")
     assert values["system/cpu_rss_gb"] > 0.1 and big.sum() > 0
     assert values["system/cpu_rss_peak_gb"] >= values["system/cpu_rss_gb"]
     monkeypatch.undo()
-    values = plan.cpu_memory("cpu")  # the real high-water mark, in the same unit (GiB)
+    values = devices.cpu_memory("cpu")  # the real high-water mark, in the same unit (GiB)
     assert values["system/cpu_rss_gb"] <= values["system/cpu_rss_peak_gb"] < 100 * values["system/cpu_rss_gb"]
 
 
 def test_cpu_peak_memory_reads_macos_bytes_as_bytes(monkeypatch):
     # getrusage gives ru_maxrss in KiB on Linux but in bytes on macOS.
-    monkeypatch.setattr(plan.sys, "platform", "darwin")
-    monkeypatch.setattr(plan.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30))
-    assert plan.cpu_memory("cpu")["system/cpu_rss_peak_gb"] == pytest.approx(3.0)
+    monkeypatch.setattr(devices.sys, "platform", "darwin")
+    monkeypatch.setattr(devices.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=3 * 2**30))
+    assert devices.cpu_memory("cpu")["system/cpu_rss_peak_gb"] == pytest.approx(3.0)
 
 
 def write_run(run_dir, losses):

@@ -113,7 +113,7 @@ def test_kv_cache_generation_equals_recomputing_the_whole_prefix():
 
 
 def test_peak_flops_lookup_for_mfu(monkeypatch):
-    from plan import DEVICES
+    from devices import DEVICES
 
     # unknown: MFU is not logged
     assert DEVICES["cpu"].peak_flops("cpu") is None and DEVICES["mps"].peak_flops("mps") is None

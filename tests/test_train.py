@@ -134,7 +134,7 @@ def test_train_step_over_two_micro_steps_equals_one_step_over_their_union():
     for loader, micro_steps in ((ListLoader(halves), 2), (ListLoader([(x[:, :-1], x[:, 1:])]), 1)):
         net = tiny_gpt()
         sgd = torch.optim.SGD(net.parameters(), lr=1.0)
-        step_metrics, _ = train_step(net, sgd, loader, micro_steps, nullcontext(), grad_clip=1.0, nan_policy="stop")
+        step_metrics, _ = train_step(net, sgd, loader, micro_steps, nullcontext(), grad_clip=1.0)
         results.append((step_metrics, [p.detach().clone() for p in net.parameters()]))
     (two, weights_two), (one, weights_one) = results
     assert two["train/loss"].item() == pytest.approx(one["train/loss"].item(), rel=1e-6)
@@ -148,6 +148,7 @@ def test_a_nonfinite_step_is_skipped_without_an_update_under_nan_policy_skip():
 
     import torch
 
+    from plan import StepOptions
     from train import train_step
     net = tiny_gpt()
     x = torch.randint(0, 500, (4, 17))
@@ -155,7 +156,7 @@ def test_a_nonfinite_step_is_skipped_without_an_update_under_nan_policy_skip():
         net.transformer.ln_f.weight[0] = float("nan")  # every loss from here on is NaN
     before = {name: p.detach().clone() for name, p in net.named_parameters()}
     step_metrics, _ = train_step(net, adamw(net), ListLoader([(x[:, :-1], x[:, 1:])]), 1, nullcontext(),
-                                 grad_clip=1.0, nan_policy="skip")
+                                 grad_clip=1.0, options=StepOptions(nan_policy="skip"))
     assert step_metrics == {"train/skipped_nonfinite_step": 1.0}
     assert all(p.grad is None for p in net.parameters())  # the gradients are dropped ...
     for name, p in net.named_parameters():  # ... and no weight moved
@@ -192,14 +193,16 @@ def test_train_step_never_waits_for_the_device_unless_nan_policy_skip(monkeypatc
 
     import torch
 
+    from plan import StepOptions
     from train import train_step
     x = torch.randint(0, 500, (8, 17))
     syncs = SyncCounter(monkeypatch)
     net = tiny_gpt()
     train_step(net, adamw(net), ListLoader([(x[:4, :-1], x[:4, 1:]), (x[4:, :-1], x[4:, 1:])]), 2, nullcontext(),
-               grad_clip=1.0, nan_policy="stop", layer_norms=True)
+               grad_clip=1.0, options=StepOptions(layer_norms=True))
     assert sum(syncs.calls.values()) == 0, syncs.calls
-    train_step(net, adamw(net), ListLoader([(x[:, :-1], x[:, 1:])]), 1, nullcontext(), grad_clip=1.0, nan_policy="skip")
+    train_step(net, adamw(net), ListLoader([(x[:, :-1], x[:, 1:])]), 1, nullcontext(), grad_clip=1.0,
+               options=StepOptions(nan_policy="skip"))
     assert syncs.calls == {"train.py": 1}  # nan_policy=skip must know now: one sync per step, by design
 
 

@@ -30,7 +30,7 @@ from checkpoint import load_model  # noqa: E402
 from config import UserError, run_command  # noqa: E402
 from data import GPT2_VOCAB_SIZE  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from plan import pick_device  # noqa: E402
+from devices import pick_device  # noqa: E402
 
 
 @torch.no_grad()

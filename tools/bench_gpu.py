@@ -184,7 +184,7 @@ def loss_paths():
 def peak_flops():
     import torch
 
-    from plan import DEVICES
+    from devices import DEVICES
     return DEVICES["cuda"].peak_flops("cuda"), torch.cuda.get_device_name()
 
 
