@@ -635,11 +635,21 @@ def parse_args(argv, cfg=None):
     for arg in overrides:
         apply_override(cfg, arg)
     if has_file and argv[0].endswith(".json") and cfg.train.model_module != "model":
-        from lab.model_module import check_named_by_user  # a saved config.json is data
-        check_named_by_user(cfg.train.model_module, argv[0], overrides)
+        check_named_by_user(cfg.train.model_module, argv[0], overrides)  # a config.json is data
     validate(cfg)
     cfg.train.model_module = model_path(cfg.train.model_module)
     return cfg
+
+
+def check_named_by_user(module, config_json, overrides):
+    """A run's saved config.json (local, or copied from a bucket) is data, so the
+    train.model_module it names, wherever that file lies, is imported only when the command line
+    (`overrides`) names that file too; else one sentence with the flag to pass."""
+    if not any(arg.startswith("--train.model_module=") for arg in overrides):
+        raise ConfigError(f"{config_json} names train.model_module={module}, and a file that a "
+                          f"saved config.json names is never imported; pass "
+                          f"--train.model_module={module} to train with that file, once you "
+                          "trust it.")
 
 
 def model_path(module):

@@ -13,7 +13,6 @@ import importlib.util
 import os
 
 from checkpoint_folder import MARKER
-from config import ConfigError
 
 # What the rest of the trainer asks of every GPT class; model.py's methods fit any GPT built of the
 # same parts.
@@ -65,11 +64,3 @@ def check_not_from_outside(module):
         folder = os.path.dirname(folder)
 
 
-def check_named_by_user(module, config_json, overrides):
-    """config.parse_args's check of a run's saved config.json (local, or copied from a bucket): it is data, so the
-    train.model_module it names, wherever that file lies, is imported only when the command line (`overrides`)
-    names that file too; else one sentence with the flag to pass."""
-    if not any(arg.startswith("--train.model_module=") for arg in overrides):
-        raise ConfigError(f"{config_json} names train.model_module={module}, and a file that a saved config.json "
-                          f"names is never imported; pass --train.model_module={module} to train with that file, "
-                          "once you trust it.")
