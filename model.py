@@ -472,8 +472,8 @@ def choose_fast_loss(model, x, y, compiled=False, gradients=True, agree=bool):
     if not hasattr(model, "fast_loss"):  # a GPT of its own: its forward is all there is
         return ""
     model.fast_loss = ""
-    if model.loss_path == "full":
-        return "train.loss_path=full"
+    if model.loss_path == "full":  # (auto's choice under torch.compile on CUDA: measured fastest)
+        return "as train.loss_path asks"
     model.output_weight = "" if compiled else plain_output_weight(model)
     why = ["under torch.compile the slices, not the fused loss" if compiled else
            f"`logits` is a matmul by {model.output_weight}" if model.output_weight else
