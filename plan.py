@@ -350,7 +350,7 @@ def loss_description(raw_model, rows, device_type, why):
         return "the model's own forward" + (f" ({why})" if why else "")
     slices = loss_slices(rows, raw_model.config.vocab_size, device_type)
     if not why:
-        return ("full logits (train.loss_path=full)" if raw_model.loss_path == "full" else
+        return ("full logits (as train.loss_path asks)" if raw_model.loss_path == "full" else
                 "fused, slices through `logits` or full logits, whichever gives forward's loss on "
                 "the first micro-batch")
     path = {"fused": f"fused in {slices} slice(s) per micro-step",

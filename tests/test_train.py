@@ -208,12 +208,13 @@ def test_train_step_never_waits_for_the_device_unless_nan_policy_skip(monkeypatc
 
 def test_the_loop_syncs_only_when_it_collects_metrics(data_root, tmp_path, monkeypatch):
     """8 steps, metrics collected every 4 (and a console line every 4, which collects too): the metrics' two
-    collections are the only copies to the host."""
+    collections are the only copies to the host, but for the one that reads the loss path's check before the first
+    step (model.fast_loss_problem)."""
     syncs = SyncCounter(monkeypatch)
     run_train(TINY + [f"--data.data_root={data_root}", f"--train.out_dir={tmp_path}", "--train.max_steps=8",
                       "--log.metrics_collect_interval=4", "--log.interval=4", "--eval.interval=0",
                       "--train.no_checkpoints=true"])
-    assert syncs.calls == {"metrics.py": 2}, syncs.calls
+    assert syncs.calls == {"metrics.py": 2, "model.py": 1}, syncs.calls
     assert len(read_metrics(tmp_path)) == 8
 
 
