@@ -459,3 +459,36 @@ def test_an_answer_whose_processes_together_take_too_much_memory_is_stopped(tmp_
         """)
     passed, line = grade(14, folder)
     assert not passed and "your answer's processes together used more than 2 GB" in line, line
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here(),
+                    reason="the CPU of an answer's every process is counted in a cgroup, where one may be made")
+def test_the_cpu_of_children_nobody_waits_for_counts_where_a_cgroup_holds_the_answer(
+        tmp_path, walls, monkeypatch):
+    """With a second process allowed (the refusal of one is exercise 21's first wall), the CPU of
+    short children reaped unwaited-for (SIGCHLD ignored) still counts against the answer's limit."""
+    from exercises.grader.grading import OverCpu, Zygote
+
+    start = Zygote.start
+    monkeypatch.setattr(Zygote, "start", lambda self, request: start(self, {**request, "no_fork": False}))
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import signal
+            import time
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+            for _ in range(30):
+                if os.fork() == 0:
+                    until = time.process_time() + 0.05
+                    while time.process_time() < until:
+                        pass
+                    os._exit(0)
+                time.sleep(0.06)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    from exercises.grader.feed_core import ranks_answers
+    with pytest.raises(OverCpu):  # 1.5 s of CPU in children, one case: the answer itself takes little
+        Answers(14, folder).run(ranks_answers, [(0, 0, 1, 2)], cpu=1.0)

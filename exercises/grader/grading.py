@@ -181,6 +181,8 @@ class Running:
                                      "another).")
             if ended["limit"] == "cpu":
                 raise OverCpu(self.cpu, ended["cpu"])
+            if self.cpu is not None and (ended.get("all_cpu") or 0) > self.cpu:
+                raise OverCpu(self.cpu, ended["all_cpu"])
             if ended.get("memory"):
                 raise ExerciseFailed(f"your answer's processes together used more than "
                                      f"{CGROUP_MEMORY / 2**30:.3g} GB of memory, the most an "
@@ -285,7 +287,7 @@ class Zygote:
         box = sandbox()
         if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree
             request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
-        self.oom_kills = self.cgroup.oom_kills()
+        self.oom_kills, self.cpu_before = self.cgroup.oom_kills(), self.cgroup.cpu_seconds()
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
         self.reply(60)  # {"pid": the watcher's}
@@ -335,7 +337,11 @@ class Zygote:
                                f"{timeout} s")
         self.running = False
         # (the kernel stopped a process of the answer at the cgroup's memory limit)
-        return ended | {"memory": self.cgroup.oom_kills() > self.oom_kills}
+        ended["memory"] = self.cgroup.oom_kills() > self.oom_kills
+        cpu = self.cgroup.cpu_seconds()
+        # the CPU of all its processes, those that no one waited for too (and the watcher's own)
+        ended["all_cpu"] = None if cpu is None or self.cpu_before is None else cpu - self.cpu_before
+        return ended
 
     def reply(self, timeout):
         line = self.replies.get(timeout=timeout)

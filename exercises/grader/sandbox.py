@@ -175,12 +175,13 @@ class Cgroup:
     at a time, made where this process may make one (root, a writable hierarchy), with limits on the
     memory and the number of processes of all of them together; `folders` is empty where none could
     be made. `start` gives the command that puts the zygote in it; `oom_kills` counts the processes
-    the kernel stopped at its memory limit."""
+    the kernel stopped at its memory limit, `cpu_seconds` the CPU all of them used, a process reaped
+    unwaited-for included."""
 
     def __init__(self, name):
         self.folders = []
         for controller, limits in (("memory", {"memory.limit_in_bytes": CGROUP_MEMORY}),
-                                   ("pids", {"pids.max": CGROUP_PROCESSES})):
+                                   ("pids", {"pids.max": CGROUP_PROCESSES}), ("cpuacct", {})):
             folder = own_cgroup(controller)
             if folder is not None:
                 self.make(folder / name, limits)
@@ -224,6 +225,19 @@ class Cgroup:
                     continue
                 return sum(int(line.split()[1]) for line in lines if line.split()[0] == key)
         return 0
+
+    def cpu_seconds(self):
+        """Seconds of CPU the cgroup's processes used so far; None where it does not count them."""
+        for folder in self.folders:
+            try:
+                if (folder / "cpuacct.usage").exists():
+                    return int((folder / "cpuacct.usage").read_text()) / 1e9
+                if (folder / "cpu.stat").exists():
+                    usage = (folder / "cpu.stat").read_text().split()
+                    return int(usage[usage.index("usage_usec") + 1]) / 1e6
+            except (OSError, ValueError):
+                return None
+        return None
 
     def remove(self):
         """Remove the cgroup once its processes have ended."""
