@@ -14,7 +14,7 @@ parts train.train_step runs, each timed in turn on the same model and optimizer:
                less train_step's, timed here on the same batch shape
 
 The whole step is that of real runs, ours (`train.train` in this process) and nanoGPT's (its train.py): a run of
-10 steps and one of 10 + --steps, so that the start-up cancels (as evaluations, which are turned off). On a machine
+11 steps and one of 11 + --steps, so that the start-up cancels (as evaluations, which are turned off). On a machine
 others are using, `--threads=1` times everything by the CPU time of this process and its children, which other
 processes' load barely moves; otherwise by the wall clock.
 
@@ -147,9 +147,9 @@ def nanogpt_run(steps, args, work, clock):
 
 
 def per_step(run, steps):
-    """Seconds per step of `run(n)`, from runs of UNTIMED_STEPS and UNTIMED_STEPS + steps steps."""
-    short = run(bench.UNTIMED_STEPS)
-    return (run(bench.UNTIMED_STEPS + steps) - short) / steps
+    """Seconds per step of `run(n)`, from a run past the untimed steps and one `steps` steps longer."""
+    short = bench.UNTIMED_STEPS + 1  # (bench.nanogpt reads the step times after those)
+    return (run(short + steps) - run(short)) / steps
 
 
 def measure(name, argv, args, work, clock):
