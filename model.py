@@ -356,16 +356,22 @@ def parameter_kinds(model):
 
 # ------------------------------------------------------------------------------- the chunked loss
 # `F.cross_entropy(logits(x), targets)` a slice of rows at a time, so the (tokens x vocabulary)
-# logits are never all held (train.loss_path chooses; tested against the full path). How many
-# logits a slice holds, by device type (docs/measurements.md): on a CPU 16 MB of float32, so each
-# slice reuses the memory of the one before; on CUDA 2 GiB, so a GPT-2 micro-batch is a handful of
-# slices, each big enough to fill the GPU.
-LOSS_SLICE_VALUES = {"cpu": 2**22, "cuda": 2**29}
+# logits are never all held (train.loss_path chooses; tested against the full path). A slice's
+# rows, by device type, measured (docs/measurements.md): as many as the matrix kernels need to run
+# near their rate, and no more than LOSS_SLICE_VALUES logits hold. On a CPU the logits' matmul (rows
+# x width times width x vocabulary) runs well below the cores' rate under about 128 rows; 256 rows
+# were fastest at the quick start's and nanoGPT's shapes (50 MB of float32 logits). On CUDA as many
+# as 2 GiB of logits hold, so a GPT-2 micro-batch is a handful of slices, each big enough to fill
+# the GPU.
+LOSS_SLICE_ROWS = {"cpu": 256, "cuda": None}  # None: as many as LOSS_SLICE_VALUES allows
+LOSS_SLICE_VALUES = {"cpu": 2**26, "cuda": 2**29}
 
 
 def loss_slice_rows(device_type, vocab_size):
     """Rows of hidden states per slice of the chunked loss on this kind of device."""
-    return max(1, LOSS_SLICE_VALUES.get(device_type, LOSS_SLICE_VALUES["cpu"]) // vocab_size)
+    device_type = device_type if device_type in LOSS_SLICE_VALUES else "cpu"
+    most = max(1, LOSS_SLICE_VALUES[device_type] // vocab_size)  # the logits' memory
+    return min(most, LOSS_SLICE_ROWS[device_type] or most)
 
 
 def choose_loss_path(setting, fastest):
@@ -506,40 +512,48 @@ class LinearCrossEntropy(torch.autograd.Function):
     the forward pass makes each slice's logits, its loss and both gradients, and the backward
     hands the gradients back (Liger-Kernel's fused linear cross-entropy is the pattern). Where
     F.cross_entropy on all the logits writes a (tokens x vocabulary) float32 tensor, reads it for
-    the softmax and writes its gradient, this writes a slice's logits once, in memory the next
-    slice reuses, and turns them into their gradient in place; unlike checkpointed slices, it
-    makes no logits again in the backward (docs/measurements.md)."""
+    the softmax and writes its gradient, this writes a slice's logits into one buffer that every
+    slice reuses, and turns them into their log-softmax and then their gradient in place, two
+    passes over them; unlike checkpointed slices, it makes no logits again in the backward
+    (docs/measurements.md)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, need_grad):
         device = hidden.device.type
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype  # the matmuls'
-        rows = max(1, LOSS_SLICE_VALUES.get(device, LOSS_SLICE_VALUES["cpu"]) // weight.size(0))
+        rows = loss_slice_rows(device, weight.size(0))
         cast_hidden, w = hidden.to(dtype), weight.to(dtype)  # once, not once a slice
         n_scored = (targets != -1).sum()
         loss = torch.zeros((), device=hidden.device)
+        # float32 for the softmax, as the full path; allocated once, as a large buffer made anew
+        # every slice would be handed out and taken back by the kernel each time
+        buffer = hidden.new_empty(min(rows, hidden.size(0)), weight.size(0), dtype=torch.float32)
+        minus_one = hidden.new_full((buffer.size(0), 1), -1.0, dtype=torch.float32)
         # (an evaluation runs under torch.no_grad(): the loss alone)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         for start in range(0, hidden.size(0), rows):
             h, t = cast_hidden[start:start + rows], targets[start:start + rows]
             scored, t = (t != -1)[:, None], t.clamp(min=0)[:, None]
-            logits = (h @ w.t()).float()  # float32 for the softmax, as the full path
-            # log-sum-exp with one exp pass, kept for the gradient: softmax = exp / total
-            target_logit = logits.gather(1, t)
-            top = logits.amax(dim=1, keepdim=True)
-            exp = logits.sub_(top).exp_()
-            total = exp.sum(dim=1, keepdim=True)
-            loss += ((total.log() + top - target_logit) * scored).sum()
-            if need_grad:  # d(mean loss)/d(logits): (softmax - one_hot(target)) / n_scored
-                weight_of_row = scored / n_scored  # (0 on the rows not scored)
-                grad = exp.mul_(weight_of_row / total).scatter_add_(1, t, -weight_of_row).to(dtype)
-                grad_hidden[start:start + rows] = grad @ w
+            logits = buffer[:h.size(0)]
+            if dtype == torch.float32:
+                torch.mm(h, w.t(), out=logits)
+            else:
+                logits.copy_(h @ w.t())
+            # As F.cross_entropy: the log-softmax, whose value at the target is minus the loss.
+            log_probs = torch.log_softmax(logits, 1, out=logits)
+            loss -= (log_probs.gather(1, t) * scored).sum()
+            if need_grad:  # d(row's loss)/d(logits) = softmax - one_hot(target), in place
+                grad = log_probs.exp_().scatter_add_(1, t, minus_one[:h.size(0)]).to(dtype)
+                # the mean's 1 / n_scored (0 on a row not scored) scales the slice's few rows of
+                # hidden states, not its logits: one pass over them fewer
+                weight_of_row = scored / n_scored
+                grad_hidden[start:start + rows] = (grad @ w) * weight_of_row
                 if dtype == torch.float32:
-                    grad_weight.addmm_(grad.t(), h)  # in place, no buffer a slice
+                    grad_weight.addmm_(grad.t(), h * weight_of_row)  # in place, no buffer a slice
                 else:
-                    grad_weight += (grad.t() @ h).float()
+                    grad_weight += (grad.t() @ (h * weight_of_row)).float()
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return loss / n_scored

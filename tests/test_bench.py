@@ -48,3 +48,15 @@ def test_the_report_marks_a_run_that_never_reached_the_target():
     lines = bench.report({"a": [reached, {**reached, "crossed": [40, 5.48, 120.0]}], "b": [missed]}, 5.5).splitlines()
     assert "median   110.0  1.00x" in lines[1]
     assert "(not reached)" in lines[2] and "last val 5.6000" in lines[2]
+
+
+def test_bench_step_prints_each_part_of_a_step_against_the_mm_rate(data_root):
+    tiny = ("--model.n_layer=2 --model.n_head=2 --model.n_embd=64 --model.block_size=64 --data.batch_size=2 "
+            "--train.total_batch_size=128 --optim.warmup_steps=2")
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "bench_step.py"), "--repeats=1", "--steps=1",
+                             "--threads=1", f"--data_root={data_root}", f"--shape={tiny}"],
+                            capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"torch\.mm [\d.]+ GFLOP/s", result.stdout)
+    for part in ("output+loss", "blocks", "optimizer", "bookkeeping", "whole step"):
+        assert re.search(rf"^  {re.escape(part)} +-?[\d.]+ +-?[\d.]+ ", result.stdout, re.MULTILINE), part

@@ -192,8 +192,8 @@ def test_a_fork_of_logits_trains_the_same_model_on_the_chunked_and_the_full_path
 
 
 def test_an_ordinary_step_calls_only_the_model_and_the_fused_loss():
-    """Once the run has chosen the fused loss, a step runs the model's forwards and the Function alone: no
-    check, no inspection of autograd's graph."""
+    """Once the run has chosen the fused loss, a step runs the model's forwards and the Function
+    (with the size of its slices) alone: no check, no inspection of autograd's graph."""
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     x = torch.randint(0, 100, (2, 8))
     chosen(net, x, x)
@@ -209,7 +209,7 @@ def test_an_ordinary_step_calls_only_the_model_and_the_fused_loss():
     finally:
         sys.setprofile(None)
     assert called == {"GPT.forward", "GPT.hidden_states", "Block.forward", "CausalSelfAttention.forward",
-                      "MLP.forward", "LinearCrossEntropy.forward", "LinearCrossEntropy.backward"}
+                      "MLP.forward", "LinearCrossEntropy.forward", "loss_slice_rows", "LinearCrossEntropy.backward"}
 
 
 def test_the_model_reads_no_autograd_graph_and_grafts_no_gradients():
@@ -242,10 +242,10 @@ def gpt2_rows_per_micro_step(world_size):
 
 def test_gpt2_config_is_a_handful_of_loss_slices_per_micro_step_on_cuda():
     """torchrun --nproc-per-node=8 train.py config/gpt2.py: each rank's micro-step is 64 x 1,024 rows,
-    cut into 7 slices on CUDA (the laptop's 16 MB slices would be 790, each too thin for a GPU)."""
+    cut into 7 slices on CUDA (the laptop's 256-row slices would be 256, each too thin for a GPU)."""
     rows, vocab = gpt2_rows_per_micro_step(world_size=8)
     assert model.loss_slices(rows, vocab, "cuda") == 7
-    assert model.loss_slices(rows, vocab, "cpu") == 790
+    assert model.loss_slices(rows, vocab, "cpu") == 256
 
 
 class Traced(Exception):
@@ -273,9 +273,10 @@ def traced_graph_nodes(net, batch_size):
 
 def test_compiled_graph_of_a_gpt2_block_and_loss_stays_bounded_at_gpu_rows(monkeypatch):
     """The graph holds one copy of the slice loop's body per slice: at config/gpt2.py's micro-batch
-    with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 790 times, ~26,000)."""
+    with CUDA's slices it stays a few hundred nodes (CPU-sized slices would unroll 256 times, ~8,400)."""
     # CUDA slicing, traced on CPU
     monkeypatch.setitem(model.LOSS_SLICE_VALUES, "cpu", model.LOSS_SLICE_VALUES["cuda"])
+    monkeypatch.setitem(model.LOSS_SLICE_ROWS, "cpu", model.LOSS_SLICE_ROWS["cuda"])
     torch.manual_seed(0)
     net = GPT(GPTConfig(n_layer=1))  # one GPT-2 block, GPT-2's width, vocabulary and block size
     net.fast_loss = "sliced"  # what a compiled run chooses where the slices give forward's loss
