@@ -44,7 +44,7 @@ import train  # noqa: E402
 from config import UserError, parse_args, run_command  # noqa: E402
 from model import GPT, LinearCrossEntropy, plain_output_weight  # noqa: E402
 from optimizer import build_optimizer  # noqa: E402
-from plan import DEVICES  # noqa: E402
+from devices import DEVICES  # noqa: E402
 from prepare_data import ensure_dataset  # noqa: E402
 
 NANOGPT_SHAPE = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", "--model.block_size=64",
