@@ -210,8 +210,9 @@ def test_export_checks_every_position_and_document_boundaries(fork, tmp_path):
 def test_a_weight_of_another_shape_is_one_sentence_naming_it_and_both_shapes(tmp_path):
     net = tiny()
     net.transformer.h[0].attn.c_attn = torch.nn.Linear(32, 64)  # grouped-query attention: fewer keys and values
-    with pytest.raises(UserError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is \(32, 64\) where a Hugging Face "
-                                        r"GPT-2's is \(32, 96\)"):
+    # both in this model's orientation, (out, in), as its own weights print: not GPT-2's Conv1D (in, out)
+    with pytest.raises(UserError, match=r"transformer\.h\.0\.attn\.c_attn\.weight is \(64, 32\) where a Hugging Face "
+                                        r"GPT-2's is \(96, 32\)"):
         hf.export_hf(net, str(tmp_path / "export"))
     assert sorted(tmp_path.iterdir()) == []
 
