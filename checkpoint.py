@@ -455,7 +455,7 @@ def rng_state(sample_generator):
     numpy_state = (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss)
     state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
              "sample": sample_generator.get_state()}
-    devices = [k for k in DEVICES.values() if k.rng_state]  # (plan.py's table) with a generator
+    devices = [k for k in DEVICES.values() if k.rng_state]  # (devices.py's table) with a generator
     return {**state, **{k.name: s for k in devices if (s := k.rng_state()) is not None}}
 
 

@@ -376,7 +376,7 @@ def loss_slice_rows(device_type, vocab_size):
 
 def choose_loss_path(setting, fastest):
     """train.loss_path resolved to "chunked" or "full". "auto" picks `fastest`, the one measured
-    fastest on the device (plan.py's device table, docs/measurements.md): "full" under
+    fastest on the device (devices.py's table, docs/measurements.md): "full" under
     torch.compile on CUDA, where inductor fuses the softmax into the loss; "chunked" everywhere
     else, as fast or faster and never holding all the logits."""
     return fastest if setting == "auto" else setting

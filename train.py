@@ -403,7 +403,7 @@ class Placement:
     world_size: int
     device: str
     device_type: str  # "cuda", "mps" or "cpu"
-    kind: DeviceKind  # its row of the device table (plan.py)
+    kind: DeviceKind  # its row of the device table (devices.py)
     cpu_group: object  # a gloo group for small host-side agreements (None: the default group)
     autocast: object  # bf16 autocast, or a context that does nothing
     is_master: bool  # rank 0 alone prints and writes the run folder's files
