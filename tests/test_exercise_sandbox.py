@@ -427,6 +427,28 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")
+def test_an_answer_that_fills_its_folder_is_stopped_at_the_folders_size_not_the_disks(
+        tmp_path, walls, monkeypatch):
+    """Three files of 30 MB each, each within the 1 GB a file may take, against a folder of 64 MB
+    here (1 GB when check.py grades)."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap makes no mount namespace: check.py says so")
+    monkeypatch.setattr(grading, "FOLDER_BYTES", 64 * 2**20)
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            for name in "abc":
+                with open(name, "wb") as f:
+                    f.write(b"x" * 30 * 2**20)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer filled its folder, 64 MB in all" in line, line
+
+
 def cgroup_here():
     """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")

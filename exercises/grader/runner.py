@@ -32,6 +32,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -192,9 +193,10 @@ def zygote():
 
 # Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>): Python 3.11's os has no unshare.
 CLONE_NEWNS, CLONE_NEWPID = 0x20000, 0x20000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
-    0x1, 0x2, 0x4, 0x8, 0x1000, 0x2000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 36, 24, 38
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
+    0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = \
+    1, 4, 36, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
@@ -207,6 +209,7 @@ def watch(request, report, zygote_fds):
     libc = ctypes.CDLL(None, use_errno=True)
     os.setsid()
     alone = libc.unshare(CLONE_NEWPID) == 0
+    beneath = own_disk(libc, request)
     # without a namespace, what the answer leaves comes back here
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     output, output_to = os.pipe()
@@ -225,9 +228,66 @@ def watch(request, report, zygote_fds):
     ended = follow(pid, output, request["timeout"], request.get("cpu"), request["job"][4])
     # nothing, in a namespace of its own: its processes ended with the answer's
     stop_descendants(libc)
+    if beneath is not None:
+        ended["disk_full"] = results_copied_back(request, beneath)
     clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
+
+
+def own_disk(libc, request):
+    """Give the answer a folder of at most request["folder_bytes"] in all: in a mount namespace of
+    the watcher's own (which the answer's process inherits), a tmpfs of that size over the answer's
+    folder, holding copies of what the grader put there, and the folder of all the answers' folders
+    read-only around it, so that what the answer writes takes the machine's memory up to that size,
+    never its disk. Returns a descriptor of the folder beneath, to copy the answer's results back
+    to; None where no mount namespace can be made (a plain user without bwrap: check.py says so)."""
+    folder, user, size = request["folder"], request.get("user"), request.get("folder_bytes")
+    if size is None:
+        return None
+    beneath = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    if libc.unshare(CLONE_NEWNS) != 0 or \
+            libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        os.close(beneath)
+        return None
+    # (no one but this watcher may read the descriptor through /proc)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    around = os.path.dirname(folder).encode()
+    options = f"size={size},mode=0700" + (f",uid={user[0]},gid={user[1]}" if user else "")
+    if libc.mount(around, around, None, MS_BIND | MS_REC, None) != 0 or \
+            libc.mount(None, around, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                       None) != 0 or \
+            libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                       options.encode()) != 0:
+        raise OSError(ctypes.get_errno(), "the answer's folder could not be made")
+    shutil.copytree(f"/proc/self/fd/{beneath}", folder, symlinks=True, dirs_exist_ok=True)
+    if user is not None:
+        for path in [Path(folder), *Path(folder).rglob("*")]:
+            os.chown(path, *user, follow_symlinks=False)
+    return beneath
+
+
+def results_copied_back(request, beneath):
+    """Copy the answer's results (OUTPUTS, and OUTPUTS.r of rank r) from its folder to the folder
+    beneath (`beneath`, a descriptor), where the grader reads them: plain files only, no link
+    followed. Returns whether the answer's folder was full (what it wrote stopped at its size)."""
+    folder, name = request["folder"], os.path.basename(request["job"][3])
+    full = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < 2**20
+    no_follow = os.O_NOFOLLOW | os.O_NONBLOCK
+    for entry in os.listdir(folder):
+        if entry != name and not entry.startswith(name + "."):
+            continue
+        with contextlib.suppress(OSError):
+            source = os.open(os.path.join(folder, entry), os.O_RDONLY | no_follow)
+            with os.fdopen(source, "rb") as read:
+                if not stat.S_ISREG(os.fstat(source).st_mode):
+                    continue
+                target = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | no_follow, 0o644,
+                                 dir_fd=beneath)
+                with os.fdopen(target, "wb") as write:
+                    shutil.copyfileobj(read, write)
+    os.close(beneath)
+    return full
 
 
 # The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
@@ -304,6 +364,8 @@ def answer_process(request, output, close):
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
     drop_privileges(request.get("user"))
+    # (the watcher is not, so that the folder beneath the answer's stays out of reach through /proc)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
         del os.environ[name]
     os.environ.update(request["environment"], HOME=request["folder"])
