@@ -449,6 +449,21 @@ def test_an_answer_that_fills_its_folder_is_stopped_at_the_folders_size_not_the_
     assert not passed and "your answer filled its folder, 64 MB in all" in line, line
 
 
+@pytest.mark.skipif(not AS_ROOT, reason="as a plain user, bwrap --disable-userns holds this (not run here)")
+def test_an_answer_makes_no_user_namespace_of_its_own(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import ctypes
+            import os
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER
+                raise ValueError("made a user namespace")
+            raise ValueError("no user namespace: " + os.strerror(ctypes.get_errno()))
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "no user namespace: No space left on device" in line, line
+
+
 def cgroup_here():
     """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")

@@ -32,6 +32,7 @@ import resource
 import select
 import shutil
 import signal
+import socket
 import stat
 import sys
 import time
@@ -192,7 +193,7 @@ def zygote():
 
 
 # Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>): Python 3.11's os has no unshare.
-CLONE_NEWNS, CLONE_NEWPID = 0x20000, 0x20000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
     0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = \
@@ -213,18 +214,25 @@ def watch(request, report, zygote_fds):
     # without a namespace, what the answer leaves comes back here
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     output, output_to = os.pipe()
+    # (as root: a user namespace the watcher maps for the answer, `no_user_namespaces`)
+    mapper, mapped = socket.socketpair() if os.geteuid() == 0 else (None, None)
     pid = os.fork()
     if pid == 0:
         try:
             # should the watcher die, the answer goes too
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.close(output)
-            answer_process(request, output_to, [report, *zygote_fds])
+            if mapper is not None:
+                mapper.close()
+            answer_process(request, output_to, [report, *zygote_fds], mapped)
         except BaseException:  # noqa: BLE001 - before the answer ran: the grader's own failure
             traceback.print_exc()
         finally:
             os._exit(1)
     os.close(output_to)
+    if mapper is not None:
+        mapped.close()
+        map_user_namespace(libc, pid, mapper)
     ended = follow(pid, output, request["timeout"], request.get("cpu"), request["job"][4])
     # nothing, in a namespace of its own: its processes ended with the answer's
     stop_descendants(libc)
@@ -336,9 +344,10 @@ def opened_and_removed(function, path, _):
             function(path)
 
 
-def answer_process(request, output, close):
+def answer_process(request, output, close, mapped=None):
     """Become the answer's process: output to the watcher, no stdin, nothing of the zygote's open,
-    limits, no privileges, then the job (or torchrun, which starts one runner per rank)."""
+    limits, no user namespace of its own (`mapped`: as root, its end of the watcher's socket that
+    maps one), no privileges, then the job (or torchrun, which starts one runner per rank)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(output, 1)
@@ -363,6 +372,8 @@ def answer_process(request, output, close):
         hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
+    if mapped is not None:
+        no_user_namespaces(mapped)
     drop_privileges(request.get("user"))
     # (the watcher is not, so that the folder beneath the answer's stays out of reach through /proc)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
@@ -377,6 +388,44 @@ def answer_process(request, output, close):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def no_user_namespaces(mapped):
+    """Make no more user namespaces possible for the answer's processes (one is a way to
+    capabilities, and to the kernel's less tried code): as root, where bwrap --disable-userns would
+    need a user namespace of the sandbox's that also holds the answers' user ids, the answer's
+    process makes its own, which the watcher maps to the same users (`map_user_namespace`, over
+    `mapped`), and, root there, sets the number of user namespaces inside it to 0 before it drops
+    its privileges."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with mapped:
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            return  # (where root makes none, neither does the answer's user)
+        mapped.sendall(b"made")
+        if mapped.recv(6) != b"mapped":
+            raise OSError("the watcher did not map the answer's user namespace")
+        Path("/proc/sys/user/max_user_namespaces").write_text("0")
+        mapped.sendall(b"set")
+        mapped.recv(6)  # (/proc/sys read-only again)
+
+
+def map_user_namespace(libc, pid, mapper):
+    """The watcher's side of no_user_namespaces: map the user namespace of the answer's process
+    `pid` to the same users and groups, and make /proc/sys (read-only in bwrap) writable while the
+    answer's process, still the grader's code, writes its number of user namespaces there."""
+    mapper.settimeout(60)
+    with mapper:
+        if mapper.recv(4) != b"made":
+            return
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{pid}/{name}").write_text("0 0 4294967295")
+        opened = libc.mount(None, b"/proc/sys", None, MS_BIND | MS_REMOUNT, None) == 0
+        mapper.sendall(b"mapped")
+        mapper.recv(3)
+        if opened:
+            libc.mount(None, b"/proc/sys", None,
+                       MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        mapper.sendall(b"closed")
 
 
 def drop_privileges(user):
