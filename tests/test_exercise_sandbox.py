@@ -464,6 +464,12 @@ def test_an_answer_makes_no_user_namespace_of_its_own(tmp_path, walls):
     assert not passed and "no user namespace: No space left on device" in line, line
 
 
+def test_a_plain_user_without_bubblewrap_hears_that_the_answers_folder_is_not_size_limited(monkeypatch):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    line = Sandbox(use_bwrap=False).describe()
+    assert "nothing limits the disk an answer's folder takes but 1 GB a file" in line, line
+
+
 def cgroup_here():
     """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")
