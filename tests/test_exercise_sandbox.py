@@ -431,7 +431,8 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
 def test_an_answer_that_fills_its_folder_is_stopped_at_the_folders_size_not_the_disks(
         tmp_path, walls, monkeypatch):
     """Three files of 30 MB each, each within the 1 GB a file may take, against a folder of 64 MB
-    here (1 GB when check.py grades)."""
+    here (1 GB when check.py grades); the folder beneath, where the grader reads the results, out of
+    its reach."""
     if walls == "room alone" and not AS_ROOT:
         pytest.skip("a plain user without bubblewrap makes no mount namespace: check.py says so")
     monkeypatch.setattr(grading, "FOLDER_BYTES", 64 * 2**20)
@@ -440,6 +441,12 @@ def test_an_answer_that_fills_its_folder_is_stopped_at_the_folders_size_not_the_
 
 
         def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            for fd in os.listdir("/proc/self/fd"):  # the folder beneath its own, held open?
+                path = f"/proc/self/fd/{fd}"
+                if os.path.isdir(path) and os.stat(path).st_dev != os.stat(".").st_dev \
+                        and os.path.exists(f"{path}/in.pt"):
+                    raise ValueError("reached the folder beneath its own")
             for name in "abc":
                 with open(name, "wb") as f:
                     f.write(b"x" * 30 * 2**20)

@@ -17,9 +17,9 @@ in the grader's own hands (`follow` looks for it), and one that printed it faile
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
 project and the feed modules once, never loads an answer file, and for each answer forks a watcher
-(`watch`), which gives the answer a PID namespace of its own, forks the answer's process into it,
-drops its privileges, keeps the end of what it prints, and stops it at its limits. When the answer's
-process ends, whatever it left running ends with it."""
+(`watch`), which gives the answer a PID namespace of its own and a folder of bounded size, forks the
+answer's process into it, drops its privileges, keeps the end of what it prints, and stops it at its
+limits. When the answer's process ends, whatever it left running ends with it."""
 
 import contextlib
 import ctypes
@@ -224,7 +224,9 @@ def watch(request, report, zygote_fds):
             os.close(output)
             if mapper is not None:
                 mapper.close()
-            answer_process(request, output_to, [report, *zygote_fds], mapped)
+            # (nor the folder beneath its own, which the watcher holds open)
+            held = [report, *zygote_fds] + ([] if beneath is None else [beneath])
+            answer_process(request, output_to, held, mapped)
         except BaseException:  # noqa: BLE001 - before the answer ran: the grader's own failure
             traceback.print_exc()
         finally:
