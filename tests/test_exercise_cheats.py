@@ -12,26 +12,25 @@ from test_exercises import answer_folder, failed_with
 from test_exercise_mistakes_run import ddp, ddp_all_in_no_sync_reduced_by_hand
 
 
-def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
-    """Reduced by hand, then DDP's hook (the grader's counter) called with a bucket of its own, once
-    the hook's guards, module globals of the answer's process, are rewritten to let it through."""
-    import sys
+class Bucket:
+    """A bucket made by hand, with what DDP's GradBucket offers a hook."""
 
-    class Bucket:
-        def __init__(self, flat, params):
-            self.flat, self.params = flat, params
+    def __init__(self, flat, params):
+        self.flat, self.params = flat, params
 
-        def index(self):
-            return 0
+    def index(self):
+        return 0
 
-        def buffer(self):
-            return self.flat
+    def buffer(self):
+        return self.flat
 
-        def parameters(self):
-            return self.params
+    def parameters(self):
+        return self.params
 
-    feed = sys.modules["exercises.grader.feed_ddp"]
-    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+
+def ddp_by_hand_then_a_bucket_of_its_own(model, micro_batches):
+    """Reduced by hand, then DDP's hook (the grader's counter) called with a bucket of its own: one
+    bucket of every parameter, as DDP's first step makes, holding the gradients already averaged."""
     total = ddp_all_in_no_sync_reduced_by_hand(model, micro_batches)
     params = list(model.parameters())
     hook, state = model._comm_hooks[0]
@@ -39,27 +38,10 @@ def ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards(model, micro_batc
     return total
 
 
-def ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards(model, micro_batches):
+def ddp_in_no_sync_then_one_bucket_of_its_own(model, micro_batches):
     """DDP's all-reduce skipped (every micro-step in no_sync), then the rank's own gradient handed to
-    DDP's hook in one bucket of its own, once the hook's guards are rewritten, and the mean it gives
-    back written into .grad: the grader's counter sees one all-reduce of the right values."""
-    import sys
-
-    class Bucket:
-        def __init__(self, flat, params):
-            self.flat, self.params = flat, params
-
-        def index(self):
-            return 0
-
-        def buffer(self):
-            return self.flat
-
-        def parameters(self):
-            return self.params
-
-    feed = sys.modules["exercises.grader.feed_ddp"]
-    feed.GradBucket, feed.AUTOGRAD = Bucket, ""
+    DDP's hook in one bucket of its own, and the mean it gives back written into .grad: the grader's
+    counter sees one all-reduce of the right values, at step 2 too."""
     total = ddp(model, micro_batches, sync="never")
     params = list(model.parameters())
     hook, state = model._comm_hooks[0]
@@ -70,7 +52,7 @@ def ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards(model, micro
 
 def ddp_in_no_sync_then_one_bucket_down_the_hooks_socket(model, micro_batches):
     """As above, the bucket sent down the socket the hook holds (read from its closure) in the
-    grader's own wire format, past the hook and its guards."""
+    grader's own wire format, past the hook."""
     import sys
 
     feed = sys.modules["exercises.grader.feed_ddp"]
@@ -78,11 +60,42 @@ def ddp_in_no_sync_then_one_bucket_down_the_hooks_socket(model, micro_batches):
     params = list(model.parameters())
     hook, _ = model._comm_hooks[0]
     cells = dict(zip(hook.__code__.co_freevars, (c.cell_contents for c in hook.__closure__)))
-    connection, place = cells["connection"], cells["place"]
-    feed.send_frame(connection, {"index": 0, "params": [place[id(p)] for p in params]},
-                    torch.cat([p.grad.reshape(-1) for p in params]))
-    _, mean = feed.receive_frame(connection)
+    feed.send_frame(cells["connection"], {}, torch.cat([p.grad.reshape(-1) for p in params]))
+    _, mean = feed.receive_frame(cells["connection"])
     torch.nn.utils.vector_to_parameters(mean, [p.grad for p in params])
+    return total
+
+
+def ddp_on_every_micro_step_counted_once_past_a_rebound_wire(model, micro_batches):
+    """DDP all-reduces on every micro-step (no no_sync), and the wire the hook reads from the grader's
+    module (feed_ddp.send_frame, receive_frame) is rebound in the answer's process: the buckets of
+    every micro-step but the last are averaged by hand and never reach the grader, whose count then
+    reads one all-reduce per bucket, of the buckets DDP rebuilt after the first micro-step."""
+    import sys
+
+    import torch.distributed as dist
+
+    feed = sys.modules["exercises.grader.feed_ddp"]
+    send, receive, by_hand = feed.send_frame, feed.receive_frame, []
+
+    def send_frame(connection, header, tensor=None):
+        if quiet[0] and tensor is not None:
+            by_hand.append(tensor.clone())
+            dist.all_reduce(by_hand[-1])
+            return None
+        return send(connection, header, tensor)
+
+    def receive_frame(connection):
+        return ({}, by_hand.pop() / dist.get_world_size()) if quiet[0] else receive(connection)
+
+    feed.send_frame, feed.receive_frame, quiet = send_frame, receive_frame, [True]
+    total = torch.zeros(())
+    for i, (x, y) in enumerate(micro_batches):
+        quiet[0] = i < len(micro_batches) - 1
+        loss = model(x, y)
+        (loss / len(micro_batches)).backward()
+        total += loss.detach() / len(micro_batches)
+    quiet[0] = False
     return total
 
 
@@ -129,15 +142,15 @@ def generate_with_work_in_children_nobody_waits_for(model, idx, max_new_tokens, 
 
 # (exercise, {answer function: the cheat; "_name": a helper it calls}, words of the failure)
 GUARDS = [
-    (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own_past_rewritten_guards,
-          "_ddp": ddp,
+    (20, {"accumulate_with_ddp": ddp_by_hand_then_a_bucket_of_its_own, "_Bucket": Bucket, "_ddp": ddp,
           "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand},
      "is not the gradient that rank accumulated over its micro-steps"),
-    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_of_its_own_past_rewritten_guards,
-          "_ddp": ddp},
+    (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_of_its_own, "_Bucket": Bucket, "_ddp": ddp},
      "these are not DDP's buckets"),
     (20, {"accumulate_with_ddp": ddp_in_no_sync_then_one_bucket_down_the_hooks_socket, "_ddp": ddp},
      "these are not DDP's buckets"),
+    (20, {"accumulate_with_ddp": ddp_on_every_micro_step_counted_once_past_a_rebound_wire},
+     "bucket(s) need one all-reduce each, on the last micro-step"),
     (21, {"generate": generate_with_work_in_children_nobody_waits_for},
      "your answer tried to start another process or thread"),
     (21, {"generate": generate_recomputed_past_the_counters},

@@ -395,7 +395,7 @@ WRONG = [
             "_ddp": ddp,
             "ddp_all_in_no_sync_reduced_by_hand": ddp_all_in_no_sync_reduced_by_hand,
         },
-        "not by DDP's backward pass",
+        "is not the gradient that rank accumulated over its micro-steps",
     ),
     (21, {"generate": generate_without_a_cache}, "feed the prompt once, then only each new token"),
     (21, {"generate": generate_past_block_size}, "> block_size"),

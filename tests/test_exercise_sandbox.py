@@ -427,6 +427,56 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")
+def test_an_answer_that_fills_its_folder_is_stopped_at_the_folders_size_not_the_disks(
+        tmp_path, walls, monkeypatch):
+    """Three files of 30 MB each, each within the 1 GB a file may take, against a folder of 64 MB
+    here (1 GB when check.py grades); the folder beneath, where the grader reads the results, out of
+    its reach."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap makes no mount namespace: check.py says so")
+    monkeypatch.setattr(grading, "FOLDER_BYTES", 64 * 2**20)
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            for fd in os.listdir("/proc/self/fd"):  # the folder beneath its own, held open?
+                path = f"/proc/self/fd/{fd}"
+                if os.path.isdir(path) and os.stat(path).st_dev != os.stat(".").st_dev \
+                        and os.path.exists(f"{path}/in.pt"):
+                    raise ValueError("reached the folder beneath its own")
+            for name in "abc":
+                with open(name, "wb") as f:
+                    f.write(b"x" * 30 * 2**20)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer filled its folder, 64 MB in all" in line, line
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="as a plain user, bwrap --disable-userns holds this (not run here)")
+def test_an_answer_makes_no_user_namespace_of_its_own(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import ctypes
+            import os
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER
+                raise ValueError("made a user namespace")
+            raise ValueError("no user namespace: " + os.strerror(ctypes.get_errno()))
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "no user namespace: No space left on device" in line, line
+
+
+def test_a_plain_user_without_bubblewrap_hears_that_the_answers_folder_is_not_size_limited(monkeypatch):
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    line = Sandbox(use_bwrap=False).describe()
+    assert "nothing limits the disk an answer's folder takes but 1 GB a file" in line, line
+
+
 def cgroup_here():
     """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")

@@ -3,12 +3,13 @@ function (grading.py's `ranks=2`), and the gradients every rank ends with come b
 that computes the gradient of the whole batch, here: 15 averaging the gradients by hand, 20 DDP's own
 all-reduce with `no_sync` during accumulation, as train.py's `train_step` does it.
 
-For 20 the grading side also keeps what DDP's all-reduce did (AllReduceCounter): each bucket goes through this
-process, which checks the bucket layout against the one DDP makes (`ddp_buckets`: one bucket at step 1, the
-rebuilt ones after), what each bucket held against the rank's own gradient, and the rank's final gradients against
-the means it sent back. The hook's guards in the answer's process (feed_ddp.py) are only obstacles: the answer can
-rebind anything there. An answer that rebuilt DDP's bucketing by hand and sent exactly DDP's buckets, its own
-gradients in them, would pass: that is DDP's work done again, which no check outside the process tells apart.
+For 20 the grading side also keeps what DDP's all-reduce did (AllReduceCounter): each bucket's values go through
+this process, which holds them and decides on them alone, against what it computes itself: the bucket layout DDP
+makes (`ddp_buckets`: one bucket at step 1, the rebuilt ones after), the rank's own gradient in those buckets,
+and the rank's final gradients against the means it sent back. Nothing in the answer's process (feed_ddp.py)
+takes part in the verdict: the answer can rebind anything there. An answer that rebuilt DDP's bucketing by hand
+and sent exactly DDP's buckets, its own gradients in them, would pass: that is DDP's work done again, which no
+check outside the process tells apart.
 """
 
 import os
@@ -78,10 +79,11 @@ def check_ddp(answers):
 class AllReduceCounter:
     """Where DDP's all-reduces of exercise 20 happen, counted: a Unix socket in the answers' folder (`folder`, which
     the sandbox shares) to which each rank's communication hook (feed_ddp.all_reduce_by_the_grader, registered
-    before the answer gets the model) sends every bucket DDP all-reduces. Threads of this process, which loads no
-    answer, average the two ranks' k-th buckets, send the mean back to both, and note per rank and step which
-    bucket they averaged and what it held. An answer that skips DDP's all-reduce (no_sync throughout, then
-    dist.all_reduce by hand) leaves nothing here, and nothing in the answer's process holds this count."""
+    before the answer gets the model) sends the values of every bucket DDP all-reduces. Threads of this process,
+    which loads no answer, average the two ranks' k-th buckets, send the mean back to both, and keep per rank and
+    step each bucket received and each mean sent: what the verdict reads. An answer that skips DDP's all-reduce
+    (no_sync throughout, then dist.all_reduce by hand) leaves nothing here, and nothing in the answer's process
+    holds this count."""
 
     def __init__(self, folder):
         self.folder = tempfile.TemporaryDirectory(prefix="exercise-all-reduce-", dir=folder)
@@ -91,10 +93,8 @@ class AllReduceCounter:
         self.server.bind(self.address)
         os.chmod(self.address, 0o666)
         self.server.listen()
-        # rank: [[(bucket index, its size) of each all-reduce] of each step]; and what each bucket held
-        self.steps, self.held = {0: [[]], 1: [[]]}, {0: [[]], 1: [[]]}
-        # rank: [[the mean sent back for each of its all-reduces] of each step]
-        self.means = {0: [[]], 1: [[]]}
+        # rank: [[each bucket it sent] of each step], and [[the mean sent back for each] of each step]
+        self.buckets, self.means = {0: [[]], 1: [[]]}, {0: [[]], 1: [[]]}
         self.waiting, self.lock = {}, threading.Lock()
         threading.Thread(target=self.serve, daemon=True).start()
 
@@ -116,12 +116,12 @@ class AllReduceCounter:
         try:
             while True:
                 header, bucket = receive_frame(connection)
-                if "step_done" in header:
-                    for kept in (self.steps, self.held, self.means):
-                        kept[rank].append([])
+                if bucket is None:  # the end of a step, or nothing this process reads
+                    if "step_done" in header:
+                        self.buckets[rank].append([])
+                        self.means[rank].append([])
                     continue
-                self.steps[rank][-1].append((header.get("index"), bucket.numel()))
-                self.held[rank][-1].append((header.get("params"), bucket))
+                self.buckets[rank][-1].append(bucket)
                 means = self.means[rank][-1]
                 with self.lock:
                     other = self.waiting.pop(count, None)
@@ -143,23 +143,29 @@ class AllReduceCounter:
         finally:
             connection.close()
 
+    def step(self, kept, rank, step):
+        """What `kept` (self.buckets or self.means) holds for `rank` at `step` (1 or 2)."""
+        return kept[rank][step - 1] if step <= len(kept[rank]) else []
+
     def close(self):
         self.server.close()
         self.folder.cleanup()
 
 
-def held_its_own(buckets, local):
-    """Whether the buckets one rank sent (places of their parameters, their values) hold exactly that rank's own
-    gradient `local` ({name: gradient}, computed here), each parameter once: what DDP all-reduces, before the
-    mean."""
-    grads = list(local.values())
-    try:
-        places = sorted(place for params, _ in buckets for place in params)
-        return places == list(range(len(grads))) and all(
-            torch.allclose(bucket, torch.cat([grads[i].flatten() for i in params]), rtol=1e-4, atol=1e-7)
-            for params, bucket in buckets)
-    except (TypeError, IndexError, RuntimeError):  # places the hook never sent: not DDP's buckets
-        return False
+def flat(grads, places):
+    """The gradients at `places` (of {name: gradient}, in the model's order) flattened into one bucket, as DDP
+    lays them out."""
+    grads = list(grads.values())
+    return torch.cat([grads[i].flatten() for i in places])
+
+
+def held_its_own(buckets, local, layout):
+    """Whether the buckets one rank sent hold exactly that rank's own gradient `local` ({name: gradient},
+    computed here), laid out in DDP's buckets `layout` (the places of each bucket's parameters): what DDP
+    all-reduces, before the mean."""
+    return len(buckets) == len(layout) and all(
+        bucket.shape == want.shape and torch.allclose(bucket, want, rtol=1e-4, atol=1e-7)
+        for bucket, want in zip(buckets, (flat(local, places) for places in layout)))
 
 
 def ddp_buckets(seed, x, y):
@@ -181,14 +187,12 @@ def ddp_buckets(seed, x, y):
     return [[list(range(len(params)))], [list(bucket) for bucket in rebuilt]]
 
 
-def came_from_the_all_reduce(grads, held, means):
-    """Whether one rank's gradients ({name: gradient}) are, bucket by bucket, the means this process sent back
-    for the buckets it held (`held`: (places, values) of each; `means`: the mean sent for each)."""
-    grads = list(grads.values())
+def came_from_the_all_reduce(grads, layout, means):
+    """Whether one rank's gradients ({name: gradient}) are, bucket by bucket of DDP's `layout`, the means this
+    process sent back (`means`: the mean sent for each bucket)."""
     try:
-        return len(means) == len(held) and all(
-            torch.allclose(torch.cat([grads[i].flatten() for i in params]), mean, rtol=1e-6, atol=1e-9)
-            for (params, _), mean in zip(held, means))
+        return len(means) == len(layout) and all(
+            torch.allclose(flat(grads, places), mean, rtol=1e-6, atol=1e-9) for places, mean in zip(layout, means))
     except (TypeError, IndexError, RuntimeError, AttributeError):
         return False
 
@@ -218,7 +222,8 @@ def check_no_sync(answers):
         counter.close()
     for step, (want, rank0_loss) in enumerate(wants, 1):
         mine = [rank[step - 1] for rank in ranks]
-        all_reduces = counter.steps[0][step - 1] if step <= len(counter.steps[0]) else []
+        layout = layouts[step - 1]
+        all_reduces = counter.step(counter.buckets, 0, step)
         grads = [m["grads"] for m in mine]
         missing = next((name for name, grad in grads[0].items() if grad is None), None)
         if missing:
@@ -242,28 +247,27 @@ def check_no_sync(answers):
             raise ExerciseFailed(f"at step {step} DDP itself all-reduced nothing (the gradients agree, so they were "
                                  f"reduced by hand): run the last micro-step outside model.no_sync(), where DDP "
                                  f"all-reduces each bucket once, overlapping backward; no all-reduce of your own.")
-        buckets = dict(all_reduces)
-        if len(all_reduces) > len(buckets):
-            raise ExerciseFailed(f"at step {step} DDP all-reduced {len(all_reduces)} times where its {len(buckets)} "
-                                 f"bucket(s) need one all-reduce each, on the last micro-step: run every micro-step "
-                                 f"but the last inside model.no_sync(), so the gradients cross the network once per "
-                                 f"optimizer step.")
         for rank in (0, 1):
-            held = counter.held[rank][step - 1] if step <= len(counter.held[rank]) else []
-            sent = [params for params, _ in held]
-            if sent != layouts[step - 1]:
+            held = counter.step(counter.buckets, rank, step)
+            if len(held) > len(layout):
+                raise ExerciseFailed(f"at step {step} DDP all-reduced {len(held)} buckets of rank {rank} where its "
+                                     f"{len(layout)} bucket(s) need one all-reduce each, on the last micro-step: "
+                                     f"run every micro-step but the last inside model.no_sync(), so the gradients "
+                                     f"cross the network once per optimizer step.")
+            sizes = [flat(locals_[step - 1][rank], places).numel() for places in layout]
+            if [bucket.numel() for bucket in held] != sizes:
                 when = ("before its first backward" if step == 1 else
                         "once it has rebuilt them in the order backward made the gradients ready")
-                raise ExerciseFailed(f"at step {step} rank {rank} all-reduced {len(sent)} bucket(s) where DDP, "
-                                     f"{when}, all-reduces {len(layouts[step - 1])} of other parameters: these "
-                                     f"are not DDP's buckets, so let DDP all-reduce the gradients itself, on the "
-                                     f"last micro-step (a bucket sent by your own code is not DDP's).")
-            if not held_its_own(held, locals_[step - 1][rank]):
+                raise ExerciseFailed(f"at step {step} rank {rank} all-reduced {len(held)} bucket(s) where DDP, "
+                                     f"{when}, all-reduces {len(layout)} of other sizes: these are not DDP's "
+                                     f"buckets, so let DDP all-reduce the gradients itself, on the last "
+                                     f"micro-step (a bucket sent by your own code is not DDP's).")
+            if not held_its_own(held, locals_[step - 1][rank], layout):
                 raise ExerciseFailed(f"at step {step} what reached DDP's all-reduce from rank {rank} is not the "
                                      f"gradient that rank accumulated over its micro-steps: let DDP all-reduce, on "
                                      f"the last micro-step, what backward() accumulated (a hook called by your own "
                                      f"code is not DDP's).")
-            if not came_from_the_all_reduce(mine[rank]["grads"], held, counter.means[rank][step - 1]):
+            if not came_from_the_all_reduce(mine[rank]["grads"], layout, counter.step(counter.means, rank, step)):
                 raise ExerciseFailed(f"at step {step} rank {rank}'s gradients are not what DDP's all-reduce gave "
                                      f"back: let DDP write the mean of the ranks' gradients into .grad, and leave "
                                      f"it there.")
@@ -274,7 +278,7 @@ def check_no_sync(answers):
             raise ExerciseFailed(f"at step {step} rank 0 returned the loss {shown(loss)}, "
                                  f"{compared(loss, rank0_loss)} the mean of its micro-steps' losses: return that, as a "
                                  f"one-number tensor.")
-    counts = [len(counter.steps[0][step]) for step in (0, 1)]
+    counts = [len(counter.step(counter.buckets, 0, step)) for step in (1, 2)]
     return (f"on 2 gloo ranks with {micro_steps} micro-steps each, DDP all-reduced each bucket of your gradients once "
             f"per step, through a hook whose count the grader keeps (step 1 in {counts[0]} bucket, step 2 in "
             f"{counts[1]} once DDP rebuilt its buckets of 0.05 MB), and both ranks hold one process's gradient over "

@@ -31,7 +31,7 @@ import torch
 
 from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone, from_the_answer
 from exercises.grader.room import ROOT, answer_folder, give_to_answer, room_for, unprivileged
-from exercises.grader.sandbox import CGROUP_MEMORY, ENVIRONMENT, Cgroup, Sandbox
+from exercises.grader.sandbox import CGROUP_MEMORY, ENVIRONMENT, FOLDER_BYTES, Cgroup, Sandbox
 
 HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
@@ -145,7 +145,8 @@ class Running:
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
                                "user": self.user, "timeout": timeout, "cpu": cpu,
-                               "no_fork": cpu is not None, "environment": ENVIRONMENT})
+                               "no_fork": cpu is not None, "environment": ENVIRONMENT,
+                               "folder_bytes": FOLDER_BYTES})
             return
         start = [sys.executable]
         if ranks > 1:
@@ -188,6 +189,10 @@ class Running:
                                      f"{CGROUP_MEMORY / 2**30:.3g} GB of memory, the most an "
                                      "answer may have: look for data kept that is no longer "
                                      "needed, or copies.")
+            if ended.get("disk_full"):
+                raise ExerciseFailed("your answer filled its folder, "
+                                     f"{FOLDER_BYTES / 2**20:.0f} MB in all, the most an answer "
+                                     "may write: write only what the exercise asks for.")
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's
             # says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]

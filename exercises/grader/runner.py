@@ -17,9 +17,9 @@ in the grader's own hands (`follow` looks for it), and one that printed it faile
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
 project and the feed modules once, never loads an answer file, and for each answer forks a watcher
-(`watch`), which gives the answer a PID namespace of its own, forks the answer's process into it,
-drops its privileges, keeps the end of what it prints, and stops it at its limits. When the answer's
-process ends, whatever it left running ends with it."""
+(`watch`), which gives the answer a PID namespace of its own and a folder of bounded size, forks the
+answer's process into it, drops its privileges, keeps the end of what it prints, and stops it at its
+limits. When the answer's process ends, whatever it left running ends with it."""
 
 import contextlib
 import ctypes
@@ -32,6 +32,8 @@ import resource
 import select
 import shutil
 import signal
+import socket
+import stat
 import sys
 import time
 import traceback
@@ -191,10 +193,11 @@ def zygote():
 
 
 # Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>): Python 3.11's os has no unshare.
-CLONE_NEWNS, CLONE_NEWPID = 0x20000, 0x20000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
-    0x1, 0x2, 0x4, 0x8, 0x1000, 0x2000, 0x4000, 0x40000
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 36, 24, 38
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
+    0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = \
+    1, 4, 36, 24, 38
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 
@@ -207,27 +210,94 @@ def watch(request, report, zygote_fds):
     libc = ctypes.CDLL(None, use_errno=True)
     os.setsid()
     alone = libc.unshare(CLONE_NEWPID) == 0
+    beneath = own_disk(libc, request)
     # without a namespace, what the answer leaves comes back here
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     output, output_to = os.pipe()
+    # (as root: a user namespace the watcher maps for the answer, `no_user_namespaces`)
+    mapper, mapped = socket.socketpair() if os.geteuid() == 0 else (None, None)
     pid = os.fork()
     if pid == 0:
         try:
             # should the watcher die, the answer goes too
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
             os.close(output)
-            answer_process(request, output_to, [report, *zygote_fds])
+            if mapper is not None:
+                mapper.close()
+            # (nor the folder beneath its own, which the watcher holds open)
+            held = [report, *zygote_fds] + ([] if beneath is None else [beneath])
+            answer_process(request, output_to, held, mapped)
         except BaseException:  # noqa: BLE001 - before the answer ran: the grader's own failure
             traceback.print_exc()
         finally:
             os._exit(1)
     os.close(output_to)
+    if mapper is not None:
+        mapped.close()
+        map_user_namespace(libc, pid, mapper)
     ended = follow(pid, output, request["timeout"], request.get("cpu"), request["job"][4])
     # nothing, in a namespace of its own: its processes ended with the answer's
     stop_descendants(libc)
+    if beneath is not None:
+        ended["disk_full"] = results_copied_back(request, beneath)
     clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
+
+
+def own_disk(libc, request):
+    """Give the answer a folder of at most request["folder_bytes"] in all: in a mount namespace of
+    the watcher's own (which the answer's process inherits), a tmpfs of that size over the answer's
+    folder, holding copies of what the grader put there, and the folder of all the answers' folders
+    read-only around it, so that what the answer writes takes the machine's memory up to that size,
+    never its disk. Returns a descriptor of the folder beneath, to copy the answer's results back
+    to; None where no mount namespace can be made (a plain user without bwrap: check.py says so)."""
+    folder, user, size = request["folder"], request.get("user"), request.get("folder_bytes")
+    if size is None:
+        return None
+    beneath = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    if libc.unshare(CLONE_NEWNS) != 0 or \
+            libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        os.close(beneath)
+        return None
+    # (no one but this watcher may read the descriptor through /proc)
+    libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    around = os.path.dirname(folder).encode()
+    options = f"size={size},mode=0700" + (f",uid={user[0]},gid={user[1]}" if user else "")
+    if libc.mount(around, around, None, MS_BIND | MS_REC, None) != 0 or \
+            libc.mount(None, around, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV,
+                       None) != 0 or \
+            libc.mount(b"tmpfs", folder.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                       options.encode()) != 0:
+        raise OSError(ctypes.get_errno(), "the answer's folder could not be made")
+    shutil.copytree(f"/proc/self/fd/{beneath}", folder, symlinks=True, dirs_exist_ok=True)
+    if user is not None:
+        for path in [Path(folder), *Path(folder).rglob("*")]:
+            os.chown(path, *user, follow_symlinks=False)
+    return beneath
+
+
+def results_copied_back(request, beneath):
+    """Copy the answer's results (OUTPUTS, and OUTPUTS.r of rank r) from its folder to the folder
+    beneath (`beneath`, a descriptor), where the grader reads them: plain files only, no link
+    followed. Returns whether the answer's folder was full (what it wrote stopped at its size)."""
+    folder, name = request["folder"], os.path.basename(request["job"][3])
+    full = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < 2**20
+    no_follow = os.O_NOFOLLOW | os.O_NONBLOCK
+    for entry in os.listdir(folder):
+        if entry != name and not entry.startswith(name + "."):
+            continue
+        with contextlib.suppress(OSError):
+            source = os.open(os.path.join(folder, entry), os.O_RDONLY | no_follow)
+            with os.fdopen(source, "rb") as read:
+                if not stat.S_ISREG(os.fstat(source).st_mode):
+                    continue
+                target = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | no_follow, 0o644,
+                                 dir_fd=beneath)
+                with os.fdopen(target, "wb") as write:
+                    shutil.copyfileobj(read, write)
+    os.close(beneath)
+    return full
 
 
 # The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
@@ -276,9 +346,10 @@ def opened_and_removed(function, path, _):
             function(path)
 
 
-def answer_process(request, output, close):
+def answer_process(request, output, close, mapped=None):
     """Become the answer's process: output to the watcher, no stdin, nothing of the zygote's open,
-    limits, no privileges, then the job (or torchrun, which starts one runner per rank)."""
+    limits, no user namespace of its own (`mapped`: as root, its end of the watcher's socket that
+    maps one), no privileges, then the job (or torchrun, which starts one runner per rank)."""
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.dup2(output, 1)
@@ -303,7 +374,11 @@ def answer_process(request, output, close):
         hard = resource.getrlimit(limit)[1]
         value = value if hard == resource.RLIM_INFINITY else min(value, hard)
         resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
+    if mapped is not None:
+        no_user_namespaces(mapped)
     drop_privileges(request.get("user"))
+    # (the watcher is not, so that the folder beneath the answer's stays out of reach through /proc)
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
         del os.environ[name]
     os.environ.update(request["environment"], HOME=request["folder"])
@@ -315,6 +390,44 @@ def answer_process(request, output, close):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def no_user_namespaces(mapped):
+    """Make no more user namespaces possible for the answer's processes (one is a way to
+    capabilities, and to the kernel's less tried code): as root, where bwrap --disable-userns would
+    need a user namespace of the sandbox's that also holds the answers' user ids, the answer's
+    process makes its own, which the watcher maps to the same users (`map_user_namespace`, over
+    `mapped`), and, root there, sets the number of user namespaces inside it to 0 before it drops
+    its privileges."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    with mapped:
+        if libc.unshare(CLONE_NEWUSER) != 0:
+            return  # (where root makes none, neither does the answer's user)
+        mapped.sendall(b"made")
+        if mapped.recv(6) != b"mapped":
+            raise OSError("the watcher did not map the answer's user namespace")
+        Path("/proc/sys/user/max_user_namespaces").write_text("0")
+        mapped.sendall(b"set")
+        mapped.recv(6)  # (/proc/sys read-only again)
+
+
+def map_user_namespace(libc, pid, mapper):
+    """The watcher's side of no_user_namespaces: map the user namespace of the answer's process
+    `pid` to the same users and groups, and make /proc/sys (read-only in bwrap) writable while the
+    answer's process, still the grader's code, writes its number of user namespaces there."""
+    mapper.settimeout(60)
+    with mapper:
+        if mapper.recv(4) != b"made":
+            return
+        for name in ("uid_map", "gid_map"):
+            Path(f"/proc/{pid}/{name}").write_text("0 0 4294967295")
+        opened = libc.mount(None, b"/proc/sys", None, MS_BIND | MS_REMOUNT, None) == 0
+        mapper.sendall(b"mapped")
+        mapper.recv(3)
+        if opened:
+            libc.mount(None, b"/proc/sys", None,
+                       MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+        mapper.sendall(b"closed")
 
 
 def drop_privileges(user):

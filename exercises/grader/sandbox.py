@@ -32,6 +32,8 @@ from pathlib import Path
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
 TMP_BYTES = 2 * 2**30  # the sandbox's /tmp, which the training checks write their runs into
+# an answer's own folder, all its files together (a tmpfs: its inputs and results are small)
+FOLDER_BYTES = 2**30
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
 
 
@@ -145,6 +147,8 @@ class Sandbox:
             line = (f"grading without bubblewrap ({self.reason}): each answer runs in the room "
                     "alone "
                     f"(exercises/grader/room.py), which shares this machine's disk and network")
+            if os.geteuid() != 0:  # (no mount namespace for its tmpfs: runner.own_disk)
+                line += "; nothing limits the disk an answer's folder takes but 1 GB a file"
             if os.geteuid() == 0 and self.closed and not self.as_grader:
                 line += (f"; {opened} closed to other users, and opened to each answer alone "
                          f"(Python lives there)")
