@@ -485,8 +485,7 @@ def read_into(state, folder):
         try:
             dcp.load(state, storage_reader=Reader(folder), planner=Planner(),
                      no_dist=not torch.distributed.is_initialized())
-        # A piece's bytes may make torch.load raise any of several kinds.
-        except DCP_ERRORS as error:
+        except DCP_ERRORS as error:  # a piece's bytes may make torch.load raise any kind
             failures = getattr(error, "failures", None)  # DCP's: {rank: (error, stack)}
             kind = type(failures[min(failures)][0] if failures else error).__name__
             raise MetadataRefused(f"the pieces in {folder} cannot be read ({kind}), so they are "
@@ -540,8 +539,7 @@ def read_metadata(folder):
             metadata = MetadataUnpickler(f).load()
         except MetadataRefused:
             raise
-        # Random bytes make pickle raise any of several kinds.
-        except Exception as error:  # noqa: BLE001
+        except Exception as error:  # noqa: BLE001 - random bytes make pickle raise any kind
             raise MetadataRefused(f"it is no pickle DCP wrote ({type(error).__name__})") from None
     if not isinstance(metadata, Metadata):
         raise MetadataRefused(f"it holds a {type(metadata).__name__}, not DCP's Metadata")
