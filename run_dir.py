@@ -487,6 +487,17 @@ def read_bucket(c, out_dir, run_config):
     return steps, not difference
 
 
+def bucket_run_config(url):
+    """The config of the run whose checkpoints checkpoint.remote_folder holds (fields added since:
+    their defaults), or None when it holds no complete checkpoint or no readable config."""
+    from lab import remote
+
+    bucket_config, bucket_steps = remote.read_run(url)
+    if bucket_steps and bucket_config:
+        return with_defaults(bucket_config)
+    return None
+
+
 def fetch_from_bucket(out_dir, url, bucket_steps, rewind_to):
     """checkpoint.remote_folder: the checkpoint to resume from, downloaded into `step<N>.download`,
     or None: the bucket's newest when out_dir has no valid checkpoint as new (a fresh node after a
@@ -727,10 +738,7 @@ def use_load_path_shape(cfg, default_config):
     saved = read_trainer_state(own)["config"] if own else None
     # a fresh node: the run's own is in the bucket
     if saved is None and ck.remote_folder and ck.load != "never":
-        from lab import remote
-        bucket_config, bucket_steps = remote.read_run(ck.remote_folder)
-        # fields added since: defaults
-        saved = with_defaults(bucket_config) if bucket_steps and bucket_config else None
+        saved = bucket_run_config(ck.remote_folder)
     if saved:  # a run resumes its own checkpoint, whose shape it has, whatever load_path says now
         use_source_shape(saved["model"], cfg.model, saved["checkpoint"].get("load_path"),
                          "the run's own checkpoint", default_config)

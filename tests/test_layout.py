@@ -107,14 +107,9 @@ def test_layers_point_one_way():
     assert reaching_up == [], reaching_up
 
 
-# Modules not yet rewrapped to 100 columns (120 at most, as the tests, tools and exercises).
-NOT_YET_AT_100 = {"lab/fsdp.py"}
-
-
 def test_lines_of_the_modules_are_at_most_100_characters():
     """The core, configurator/ and lab/."""
     long = [f"{p.relative_to(ROOT)}:{number}" for p in modules()
-            if p.relative_to(ROOT).as_posix() not in NOT_YET_AT_100
             for number, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 100]
     assert long == [], long
 
