@@ -316,13 +316,14 @@ def test_flops_per_token_is_palms_6n_plus_attention():
     assert net.flops_per_token() == 6 * n + 12 * layers * heads * head_dim * context == 855_383_040
 
 
-def test_adamw_is_fused_on_cuda_and_plain_on_cpu():
+def test_adamw_is_fused_on_cuda_and_cpu_and_plain_on_mps():
     from config import OptimConfig
     from optimizer import build_optimizer
     net = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=16, block_size=8))
     from plan import DEVICES
     assert build_optimizer(net, OptimConfig(), DEVICES["cuda"].fused_optimizer).defaults["fused"]
-    assert not build_optimizer(net, OptimConfig(), DEVICES["cpu"].fused_optimizer).defaults["fused"]
+    assert build_optimizer(net, OptimConfig(), DEVICES["cpu"].fused_optimizer).defaults["fused"]
+    assert not build_optimizer(net, OptimConfig(), DEVICES["mps"].fused_optimizer).defaults["fused"]
 
 
 def test_training_attention_asks_sdpa_for_its_causal_path_without_a_mask(monkeypatch):
