@@ -196,14 +196,14 @@ def steps_of_the_quick_start(data_root, out):
 def test_the_quick_starts_step_visits_few_functions_and_files(data_root, tmp_path):
     """An ordinary step at most 21 project functions over 6 files (nanoGPT: 7 over 2; nanochat about
     15-20 over 5-6; the fused loss asks loss_slice_rows for its slices' size); a step where evaluation, the
-    console line, a checkpoint and samples are all due at most 45 over 8 (its second time: the first imports the
+    console line, a checkpoint and samples are all due at most 46 over 8 (its second time: the first imports the
     sampler)."""
     steps = steps_of_the_quick_start(data_root, tmp_path / "run")
     ordinary, all_due = steps[6], steps[8]
     files = collections.Counter(file for file, _ in ordinary)
     assert len(ordinary) <= 21 and len(files) <= 6, sorted(ordinary)
     files = collections.Counter(file for file, _ in all_due)
-    assert len(all_due) <= 45 and len(files) <= 8, sorted(all_due)
+    assert len(all_due) <= 46 and len(files) <= 8, sorted(all_due)
 
 
 def test_the_readme_is_at_most_250_lines():
