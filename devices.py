@@ -153,7 +153,7 @@ DEVICES = {
         prepare=nothing, synchronize=nothing, copy_event=None, memory=cpu_memory,
         autocast_dtype=nothing, peak_flops=nothing, pin_memory=False, compile=False,
         # fused AdamW: one vectorised pass over the 7 M parameters of the quick start, 3.5x faster
-        # than the per-tensor loops on 2 cores (docs/measurements.md)
+        # than the per-tensor loops on one core (docs/measurements.md)
         fused_optimizer=True, compiled_loss_path="chunked", rng_state=None, set_rng_state=None,
         capacity=cpu_capacity),
 }

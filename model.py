@@ -360,7 +360,7 @@ def parameter_kinds(model):
 # rows, by device type, measured (docs/measurements.md): as many as the matrix kernels need to run
 # near their rate, and no more than LOSS_SLICE_VALUES logits hold. On a CPU the logits' matmul (rows
 # x width times width x vocabulary) runs well below the cores' rate under about 128 rows; 256 rows
-# were fastest at the quick start's and nanoGPT's shapes (50 MB of float32 logits). On CUDA as many
+# were fastest at the quick start's and nanoGPT's shapes (51 MB of float32 logits). On CUDA as many
 # as 2 GiB of logits hold, so a GPT-2 micro-batch is a handful of slices, each big enough to fill
 # the GPU.
 LOSS_SLICE_ROWS = {"cpu": 256, "cuda": None}  # None: as many as LOSS_SLICE_VALUES allows
