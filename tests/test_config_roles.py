@@ -188,7 +188,7 @@ def test_the_optimizer_uses_the_config_in_force_after_a_resume(source, data_root
     with contextlib.ExitStack() as stack:
         run = train.build_run(cfg, stack)
         assert run.resumed and run.state.step == 2
-        fresh = build_optimizer(run.raw_model, cfg.optim)
+        fresh = build_optimizer(run.raw_model, cfg.optim, run.place.kind.fused_optimizer)
         in_force = [{k: v for k, v in g.items() if k != "params"} for g in run.optimizer.param_groups]
         assert in_force == [{k: v for k, v in g.items() if k != "params"} for g in fresh.param_groups]
         assert in_force[0]["peak_lr"] == 2e-3 and in_force[0]["weight_decay"] == 0.05
