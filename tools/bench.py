@@ -249,7 +249,9 @@ def report(results, target):
         median = statistics.median(times) if len(times) == len(repeats) else None
         first = median if first is None else first
         ratio = f"{median / first:.2f}x" if median and first else "-"
-        shown = " ".join(f"{t:.1f}" for t in times) + (" (not reached)" * (len(times) < len(repeats)))
+        shown = " ".join(f"{t:.1f}" for t in times)
+        if len(times) < len(repeats):
+            shown += " (not reached)"
         line = f"{run or '(default)'!s:60} {shown:28} median {median or float('nan'):7.1f}  {ratio:6}"
         line += f" steps {' '.join(map(str, steps))}"
         exits = [r["exit"] for r in repeats if r["exit"] is not None]
