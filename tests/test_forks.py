@@ -633,6 +633,23 @@ class GPT(model.GPT):
 """
 
 
+def train_checking_fast_paths(tmp_path, args, source, steps):
+    """Train the GPT file `source` with samples and a task scored at every step, so the loop checks their fast
+    paths each time: (the file, the run folder, the run's output, its warnings)."""
+    from conftest import run_train, tiny_task_data
+
+    module = tmp_path / "my_gpt.py"
+    module.write_text(source)
+    run_dir = tmp_path / "run"
+    trained = run_train([*args[:-1], f"--train.model_module={module}", f"--train.max_steps={steps}",
+                         "--eval.interval=0", "--eval.tasks=hellaswag", "--eval.tasks_interval=1",
+                         "--eval.tasks_limit=2", f"--eval.tasks_data_dir={tiny_task_data()}",
+                         "--eval.sample_interval=1", "--eval.sample_tokens=2", f"--train.out_dir={run_dir}",
+                         args[-1]])
+    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    return module, run_dir, trained, warnings
+
+
 @pytest.mark.parametrize("source, refused_by, turned_off", [
     (ROPE_FROM_THE_CACHE, {"sample.py": "make its forward with kv_cache compute what it computes without",
                            "hellaswag_eval.py": "give the fork a score_tokens"}, ("tasks", "samples")),
@@ -642,16 +659,9 @@ def test_a_fork_whose_fast_path_computes_otherwise_is_refused_by_the_tools_and_w
         tmp_path, args, source, refused_by, turned_off):
     import hellaswag_eval
     import sample
-    from conftest import run_in_process, run_train, tiny_task_data
+    from conftest import run_in_process, tiny_task_data
 
-    module = tmp_path / "my_gpt.py"
-    module.write_text(source)
-    run_dir = tmp_path / "run"
-    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=2", "--eval.interval=0",
-                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
-                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
-                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
-    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    module, run_dir, trained, warnings = train_checking_fast_paths(tmp_path, args, source, steps=2)
     assert [line.rsplit("; ", 1)[1] for line in warnings] == [f"{what} are off for this run." for what in turned_off]
     assert not any(key.startswith("eval/") for row in metrics(run_dir) for key in row)  # no task scored
     assert ("--- step" in trained.stdout) == ("samples" not in turned_off)
@@ -671,16 +681,9 @@ def test_a_rope_fork_at_gpt2_scale_is_refused_by_the_tools_and_warned_of_when_it
     sampling, so a path that passes at first is turned off where it drifts; the tools refuse the run's weights."""
     import hellaswag_eval
     import sample
-    from conftest import run_in_process, run_train, tiny_task_data
+    from conftest import run_in_process, tiny_task_data
 
-    module = tmp_path / "my_gpt.py"
-    module.write_text(ROPE_AT_GPT2_SCALE)
-    run_dir = tmp_path / "run"
-    trained = run_train([*args[:-1], f"--train.model_module={module}", "--train.max_steps=6", "--eval.interval=0",
-                         "--eval.tasks=hellaswag", "--eval.tasks_interval=1", "--eval.tasks_limit=2",
-                         f"--eval.tasks_data_dir={tiny_task_data()}", "--eval.sample_interval=1",
-                         "--eval.sample_tokens=2", f"--train.out_dir={run_dir}", args[-1]])
-    warnings = [line for line in trained.stderr.splitlines() if line.startswith("warning:")]
+    module, run_dir, trained, warnings = train_checking_fast_paths(tmp_path, args, ROPE_AT_GPT2_SCALE, steps=6)
     assert {line.rsplit("; ", 1)[1] for line in warnings} == {"samples are off for this run.",
                                                               "tasks are off for this run."}, trained.stderr
     tasks_off = int(next(line for line in warnings if line.endswith("tasks are off for this run."))
