@@ -316,10 +316,12 @@ def shares_text(mix):
     return ", ".join(f"{name} {share:.1%}" for name, share in mix)
 
 
-def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch, loss_why=""):
+def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoch, compiled,
+                 loss_why=""):
     """The start-up summary a student reads: the model's size, the batch and the run's cost, from
-    the model and plan; `loss_why`: why the model computes its loss as it does (train.py decided it,
-    model.choose_fast_loss; "" before that, in a dry run)."""
+    the model and plan; `compiled`: whether the loop calls torch.compile's form of the model (the
+    run's own; a dry run's from the config); `loss_why`: why the model computes its loss as it does
+    (train.py decided it, model.choose_fast_loss; "" before that, in a dry run)."""
     params, non_embedding = raw_model.num_params(), raw_model.num_params(non_embedding=True)
     tokens = plan.max_steps * plan.tokens_per_step
     stop = ""
@@ -334,7 +336,7 @@ def describe_run(cfg, raw_model, plan, *, world_size, device, sequences_per_epoc
     return (f"model: {params:,} parameters ({non_embedding:,} non-embedding); {world_size} rank(s) "
             f"on {device}, {plan.grad_accum_steps} micro-step(s) per step; output layer + loss: "
             f"{loss_description(raw_model, micro_batch_tokens, device_type, loss_why)}"
-            f"{'; torch.compile' if is_compiled(cfg, device_type) else ''}\n"
+            f"{'; torch.compile' if compiled else ''}\n"
             f"run: {plan.max_steps:,} steps x {plan.tokens_per_step:,} tokens = {tokens:,} tokens "
             f"({tokens / non_embedding:.1f} per non-embedding parameter; {data}), "
             f"{raw_model.flops_per_token() * tokens:.3g} training FLOPs{stop}\n"

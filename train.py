@@ -499,7 +499,7 @@ def build_run(cfg, stack):
     if place.is_master:
         print(describe_run(cfg, raw_model, plan, world_size=place.world_size, device=place.device,
                            sequences_per_epoch=stages.loaders[0][1].num_sequences,
-                           loss_why=loss_why))
+                           compiled=compiled, loss_why=loss_why))
     stack.callback(run_dir.register_stack_dump(cfg.train.out_dir, place.rank))
     books = start_bookkeeping(cfg, place, plan, replaced, start.replace_bucket, config_dict, stack,
                               wandb_run)

@@ -19,7 +19,7 @@ from optimizer import build_schedule, param_groups
 from prepare_data import dataset_ready, ensure_dataset
 from lab.auto_batch import resolve_batch_size
 from devices import device_kind, pick_device
-from plan import describe_run, loss_path_on, make_plan, shares_text
+from plan import describe_run, is_compiled, loss_path_on, make_plan, shares_text
 from optimizer import period_ends
 
 
@@ -57,7 +57,8 @@ def dry_run(cfg):
     schedule = build_schedule(cfg.optim, plan.max_steps)
     saves = plan.checkpoint_steps()
     print(describe_run(cfg, raw_model, plan, world_size=world_size, device=device,
-                       sequences_per_epoch=sequences_per_epoch))
+                       sequences_per_epoch=sequences_per_epoch,
+                       compiled=is_compiled(cfg, torch.device(device).type)))
     if missing:
         hint = prepare_hint(dataset_dir(cfg.data.data_root, missing[0]))[:-1]
         print(f"data: {', '.join(missing)} not prepared yet ({hint})")
