@@ -36,11 +36,18 @@ def pytest_unconfigure(config):
         shutil.rmtree(folder, ignore_errors=True)
 
 
+# All that the tests and the programs they start put in the system temp folder (pytest's tmp_path folders,
+# inductor's compiled kernels, the ladder's and dry run's plots, the course's graded copies) goes to one
+# folder of this session instead, through TMPDIR, which Python's tempfile and the processes started inherit.
+# A test process started by another (pytest-xdist's workers) finds its starter's folder in the environment
+# and leaves it to the starter to remove.
+if "NANOGPT_TEST_TEMP" not in os.environ:
+    os.environ["NANOGPT_TEST_TEMP"] = os.environ["TMPDIR"] = temp_folder("nanogpt-lab-tests-")
+    os.chmod(MADE_IN_TEMP[-1], 0o755)  # (the course's tests grade as `nobody`, in folders made in here)
+tempfile.tempdir = os.environ["NANOGPT_TEST_TEMP"]  # (tempfile read TMPDIR once, when first asked)
 # Checkpoints read from a bucket are cached by URL (remote.local_copy); the tests' go to a folder of their own,
-# not the user's ~/.cache, and start empty each session. A test process started by another (pytest-xdist's
-# workers) finds its starter's folder in the environment and leaves it to the starter to remove.
-if "NANOGPT_REMOTE_CACHE" not in os.environ:
-    os.environ["NANOGPT_REMOTE_CACHE"] = temp_folder("nanogpt-lab-remote-cache-")
+# not the user's ~/.cache, and start empty each session.
+os.environ.setdefault("NANOGPT_REMOTE_CACHE", os.path.join(tempfile.tempdir, "remote-cache"))
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))

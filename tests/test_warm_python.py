@@ -24,19 +24,22 @@ def test_a_warm_child_is_a_process_of_its_own_that_exits_as_python_does(tmp_path
 
 
 def test_the_suites_helpers_leave_the_system_temp_folder_as_they_found_it(tmp_path):
-    """tests/conftest.py's folders in the system temp folder (the bucket cache, the small task sets) are
-    gone when the session ends, with pytest-xdist's workers as without."""
+    """tests/conftest.py's folders in the system temp folder (the bucket cache, the small task sets),
+    pytest's own (tmp_path) and what a test or a program it starts writes there are gone when the
+    session ends, with pytest-xdist's workers as without."""
     (tmp_path / "test_helpers.py").write_text(
-        "from conftest import tiny_task_data\n\n\ndef test_task_data():\n    assert tiny_task_data()\n\n\n"
-        "def test_nothing():\n    pass\n")
+        "import subprocess, sys, tempfile\nfrom conftest import tiny_task_data\n\n\n"
+        "def test_task_data(tmp_path):\n    assert tiny_task_data() and tmp_path.is_dir()\n\n\n"
+        "def test_a_program_writes_in_the_temp_folder():\n    tempfile.mkdtemp()\n"
+        "    subprocess.run([sys.executable, '-c', 'import tempfile; tempfile.mkstemp()'], check=True)\n")
     temp = tmp_path / "temp"
     temp.mkdir()
-    env = {name: value for name, value in os.environ.items() if name != "NANOGPT_REMOTE_CACHE"}
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("NANOGPT_REMOTE_CACHE", "NANOGPT_TEST_TEMP", "PYTEST_XDIST_WORKER")}
     env.update(TMPDIR=str(temp), PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), env.get("PYTHONPATH", "")]))
     for workers in ("0", "2"):
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-                                 "-n", workers, f"--basetemp={tmp_path / 'base'}", f"--rootdir={tmp_path}",
-                                 "test_helpers.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                                timeout=300)
+                                 "-n", workers, f"--rootdir={tmp_path}", "test_helpers.py"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert list(temp.iterdir()) == [], workers
