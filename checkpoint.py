@@ -41,8 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint_folder import (MARKER, doomed, find_checkpoints, is_complete_checkpoint,
-                               read_marker, sha256_file)
+from checkpoint_folder import (MARKER, doomed, find_checkpoints, first_link,
+                               is_complete_checkpoint, read_marker, sha256_file)
 from config import UserError, config_from_dict, keys_with_role, run_command, with_defaults
 from devices import DEVICES
 from metrics import metrics_snapshots, warn_slow
@@ -63,9 +63,21 @@ class UntrustedCheckpoint(CheckpointError):
     checkpoint in silence."""
 
 
+def refuse_links(path):
+    """UntrustedCheckpoint when a file or folder in checkpoint folder `path` is a link: checked by
+    every reader, before the checksums and before each file is read."""
+    link = first_link(path)
+    if link:
+        raise UntrustedCheckpoint(f"{link} is a link (to {os.readlink(link)}), and a checkpoint is "
+                                  "read only from its own files, so it is not loaded: put the file "
+                                  "itself in its place (`cp -rL` copies a folder with its links as "
+                                  "files), or give another checkpoint.")
+
+
 def verify_checkpoint(path):
-    """Raise CheckpointError, before any file is loaded, unless every file matches its checksum (and
-    sharded/'s .metadata passes check_sharded_metadata)."""
+    """Raise CheckpointError, before any file is loaded, unless no file is a link, every file
+    matches its checksum, and sharded/'s .metadata passes check_sharded_metadata."""
+    refuse_links(path)
     marker = read_marker(path)
     if marker is None:
         raise CheckpointError(f"{path} has a missing or unreadable {MARKER} marker")
@@ -423,7 +435,9 @@ FILE_CONTENTS = {"model.pt": ("weights by name", holds_weights),
 def read_file(path, name, device="cpu", mmap=False):
     """torch.load(weights_only=True) of checkpoint file `name` in `path`: one sentence when it is
     not what this trainer writes there (an object weights_only refuses to build, or another kind of
-    value)."""
+    value). A reader that did not verify the folder first (the start reads the config of the newest
+    checkpoint) still meets refuse_links."""
+    refuse_links(path)
     file_path = os.path.join(path, name)
     what, holds = FILE_CONTENTS[name]
     try:

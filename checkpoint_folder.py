@@ -64,6 +64,17 @@ def newest_checkpoint(run_dir):
     return found[-1][1] if found else None
 
 
+def first_link(path):
+    """The first file or folder inside checkpoint folder `path` that is a link (its path), or None.
+    A checkpoint is read only from its own files: a link may point anywhere, to a file that passes
+    the checksum today and changes tomorrow. `path` itself may be a link (the run's `latest`)."""
+    for folder, folders, files in os.walk(path):  # (never into a linked folder: it is named here)
+        for name in sorted(folders + files):
+            if os.path.islink(os.path.join(folder, name)):
+                return os.path.join(folder, name)
+    return None
+
+
 def sha256_file(path):
     digest = hashlib.sha256()
     with open(path, "rb") as f:

@@ -57,11 +57,73 @@ def cpu_memory(device):
     return values
 
 
+# The memory files of each cgroup version, as the kernel's cgroup docs name them: the hierarchy's
+# folder under /sys/fs/cgroup, the limit, the use, and memory.stat's line of the file cache the
+# kernel drops first. v2: Documentation/admin-guide/cgroup-v2.rst; v1: .../cgroup-v1/memory.rst.
+CGROUP_MEMORY = {"v2": ("", "memory.max", "memory.current", "inactive_file"),
+                 "v1": ("memory", "memory.limit_in_bytes", "memory.usage_in_bytes",
+                        "total_inactive_file")}
+NO_LIMIT = 2**62  # v1 writes "no limit" as 9223372036854771712 (2**63 - 1 cut to whole pages)
+
+
+def read_number(path, line_name=None):
+    """The number in a cgroup file (of its line `line_name`, in memory.stat), or None: missing,
+    unreadable, or not a number (v2 writes "max" for no limit)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        if line_name is not None:
+            text = next((line.split()[1] for line in text.splitlines()
+                         if line.split()[:1] == [line_name]), "")
+        return int(text)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def cgroup_memory_left(proc="/proc", cgroup_root="/sys/fs/cgroup"):
+    """The bytes this process's memory cgroups still let it have, or None where none limits it.
+    In a container (Docker, Kubernetes, a Slurm job) /proc/meminfo shows the host's memory, while
+    the kernel ends the process at its cgroup's limit. /proc/self/cgroup names the cgroup (v2: the
+    `0::/path` line; v1: the line that names `memory`); its limit and each one above it hold (a
+    cgroup's use counts in its parents'), so the smallest headroom counts. The use leaves out the
+    file cache the kernel drops first (inactive_file, as Kubernetes counts a container's working
+    set). A missing or unreadable file is no limit from there."""
+    try:
+        with open(os.path.join(proc, "self", "cgroup")) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    left = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        number, controllers, path = line.split(":", 2)
+        if number == "0" and not controllers:
+            version = "v2"
+        elif "memory" in controllers.split(","):
+            version = "v1"
+        else:
+            continue
+        hierarchy, limit_file, use_file, cache_line = CGROUP_MEMORY[version]
+        parts = [part for part in path.split("/") if part]
+        # The root, then each cgroup down to the process's: a container often sees its own cgroup
+        # as the root, while /proc/self/cgroup names it by the host's path.
+        for depth in range(len(parts) + 1):
+            folder = os.path.join(cgroup_root, hierarchy, *parts[:depth])
+            limit = read_number(os.path.join(folder, limit_file))
+            if limit is None or limit >= NO_LIMIT:
+                continue
+            used = read_number(os.path.join(folder, use_file)) or 0
+            cache = read_number(os.path.join(folder, "memory.stat"), cache_line) or 0
+            left.append(max(0, limit - max(0, used - cache)))
+    return min(left, default=None)
+
+
 def cpu_capacity(device):
     """The bytes of memory this process can still get, not the machine's total: what the kernel
     says is available (MemAvailable: free memory and caches it can drop; the total without
-    /proc), and no more than its address-space limit (`ulimit -v`, RLIMIT_AS) leaves beyond what
-    the process maps already."""
+    /proc), and no more than its memory cgroups (a container's limit, cgroup_memory_left) or its
+    address-space limit (`ulimit -v`, RLIMIT_AS) leave beyond what the process maps already."""
     page = os.sysconf("SC_PAGE_SIZE")
     have = page * os.sysconf("SC_PHYS_PAGES")
     if os.path.exists("/proc/meminfo"):
@@ -75,7 +137,8 @@ def cpu_capacity(device):
             with open("/proc/self/statm") as f:
                 mapped = int(f.read().split()[0]) * page
         have = min(have, max(0, limit - mapped))
-    return have
+    cgroup_left = cgroup_memory_left()
+    return have if cgroup_left is None else min(have, cgroup_left)
 
 
 def cuda_peak_flops(device):

@@ -547,21 +547,11 @@ def read_metadata(folder):
 
 
 def check_metadata(path, files, marker):
-    """`path`/sharded/.metadata unpickled with DCP's own classes only (read_metadata), every piece
-    file it names listed in `files`, the checkpoint's `marker` (checkpoint.py), and none of them
-    (nor sharded/) a link: MetadataRefused, a sentence naming the file, otherwise."""
+    """`path`/sharded/.metadata unpickled with DCP's own classes only (read_metadata), and every
+    piece file it names listed in `files`, the checkpoint's `marker` (checkpoint.py, which refuses
+    links first): MetadataRefused, a sentence naming the file, otherwise."""
     folder = os.path.join(path, FOLDER)
     metadata_file = os.path.join(folder, ".metadata")
-    # A link, to anywhere: DCP would read a file that is not the checkpoint's own, and one that may
-    # change.
-    linked = [name for name in [FOLDER, *sorted(files)] if name.split("/")[0] == FOLDER
-              and os.path.islink(os.path.join(path, name))]
-    if linked:
-        link = os.path.join(path, linked[0])
-        raise MetadataRefused(f"{link} is a link (to {os.readlink(link)}), and a checkpoint is "
-                              f"read only from its own files, so it is not loaded: put the file "
-                              f"itself in its place (`cp -rL` copies a folder with its links as "
-                              f"files), or give another checkpoint.")
     if f"{FOLDER}/.metadata" not in files:
         raise MetadataRefused(f"{metadata_file} is not listed in {os.path.join(path, marker)}, so "
                               f"it is not read; give a checkpoint this trainer saved whole.")

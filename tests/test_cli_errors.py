@@ -171,3 +171,19 @@ def test_weights_that_fit_the_machine_but_not_the_process_are_one_sentence_befor
     assert_one_sentence(result, "block_size=12000000", "for its weights alone", "this process can get on this CPU",
                         "make it smaller")
     assert not out.exists()
+
+
+def test_weights_that_fit_the_machine_but_not_the_container_are_one_sentence_before_they_are_built(
+        data_root, tmp_path, monkeypatch):
+    """A container's memory limit (its cgroup's) is what the process can get, whatever /proc/meminfo says of the
+    host: weights above it are refused in one sentence, with nothing written."""
+    import devices
+    import train
+
+    monkeypatch.setattr(devices, "cgroup_memory_left", lambda: 10**6)  # 1 MB; the weights need about 7 MB
+    out = tmp_path / "run"
+    result = run_in_process([*TINY, "--train.device=cpu", f"--data.data_root={data_root}",
+                             f"--train.out_dir={out}"], train.main)
+    assert_one_sentence(result, "for its weights alone, more than the 0.0 GB this process can get on this CPU",
+                        "make it smaller")
+    assert not out.exists()

@@ -105,6 +105,36 @@ def test_a_micro_batch_fit_to_gpu_memory_is_refused_on_mps_in_one_sentence():
         resolve_batch_size(cfg, model, 1, "mps", False)
 
 
+NO_LIMIT_V1 = "9223372036854771712"  # what cgroup v1's memory.limit_in_bytes holds without a limit
+
+
+@pytest.mark.parametrize("files, left", [
+    # cgroup v2: the process's own cgroup, less the file cache the kernel drops first; "max" is no limit
+    ({"proc/self/cgroup": "0::/kubepods/pod1\n", "sys/kubepods/memory.max": "max",
+      "sys/kubepods/pod1/memory.max": f"{4 * GIB}", "sys/kubepods/pod1/memory.current": f"{3 * GIB}",
+      "sys/kubepods/pod1/memory.stat": f"anon 5\ninactive_file {GIB}\n"}, 2 * GIB),
+    # a parent's limit holds its children: the smallest headroom counts
+    ({"proc/self/cgroup": "0::/slurm/job7\n", "sys/slurm/memory.max": f"{3 * GIB}",
+      "sys/slurm/memory.current": f"{2 * GIB}", "sys/slurm/job7/memory.max": f"{2 * GIB}"}, GIB),
+    # cgroup v1: the memory hierarchy's line; the root's "no limit" is a huge number
+    ({"proc/self/cgroup": "4:cpu,cpuacct:/docker/abc\n3:memory:/docker/abc\n0::/\n",
+      "sys/memory/memory.limit_in_bytes": NO_LIMIT_V1, "sys/memory/docker/abc/memory.limit_in_bytes": f"{GIB}",
+      "sys/memory/docker/abc/memory.usage_in_bytes": f"{GIB // 4}"}, 3 * GIB // 4),
+    # a container that sees its own cgroup as the root, under the host's path
+    ({"proc/self/cgroup": "3:memory:/docker/abc\n", "sys/memory/memory.limit_in_bytes": f"{GIB}"}, GIB),
+    ({"proc/self/cgroup": "0::/user.slice\n", "sys/user.slice/memory.max": "max"}, None),
+    ({"proc/self/cgroup": "3:memory:/\n", "sys/memory/memory.limit_in_bytes": NO_LIMIT_V1}, None),
+    ({"proc/self/cgroup": "0::/gone\n3:memory:/gone\n"}, None),  # the files it names are missing
+    ({"proc/self/cgroup": "0::/\n", "sys/memory.max": "lots"}, None),  # unreadable as a number
+    ({}, None),  # no /proc
+])
+def test_the_memory_check_reads_the_limit_of_the_processs_cgroup(tmp_path, files, left):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert devices.cgroup_memory_left(str(tmp_path / "proc"), str(tmp_path / "sys")) == left
+
+
 def test_auto_picks_cuda_then_mps_then_the_cpu(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setitem(devices.DEVICES, "cuda", dataclasses.replace(devices.DEVICES["cuda"], available=lambda: True))

@@ -277,6 +277,62 @@ def rewrite(checkpoint_dir, name, obj):
     (checkpoint_dir / "COMPLETE").write_text(json.dumps(marker))
 
 
+def every_file(root):
+    """{path: (size, mtime)} of every file under `root`: what a refused command must leave as it was."""
+    found = {}
+    for folder, _, names in os.walk(root):
+        for name in names:
+            status = os.lstat(os.path.join(folder, name))
+            found[os.path.join(folder, name)] = (status.st_size, status.st_mtime_ns)
+    return found
+
+
+def test_a_file_of_a_checkpoint_that_is_a_link_is_refused_by_every_reader_and_nothing_is_written(
+        tiny_run, data_root, tmp_path):
+    """model.pt as a link to a copy of itself outside the checkpoint (its checksum passes): train.py's resume,
+    sample.py and hellaswag_eval.py each refuse it in one sentence, and write nothing."""
+    import shutil
+
+    import hellaswag_eval
+    import sample
+    import train
+    from conftest import assert_one_sentence
+
+    out, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    shutil.copytree(tiny_run, out, symlinks=True)
+    elsewhere.mkdir()
+    shutil.copy(out / "step2" / "model.pt", elsewhere / "model.pt")
+    (out / "step2" / "model.pt").unlink()
+    (out / "step2" / "model.pt").symlink_to(elsewhere / "model.pt")
+    before = every_file(tmp_path)
+    said = [f"step2/model.pt is a link (to {elsewhere / 'model.pt'}), and a checkpoint is read only from its own",
+            "put the file itself in its place"]
+    resumed = run_in_process([*TINY, f"--data.data_root={data_root}", f"--train.out_dir={out}", "--eval.interval=0",
+                              "--train.max_steps=3"], train.main)
+    assert_one_sentence(resumed, *said)
+    for main in (sample.main, hellaswag_eval.main):
+        assert_one_sentence(run_in_process(["--init_from", out / "step2", "--device=cpu"], main), *said)
+    assert every_file(tmp_path) == before
+
+
+@pytest.mark.parametrize("linked", ["trainer.pt", "optim.pt", "COMPLETE"])
+def test_every_file_of_a_checkpoint_that_is_a_link_is_refused_and_the_latest_link_is_followed(tiny_run, tmp_path,
+                                                                                              linked):
+    import shutil
+
+    from checkpoint import UntrustedCheckpoint, read_file, verify_checkpoint
+
+    out = tmp_path / "run"
+    shutil.copytree(tiny_run, out, symlinks=True)
+    verify_checkpoint(str(out / "latest"))  # the run's own link to its newest checkpoint folder
+    shutil.move(out / "step2" / linked, tmp_path / linked)
+    (out / "step2" / linked).symlink_to(tmp_path / linked)
+    with pytest.raises(UntrustedCheckpoint, match=f"step2/{linked} is a link"):
+        verify_checkpoint(str(out / "step2"))
+    with pytest.raises(UntrustedCheckpoint, match=f"step2/{linked} is a link"):  # a reader that verified nothing
+        read_file(str(out / "step2"), "model.pt")
+
+
 @pytest.mark.parametrize("name, content", [("model.pt", [1, 2]), ("optim.pt", {"lr": 1.0}), ("trainer.pt", 3),
                                            ("model.pt", "code")])
 def test_a_checkpoint_file_that_holds_something_else_is_one_sentence(tiny_run, data_root, tmp_path, name, content):
