@@ -408,6 +408,64 @@ def test_each_answer_finds_tmp_as_the_sandbox_made_it(tmp_path, walls):
     assert passed, line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")
+def test_an_answer_that_fills_tmp_is_stopped_at_its_own_tmps_size_and_leaves_nothing_there(
+        tmp_path, walls, monkeypatch):
+    """Three files of 30 MB each against a /tmp of 64 MB here (2 GB when check.py grades), a tmpfs
+    of the answer's own: without bubblewrap, never the machine's /tmp."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap makes no mount namespace: check.py says so")
+    monkeypatch.setattr(grading, "TMP_BYTES", 64 * 2**20)
+    name = f"filled-by-an-answer-{os.getpid()}"
+    folder = answer_folder(tmp_path, 14, code=f"""
+        def rank_sequences(position, rank, world_size, batch_size):
+            for part in "abc":
+                with open("/tmp/{name}-" + part, "wb") as f:
+                    f.write(b"x" * 30 * 2**20)
+            raise ValueError("wrote 90 MB in /tmp")
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer filled /tmp, 64 MB" in line, line
+    assert not list(Path("/tmp").glob(f"{name}-*"))
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a plain user without bubblewrap makes no mount namespace")
+def test_an_answer_finds_nothing_of_the_machines_tmp_in_its_own(tmp_path, walls):
+    """Its /tmp holds the room, the answers' folders and Python where they lie there, nothing else
+    of the machine's."""
+    with tempfile.NamedTemporaryFile(dir="/tmp", prefix="the-machines-own-") as machines:
+        folder = answer_folder(tmp_path, 14, code=f"""
+            def rank_sequences(position, rank, world_size, batch_size):
+                import os
+                if os.path.lexists({machines.name!r}):
+                    raise ValueError("found a file of the machine's /tmp")
+                raise ValueError("/tmp holds " + str(len(os.listdir("/tmp"))) + " entries")
+            """)
+        passed, line = grade(14, folder)
+    assert not passed and "/tmp holds" in line, line
+
+
+def test_in_its_fresh_tmp_an_answer_still_writes_neither_the_room_nor_beside_its_folder(tmp_path, walls):
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap writes what the grader's user writes")
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import model
+            written = []
+            for path in (model.__file__, os.path.join(os.path.dirname(os.getcwd()), "beside")):
+                try:
+                    with open(path, "a") as f:
+                        f.write("# written by an answer")
+                    written.append(path)
+                except OSError:
+                    pass
+            raise ValueError("wrote " + (", ".join(written) or "nothing"))
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "(wrote nothing)" in line, line
+
+
 @pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
 def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
     folder = answer_folder(tmp_path, 14, code="""

@@ -17,9 +17,9 @@ in the grader's own hands (`follow` looks for it), and one that printed it faile
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
 project and the feed modules once, never loads an answer file, and for each answer forks a watcher
-(`watch`), which gives the answer a PID namespace of its own and a folder of bounded size, forks the
-answer's process into it, drops its privileges, keeps the end of what it prints, and stops it at its
-limits. When the answer's process ends, whatever it left running ends with it."""
+(`watch`), which gives the answer a PID namespace of its own, a folder and a /tmp of bounded size,
+forks the answer's process into it, drops its privileges, keeps the end of what it prints, and stops
+it at its limits. When the answer's process ends, whatever it left running ends with it."""
 
 import contextlib
 import ctypes
@@ -203,14 +203,18 @@ PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 
 def watch(request, report, zygote_fds):
     """The watcher of one answer: in a PID namespace of its own where it may make one (as root, or
-    in the sandbox), it forks the answer's process, whose end ends every process the answer started;
-    it keeps the last OUTPUT_TAIL bytes of what they print, stops them past `timeout` seconds or
-    `cpu` seconds of CPU (all its processes together), and writes what happened to `report`. Returns
-    its exit status."""
+    in the sandbox), and a mount namespace holding a fresh /tmp and the answer's folder of bounded
+    size, it forks the answer's process, whose end ends every process the answer started; it keeps
+    the last OUTPUT_TAIL bytes of what they print, stops them past `timeout` seconds or `cpu`
+    seconds of CPU (all its processes together), and writes what happened to `report`. Returns its
+    exit status."""
     libc = ctypes.CDLL(None, use_errno=True)
     os.setsid()
     alone = libc.unshare(CLONE_NEWPID) == 0
-    beneath = own_disk(libc, request)
+    mounts = own_mount_namespace(libc)
+    # (first: the answer's folder is mounted below /tmp)
+    fresh = mounts and fresh_tmp(libc, request)
+    beneath = own_disk(libc, request) if mounts else None
     # without a namespace, what the answer leaves comes back here
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     output, output_to = os.pipe()
@@ -240,26 +244,71 @@ def watch(request, report, zygote_fds):
     stop_descendants(libc)
     if beneath is not None:
         ended["disk_full"] = results_copied_back(request, beneath)
-    clear_tmp(request)
+    if fresh:  # (its tmpfs goes with the watcher's mount namespace)
+        ended["tmp_full"] = full(b"/tmp")
+    else:
+        clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
 
 
+def own_mount_namespace(libc):
+    """Whether the watcher now has a mount namespace of its own (which the answer's process
+    inherits), none of its mounts seen outside: not where none can be made (a plain user without
+    bwrap: check.py says so)."""
+    return libc.unshare(CLONE_NEWNS) == 0 and \
+        libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+
+
+def fresh_tmp(libc, request):
+    """Cover /tmp with a new tmpfs of request["tmp_bytes"], in the watcher's mount namespace, holding
+    only the entries of the old /tmp on the way to request["tmp_kept"] (the room, the answers'
+    folders, Python where they lie there), bound back: nothing an earlier answer left there is seen,
+    nor, without the sandbox, anything else of the machine's /tmp; what this answer writes there
+    takes at most that size, and goes with the namespace. Returns whether it was made."""
+    size = request.get("tmp_bytes")
+    if size is None:
+        return False
+    kept = {Path(path).relative_to("/tmp").parts[0]
+            for given in request.get("tmp_kept", []) for path in (given, os.path.realpath(given))
+            if Path(path).is_relative_to("/tmp") and Path(path) != Path("/tmp")}
+    old = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
+                      f"size={size},mode=1777".encode()) != 0:
+            return False
+        for name in sorted(kept):
+            source, target = f"/proc/self/fd/{old}/{name}", f"/tmp/{name}"
+            if os.path.islink(source):
+                os.symlink(os.readlink(source), target)
+                continue
+            if os.path.isdir(source):
+                os.mkdir(target)
+            else:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            if libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), f"/tmp/{name} could not be kept in the answer's /tmp")
+    finally:
+        os.close(old)
+    return True
+
+
+def full(path):
+    """Whether the file system of `path` has less than 1 MB left (what was written stopped at its
+    size)."""
+    return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize < 2**20
+
+
 def own_disk(libc, request):
-    """Give the answer a folder of at most request["folder_bytes"] in all: in a mount namespace of
-    the watcher's own (which the answer's process inherits), a tmpfs of that size over the answer's
-    folder, holding copies of what the grader put there, and the folder of all the answers' folders
-    read-only around it, so that what the answer writes takes the machine's memory up to that size,
-    never its disk. Returns a descriptor of the folder beneath, to copy the answer's results back
-    to; None where no mount namespace can be made (a plain user without bwrap: check.py says so)."""
+    """Give the answer a folder of at most request["folder_bytes"] in all: in the watcher's mount
+    namespace, a tmpfs of that size over the answer's folder, holding copies of what the grader put
+    there, and the folder of all the answers' folders read-only around it, so that what the answer
+    writes takes the machine's memory up to that size, never its disk. Returns a descriptor of the
+    folder beneath, to copy the answer's results back to."""
     folder, user, size = request["folder"], request.get("user"), request.get("folder_bytes")
     if size is None:
         return None
     beneath = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    if libc.unshare(CLONE_NEWNS) != 0 or \
-            libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        os.close(beneath)
-        return None
     # (no one but this watcher may read the descriptor through /proc)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     around = os.path.dirname(folder).encode()
@@ -282,7 +331,7 @@ def results_copied_back(request, beneath):
     beneath (`beneath`, a descriptor), where the grader reads them: plain files only, no link
     followed. Returns whether the answer's folder was full (what it wrote stopped at its size)."""
     folder, name = request["folder"], os.path.basename(request["job"][3])
-    full = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < 2**20
+    filled = full(folder)
     no_follow = os.O_NOFOLLOW | os.O_NONBLOCK
     for entry in os.listdir(folder):
         if entry != name and not entry.startswith(name + "."):
@@ -297,7 +346,7 @@ def results_copied_back(request, beneath):
                 with os.fdopen(target, "wb") as write:
                     shutil.copyfileobj(read, write)
     os.close(beneath)
-    return full
+    return filled
 
 
 # The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
@@ -306,11 +355,12 @@ SANDBOX_TMP = set()
 
 
 def clear_tmp(request):
-    """Remove what the answer left in /tmp, its processes all ended, so that the next answer finds
-    /tmp as the sandbox made it, its space free again: in the sandbox, every entry that was not
-    there when the zygote started; on the machine's own /tmp (no sandbox), every entry of the
-    answer's own user, where it has one. As that user where it has one (the watcher ends right
-    after), so that what it made closed to others still goes."""
+    """Where the answer got no fresh /tmp (no mount namespace: `fresh_tmp`), remove what it left in
+    /tmp, its processes all ended, so that the next answer finds /tmp as the sandbox made it, its
+    space free again: in the sandbox, every entry that was not there when the zygote started; on the
+    machine's own /tmp (no sandbox), every entry of the answer's own user, where it has one. As that
+    user where it has one (the watcher ends right after), so that what it made closed to others
+    still goes."""
     user = request.get("user")
     if request.get("room_only") and user is None:
         return  # (the machine's /tmp, shared with the grader's user: none tells the answer's apart)

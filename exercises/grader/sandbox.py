@@ -31,7 +31,9 @@ from pathlib import Path
 # /etc that the dynamic linker and torchrun's rendezvous on localhost read.
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
-TMP_BYTES = 2 * 2**30  # the sandbox's /tmp, which the training checks write their runs into
+# the sandbox's /tmp, and each answer's own (runner.fresh_tmp), where the training checks write their
+# runs
+TMP_BYTES = 2 * 2**30
 # an answer's own folder, all its files together (a tmpfs: its inputs and results are small)
 FOLDER_BYTES = 2**30
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
