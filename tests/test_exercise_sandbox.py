@@ -535,14 +535,17 @@ def test_a_plain_user_without_bubblewrap_hears_that_the_answers_folder_is_not_si
     assert "nothing limits the disk an answer's folder takes but 1 GB a file" in line, line
 
 
-def cgroup_here():
-    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
+def cgroup_here(limiting=None):
+    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy); with
+    `limiting`, one that has a limit of that controller ("memory")."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")
     probe.remove()
+    if limiting is not None:
+        return any(name.startswith(f"{limiting}.") for name in probe.limits)
     return bool(probe.folders)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here(),
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here("memory"),
                     reason="the answer's memory is counted as a whole in a cgroup, where one may be made")
 def test_an_answer_whose_processes_together_take_too_much_memory_is_stopped(tmp_path, walls,
                                                                              monkeypatch):
@@ -600,3 +603,64 @@ def test_the_cpu_of_children_nobody_waits_for_counts_where_a_cgroup_holds_the_an
     from exercises.grader.feed_core import ranks_answers
     with pytest.raises(OverCpu):  # 1.5 s of CPU in children, one case: the answer itself takes little
         Answers(14, folder).run(ranks_answers, [(0, 0, 1, 2)], cpu=1.0)
+
+
+def version_2_root():
+    """Where cgroup version 2's one hierarchy is mounted: alone at /sys/fs/cgroup, or beside version
+    1's controllers (a hybrid machine) at /sys/fs/cgroup/unified; None where it is not."""
+    return next((root for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+                 if (root / "cgroup.subtree_control").exists()), None)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not AS_ROOT,
+                    reason="a cgroup is made by root on Linux")
+def test_a_version_2_cgroup_holds_what_it_starts_counts_its_cpu_limits_what_is_enabled_and_goes():
+    root = version_2_root()
+    if root is None:
+        pytest.skip("no cgroup version 2 hierarchy is mounted here")
+    name = f"exercise-version-2-{os.getpid()}"
+    cgroup = Cgroup(name, root=root)
+    if not cgroup.folders:
+        pytest.skip(f"this process may make no cgroup below its own in {root}")
+    folder = cgroup.folders[0]
+    try:
+        burn = ("import time\nuntil = time.process_time() + 0.3\nwhile time.process_time() < until: pass\n"
+                "print(open('/proc/self/cgroup').read())")
+        ran = subprocess.run(cgroup.start([sys.executable, "-c", burn]), capture_output=True, text=True,
+                             timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        assert any(line.startswith("0::/") and line.endswith(f"/{name}") for line in ran.stdout.splitlines()), \
+            ran.stdout
+        assert cgroup.cpu_seconds() >= 0.3
+        enabled = (folder.parent / "cgroup.subtree_control").read_text().split()
+        for controller, limits in sandbox.CGROUP2_LIMITS.items():
+            for limit, value in limits.items():
+                if controller in enabled and (folder / limit).exists():
+                    assert cgroup.limits[limit] == value and int((folder / limit).read_text()) == value
+                else:
+                    assert limit not in cgroup.limits
+    finally:
+        cgroup.remove()
+    assert not folder.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's cgroups")
+def test_a_version_2_cgroup_gets_the_limits_its_parent_enables_and_reads_its_cpu_and_oom_kills(
+        tmp_path, monkeypatch):
+    """A version 2 tree of files: the parent enables memory, not pids."""
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    (tmp_path / "cgroup").write_text("0::/grading\n")
+    monkeypatch.setattr(sandbox, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    root = tmp_path / "unified"
+    (root / "grading").mkdir(parents=True)
+    (root / "grading" / "cgroup.subtree_control").write_text("cpu memory\n")
+    cgroup = Cgroup("answers", root=root)
+    folder = root / "grading" / "answers"
+    assert cgroup.folders == [folder]
+    # (no memory.swap.max in this tree: a kernel without swap accounting)
+    assert cgroup.limits == {"memory.max": sandbox.CGROUP_MEMORY}, cgroup.limits
+    assert (folder / "memory.max").read_text() == str(sandbox.CGROUP_MEMORY) and not (folder / "pids.max").exists()
+    (folder / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
+    (folder / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert cgroup.cpu_seconds() == 1.5 and cgroup.oom_kills() == 1
+    assert str(folder / "cgroup.procs") in cgroup.start(["python"])[2]
