@@ -23,7 +23,7 @@ from test_exercises import answer_folder
 import exercises.grader.grading as grading
 import exercises.grader.sandbox as sandbox
 from exercises.check import grade
-from exercises.grader.checking import GraderFailed
+from exercises.grader.checking import ExerciseFailed, GraderFailed
 from exercises.grader.grading import Answers
 from exercises.grader.sandbox import Cgroup, Sandbox
 
@@ -96,6 +96,27 @@ def test_as_root_with_python_in_a_folder_only_root_can_read_the_projects_answers
 
 
 NOBODY = 65534  # the unprivileged user of most Linux systems
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
+@pytest.mark.parametrize("walls", ["bwrap", "--no-bwrap"], ids=["bwrap", "room alone"])
+def test_as_root_with_pythons_own_folder_closed_to_others_the_answers_run_counted_as_users_and_pass(
+        tmp_path, data_root, walls):
+    """Python's own folder closed too (an install made with umask 077): the answers run as root
+    without its privileges, their processes counted as a user of their own (runner.count_as), and
+    pass, exercise 21 (no second process) and torchrun's 15 included."""
+    if not (Path(sys.base_prefix).resolve() / "bin").is_dir():
+        pytest.skip("this Python has no bin/ under its prefix to make a venv from")
+    python = python_only_root_can_read(tmp_path)
+    (tmp_path / "private" / "venv").chmod(0o700)
+    numbers = [4, 15, 21]
+    command = [str(python), str(CHECK), *map(str, numbers), f"--data_root={data_root}"]
+    command += ["--no-bwrap"] if walls == "--no-bwrap" else []
+    graded = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = graded.stdout.splitlines()
+    assert graded.returncode == 0 and [line.split(" passed: ")[0] for line in lines] == \
+        [f"exercise {n}" for n in numbers], graded.stdout + graded.stderr
+    assert "the answers run as root" in graded.stderr, graded.stderr
 
 
 def closed_ancestor(path):
@@ -483,6 +504,55 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
         """)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+@pytest.fixture
+def as_root_without_a_cgroup(tmp_path, walls, monkeypatch):
+    """The answers run as root without its privileges (as where Python's own folder is closed to
+    other users), and no cgroup holds them."""
+    if not AS_ROOT:
+        pytest.skip("answers run as root without privileges only under root")
+    monkeypatch.setattr(grading.SANDBOX[0], "as_grader", Path(sys.prefix))
+    monkeypatch.setattr(grading, "Cgroup", lambda name: Cgroup(name, root=tmp_path / "no-cgroups"))
+
+
+def test_as_root_without_privileges_and_no_cgroup_an_answers_processes_stop_at_its_limit(
+        tmp_path, as_root_without_a_cgroup):
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(200):
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+def test_as_root_without_privileges_and_no_cgroup_a_check_that_measures_cpu_refuses_a_second_process(
+        tmp_path, as_root_without_a_cgroup):
+    from exercises.grader.feed_core import ranks_answers
+
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import signal
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+            if os.fork() == 0:
+                os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    with pytest.raises(ExerciseFailed, match="your answer tried to start another process or thread"):
+        Answers(14, folder).run(ranks_answers, [(0, 0, 1, 2)], cpu=10.0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")

@@ -136,6 +136,9 @@ class Running:
         torch.save(inputs, self.inputs)
         # (uid, gid) of the answer's own, or None
         self.user = None if sandbox().as_grader else unprivileged()
+        # where it runs as the grader (root, Python closed to others), a user id its processes are
+        # counted as, but torchrun's ranks' (runner.count_as)
+        counted = unprivileged() if self.user is None and ranks == 1 else None
         give_to_answer(self.folder.name, self.user)
         # printed by the runner right before it loads the answer (runner.py says why)
         self.mark = f"answer-loading-{secrets.token_hex(16)}"
@@ -145,7 +148,8 @@ class Running:
             self.process = None
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
-                               "user": self.user, "timeout": timeout, "cpu": cpu,
+                               "user": self.user, "counted_as": counted and counted[0],
+                               "timeout": timeout, "cpu": cpu,
                                "no_fork": cpu is not None, "environment": ENVIRONMENT,
                                "folder_bytes": FOLDER_BYTES, "tmp_bytes": TMP_BYTES})
             return

@@ -152,7 +152,8 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 
 def zygote():
     """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS,
-    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or
+    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "counted_as": uid or null
+    (runner.count_as), "timeout": s, "cpu": s or
     null, "no_fork": true where the answer may start no process or thread, "room_only": {...} or
     null}), and run each under a watcher (`watch`); with ranks=2 the answer's process becomes
     torchrun, which starts two runners. Write {"pid": the watcher's} when it starts and {"status":
@@ -192,13 +193,14 @@ def zygote():
         print(json.dumps(ended), file=replies, flush=True)
 
 
-# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>): Python 3.11's os has no unshare.
+# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>, <linux/capability.h>): Python 3.11's os has
+# no unshare.
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
     0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = \
     1, 4, 36, 24, 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, PR_SET_KEEPCAPS, CAP_SETUID = 47, 4, 8, 7
 
 
 def watch(request, report, zygote_fds):
@@ -417,7 +419,7 @@ def answer_process(request, output, close, mapped=None):
         # counts the processes of the answer's user: this one alone, where it has a user of its own.
         limits += ((resource.RLIMIT_NPROC, 1),)
         ALONE.append(True)
-    elif request.get("user") is not None:
+    elif request.get("user") is not None or request.get("counted_as") is not None:
         # all the answer's processes and threads together (its user's: this answer's alone)
         limits += ((resource.RLIMIT_NPROC, PROCESSES),)
     for limit, value in limits:
@@ -426,7 +428,7 @@ def answer_process(request, output, close, mapped=None):
         resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
     if mapped is not None:
         no_user_namespaces(mapped)
-    drop_privileges(request.get("user"))
+    drop_privileges(request.get("user"), request.get("counted_as"))
     # (the watcher is not, so that the folder beneath the answer's stays out of reach through /proc)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
@@ -480,10 +482,10 @@ def map_user_namespace(libc, pid, mapper):
         mapper.sendall(b"closed")
 
 
-def drop_privileges(user):
+def drop_privileges(user, counted_as=None):
     """Become `user` (uid, gid) where given (the grader is root), which takes every capability with
-    it; else keep the grader's user and shed the capabilities the sandbox gave the watcher. No exec
-    regains any."""
+    it; else keep the grader's user and shed the capabilities the sandbox gave the watcher, its
+    processes counted as user id `counted_as` where given (`count_as`). No exec regains any."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if user is not None:
@@ -491,6 +493,17 @@ def drop_privileges(user):
         os.setgid(user[1])
         os.setuid(user[0])
         return
+    for capability in range(64):
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if counted_as is not None:
+        count_as(libc, counted_as)
+    set_capabilities(libc, 0)
+
+
+def set_capabilities(libc, effective):
+    """Keep exactly the capabilities of the mask `effective` (bits of <linux/capability.h>'s
+    numbers below 32), permitted and in effect; none inheritable."""
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -499,11 +512,25 @@ def drop_privileges(user):
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
                     ("inheritable", ctypes.c_uint32)]
 
-    for capability in range(64):
-        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    # _LINUX_CAPABILITY_VERSION_3: none at all
-    libc.capset(ctypes.byref(Header(0x20080522, 0)), (Sets * 2)())
+    sets = (Sets * 2)()  # _LINUX_CAPABILITY_VERSION_3: the low 32 capabilities, then the high
+    sets[0].effective = sets[0].permitted = effective
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), sets) != 0:
+        raise OSError(ctypes.get_errno(), "the answer's process could not set its capabilities")
+
+
+def count_as(libc, uid):
+    """As root without privileges (the grader's user, where Python is closed to other users), take
+    `uid` as the real, effective and saved user id and keep root as the file system user id alone:
+    the kernel then counts the answer's processes and threads as that user's, so RLIMIT_NPROC binds
+    them (it never binds root's), while files are read and written as today, as root without
+    privileges (the owner's rights of root's files). An exec sets the file system user id back to
+    the effective one, so torchrun's ranks, which exec, are never started this way."""
+    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)  # (CAP_SETUID kept across setresuid, for setfsuid)
+    os.setresuid(uid, uid, uid)
+    set_capabilities(libc, 1 << CAP_SETUID)
+    libc.setfsuid(0)
+    if libc.setfsuid(-1) != 0:  # (an id that is no one's changes nothing, and says the current)
+        raise OSError("the answer's process could not keep root's file system user id")
 
 
 def follow(pid, output, timeout, cpu_limit, mark):
