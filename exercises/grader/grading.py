@@ -199,9 +199,9 @@ class Running:
                                      f"{FOLDER_BYTES / 2**20:.0f} MB in all, the most an answer "
                                      "may write: write only what the exercise asks for.")
             if ended.get("tmp_full"):
-                raise ExerciseFailed(f"your answer filled /tmp, {TMP_BYTES / 2**20:.0f} MB, the most "
-                                     "an answer may write there: write only what the exercise "
-                                     "asks for, and remove what you no longer need.")
+                raise ExerciseFailed(f"your answer filled /tmp, {TMP_BYTES / 2**20:.0f} MB, the "
+                                     "most an answer may write there: write only what the "
+                                     "exercise asks for, and remove what you no longer need.")
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's
             # says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
@@ -302,7 +302,8 @@ class Zygote:
         if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree
             request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
         # what the answer's fresh /tmp keeps of the old one, where they lie there (runner.fresh_tmp)
-        request["tmp_kept"] = [str(p) for p in (self.room.build(), self.room.answers(), *box.python)]
+        request["tmp_kept"] = [str(p) for p in (self.room.build(), self.room.answers(),
+                                                *box.python)]
         self.oom_kills, self.cpu_before = self.cgroup.oom_kills(), self.cgroup.cpu_seconds()
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()

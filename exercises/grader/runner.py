@@ -193,8 +193,8 @@ def zygote():
         print(json.dumps(ended), file=replies, flush=True)
 
 
-# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>, <linux/capability.h>): Python 3.11's os has
-# no unshare.
+# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>, <linux/capability.h>): Python 3.11's os
+# has no unshare.
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
     0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
@@ -263,11 +263,11 @@ def own_mount_namespace(libc):
 
 
 def fresh_tmp(libc, request):
-    """Cover /tmp with a new tmpfs of request["tmp_bytes"], in the watcher's mount namespace, holding
-    only the entries of the old /tmp on the way to request["tmp_kept"] (the room, the answers'
-    folders, Python where they lie there), bound back: nothing an earlier answer left there is seen,
-    nor, without the sandbox, anything else of the machine's /tmp; what this answer writes there
-    takes at most that size, and goes with the namespace. Returns whether it was made."""
+    """Cover /tmp with a new tmpfs of request["tmp_bytes"], in the watcher's mount namespace,
+    holding only the entries of the old /tmp on the way to request["tmp_kept"] (the room, the
+    answers' folders, Python where they lie there), bound back: nothing an earlier answer left there
+    is seen, nor, without the sandbox, anything else of the machine's /tmp; what this answer writes
+    there takes at most that size, and goes with the namespace. Returns whether it was made."""
     size = request.get("tmp_bytes")
     if size is None:
         return False
@@ -289,7 +289,8 @@ def fresh_tmp(libc, request):
             else:
                 os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
             if libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
-                raise OSError(ctypes.get_errno(), f"/tmp/{name} could not be kept in the answer's /tmp")
+                raise OSError(ctypes.get_errno(), f"/tmp/{name} could not be kept in the /tmp of "
+                                                  "the answer")
     finally:
         os.close(old)
     return True
