@@ -98,25 +98,44 @@ def test_as_root_with_python_in_a_folder_only_root_can_read_the_projects_answers
 NOBODY = 65534  # the unprivileged user of most Linux systems
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
-@pytest.mark.parametrize("walls", ["bwrap", "--no-bwrap"], ids=["bwrap", "room alone"])
-def test_as_root_with_pythons_own_folder_closed_to_others_the_answers_run_counted_as_users_and_pass(
-        tmp_path, data_root, walls):
-    """Python's own folder closed too (an install made with umask 077): the answers run as root
-    without its privileges, their processes counted as a user of their own (runner.count_as), and
-    pass, exercise 21 (no second process) and torchrun's 15 included."""
+def python_closed_to_others(tmp_path):
+    """python_only_root_can_read's venv, its own folder closed too (an install made with umask 077)."""
     if not (Path(sys.base_prefix).resolve() / "bin").is_dir():
         pytest.skip("this Python has no bin/ under its prefix to make a venv from")
     python = python_only_root_can_read(tmp_path)
     (tmp_path / "private" / "venv").chmod(0o700)
+    return python
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
+def test_as_root_with_pythons_own_folder_closed_to_others_the_answers_run_counted_as_users_and_pass(
+        tmp_path, data_root):
+    """In bubblewrap the answers run as root without its privileges, their processes counted as a
+    user of their own (runner.count_as), and pass, exercise 21 (no second process) and torchrun's 15
+    included."""
+    if Sandbox().bwrap is None:
+        pytest.skip("bubblewrap cannot start here")
     numbers = [4, 15, 21]
-    command = [str(python), str(CHECK), *map(str, numbers), f"--data_root={data_root}"]
-    command += ["--no-bwrap"] if walls == "--no-bwrap" else []
+    command = [str(python_closed_to_others(tmp_path)), str(CHECK), *map(str, numbers),
+               f"--data_root={data_root}"]
     graded = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = graded.stdout.splitlines()
     assert graded.returncode == 0 and [line.split(" passed: ")[0] for line in lines] == \
         [f"exercise {n}" for n in numbers], graded.stdout + graded.stderr
-    assert "the answers run as root" in graded.stderr, graded.stderr
+    assert "the answers run as root without its privileges" in graded.stderr, graded.stderr
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
+def test_as_root_without_bubblewrap_and_pythons_own_folder_closed_the_grading_is_refused(tmp_path):
+    """Without the sandbox's read-only system, root's owner rights would reach root's files (and
+    sysctls, and sockets) across the machine: one sentence, nothing graded."""
+    python = python_closed_to_others(tmp_path)
+    graded = subprocess.run([str(python), str(CHECK), "14", "--no-bwrap"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    said = graded.stderr.splitlines()
+    assert graded.returncode == 1 and graded.stdout == "", graded.stdout + graded.stderr
+    assert said[-1].startswith("error: as root without bubblewrap the answers would run as root") and \
+        f"{tmp_path / 'private' / 'venv'} (Python) is closed to other users" in said[-1], graded.stderr
 
 
 def closed_ancestor(path):

@@ -14,9 +14,10 @@ running dies with it, and limits on its time, CPU, memory, files and output.
 Python may live where other users cannot go (pyenv under root's home, mode 700) while the answer
 runs as a user of its own: in the sandbox, each folder above the install is a new one, open to all,
 for the answers alone. Where the install's own folder is closed, the answers run as the grader's
-user without its privileges. Where bwrap cannot start (no binary, no user namespaces), the answers
-run in the room alone (room.py says what holds there). Either way `describe` is the one line
-check.py prints about it."""
+user without its privileges (as root, their processes counted as a user of their own:
+runner.count_as; check.py refuses that without bwrap, whose read-only system it needs). Where bwrap
+cannot start (no binary, no user namespaces), the answers run in the room alone (room.py says what
+holds there). Either way `describe` is the one line check.py prints about it."""
 
 import os
 import shlex
@@ -31,8 +32,8 @@ from pathlib import Path
 # /etc that the dynamic linker and torchrun's rendezvous on localhost read.
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
-# the sandbox's /tmp, and each answer's own (runner.fresh_tmp), where the training checks write their
-# runs
+# the sandbox's /tmp, and each answer's own (runner.fresh_tmp), where the training checks write
+# their runs
 TMP_BYTES = 2 * 2**30
 # an answer's own folder, all its files together (a tmpfs: its inputs and results are small)
 FOLDER_BYTES = 2**30
@@ -164,9 +165,6 @@ class Sandbox:
                     f"alone (Python lives there)")
         else:
             return None
-        if os.geteuid() == 0 and self.as_grader and self.bwrap is None:
-            line += (f"; the answers run as root, since {self.as_grader} (Python) is closed to "
-                     f"other users")
         return line + "."
 
 
@@ -176,8 +174,9 @@ CGROUP_MEMORY = 8 * 2**30
 CGROUP_PROCESSES = 96  # the answer's 64 (runner.PROCESSES) and the zygote's threads
 
 
-# Where the cgroup hierarchies are mounted: version 1's controllers below it (memory/, pids/, ...), or
-# version 2's one hierarchy at it; and where Linux says which cgroup this process is in, per hierarchy.
+# Where the cgroup hierarchies are mounted: version 1's controllers below it (memory/, pids/, ...),
+# or version 2's one hierarchy at it; and where Linux says which cgroup this process is in, per
+# hierarchy.
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_CGROUP = "/proc/self/cgroup"
 # version 2's limits, each given by its controller where the parent cgroup enables it
