@@ -172,7 +172,12 @@ def main(argv):
 
     from exercises.grader.grading import sandbox
 
-    sandbox(use_bwrap=not args.no_bwrap)  # says in one line (stderr) where the answers run, if there is news
+    box = sandbox(use_bwrap=not args.no_bwrap)  # says in one line (stderr) where the answers run, if there is news
+    if box.bwrap is None and box.as_grader and os.geteuid() == 0:
+        # (without the sandbox's read-only system, root's file rights reach root's files and sockets machine-wide)
+        return refuse(f"as root without bubblewrap the answers would run as root, with the owner's rights to root's "
+                      f"files, since {box.as_grader} (Python) is closed to other users; open it to them (chmod -R "
+                      f"o+rX {box.as_grader}) or grade where bubblewrap starts.")
     numbers = list(CHECKS) if args.exercise == "all" else [int(n) for n in args.exercise.split()]
     torch.set_num_threads(1)  # the checks' models are tiny: a second thread only waits (see checking.py)
     results, lines = [], {}

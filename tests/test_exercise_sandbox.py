@@ -23,7 +23,7 @@ from test_exercises import answer_folder
 import exercises.grader.grading as grading
 import exercises.grader.sandbox as sandbox
 from exercises.check import grade
-from exercises.grader.checking import GraderFailed
+from exercises.grader.checking import ExerciseFailed, GraderFailed
 from exercises.grader.grading import Answers
 from exercises.grader.sandbox import Cgroup, Sandbox
 
@@ -96,6 +96,46 @@ def test_as_root_with_python_in_a_folder_only_root_can_read_the_projects_answers
 
 
 NOBODY = 65534  # the unprivileged user of most Linux systems
+
+
+def python_closed_to_others(tmp_path):
+    """python_only_root_can_read's venv, its own folder closed too (an install made with umask 077)."""
+    if not (Path(sys.base_prefix).resolve() / "bin").is_dir():
+        pytest.skip("this Python has no bin/ under its prefix to make a venv from")
+    python = python_only_root_can_read(tmp_path)
+    (tmp_path / "private" / "venv").chmod(0o700)
+    return python
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
+def test_as_root_with_pythons_own_folder_closed_to_others_the_answers_run_counted_as_users_and_pass(
+        tmp_path, data_root):
+    """In bubblewrap the answers run as root without its privileges, their processes counted as a
+    user of their own (runner.count_as), and pass, exercise 21 (no second process) and torchrun's 15
+    included."""
+    if Sandbox().bwrap is None:
+        pytest.skip("bubblewrap cannot start here")
+    numbers = [4, 15, 21]
+    command = [str(python_closed_to_others(tmp_path)), str(CHECK), *map(str, numbers),
+               f"--data_root={data_root}"]
+    graded = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = graded.stdout.splitlines()
+    assert graded.returncode == 0 and [line.split(" passed: ")[0] for line in lines] == \
+        [f"exercise {n}" for n in numbers], graded.stdout + graded.stderr
+    assert "the answers run as root without its privileges" in graded.stderr, graded.stderr
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="answers run as root without its privileges only under root")
+def test_as_root_without_bubblewrap_and_pythons_own_folder_closed_the_grading_is_refused(tmp_path):
+    """Without the sandbox's read-only system, root's owner rights would reach root's files (and
+    sysctls, and sockets) across the machine: one sentence, nothing graded."""
+    python = python_closed_to_others(tmp_path)
+    graded = subprocess.run([str(python), str(CHECK), "14", "--no-bwrap"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=600)
+    said = graded.stderr.splitlines()
+    assert graded.returncode == 1 and graded.stdout == "", graded.stdout + graded.stderr
+    assert said[-1].startswith("error: as root without bubblewrap the answers would run as root") and \
+        f"{tmp_path / 'private' / 'venv'} (Python) is closed to other users" in said[-1], graded.stderr
 
 
 def closed_ancestor(path):
@@ -408,6 +448,64 @@ def test_each_answer_finds_tmp_as_the_sandbox_made_it(tmp_path, walls):
     assert passed, line
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")
+def test_an_answer_that_fills_tmp_is_stopped_at_its_own_tmps_size_and_leaves_nothing_there(
+        tmp_path, walls, monkeypatch):
+    """Three files of 30 MB each against a /tmp of 64 MB here (2 GB when check.py grades), a tmpfs
+    of the answer's own: without bubblewrap, never the machine's /tmp."""
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap makes no mount namespace: check.py says so")
+    monkeypatch.setattr(grading, "TMP_BYTES", 64 * 2**20)
+    name = f"filled-by-an-answer-{os.getpid()}"
+    folder = answer_folder(tmp_path, 14, code=f"""
+        def rank_sequences(position, rank, world_size, batch_size):
+            for part in "abc":
+                with open("/tmp/{name}-" + part, "wb") as f:
+                    f.write(b"x" * 30 * 2**20)
+            raise ValueError("wrote 90 MB in /tmp")
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your answer filled /tmp, 64 MB" in line, line
+    assert not list(Path("/tmp").glob(f"{name}-*"))
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="a plain user without bubblewrap makes no mount namespace")
+def test_an_answer_finds_nothing_of_the_machines_tmp_in_its_own(tmp_path, walls):
+    """Its /tmp holds the room, the answers' folders and Python where they lie there, nothing else
+    of the machine's."""
+    with tempfile.NamedTemporaryFile(dir="/tmp", prefix="the-machines-own-") as machines:
+        folder = answer_folder(tmp_path, 14, code=f"""
+            def rank_sequences(position, rank, world_size, batch_size):
+                import os
+                if os.path.lexists({machines.name!r}):
+                    raise ValueError("found a file of the machine's /tmp")
+                raise ValueError("/tmp holds " + str(len(os.listdir("/tmp"))) + " entries")
+            """)
+        passed, line = grade(14, folder)
+    assert not passed and "/tmp holds" in line, line
+
+
+def test_in_its_fresh_tmp_an_answer_still_writes_neither_the_room_nor_beside_its_folder(tmp_path, walls):
+    if walls == "room alone" and not AS_ROOT:
+        pytest.skip("a plain user without bubblewrap writes what the grader's user writes")
+    folder = answer_folder(tmp_path, 14, code="""
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import model
+            written = []
+            for path in (model.__file__, os.path.join(os.path.dirname(os.getcwd()), "beside")):
+                try:
+                    with open(path, "a") as f:
+                        f.write("# written by an answer")
+                    written.append(path)
+                except OSError:
+                    pass
+            raise ValueError("wrote " + (", ".join(written) or "nothing"))
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "(wrote nothing)" in line, line
+
+
 @pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
 def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
     folder = answer_folder(tmp_path, 14, code="""
@@ -425,6 +523,55 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
         """)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+@pytest.fixture
+def as_root_without_a_cgroup(tmp_path, walls, monkeypatch):
+    """The answers run as root without its privileges (as where Python's own folder is closed to
+    other users), and no cgroup holds them."""
+    if not AS_ROOT:
+        pytest.skip("answers run as root without privileges only under root")
+    monkeypatch.setattr(grading.SANDBOX[0], "as_grader", Path(sys.prefix))
+    monkeypatch.setattr(grading, "Cgroup", lambda name: Cgroup(name, root=tmp_path / "no-cgroups"))
+
+
+def test_as_root_without_privileges_and_no_cgroup_an_answers_processes_stop_at_its_limit(
+        tmp_path, as_root_without_a_cgroup):
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import time
+            for _ in range(200):
+                if os.fork() == 0:
+                    time.sleep(60)
+                    os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    passed, line = grade(14, folder)
+    assert not passed and "your rank_sequences raised BlockingIOError" in line, line
+
+
+def test_as_root_without_privileges_and_no_cgroup_a_check_that_measures_cpu_refuses_a_second_process(
+        tmp_path, as_root_without_a_cgroup):
+    from exercises.grader.feed_core import ranks_answers
+
+    folder = answer_folder(tmp_path, 14, code="""
+        _right = rank_sequences
+
+
+        def rank_sequences(position, rank, world_size, batch_size):
+            import os
+            import signal
+            signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+            if os.fork() == 0:
+                os._exit(0)
+            return _right(position, rank, world_size, batch_size)
+        """)
+    with pytest.raises(ExerciseFailed, match="your answer tried to start another process or thread"):
+        Answers(14, folder).run(ranks_answers, [(0, 0, 1, 2)], cpu=10.0)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's mount namespaces")
@@ -477,14 +624,17 @@ def test_a_plain_user_without_bubblewrap_hears_that_the_answers_folder_is_not_si
     assert "nothing limits the disk an answer's folder takes but 1 GB a file" in line, line
 
 
-def cgroup_here():
-    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy)."""
+def cgroup_here(limiting=None):
+    """Whether the grader may make a cgroup on this machine (root, a writable hierarchy); with
+    `limiting`, one that has a limit of that controller ("memory")."""
     probe = Cgroup(f"exercise-probe-{os.getpid()}")
     probe.remove()
+    if limiting is not None:
+        return any(name.startswith(f"{limiting}.") for name in probe.limits)
     return bool(probe.folders)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here(),
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not cgroup_here("memory"),
                     reason="the answer's memory is counted as a whole in a cgroup, where one may be made")
 def test_an_answer_whose_processes_together_take_too_much_memory_is_stopped(tmp_path, walls,
                                                                              monkeypatch):
@@ -542,3 +692,64 @@ def test_the_cpu_of_children_nobody_waits_for_counts_where_a_cgroup_holds_the_an
     from exercises.grader.feed_core import ranks_answers
     with pytest.raises(OverCpu):  # 1.5 s of CPU in children, one case: the answer itself takes little
         Answers(14, folder).run(ranks_answers, [(0, 0, 1, 2)], cpu=1.0)
+
+
+def version_2_root():
+    """Where cgroup version 2's one hierarchy is mounted: alone at /sys/fs/cgroup, or beside version
+    1's controllers (a hybrid machine) at /sys/fs/cgroup/unified; None where it is not."""
+    return next((root for root in (Path("/sys/fs/cgroup"), Path("/sys/fs/cgroup/unified"))
+                 if (root / "cgroup.subtree_control").exists()), None)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not AS_ROOT,
+                    reason="a cgroup is made by root on Linux")
+def test_a_version_2_cgroup_holds_what_it_starts_counts_its_cpu_limits_what_is_enabled_and_goes():
+    root = version_2_root()
+    if root is None:
+        pytest.skip("no cgroup version 2 hierarchy is mounted here")
+    name = f"exercise-version-2-{os.getpid()}"
+    cgroup = Cgroup(name, root=root)
+    if not cgroup.folders:
+        pytest.skip(f"this process may make no cgroup below its own in {root}")
+    folder = cgroup.folders[0]
+    try:
+        burn = ("import time\nuntil = time.process_time() + 0.3\nwhile time.process_time() < until: pass\n"
+                "print(open('/proc/self/cgroup').read())")
+        ran = subprocess.run(cgroup.start([sys.executable, "-c", burn]), capture_output=True, text=True,
+                             timeout=60)
+        assert ran.returncode == 0, ran.stderr
+        assert any(line.startswith("0::/") and line.endswith(f"/{name}") for line in ran.stdout.splitlines()), \
+            ran.stdout
+        assert cgroup.cpu_seconds() >= 0.3
+        enabled = (folder.parent / "cgroup.subtree_control").read_text().split()
+        for controller, limits in sandbox.CGROUP2_LIMITS.items():
+            for limit, value in limits.items():
+                if controller in enabled and (folder / limit).exists():
+                    assert cgroup.limits[limit] == value and int((folder / limit).read_text()) == value
+                else:
+                    assert limit not in cgroup.limits
+    finally:
+        cgroup.remove()
+    assert not folder.exists()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's cgroups")
+def test_a_version_2_cgroup_gets_the_limits_its_parent_enables_and_reads_its_cpu_and_oom_kills(
+        tmp_path, monkeypatch):
+    """A version 2 tree of files: the parent enables memory, not pids."""
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    (tmp_path / "cgroup").write_text("0::/grading\n")
+    monkeypatch.setattr(sandbox, "PROC_CGROUP", str(tmp_path / "cgroup"))
+    root = tmp_path / "unified"
+    (root / "grading").mkdir(parents=True)
+    (root / "grading" / "cgroup.subtree_control").write_text("cpu memory\n")
+    cgroup = Cgroup("answers", root=root)
+    folder = root / "grading" / "answers"
+    assert cgroup.folders == [folder]
+    # (no memory.swap.max in this tree: a kernel without swap accounting)
+    assert cgroup.limits == {"memory.max": sandbox.CGROUP_MEMORY}, cgroup.limits
+    assert (folder / "memory.max").read_text() == str(sandbox.CGROUP_MEMORY) and not (folder / "pids.max").exists()
+    (folder / "cpu.stat").write_text("usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\n")
+    (folder / "memory.events").write_text("low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\n")
+    assert cgroup.cpu_seconds() == 1.5 and cgroup.oom_kills() == 1
+    assert str(folder / "cgroup.procs") in cgroup.start(["python"])[2]

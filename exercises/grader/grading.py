@@ -31,7 +31,8 @@ import torch
 
 from exercises.grader.checking import ExerciseFailed, GraderFailed, NotDone, from_the_answer
 from exercises.grader.room import ROOT, answer_folder, give_to_answer, room_for, unprivileged
-from exercises.grader.sandbox import CGROUP_MEMORY, ENVIRONMENT, FOLDER_BYTES, Cgroup, Sandbox
+from exercises.grader.sandbox import (CGROUP_MEMORY, ENVIRONMENT, FOLDER_BYTES, TMP_BYTES, Cgroup,
+                                      Sandbox)
 
 HERE = Path(__file__).resolve().parents[1]  # the grading copy's exercises/
 
@@ -135,6 +136,9 @@ class Running:
         torch.save(inputs, self.inputs)
         # (uid, gid) of the answer's own, or None
         self.user = None if sandbox().as_grader else unprivileged()
+        # where it runs as the grader (root, Python closed to others), a user id its processes are
+        # counted as, but torchrun's ranks' (runner.count_as)
+        counted = unprivileged() if self.user is None and ranks == 1 else None
         give_to_answer(self.folder.name, self.user)
         # printed by the runner right before it loads the answer (runner.py says why)
         self.mark = f"answer-loading-{secrets.token_hex(16)}"
@@ -144,9 +148,10 @@ class Running:
             self.process = None
             self.zygote = zygote_of(room)
             self.zygote.start({"job": job, "folder": self.folder.name, "ranks": ranks,
-                               "user": self.user, "timeout": timeout, "cpu": cpu,
+                               "user": self.user, "counted_as": counted and counted[0],
+                               "timeout": timeout, "cpu": cpu,
                                "no_fork": cpu is not None, "environment": ENVIRONMENT,
-                               "folder_bytes": FOLDER_BYTES})
+                               "folder_bytes": FOLDER_BYTES, "tmp_bytes": TMP_BYTES})
             return
         start = [sys.executable]
         if ranks > 1:
@@ -193,6 +198,10 @@ class Running:
                 raise ExerciseFailed("your answer filled its folder, "
                                      f"{FOLDER_BYTES / 2**20:.0f} MB in all, the most an answer "
                                      "may write: write only what the exercise asks for.")
+            if ended.get("tmp_full"):
+                raise ExerciseFailed(f"your answer filled /tmp, {TMP_BYTES / 2**20:.0f} MB, the "
+                                     "most an answer may write there: write only what the "
+                                     "exercise asks for, and remove what you no longer need.")
             # Each rank writes its own file (rank 0: out.pt); when rank 0 could not, another rank's
             # says why.
             names = ["out.pt"] + [f"out.pt.{r}" for r in range(1, self.ranks)]
@@ -292,6 +301,9 @@ class Zygote:
         box = sandbox()
         if box.bwrap is None:  # the room alone: the answer's process hides the teacher's tree
             request["room_only"] = {"hidden": [str(ROOT)], "python": [str(p) for p in box.python]}
+        # what the answer's fresh /tmp keeps of the old one, where they lie there (runner.fresh_tmp)
+        request["tmp_kept"] = [str(p) for p in (self.room.build(), self.room.answers(),
+                                                *box.python)]
         self.oom_kills, self.cpu_before = self.cgroup.oom_kills(), self.cgroup.cpu_seconds()
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()

@@ -19,11 +19,11 @@ What else holds the answer in, by platform (runner.py, in the answer's process b
 file loads):
 - Linux with bubblewrap (sandbox.py): the room and Python read-only, nothing else of the disk, no
   network, a PID namespace of each answer's own; as root, a user id of the answer's own
-  (`unprivileged`), who may write only its own folder and the sandbox's /tmp.
+  (`unprivileged`), who may write only its own folder and a /tmp of its own.
 - Linux without bubblewrap, grader run as root: the answer's process gets a mount namespace of its
-  own in which the teacher's project folder is covered by an empty, unreadable folder, a PID
-  namespace, and a user id of its own. So the teacher's tree can be neither read nor written; other
-  folders open to every user are.
+  own in which the teacher's project folder is covered by an empty, unreadable folder and /tmp by a
+  fresh one (runner.fresh_tmp), a PID namespace, and a user id of its own. So the teacher's tree can
+  be neither read nor written, nor the machine's /tmp; other folders open to every user are.
 - Linux as another user without bubblewrap, macOS, other Unixes: the room only. The answer runs with
   the grader's rights, so it could still find the teacher's tree by its absolute path;
   `fingerprint` (below) then catches any change to the grading files, and check.py refuses the

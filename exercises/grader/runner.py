@@ -17,9 +17,9 @@ in the grader's own hands (`follow` looks for it), and one that printed it faile
 Starting Python and importing torch takes most of 2 s, more than most checks' answers take to run.
 So the grader starts one zygote, in the sandbox (sandbox.py): a process that imports torch, the
 project and the feed modules once, never loads an answer file, and for each answer forks a watcher
-(`watch`), which gives the answer a PID namespace of its own and a folder of bounded size, forks the
-answer's process into it, drops its privileges, keeps the end of what it prints, and stops it at its
-limits. When the answer's process ends, whatever it left running ends with it."""
+(`watch`), which gives the answer a PID namespace of its own, a folder and a /tmp of bounded size,
+forks the answer's process into it, drops its privileges, keeps the end of what it prints, and stops
+it at its limits. When the answer's process ends, whatever it left running ends with it."""
 
 import contextlib
 import ctypes
@@ -152,7 +152,8 @@ PRELOADED = ["torch", "numpy", "regex", "tiktoken", "model", "train", "sample", 
 
 def zygote():
     """Read jobs, one JSON line each ({"job": [ANSWER_FILE, MODULE:FUNCTION, INPUTS, OUTPUTS,
-    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "timeout": s, "cpu": s or
+    MARK], "folder": ..., "ranks": 1 or 2, "user": [uid, gid] or null, "counted_as": uid or null
+    (runner.count_as), "timeout": s, "cpu": s or
     null, "no_fork": true where the answer may start no process or thread, "room_only": {...} or
     null}), and run each under a watcher (`watch`); with ranks=2 the answer's process becomes
     torchrun, which starts two runners. Write {"pid": the watcher's} when it starts and {"status":
@@ -192,25 +193,30 @@ def zygote():
         print(json.dumps(ended), file=replies, flush=True)
 
 
-# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>): Python 3.11's os has no unshare.
+# Linux's flags (<sched.h>, <sys/mount.h>, <sys/prctl.h>, <linux/capability.h>): Python 3.11's os
+# has no unshare.
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID = 0x20000, 0x10000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_MOVE, MS_REC, MS_PRIVATE = \
     0x1, 0x2, 0x4, 0x8, 0x20, 0x1000, 0x2000, 0x4000, 0x40000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = \
     1, 4, 36, 24, 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
+PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, PR_SET_KEEPCAPS, CAP_SETUID = 47, 4, 8, 7
 
 
 def watch(request, report, zygote_fds):
     """The watcher of one answer: in a PID namespace of its own where it may make one (as root, or
-    in the sandbox), it forks the answer's process, whose end ends every process the answer started;
-    it keeps the last OUTPUT_TAIL bytes of what they print, stops them past `timeout` seconds or
-    `cpu` seconds of CPU (all its processes together), and writes what happened to `report`. Returns
-    its exit status."""
+    in the sandbox), and a mount namespace holding a fresh /tmp and the answer's folder of bounded
+    size, it forks the answer's process, whose end ends every process the answer started; it keeps
+    the last OUTPUT_TAIL bytes of what they print, stops them past `timeout` seconds or `cpu`
+    seconds of CPU (all its processes together), and writes what happened to `report`. Returns its
+    exit status."""
     libc = ctypes.CDLL(None, use_errno=True)
     os.setsid()
     alone = libc.unshare(CLONE_NEWPID) == 0
-    beneath = own_disk(libc, request)
+    mounts = own_mount_namespace(libc)
+    # (first: the answer's folder is mounted below /tmp)
+    fresh = mounts and fresh_tmp(libc, request)
+    beneath = own_disk(libc, request) if mounts else None
     # without a namespace, what the answer leaves comes back here
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     output, output_to = os.pipe()
@@ -240,26 +246,72 @@ def watch(request, report, zygote_fds):
     stop_descendants(libc)
     if beneath is not None:
         ended["disk_full"] = results_copied_back(request, beneath)
-    clear_tmp(request)
+    if fresh:  # (its tmpfs goes with the watcher's mount namespace)
+        ended["tmp_full"] = full(b"/tmp")
+    else:
+        clear_tmp(request)
     os.write(report, json.dumps(ended | {"alone": alone}).encode())
     return 0
 
 
+def own_mount_namespace(libc):
+    """Whether the watcher now has a mount namespace of its own (which the answer's process
+    inherits), none of its mounts seen outside: not where none can be made (a plain user without
+    bwrap: check.py says so)."""
+    return libc.unshare(CLONE_NEWNS) == 0 and \
+        libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) == 0
+
+
+def fresh_tmp(libc, request):
+    """Cover /tmp with a new tmpfs of request["tmp_bytes"], in the watcher's mount namespace,
+    holding only the entries of the old /tmp on the way to request["tmp_kept"] (the room, the
+    answers' folders, Python where they lie there), bound back: nothing an earlier answer left there
+    is seen, nor, without the sandbox, anything else of the machine's /tmp; what this answer writes
+    there takes at most that size, and goes with the namespace. Returns whether it was made."""
+    size = request.get("tmp_bytes")
+    if size is None:
+        return False
+    kept = {Path(path).relative_to("/tmp").parts[0]
+            for given in request.get("tmp_kept", []) for path in (given, os.path.realpath(given))
+            if Path(path).is_relative_to("/tmp") and Path(path) != Path("/tmp")}
+    old = os.open("/tmp", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV,
+                      f"size={size},mode=1777".encode()) != 0:
+            return False
+        for name in sorted(kept):
+            source, target = f"/proc/self/fd/{old}/{name}", f"/tmp/{name}"
+            if os.path.islink(source):
+                os.symlink(os.readlink(source), target)
+                continue
+            if os.path.isdir(source):
+                os.mkdir(target)
+            else:
+                os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL))
+            if libc.mount(source.encode(), target.encode(), None, MS_BIND | MS_REC, None) != 0:
+                raise OSError(ctypes.get_errno(), f"/tmp/{name} could not be kept in the /tmp of "
+                                                  "the answer")
+    finally:
+        os.close(old)
+    return True
+
+
+def full(path):
+    """Whether the file system of `path` has less than 1 MB left (what was written stopped at its
+    size)."""
+    return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize < 2**20
+
+
 def own_disk(libc, request):
-    """Give the answer a folder of at most request["folder_bytes"] in all: in a mount namespace of
-    the watcher's own (which the answer's process inherits), a tmpfs of that size over the answer's
-    folder, holding copies of what the grader put there, and the folder of all the answers' folders
-    read-only around it, so that what the answer writes takes the machine's memory up to that size,
-    never its disk. Returns a descriptor of the folder beneath, to copy the answer's results back
-    to; None where no mount namespace can be made (a plain user without bwrap: check.py says so)."""
+    """Give the answer a folder of at most request["folder_bytes"] in all: in the watcher's mount
+    namespace, a tmpfs of that size over the answer's folder, holding copies of what the grader put
+    there, and the folder of all the answers' folders read-only around it, so that what the answer
+    writes takes the machine's memory up to that size, never its disk. Returns a descriptor of the
+    folder beneath, to copy the answer's results back to."""
     folder, user, size = request["folder"], request.get("user"), request.get("folder_bytes")
     if size is None:
         return None
     beneath = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    if libc.unshare(CLONE_NEWNS) != 0 or \
-            libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        os.close(beneath)
-        return None
     # (no one but this watcher may read the descriptor through /proc)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     around = os.path.dirname(folder).encode()
@@ -282,7 +334,7 @@ def results_copied_back(request, beneath):
     beneath (`beneath`, a descriptor), where the grader reads them: plain files only, no link
     followed. Returns whether the answer's folder was full (what it wrote stopped at its size)."""
     folder, name = request["folder"], os.path.basename(request["job"][3])
-    full = os.statvfs(folder).f_bavail * os.statvfs(folder).f_frsize < 2**20
+    filled = full(folder)
     no_follow = os.O_NOFOLLOW | os.O_NONBLOCK
     for entry in os.listdir(folder):
         if entry != name and not entry.startswith(name + "."):
@@ -297,7 +349,7 @@ def results_copied_back(request, beneath):
                 with os.fdopen(target, "wb") as write:
                     shutil.copyfileobj(read, write)
     os.close(beneath)
-    return full
+    return filled
 
 
 # The entries of /tmp when the zygote started: in the sandbox, what bwrap made (the folders on the
@@ -306,11 +358,12 @@ SANDBOX_TMP = set()
 
 
 def clear_tmp(request):
-    """Remove what the answer left in /tmp, its processes all ended, so that the next answer finds
-    /tmp as the sandbox made it, its space free again: in the sandbox, every entry that was not
-    there when the zygote started; on the machine's own /tmp (no sandbox), every entry of the
-    answer's own user, where it has one. As that user where it has one (the watcher ends right
-    after), so that what it made closed to others still goes."""
+    """Where the answer got no fresh /tmp (no mount namespace: `fresh_tmp`), remove what it left in
+    /tmp, its processes all ended, so that the next answer finds /tmp as the sandbox made it, its
+    space free again: in the sandbox, every entry that was not there when the zygote started; on the
+    machine's own /tmp (no sandbox), every entry of the answer's own user, where it has one. As that
+    user where it has one (the watcher ends right after), so that what it made closed to others
+    still goes."""
     user = request.get("user")
     if request.get("room_only") and user is None:
         return  # (the machine's /tmp, shared with the grader's user: none tells the answer's apart)
@@ -367,7 +420,7 @@ def answer_process(request, output, close, mapped=None):
         # counts the processes of the answer's user: this one alone, where it has a user of its own.
         limits += ((resource.RLIMIT_NPROC, 1),)
         ALONE.append(True)
-    elif request.get("user") is not None:
+    elif request.get("user") is not None or request.get("counted_as") is not None:
         # all the answer's processes and threads together (its user's: this answer's alone)
         limits += ((resource.RLIMIT_NPROC, PROCESSES),)
     for limit, value in limits:
@@ -376,7 +429,7 @@ def answer_process(request, output, close, mapped=None):
         resource.setrlimit(limit, (value, value))  # (hard too: the answer cannot raise it again)
     if mapped is not None:
         no_user_namespaces(mapped)
-    drop_privileges(request.get("user"))
+    drop_privileges(request.get("user"), request.get("counted_as"))
     # (the watcher is not, so that the folder beneath the answer's stays out of reach through /proc)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_DUMPABLE, 1, 0, 0, 0)
     for name in set(os.environ) - set(request["environment"]):  # (bwrap's PWD, ...)
@@ -430,10 +483,10 @@ def map_user_namespace(libc, pid, mapper):
         mapper.sendall(b"closed")
 
 
-def drop_privileges(user):
+def drop_privileges(user, counted_as=None):
     """Become `user` (uid, gid) where given (the grader is root), which takes every capability with
-    it; else keep the grader's user and shed the capabilities the sandbox gave the watcher. No exec
-    regains any."""
+    it; else keep the grader's user and shed the capabilities the sandbox gave the watcher, its
+    processes counted as user id `counted_as` where given (`count_as`). No exec regains any."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if user is not None:
@@ -441,6 +494,17 @@ def drop_privileges(user):
         os.setgid(user[1])
         os.setuid(user[0])
         return
+    for capability in range(64):
+        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    if counted_as is not None:
+        count_as(libc, counted_as)
+    set_capabilities(libc, 0)
+
+
+def set_capabilities(libc, effective):
+    """Keep exactly the capabilities of the mask `effective` (bits of <linux/capability.h>'s
+    numbers below 32), permitted and in effect; none inheritable."""
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
@@ -449,11 +513,25 @@ def drop_privileges(user):
         _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
                     ("inheritable", ctypes.c_uint32)]
 
-    for capability in range(64):
-        libc.prctl(PR_CAPBSET_DROP, capability, 0, 0, 0)
-    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    # _LINUX_CAPABILITY_VERSION_3: none at all
-    libc.capset(ctypes.byref(Header(0x20080522, 0)), (Sets * 2)())
+    sets = (Sets * 2)()  # _LINUX_CAPABILITY_VERSION_3: the low 32 capabilities, then the high
+    sets[0].effective = sets[0].permitted = effective
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), sets) != 0:
+        raise OSError(ctypes.get_errno(), "the answer's process could not set its capabilities")
+
+
+def count_as(libc, uid):
+    """As root without privileges (the grader's user, where Python is closed to other users), take
+    `uid` as the real, effective and saved user id and keep root as the file system user id alone:
+    the kernel then counts the answer's processes and threads as that user's, so RLIMIT_NPROC binds
+    them (it never binds root's), while files are read and written as today, as root without
+    privileges (the owner's rights of root's files). An exec sets the file system user id back to
+    the effective one, so torchrun's ranks, which exec, are never started this way."""
+    libc.prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0)  # (CAP_SETUID kept across setresuid, for setfsuid)
+    os.setresuid(uid, uid, uid)
+    set_capabilities(libc, 1 << CAP_SETUID)
+    libc.setfsuid(0)
+    if libc.setfsuid(-1) != 0:  # (an id that is no one's changes nothing, and says the current)
+        raise OSError("the answer's process could not keep root's file system user id")
 
 
 def follow(pid, output, timeout, cpu_limit, mark):

@@ -14,9 +14,10 @@ running dies with it, and limits on its time, CPU, memory, files and output.
 Python may live where other users cannot go (pyenv under root's home, mode 700) while the answer
 runs as a user of its own: in the sandbox, each folder above the install is a new one, open to all,
 for the answers alone. Where the install's own folder is closed, the answers run as the grader's
-user without its privileges. Where bwrap cannot start (no binary, no user namespaces), the answers
-run in the room alone (room.py says what holds there). Either way `describe` is the one line
-check.py prints about it."""
+user without its privileges (as root, their processes counted as a user of their own:
+runner.count_as; check.py refuses that without bwrap, whose read-only system it needs). Where bwrap
+cannot start (no binary, no user namespaces), the answers run in the room alone (room.py says what
+holds there). Either way `describe` is the one line check.py prints about it."""
 
 import os
 import shlex
@@ -31,7 +32,9 @@ from pathlib import Path
 # /etc that the dynamic linker and torchrun's rendezvous on localhost read.
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64")
 ETC = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/hosts", "/etc/nsswitch.conf", "/etc/localtime")
-TMP_BYTES = 2 * 2**30  # the sandbox's /tmp, which the training checks write their runs into
+# the sandbox's /tmp, and each answer's own (runner.fresh_tmp), where the training checks write
+# their runs
+TMP_BYTES = 2 * 2**30
 # an answer's own folder, all its files together (a tmpfs: its inputs and results are small)
 FOLDER_BYTES = 2**30
 ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
@@ -162,9 +165,6 @@ class Sandbox:
                     f"alone (Python lives there)")
         else:
             return None
-        if os.geteuid() == 0 and self.as_grader and self.bwrap is None:
-            line += (f"; the answers run as root, since {self.as_grader} (Python) is closed to "
-                     f"other users")
         return line + "."
 
 
@@ -174,26 +174,41 @@ CGROUP_MEMORY = 8 * 2**30
 CGROUP_PROCESSES = 96  # the answer's 64 (runner.PROCESSES) and the zygote's threads
 
 
+# Where the cgroup hierarchies are mounted: version 1's controllers below it (memory/, pids/, ...),
+# or version 2's one hierarchy at it; and where Linux says which cgroup this process is in, per
+# hierarchy.
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = "/proc/self/cgroup"
+# version 2's limits, each given by its controller where the parent cgroup enables it
+CGROUP2_LIMITS = {"memory": {"memory.max": CGROUP_MEMORY, "memory.swap.max": 0},
+                  "pids": {"pids.max": CGROUP_PROCESSES}}
+
+
 class Cgroup:
     """A cgroup (Linux's control groups, version 1 or 2) for one zygote and the answers it runs, one
-    at a time, made where this process may make one (root, a writable hierarchy), with limits on the
-    memory and the number of processes of all of them together; `folders` is empty where none could
-    be made. `start` gives the command that puts the zygote in it; `oom_kills` counts the processes
-    the kernel stopped at its memory limit, `cpu_seconds` the CPU all of them used, a process reaped
-    unwaited-for included."""
+    at a time, made where this process may make one (root, a writable hierarchy under `root`), with
+    limits on the memory and the number of processes of all of them together (`limits`: those
+    written); `folders` is empty where none could be made. Version 1 first (its memory and pids
+    controllers), else version 2, which counts the CPU of every cgroup and gives a limit where the
+    parent enables its controller. `start` gives the command that puts the zygote in it; `oom_kills`
+    counts the processes the kernel stopped at its memory limit, `cpu_seconds` the CPU all of them
+    used, a process reaped unwaited-for included."""
 
-    def __init__(self, name):
-        self.folders = []
+    def __init__(self, name, root=CGROUP_ROOT):
+        self.folders, self.limits = [], {}
         for controller, limits in (("memory", {"memory.limit_in_bytes": CGROUP_MEMORY}),
                                    ("pids", {"pids.max": CGROUP_PROCESSES}), ("cpuacct", {})):
-            folder = own_cgroup(controller)
+            folder = own_cgroup(controller, root)
             if folder is not None:
                 self.make(folder / name, limits)
         if not self.folders:
-            folder = own_cgroup("")  # version 2: one hierarchy, its own names for the limits
+            folder = own_cgroup("", root)  # version 2: one hierarchy, its own names for the limits
             if folder is not None:
-                self.make(folder / name, {"memory.max": CGROUP_MEMORY, "memory.swap.max": 0,
-                                          "pids.max": CGROUP_PROCESSES})
+                # (version 2 gives a child a limit only where its parent enables the controller)
+                enabled = (folder / "cgroup.subtree_control").read_text().split()
+                limits = {limit: value for controller in enabled
+                          for limit, value in CGROUP2_LIMITS.get(controller, {}).items()}
+                self.make(folder / name, limits)
 
     def make(self, folder, limits):
         try:
@@ -203,8 +218,9 @@ class Cgroup:
         try:
             for name, value in limits.items():
                 if name.startswith("memory.swap") and not (folder / name).exists():
-                    continue
+                    continue  # (a kernel without swap accounting)
                 (folder / name).write_text(str(value))
+                self.limits[name] = value
         except OSError:
             folder.rmdir()
             return
@@ -256,25 +272,21 @@ class Cgroup:
                     time.sleep(0.1)
 
 
-def own_cgroup(controller):
+def own_cgroup(controller, root=CGROUP_ROOT):
     """The folder of this process's cgroup under `controller` (version 1; "" for version 2's one
-    hierarchy) where this process may make a cgroup below it, else None."""
+    hierarchy), mounted under `root`, where this process may make a cgroup below it, else None."""
     if not sys.platform.startswith("linux") or os.geteuid() != 0:
         return None
     try:
-        with open("/proc/self/cgroup") as f:
+        with open(PROC_CGROUP) as f:
             lines = [line.rstrip("\n").split(":", 2) for line in f]
     except OSError:
         return None
     for _, controllers, path in lines:
         if controller in controllers.split(",") if controller else controllers == "":
-            root = Path("/sys/fs/cgroup") / controller if controller else Path("/sys/fs/cgroup")
-            folder = root / path.lstrip("/")
+            folder = (Path(root) / controller if controller else Path(root)) / path.lstrip("/")
             wanted = "cgroup.procs" if controller else "cgroup.subtree_control"
             if (folder / wanted).exists() and os.access(folder, os.W_OK):
-                if not controller and not {"memory", "pids"} <= set(
-                        (folder / "cgroup.subtree_control").read_text().split()):
-                    return None  # (version 2 gives a child these limits only where its parent does)
                 return folder
     return None
 
