@@ -54,9 +54,11 @@ sys.path.insert(0, str(ROOT))
 
 # A model small enough that a CPU trains it in well under a second per step. AdamW, named: the default config
 # trains with Muon, and most tests reason about one optimizer's state (Muon's own tests say --optim.name=muon).
+# Cosine, named: the default's WSD needs its warmup and decay within the run, and these runs take 2 to 10 steps.
 TINY = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
         "--data.batch_size=4", "--train.total_batch_size=128", "--optim.warmup_steps=2",
-        "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1", "--optim.name=adamw"]
+        "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1", "--optim.name=adamw",
+        "--optim.schedule=cosine"]
 
 
 @pytest.fixture(scope="session")

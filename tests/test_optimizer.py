@@ -156,11 +156,11 @@ def test_the_quick_start_trains_the_blocks_matrices_with_muon_and_the_rest_with_
     # `python train.py` as the README gives it (config/shakespeare.py), planned but not run
     result = run_train([f"--data.data_root={data_root}", f"--train.out_dir={tmp_path / 'run'}", "--dry_run"])
     lines = [line for line in result.stdout.splitlines() if line.startswith("optimizer: ")]
-    assert lines[0] == ("optimizer: Muon: 786,432 parameters in 16 block matrices, LR 0.006, weight decay 0.1, "
+    assert lines[0] == ("optimizer: Muon: 786,432 parameters in 16 block matrices, LR 0.01, weight decay 0.1, "
                         "momentum 0.95")
     assert lines[1].startswith("optimizer: AdamW: 6,455,296 parameters with weight decay 0.1")
-    assert "LR 0.003" in lines[1]
-    assert "run: 360 steps x 1,024 tokens" in result.stdout and not (tmp_path / "run").exists()
+    assert "LR 0.005" in lines[1]
+    assert "run: 300 steps x 1,024 tokens" in result.stdout and not (tmp_path / "run").exists()
 
 
 def test_the_dry_run_says_which_optimizer_owns_what(data_root, tmp_path):
