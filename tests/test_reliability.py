@@ -243,10 +243,10 @@ def test_resuming_with_a_changed_identity_is_refused_and_safe_changes_are_record
         assert refused.returncode != 0 and f"this run has {key}=" in refused.stderr, refused.stderr
         assert "Traceback" not in refused.stderr
     resumed = run_train(args(data_root, out, "--train.max_steps=4", "--optim.lr=0.001"))
-    assert "changed settings: optim.lr 0.003 -> 0.001, train.max_steps 2 -> 4" in resumed.stdout
+    assert "changed settings: optim.lr 0.005 -> 0.001, train.max_steps 2 -> 4" in resumed.stdout
     assert (out / "config.json").read_text() == first_config  # the first config is kept
     recorded = json.loads((out / "config_changes.jsonl").read_text())
-    assert recorded == {"step": 2, "changes": {"optim.lr": [0.003, 0.001], "train.max_steps": [2, 4]}}
+    assert recorded == {"step": 2, "changes": {"optim.lr": [0.005, 0.001], "train.max_steps": [2, 4]}}
 
 
 @pytest.mark.parametrize("text,message", [

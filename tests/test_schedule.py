@@ -63,7 +63,7 @@ def test_wsds_periods_must_add_up_to_the_run(periods, steps):
 
 
 @pytest.mark.parametrize("override, message", [
-    ("--optim.periods=10,10", "belong to optim.schedule=wsds, and this run's schedule is cosine"),
+    ("--optim.periods=10,10", "belong to optim.schedule=wsds, and this run's schedule is wsd"),
     ("--optim.period_lr_multipliers=1,inf", "optim.period_lr_multipliers must be positive numbers (got [1.0, inf])"),
 ])
 def test_period_settings_are_refused_where_they_mean_nothing(override, message):
@@ -90,7 +90,7 @@ def test_cosine_is_todays_schedule_unchanged():
 
 
 def test_only_one_of_warmup_steps_and_warmup_fraction():
-    with pytest.raises(ConfigError, match="optim.warmup_steps=50 and optim.warmup_fraction=0.1 are both set"):
+    with pytest.raises(ConfigError, match="optim.warmup_steps=30 and optim.warmup_fraction=0.1 are both set"):
         parse_args(["--optim.warmup_fraction=0.1"])
     assert parse_args(["--optim.warmup_fraction=0.1", "--optim.warmup_steps=0"]).optim.warmup_fraction == 0.1
 

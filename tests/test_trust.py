@@ -41,7 +41,7 @@ def test_fine_tuning_from_load_path_trains_with_the_new_lr_and_logs_it_from_the_
     run_train(args(data_root, tmp_path / "a", "--train.max_steps=2", "--optim.warmup_steps=1", "--optim.lr=1e-3"))
     tuned = ["--train.max_steps=4", "--optim.warmup_steps=1", "--optim.lr=1e-5", "--optim.min_lr=0"]
     run_train(args(data_root, tmp_path / "b", *tuned, f"--checkpoint.load_path={tmp_path / 'a'}"))
-    schedule = build_schedule(parse_args(tuned).optim, 4)
+    schedule = build_schedule(parse_args(TINY + tuned).optim, 4)
     for row in read_metrics(tmp_path / "b"):
         assert row["optim/lr/adamw"] == row["optim/lr"] == pytest.approx(schedule.lr_at(row["step"]), rel=1e-12)
         assert row["optim/lr/adamw"] <= 1e-5

@@ -74,10 +74,12 @@ def host_syncs():
 
 
 # A training run of a few seconds on a laptop CPU (tests/conftest.py's TINY), with AdamW, the optimizer the
-# exercises build (the quick start's config trains with Muon).
+# exercises build (the quick start's config trains with Muon), and the cosine schedule (the quick start's WSD needs
+# its warmup and decay within the run).
 TINY_RUN = ["--model.n_layer=2", "--model.n_head=2", "--model.n_embd=32", "--model.block_size=32",
             "--data.batch_size=4", "--train.total_batch_size=128", "--optim.warmup_steps=2",
-            "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1", "--optim.name=adamw"]
+            "--eval.val_steps=2", "--eval.sample_interval=0", "--log.interval=1", "--optim.name=adamw",
+            "--optim.schedule=cosine"]
 
 
 def run_training(args):
