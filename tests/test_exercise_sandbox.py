@@ -506,9 +506,8 @@ def test_in_its_fresh_tmp_an_answer_still_writes_neither_the_room_nor_beside_its
     assert not passed and "(wrote nothing)" in line, line
 
 
-@pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
-def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
-    folder = answer_folder(tmp_path, 14, code="""
+# An answer to exercise 14 that starts 200 processes, each sleeping a minute, before answering.
+HUNDREDS_OF_PROCESSES = """
         _right = rank_sequences
 
 
@@ -520,7 +519,12 @@ def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp
                     time.sleep(60)
                     os._exit(0)
             return _right(position, rank, world_size, batch_size)
-        """)
+        """
+
+
+@pytest.mark.skipif(not AS_ROOT, reason="an answer's processes are counted by its own user, under root")
+def test_an_answer_that_starts_hundreds_of_processes_is_stopped_at_its_limit(tmp_path, walls):
+    folder = answer_folder(tmp_path, 14, code=HUNDREDS_OF_PROCESSES)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
 
@@ -537,19 +541,7 @@ def as_root_without_a_cgroup(tmp_path, walls, monkeypatch):
 
 def test_as_root_without_privileges_and_no_cgroup_an_answers_processes_stop_at_its_limit(
         tmp_path, as_root_without_a_cgroup):
-    folder = answer_folder(tmp_path, 14, code="""
-        _right = rank_sequences
-
-
-        def rank_sequences(position, rank, world_size, batch_size):
-            import os
-            import time
-            for _ in range(200):
-                if os.fork() == 0:
-                    time.sleep(60)
-                    os._exit(0)
-            return _right(position, rank, world_size, batch_size)
-        """)
+    folder = answer_folder(tmp_path, 14, code=HUNDREDS_OF_PROCESSES)
     passed, line = grade(14, folder)
     assert not passed and "your rank_sequences raised BlockingIOError" in line, line
 
