@@ -160,6 +160,12 @@ def bf16_step_of_a_model_cast_back(gpt, x, y):
     return loss.detach()
 
 
+def bf16_step_of_a_model_cast_back_far_off(gpt, x, y):
+    # the same, and a loss that differs beyond the check's tolerance, as a whole-bfloat16 model's loss can on some
+    # draws (1 in 200): the cast is the cause, and the sentence names it, not the loss
+    return bf16_step_of_a_model_cast_back(gpt, x, y) * 1.01
+
+
 def bf16_modules_with_the_layernorms(gpt):
     return {
         name
@@ -259,6 +265,8 @@ WRONG = [
         "autocast casts each matmul's inputs, never the model",
     ),
     (17, {"bf16_step": bf16_step_of_a_model_cast_back}, "even if cast back after"),
+    (17, {"_cast_back": bf16_step_of_a_model_cast_back, "bf16_step": bf16_step_of_a_model_cast_back_far_off},
+     "even if cast back after"),
     (22, {"suggest_lr": suggest_the_minimum_itself, "_suggest": suggest}, "suggest a tenth of it"),
     (22, {"suggest_lr": suggest_from_the_raw_losses}, "smooth the losses first"),
     (

@@ -85,6 +85,14 @@ def check_autocast(answers):
         raise ExerciseFailed(f"bf16_step returned {shown(loss)[:60]}; return the loss as a one-number tensor.")
     if mine["keeps_graph"]:
         raise ExerciseFailed("the loss you return still holds its graph (requires_grad): return loss.detach().")
+    mine_grads = mine["grads"]
+    # before the loss: weights cast to bfloat16 for the step are the cause, a loss that differs only a consequence
+    rounded = [name for name, grad in mine_grads.items() if torch.is_tensor(grad) and grad.abs().any()
+               and torch.equal(grad.to(BF16).float(), grad.float())]
+    if len(rounded) == len(want_grads):
+        raise ExerciseFailed("every gradient of your step is a whole bfloat16 number, where train.py's are float32's: "
+                             "the weights were bfloat16 during the step (a .to(torch.bfloat16) of the model, even if "
+                             "cast back after); autocast casts each matmul's inputs, never the model.")
     if loss.dtype != torch.float32 or not is_close(loss.item(), want_loss, rel=5e-5):
         got = loss.float().item()
         if loss.dtype == BF16 or is_close(loss.item(), in_bf16, rel=1e-5):
@@ -95,13 +103,6 @@ def check_autocast(answers):
             advice = "the loss is the mean next-token cross-entropy of the logits, ignoring targets of -1"
         raise ExerciseFailed(f"your step's loss is {shown(got)} ({str(loss.dtype).replace('torch.', '')}), "
                              f"{compared(got, want_loss)} what train.py's step under bf16 autocast gives: {advice}.")
-    mine_grads = mine["grads"]
-    rounded = [name for name, grad in mine_grads.items() if torch.is_tensor(grad) and grad.abs().any()
-               and torch.equal(grad.to(BF16).float(), grad.float())]
-    if len(rounded) == len(want_grads):
-        raise ExerciseFailed("every gradient of your step is a whole bfloat16 number, where train.py's are float32's: "
-                             "the weights were bfloat16 during the step (a .to(torch.bfloat16) of the model, even if "
-                             "cast back after); autocast casts each matmul's inputs, never the model.")
     if all(torch.is_tensor(mine_grads.get(name)) for name in want_grads):
         error, from_float32 = (distance(mine_grads, grads) for grads in (want_grads, float32_grads))
         if error > 1e-3 and from_float32 < error:
