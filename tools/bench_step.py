@@ -8,10 +8,15 @@ measured before every repeat, so each figure is a fraction of the same minute's 
 parts train.train_step runs, each timed in turn on the same model and optimizer:
 
   output+loss  the output layer and the loss, forward and both gradients (the fused loss, model.py)
+    matmuls    its three matmuls per loss slice alone, at the same shapes: what the softmax's passes add
   blocks       the embeddings and the transformer blocks, forward and backward
+    matmuls    the blocks' linear layers' matmuls alone: what attention, norms and GELU add
   optimizer    clipping, the optimizer's step and dropping the gradients
   bookkeeping  the loop around train_step (clock, metrics, plan, stopper): a real `train.py` run's step (below)
                less train_step's, timed here on the same batch shape
+
+The last line is the most the step could reach with these matmuls at their own rates and everything else (the
+softmax's passes, attention, norms, the optimizer, the loop) free: what bounds the fraction before any other work.
 
 The whole step is that of real runs, ours (`train.train` in this process) and nanoGPT's (its train.py): a run of
 11 steps and one of 11 + --steps, so that the start-up cancels (as evaluations, which are turned off). On a machine
@@ -42,7 +47,7 @@ sys.path.insert(0, ROOT)  # `python tools/bench_step.py` imports the project's m
 import bench  # noqa: E402 - tools/bench.py, beside this file: nanoGPT's run and its data
 import train  # noqa: E402
 from config import UserError, parse_args, run_command  # noqa: E402
-from model import GPT, LinearCrossEntropy, plain_output_weight  # noqa: E402
+from model import GPT, LinearCrossEntropy, choose_fast_loss, loss_slice_rows, plain_output_weight  # noqa: E402
 from optimizer import build_optimizer  # noqa: E402
 from devices import DEVICES  # noqa: E402
 from prepare_data import ensure_dataset  # noqa: E402
@@ -51,6 +56,7 @@ NANOGPT_SHAPE = ["--model.n_layer=4", "--model.n_head=4", "--model.n_embd=128", 
                  "--data.batch_size=12", "--train.total_batch_size=768", "--optim.name=adamw"]
 SHAPES = {"quick start": [], "nanoGPT's": NANOGPT_SHAPE}
 PARTS = ["output+loss", "blocks", "optimizer"]
+MATMULS = ["output+loss matmuls", "blocks matmuls"]  # each part's matmuls alone: what the rest of it adds
 
 
 def cpu_seconds():
@@ -92,11 +98,18 @@ class Step:
         c = cfg.model
         self.x = torch.randint(0, c.vocab_size, (cfg.data.batch_size, c.block_size))
         self.y = torch.randint(0, c.vocab_size, (cfg.data.batch_size, c.block_size))
+        # the loss's path as train.py decides it on its first micro-batch (the fused loss here), so that
+        # train_step below computes what a run's step does
+        assert choose_fast_loss(self.model, self.x, self.y) and self.model.fast_loss == "fused"
         self.weight = self.model.get_parameter(plain_output_weight(self.model))
         self.tokens = self.x.numel()
         self.flops = {"output+loss": 6 * c.vocab_size * c.n_embd * self.tokens,
                       "step": self.model.flops_per_token() * self.tokens}
         self.flops["blocks"] = self.flops["step"] - self.flops["output+loss"]
+        self.linears = [m.weight.detach() for m in self.model.modules()  # the blocks' (the output layer's apart)
+                        if isinstance(m, torch.nn.Linear) and m.weight is not self.weight]
+        self.flops["output+loss matmuls"] = self.flops["output+loss"]
+        self.flops["blocks matmuls"] = sum(6 * self.tokens * w.numel() for w in self.linears)
 
     def parts(self):
         """{part: seconds} of one step cut at the hidden states: the same arithmetic as train_step's."""
@@ -117,6 +130,33 @@ class Step:
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         seconds["optimizer"] = clock() - start
+        return seconds
+
+    def matmuls(self):
+        """{"output+loss matmuls": seconds, "blocks matmuls": seconds}: each part's matmuls alone, at the step's
+        shapes. The output layer's three per loss slice (the logits, the gradients of the hidden states and of
+        the weight, as model.py's fused loss makes them); each linear layer's three in the blocks (forward, the
+        gradients of its input and its weight). What a part takes beyond them is its other work: the softmax's
+        passes, attention, norms, GELU. Random values: a matmul's time does not depend on them."""
+        clock, c = self.clock, self.cfg.model
+        rows = loss_slice_rows("cpu", c.vocab_size)
+        weight = self.weight.detach()
+        hidden, logits = torch.randn(self.tokens, c.n_embd), torch.empty(min(rows, self.tokens), c.vocab_size)
+        grad_weight = torch.zeros_like(weight)
+        inputs = [(torch.randn(self.tokens, w.size(1)), torch.randn(self.tokens, w.size(0))) for w in self.linears]
+        seconds, start = {}, clock()
+        for first in range(0, self.tokens, rows):
+            h = hidden[first:first + rows]
+            torch.mm(h, weight.t(), out=logits[:h.size(0)])
+            logits[:h.size(0)] @ weight
+            grad_weight.addmm_(logits[:h.size(0)].t(), h)
+        seconds["output+loss matmuls"] = clock() - start
+        start = clock()
+        for w, (x, grad_y) in zip(self.linears, inputs):
+            x @ w.t()
+            grad_y @ w
+            grad_y.t() @ x
+        seconds["blocks matmuls"] = clock() - start
         return seconds
 
     def train_step(self):
@@ -156,7 +196,7 @@ def measure(name, argv, args, work, clock):
     """Every part of one shape's step, `args.repeats` times, the mm rate before each: {part: [seconds]}."""
     cfg = parse_args(argv)
     step = Step(cfg, clock)
-    times = {part: [] for part in ["mm", *PARTS, "train_step", "loop", "nanogpt"]}
+    times = {part: [] for part in ["mm", *PARTS, *MATMULS, "train_step", "loop", "nanogpt"]}
     our_run(argv, 1, args.data_root, work, clock)  # warm-up: what only the first run in a process does
     for repeat in range(args.repeats):
         load = bench.load_average()
@@ -166,6 +206,10 @@ def measure(name, argv, args, work, clock):
         samples = [step.parts() for _ in range(args.steps)]
         for part in PARTS:
             times[part].append(statistics.median(s[part] for s in samples))
+        step.matmuls()  # (warm-up)
+        alone = [step.matmuls() for _ in range(args.steps)]
+        for part in MATMULS:
+            times[part].append(statistics.median(a[part] for a in alone))
         times["train_step"].append(statistics.median(step.train_step() for _ in range(args.steps)))
         times["loop"].append(per_step(lambda n: our_run(argv, n, args.data_root, work, clock), args.steps))
         if args.nanogpt and argv == NANOGPT_SHAPE:
@@ -186,12 +230,14 @@ def report(name, step, times, threads, clock):
              f"GFLOP/s (median of {len(times['mm'])} repeats); "
              f"{'CPU time' if clock is cpu_seconds else 'wall time'}",
              f"  {'part':12} {'ms':>8} {'of step':>8} {'of mm':>7}"]
-    for part in [*PARTS, "bookkeeping", "loop"]:
+    labels = {"output+loss matmuls": "  matmuls", "blocks matmuls": "  matmuls", "loop": "whole step"}
+    for part in ["output+loss", "output+loss matmuls", "blocks", "blocks matmuls", "optimizer", "bookkeeping", "loop"]:
         seconds = median[part]
         flops = step.flops.get("step" if part == "loop" else part)
         of_mm = f"{flops / seconds / rate:7.2f}" if flops else f"{'-':>7}"
-        label = "whole step" if part == "loop" else part
-        lines.append(f"  {label:12} {seconds * 1000:8.1f} {seconds / median['loop']:8.2f} {of_mm}")
+        lines.append(f"  {labels.get(part, part):12} {seconds * 1000:8.1f} {seconds / median['loop']:8.2f} {of_mm}")
+    matmuls = sum(median[part] for part in MATMULS)  # the step's FLOPs (attention's too) in the matmuls' time
+    lines.append(f"  {'(the step at its matmuls alone, all else free:':57} {step.flops['step'] / matmuls / rate:.2f})")
     if "nanogpt" in median:
         seconds = median["nanogpt"]
         lines.append(f"  {'nanoGPT':12} {seconds * 1000:8.1f} {seconds / median['loop']:8.2f} "
