@@ -61,6 +61,7 @@ def test_bench_step_prints_each_part_of_a_step_against_the_mm_rate(data_root):
     for part in ("output+loss", "blocks", "optimizer", "bookkeeping", "whole step"):
         assert re.search(rf"^  {re.escape(part)} +-?[\d.]+ +-?[\d.]+ ", result.stdout, re.MULTILINE), part
     # each of the two parts, then its matmuls alone, at a rate of their own
-    assert re.search(r"^  output\+loss .*\n    matmuls +[\d.]+ +[\d.]+ +[\d.]+\n  blocks .*\n    matmuls +[\d.]+ "
-                     r"+[\d.]+ +[\d.]+$", result.stdout, re.MULTILINE), result.stdout
+    # (a share of the whole step, which is the difference of two runs' times, may read below 0 on a busy machine)
+    assert re.search(r"^  output\+loss .*\n    matmuls +[\d.]+ +-?[\d.]+ +[\d.]+\n  blocks .*\n    matmuls +[\d.]+ "
+                     r"+-?[\d.]+ +[\d.]+$", result.stdout, re.MULTILINE), result.stdout
     assert re.search(r"the step at its matmuls alone, all else free: +[\d.]+\)", result.stdout)
