@@ -100,7 +100,9 @@ class Step:
         self.y = torch.randint(0, c.vocab_size, (cfg.data.batch_size, c.block_size))
         # the loss's path as train.py decides it on its first micro-batch (the fused loss here), so that
         # train_step below computes what a run's step does
-        assert choose_fast_loss(self.model, self.x, self.y) and self.model.fast_loss == "fused"
+        why = choose_fast_loss(self.model, self.x, self.y)
+        if self.model.fast_loss != "fused":  # (the parts below time the fused loss)
+            raise UserError(f"this shape's step does not take the fused loss ({why}); time one whose does.")
         self.weight = self.model.get_parameter(plain_output_weight(self.model))
         self.tokens = self.x.numel()
         self.flops = {"output+loss": 6 * c.vocab_size * c.n_embd * self.tokens,
@@ -147,9 +149,10 @@ class Step:
         seconds, start = {}, clock()
         for first in range(0, self.tokens, rows):
             h = hidden[first:first + rows]
-            torch.mm(h, weight.t(), out=logits[:h.size(0)])
-            logits[:h.size(0)] @ weight
-            grad_weight.addmm_(logits[:h.size(0)].t(), h)
+            slice_logits = logits[:h.size(0)]
+            torch.mm(h, weight.t(), out=slice_logits)
+            slice_logits @ weight
+            grad_weight.addmm_(slice_logits.t(), h)
         seconds["output+loss matmuls"] = clock() - start
         start = clock()
         for w, (x, grad_y) in zip(self.linears, inputs):

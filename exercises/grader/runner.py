@@ -299,7 +299,8 @@ def fresh_tmp(libc, request):
 def full(path):
     """Whether the file system of `path` has less than 1 MB left (what was written stopped at its
     size)."""
-    return os.statvfs(path).f_bavail * os.statvfs(path).f_frsize < 2**20
+    space = os.statvfs(path)
+    return space.f_bavail * space.f_frsize < 2**20
 
 
 def own_disk(libc, request):
